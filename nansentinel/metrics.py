@@ -1,0 +1,338 @@
+"""Per-rank Prometheus exporter: what this rank saw, what the cluster decided, how the host is.
+
+Every rank serves its own ``/metrics`` (base port + ``LOCAL_RANK``), because the point of the
+sentinel is to name the rank: a rank's *own* non-finite detections, loss and gradient norm are
+only meaningful before the all-reduce, so they are exported per rank, never aggregated here.
+Prometheus joins them with ``nansentinel_rank_info`` (``* on(job, instance) group_left(hostname,
+rank) nansentinel_rank_info``) to put a host and a rank on every series, and with DCGM's
+exporter through ``hostname`` and ``gpu_uuid``.
+
+The metric names are a contract: the alert rules, the runbook and the Grafana dashboard in
+``deploy/`` depend on them. Labels are bounded (kinds, outcomes, host names; never step numbers
+or free text), so a long run does not grow the series count.
+
+Cost: :meth:`SentinelMetrics.observe_step` is a handful of pre-resolved counter and gauge
+updates; host health (CPU, memory, device memory) is read by a collector at scrape time, so the
+training step pays nothing for it.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import math
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
+
+import psutil
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.exposition import start_http_server
+from prometheus_client.registry import Collector
+
+from nansentinel.config import ENV_METRICS_PORT
+from nansentinel.result import KINDS, RankIdentity, StepResult
+
+if TYPE_CHECKING:
+    import torch
+
+log = logging.getLogger("nansentinel")
+
+PREFIX = "nansentinel"
+
+#: Values of the ``outcome`` label of ``nansentinel_steps_total``. A superset of
+#: ``result.OUTCOMES`` (a unit test keeps it so); an unknown outcome is a bug in the caller.
+STEP_OUTCOMES = ("applied", "skipped", "overflow", "aborted", "excluded", "rolled_back")
+
+#: ``check_seconds`` buckets: the sentinel's own time per step spans ~10 µs (a flag read on a
+#: small model) to ~1 s (a detection that writes an incident report).
+CHECK_SECONDS_BUCKETS = (
+    1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3,
+    0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
+)  # fmt: skip
+
+
+class MetricsPortError(RuntimeError):
+    """The exporter could not bind its port; the message says which rank, host and port, and
+    how to choose another one."""
+
+
+def normalize_gpu_uuid(uuid: str) -> str:
+    """Return ``uuid`` in the ``GPU-…`` form DCGM's exporter uses for its ``UUID`` label.
+
+    torch reports the bare UUID (``torch.cuda.get_device_properties(i).uuid``); without the
+    prefix a join with DCGM's series would silently match nothing. MIG UUIDs keep their
+    ``MIG-`` prefix; an empty string (CPU) stays empty.
+    """
+    uuid = uuid.strip()
+    if not uuid or uuid.startswith(("GPU-", "MIG-")):
+        return uuid
+    return f"GPU-{uuid}"
+
+
+class HostCollector(Collector):
+    """Host and process health, read when Prometheus scrapes (zero cost per training step).
+
+    CPU utilisation is computed from this collector's own previous reading, not from
+    ``psutil.cpu_percent``'s process-wide state, so that another caller in the training
+    process cannot shorten or reset our interval.
+    """
+
+    def __init__(self, device: torch.device | None = None) -> None:
+        self._device = device if device is not None and device.type == "cuda" else None
+        self._process = psutil.Process()
+        self._lock = threading.Lock()
+        self._last_busy, self._last_total = self._cpu_times()
+
+    @staticmethod
+    def _cpu_times() -> tuple[float, float]:
+        times = psutil.cpu_times()
+        # On Linux guest time is already counted in user time; psutil's cpu_percent does the same.
+        total = sum(times) - getattr(times, "guest", 0.0) - getattr(times, "guest_nice", 0.0)
+        idle = times.idle + getattr(times, "iowait", 0.0)
+        return total - idle, total
+
+    def cpu_utilization(self) -> float:
+        """Fraction (0..1) of all CPUs busy since the previous call."""
+        busy, total = self._cpu_times()
+        with self._lock:
+            d_busy, d_total = busy - self._last_busy, total - self._last_total
+            self._last_busy, self._last_total = busy, total
+        if d_total <= 0:
+            return 0.0
+        return min(1.0, max(0.0, d_busy / d_total))
+
+    def describe(self) -> list[GaugeMetricFamily]:
+        """Nothing to pre-declare; avoids a collect() (and a psutil read) at registration."""
+        return []
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        yield GaugeMetricFamily(
+            f"{PREFIX}_host_cpu_utilization_ratio",
+            "Fraction of all host CPUs busy since the previous scrape (0..1).",
+            value=self.cpu_utilization(),
+        )
+        yield GaugeMetricFamily(
+            f"{PREFIX}_host_memory_available_bytes",
+            "Host memory available to new processes without swapping.",
+            value=float(psutil.virtual_memory().available),
+        )
+        yield GaugeMetricFamily(
+            f"{PREFIX}_process_resident_memory_bytes",
+            "Resident memory of this rank's process.",
+            value=float(self._process.memory_info().rss),
+        )
+        if self._device is not None:
+            import torch
+
+            yield GaugeMetricFamily(
+                f"{PREFIX}_device_memory_allocated_bytes",
+                "CUDA memory held by tensors of this rank (torch.cuda.memory_allocated).",
+                value=float(torch.cuda.memory_allocated(self._device)),
+            )
+            yield GaugeMetricFamily(
+                f"{PREFIX}_device_memory_reserved_bytes",
+                "CUDA memory reserved by this rank's caching allocator.",
+                value=float(torch.cuda.memory_reserved(self._device)),
+            )
+
+
+class SentinelMetrics:
+    """One rank's exporter. The sentinel calls :meth:`observe_step` once per step.
+
+    Args:
+        identity: where this rank runs; exported once as ``nansentinel_rank_info``.
+        registry: where the metrics live; ``None`` creates a private registry (never the global
+            one, so that two sentinels or a test never see each other's values).
+        cluster_view: export the cluster-wide ``host_blamed_total`` / ``host_excluded``;
+            ``None`` means only on global rank 0, because every rank holds the same view and
+            exporting it N times would multiply every sum by N.
+        device: the rank's device; device memory is exported only when it is a CUDA device.
+        clock: wall clock for ``last_step_timestamp_seconds`` (injectable for tests).
+    """
+
+    def __init__(
+        self,
+        identity: RankIdentity,
+        *,
+        registry: CollectorRegistry | None = None,
+        cluster_view: bool | None = None,
+        device: torch.device | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.identity = identity
+        self.registry: CollectorRegistry = registry if registry is not None else CollectorRegistry()
+        self.cluster_view = identity.rank == 0 if cluster_view is None else cluster_view
+        self._clock = clock
+        self._server = None
+        self._thread: threading.Thread | None = None
+        self._port: int | None = None
+        r = self.registry
+
+        nonfinite = Counter(
+            f"{PREFIX}_nonfinite",
+            "Non-finite values found in this rank's own batch, loss or "
+            "gradients (before the all-reduce).",
+            ["kind"],
+            registry=r,
+        )
+        # Pre-resolved children: observe_step does no label lookups, and every kind exports 0
+        # from the first scrape, so that increase() sees the first detection.
+        self._nonfinite = {kind: nonfinite.labels(kind=kind) for kind in KINDS}
+        self._blamed = Counter(
+            f"{PREFIX}_blamed_steps",
+            "Steps on which this rank's own checks found a non-finite "
+            "value (one per step, whatever the number of kinds).",
+            registry=r,
+        )
+        steps = Counter(
+            f"{PREFIX}_steps",
+            "Steps decided, by cluster-wide outcome.",
+            ["outcome"],
+            registry=r,
+        )
+        self._steps = {outcome: steps.labels(outcome=outcome) for outcome in STEP_OUTCOMES}
+        self._healthy = Gauge(
+            f"{PREFIX}_rank_healthy",
+            "1 when this rank's last step was finite, else 0.",
+            registry=r,
+        )
+        self._healthy.set(1)
+        self._loss = Gauge(
+            f"{PREFIX}_loss",
+            "This rank's loss before any reduction (NaN when non-finite).",
+            registry=r,
+        )
+        self._grad_norm = Gauge(
+            f"{PREFIX}_grad_norm",
+            "L2 norm of this rank's gradients before the all-reduce.",
+            registry=r,
+        )
+        self._step = Gauge(f"{PREFIX}_step", "Index of the last step decided.", registry=r)
+        self._timestamp = Gauge(
+            f"{PREFIX}_last_step_timestamp_seconds",
+            "Unix time of the last step decided (0 before the first); for stall alerts.",
+            registry=r,
+        )
+        self._check_seconds = Histogram(
+            f"{PREFIX}_check_seconds",
+            "Time the sentinel itself spent on a step.",
+            buckets=CHECK_SECONDS_BUCKETS,
+            registry=r,
+        )
+        info = Info(f"{PREFIX}_rank", "Where this rank runs; join key with DCGM.", registry=r)
+        info.info(
+            {
+                "rank": str(identity.rank),
+                "local_rank": str(identity.local_rank),
+                "world_size": str(identity.world_size),
+                "hostname": identity.hostname,
+                "gpu": identity.gpu,
+                "gpu_uuid": normalize_gpu_uuid(identity.gpu_uuid),
+            }
+        )
+        if self.cluster_view:
+            self._host_blamed: Counter | None = Counter(
+                f"{PREFIX}_host_blamed",
+                "Steps on which the cluster blamed a host (cluster view, exported by rank 0 only).",
+                ["hostname"],
+                registry=r,
+            )
+            self._host_excluded: Gauge | None = Gauge(
+                f"{PREFIX}_host_excluded",
+                "1 for each host the cluster has excluded (cluster view, exported by rank 0 only).",
+                ["hostname"],
+                registry=r,
+            )
+        else:
+            self._host_blamed = self._host_excluded = None
+        r.register(HostCollector(device))
+
+    def observe_step(self, result: StepResult, check_seconds: float) -> None:
+        """Record one decided step; a few counter/gauge updates, no I/O."""
+        step_counter = self._steps.get(result.outcome)
+        if step_counter is None:
+            raise ValueError(
+                f"step {result.step}: outcome {result.outcome!r} is not one of "
+                f"{', '.join(STEP_OUTCOMES)}; nansentinel_steps_total keeps its labels bounded"
+            )
+        step_counter.inc()
+        for kind in result.local_kinds:
+            self._nonfinite[kind].inc()
+        if result.local_kinds:
+            self._blamed.inc()
+        self._healthy.set(0 if result.local_kinds else 1)
+        if result.local_loss is not None:
+            self._loss.set(result.local_loss)
+        if result.local_grad_norm is not None:
+            self._grad_norm.set(result.local_grad_norm)
+        self._step.set(result.step)
+        self._timestamp.set(self._clock())
+        if not math.isnan(check_seconds):
+            self._check_seconds.observe(check_seconds)
+        if self._host_blamed is not None and self._host_excluded is not None:
+            for host in result.bad_hosts:
+                self._host_blamed.labels(hostname=host).inc()
+            for host in result.excluded_hosts:
+                self._host_excluded.labels(hostname=host).set(1)
+
+    def serve(
+        self, addr: str, port: int, certfile: str | None = None, keyfile: str | None = None
+    ) -> int:
+        """Serve ``/metrics`` over HTTP (HTTPS when ``certfile`` and ``keyfile`` are given).
+
+        ``addr`` ``''`` means all IPv4 interfaces; ``port`` 0 picks a free port. Returns the
+        bound port. A port that cannot be bound raises :class:`MetricsPortError` naming the
+        rank, host and port, because with one port per local rank a clash is usually two jobs
+        on one host, and the user needs to know which variable moves it.
+        """
+        if self._server is not None:
+            raise RuntimeError(
+                f"rank {self.identity.rank}: metrics are already served on port {self._port}"
+            )
+        if (certfile is None) != (keyfile is None):
+            raise ValueError("certfile and keyfile must be given together for TLS")
+        # prometheus_client resolves the address with getaddrinfo, which rejects ''.
+        bind = addr or "0.0.0.0"
+        try:
+            server, thread = start_http_server(
+                port, addr=bind, registry=self.registry, certfile=certfile, keyfile=keyfile
+            )
+        except OSError as exc:
+            ident = self.identity
+            reason = "is already in use" if exc.errno == errno.EADDRINUSE else f"failed: {exc}"
+            raise MetricsPortError(
+                f"rank {ident.rank} (local rank {ident.local_rank}) on host {ident.hostname}: "
+                f"binding the metrics exporter to {bind}:{port} {reason}. Each rank serves on "
+                f"{ENV_METRICS_PORT} + LOCAL_RANK; set {ENV_METRICS_PORT} to a free base port "
+                f"(or 0 to disable the exporter)."
+            ) from exc
+        self._server, self._thread = server, thread
+        self._port = int(server.server_address[1])
+        log.info(
+            "rank %d: metrics on %s://%s:%d/metrics",
+            self.identity.rank,
+            "https" if certfile else "http",
+            bind,
+            self._port,
+        )
+        return self._port
+
+    @property
+    def port(self) -> int | None:
+        """The port being served, or None when not serving."""
+        return self._port
+
+    def close(self) -> None:
+        """Stop the HTTP server (if any) and release its port; safe to call twice."""
+        server, thread = self._server, self._thread
+        self._server = self._thread = None
+        self._port = None
+        if server is None:
+            return
+        server.shutdown()
+        server.server_close()
+        if thread is not None:
+            thread.join(timeout=5)
