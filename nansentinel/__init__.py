@@ -1,0 +1,44 @@
+"""nansentinel: a NaN/Inf sentinel for multi-node PyTorch training.
+
+Each rank checks its own batch, loss and gradients *before* the gradient all-reduce, the ranks
+share a per-rank health vector in one small collective, and every rank takes the same decision:
+apply the step, skip it, or abort — naming the rank and host that was poisoned.
+
+    sentinel = nansentinel.Sentinel(model, optimizer)
+    for batch in loader:
+        sentinel.check_batch(batch)
+        loss = loss_fn(model(batch["x"]), batch["y"])
+        sentinel.check_loss(loss)
+        loss.backward()
+        result = sentinel.step()
+        optimizer.zero_grad()
+"""
+
+from nansentinel.config import ConfigError, SentinelConfig
+from nansentinel.inject import Fault, parse_inject
+from nansentinel.result import (
+    ExchangeTimeoutError,
+    HostExcludedError,
+    NonFiniteError,
+    RankIdentity,
+    SentinelUsageError,
+    StepResult,
+)
+from nansentinel.sentinel import Sentinel
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ConfigError",
+    "ExchangeTimeoutError",
+    "Fault",
+    "HostExcludedError",
+    "NonFiniteError",
+    "RankIdentity",
+    "Sentinel",
+    "SentinelConfig",
+    "SentinelUsageError",
+    "StepResult",
+    "__version__",
+    "parse_inject",
+]

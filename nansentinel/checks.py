@@ -1,0 +1,125 @@
+"""Pure tensor checks: tensors in, small tensors out, on the same device.
+
+Nothing here synchronises with the host (no ``.item()``, no ``if tensor``), touches
+``torch.distributed`` or does I/O: a check costs one fused reduction over the bytes it reads,
+and its answer stays on the device until the sentinel's single decision point.
+
+Why an L2 norm and not ``torch.isfinite(x).all()``: NaN and Inf propagate through a norm, so a
+non-finite norm says the tensor holds a non-finite value, and the norm is something we want
+anyway (gradient norm, spike detection). It is also far cheaper: on CPU, over 3.7 M floats, the
+norm took 1.2 ms against 38 ms for ``isfinite().all()``. The one false alarm is a tensor of
+finite values so large (beyond ~1e19 in fp32) that its norm overflows; a gradient that large
+would wreck the weights anyway, and such a batch is almost surely corrupt.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+
+import torch
+
+_HALF = (torch.float16, torch.bfloat16)
+
+
+def float_tensors(obj: object) -> Iterator[torch.Tensor]:
+    """Yield the floating-point tensors in any nesting of mappings, lists and tuples.
+
+    Integer and bool tensors (token ids, masks), strings, None and numbers are ignored: they
+    cannot hold NaN, and a batch may legitimately carry them beside the data.
+    """
+    if isinstance(obj, torch.Tensor):
+        if obj.is_floating_point() or obj.is_complex():
+            yield obj
+    elif isinstance(obj, Mapping):
+        for value in obj.values():
+            yield from float_tensors(value)
+    elif isinstance(obj, list | tuple):
+        for value in obj:
+            yield from float_tensors(value)
+
+
+def tensor_norm(t: torch.Tensor) -> torch.Tensor:
+    """L2 norm of ``t`` as a 0-d fp32 (or fp64) tensor: one read of its bytes.
+
+    Half-precision tensors are reduced with fp32 accumulation so that an ordinary large batch
+    does not overflow fp16's 65504 and raise a false alarm.
+    """
+    if t.is_complex():
+        t = torch.view_as_real(t)
+    if t.dtype in _HALF:
+        return torch.linalg.vector_norm(t, dtype=torch.float32)
+    if t.dtype == torch.float64:
+        return torch.linalg.vector_norm(t)
+    return torch.linalg.vector_norm(t).float()
+
+
+def nonfinite_flag(norms: torch.Tensor) -> torch.Tensor:
+    """int32 0-d tensor: 1 if any of ``norms`` is NaN or Inf, else 0 (int32, since NCCL
+    reduces no bool)."""
+    return (~torch.isfinite(norms)).any().to(torch.int32)
+
+
+def batch_flag(batch: object, device: torch.device) -> tuple[torch.Tensor, int]:
+    """Check every floating-point tensor of a nested batch.
+
+    Returns ``(flag, count)``: an int32 0-d tensor on ``device`` (1 when any tensor holds a
+    non-finite value) and the number of tensors checked, so that a caller can tell an empty
+    batch from a healthy one. Tensors on another device are reduced where they live and only
+    their 0-d norm is moved (non-blocking towards an accelerator).
+    """
+    norms = [_to(tensor_norm(t).to(torch.float32), device) for t in float_tensors(batch)]
+    if not norms:
+        return torch.zeros((), dtype=torch.int32, device=device), 0
+    return nonfinite_flag(torch.stack(norms)), len(norms)
+
+
+def loss_value(loss: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(flag, value)`` for a loss: the flag as int32, the value as fp32 0-d (the mean for a
+    non-scalar loss, so that per-sample losses can be passed as they are)."""
+    detached = loss.detach()
+    if detached.is_complex():
+        raise TypeError("a complex loss cannot be checked; pass a real-valued loss")
+    value = detached.float().mean() if detached.numel() != 1 else detached.float().reshape(())
+    norm = tensor_norm(detached).to(torch.float32)
+    # NaN in a mean propagates; an overflowed-but-finite norm is caught by the norm.
+    return nonfinite_flag(torch.stack([norm, value])), value
+
+
+def grad_norms(grads: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Per-tensor L2 norms of ``grads`` as one fp32 vector, using the fused multi-tensor
+    kernel (one launch on CUDA), so a bucket costs about one read of its bytes.
+
+    The per-tensor norms are kept so that, only after a detection, the poisoned rank can name
+    the parameters that held the non-finite values without a second pass.
+    """
+    if not grads:
+        return torch.zeros(0, dtype=torch.float32)
+    by_dtype: dict[torch.dtype, list[int]] = {}
+    for i, g in enumerate(grads):
+        by_dtype.setdefault(g.dtype, []).append(i)
+    if len(by_dtype) == 1:
+        (dtype,) = by_dtype
+        return _stack_norms(grads, dtype)
+    out = torch.empty(len(grads), dtype=torch.float32, device=grads[0].device)
+    for dtype, idx in by_dtype.items():
+        out[idx] = _stack_norms([grads[i] for i in idx], dtype)
+    return out
+
+
+def total_norm(norms: Iterable[torch.Tensor]) -> torch.Tensor:
+    """Combine per-tensor norms into one L2 norm (NaN/Inf propagate)."""
+    parts = [n.reshape(-1) for n in norms]
+    if not parts:
+        return torch.zeros((), dtype=torch.float32)
+    return torch.linalg.vector_norm(torch.cat(parts).float())
+
+
+def _stack_norms(grads: Sequence[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+    kw = {"dtype": torch.float32} if dtype in _HALF else {}
+    return torch.stack(torch._foreach_norm(list(grads), 2, **kw)).to(torch.float32)
+
+
+def _to(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    if t.device == device:
+        return t
+    return t.to(device, non_blocking=device.type != "cpu")

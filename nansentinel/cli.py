@@ -1,0 +1,84 @@
+"""The ``nansentinel`` command: ``run`` (torchrun wrapper), ``demo``, ``excluded``.
+
+``nansentinel demo`` is the first thing to run on a fresh machine: 4 CPU ranks (gloo) train a
+small transformer on synthetic data with one injected fault, and rank 0 prints each step and
+the incident, naming the poisoned rank and host.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from nansentinel.config import ENV_INJECT, ENV_METRICS_PORT, ENV_POLICY, ENV_REPORT_DIR
+
+USAGE = """usage: nansentinel {run,demo,excluded} ...
+
+  run       launch a training script like torchrun does, with the sentinel's options
+            (nansentinel run --help)
+  demo      run the demo job: 4 CPU ranks, a small transformer, one injected fault
+  excluded  list the hosts excluded from runs (and --clear HOST to lift one)
+"""
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help"):
+        print(USAGE, end="")
+        return 0 if argv else 2
+    command, rest = argv[0], argv[1:]
+    if command == "run":
+        from nansentinel.launcher import main as run_main
+
+        return run_main(rest)
+    if command == "excluded":
+        from nansentinel.launcher import excluded_main
+
+        return excluded_main(rest)
+    if command == "demo":
+        return demo(rest)
+    print(f"nansentinel: unknown command {command!r}\n{USAGE}", end="", file=sys.stderr)
+    return 2
+
+
+def demo(argv: list[str]) -> int:
+    """Run the demo job under torchrun, in this process."""
+    from nansentinel.demo import DEFAULT_INJECT
+
+    p = argparse.ArgumentParser(prog="nansentinel demo", description=demo.__doc__)
+    p.add_argument("--nproc", type=int, default=4, help="CPU ranks (default 4)")
+    p.add_argument("--steps", type=int, default=20, help="training steps (default 20)")
+    p.add_argument("--inject", default=os.environ.get(ENV_INJECT, DEFAULT_INJECT),
+                   help=f"fault spec (default {DEFAULT_INJECT!r}; '' for none)")
+    p.add_argument("--policy", default=os.environ.get(ENV_POLICY, "skip"), help="skip or abort")
+    p.add_argument("--report-dir", default=os.environ.get(ENV_REPORT_DIR, "nansentinel_reports"))
+    p.add_argument("--metrics-port", type=int, default=int(os.environ.get(ENV_METRICS_PORT, 0)),
+                   help="base port of the per-rank exporters (default 0: off)")
+    args = p.parse_args(argv)
+    env = {
+        ENV_POLICY: args.policy,
+        ENV_REPORT_DIR: args.report_dir,
+        ENV_METRICS_PORT: str(args.metrics_port),
+    }
+    if args.inject:
+        env[ENV_INJECT] = args.inject
+    else:
+        os.environ.pop(ENV_INJECT, None)
+    os.environ.update(env)
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import main as torchrun
+
+    print(
+        f"nansentinel demo: {args.nproc} CPU ranks, {args.steps} steps, policy {args.policy}, "
+        f"injecting {args.inject or 'nothing'}; reports in {args.report_dir}",
+        flush=True,
+    )
+    try:
+        torchrun(["--standalone", f"--nproc-per-node={args.nproc}", "--monitor-interval=0.5",
+                  "-m", "nansentinel.demo", "--steps", str(args.steps)])
+    except ChildFailedError as exc:
+        print(f"nansentinel demo: workers failed: {exc.get_first_failure()[1].message}",
+              file=sys.stderr)
+        return 1
+    return 0

@@ -1,0 +1,244 @@
+"""Sentinel configuration: one validated dataclass, one precedence rule.
+
+Precedence, written once here and tested once: keyword argument > ``NANSENTINEL_*``
+environment variable > default. The environment exists so that a launcher (``nansentinel
+run``), a Slurm script or a Kubernetes manifest can configure every rank without touching
+the training script; the keyword exists so that the script can pin what it depends on.
+
+Every bad value is a :class:`ConfigError` (a ``ValueError``) whose message names the field or
+the environment variable, the value, and what would have been accepted.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import logging
+import os
+import socket
+from collections.abc import Mapping
+from typing import Any
+
+log = logging.getLogger("nansentinel")
+
+ENV_POLICY = "NANSENTINEL_POLICY"
+ENV_REPORT_DIR = "NANSENTINEL_REPORT_DIR"
+ENV_MAX_CONSECUTIVE_SKIPS = "NANSENTINEL_MAX_CONSECUTIVE_SKIPS"
+ENV_HOSTNAME = "NANSENTINEL_HOSTNAME"
+ENV_INJECT = "NANSENTINEL_INJECT"
+ENV_METRICS_PORT = "NANSENTINEL_METRICS_PORT"
+ENV_METRICS_ADDR = "NANSENTINEL_METRICS_ADDR"
+ENV_METRICS_CERTFILE = "NANSENTINEL_METRICS_CERTFILE"
+ENV_METRICS_KEYFILE = "NANSENTINEL_METRICS_KEYFILE"
+ENV_HOST_STRIKES = "NANSENTINEL_HOST_STRIKES"
+ENV_STRIKE_WINDOW = "NANSENTINEL_STRIKE_WINDOW"
+ENV_EXCHANGE_TIMEOUT = "NANSENTINEL_EXCHANGE_TIMEOUT"
+ENV_EXCLUSION_FILE = "NANSENTINEL_EXCLUSION_FILE"
+ENV_JOB_ID = "NANSENTINEL_JOB_ID"
+ENV_RUN_DIR = "NANSENTINEL_RUN_DIR"
+#: Kubernetes downward API convention (DCGM's exporter reads the same variable).
+ENV_NODE_NAME = "NODE_NAME"
+
+POLICIES = ("skip", "abort")
+DEFAULT_METRICS_PORT = 9410
+DEFAULT_REPORT_DIR = "nansentinel_reports"
+
+# Field name -> (environment variable, parser name). The parsers live below.
+_ENV_FIELDS: dict[str, tuple[str, str]] = {
+    "policy": (ENV_POLICY, "str"),
+    "report_dir": (ENV_REPORT_DIR, "str"),
+    "max_consecutive_skips": (ENV_MAX_CONSECUTIVE_SKIPS, "int"),
+    "hostname": (ENV_HOSTNAME, "str"),
+    "inject": (ENV_INJECT, "str"),
+    "metrics_port": (ENV_METRICS_PORT, "int"),
+    "metrics_addr": (ENV_METRICS_ADDR, "str"),
+    "metrics_certfile": (ENV_METRICS_CERTFILE, "str"),
+    "metrics_keyfile": (ENV_METRICS_KEYFILE, "str"),
+    "host_strikes": (ENV_HOST_STRIKES, "int"),
+    "strike_window": (ENV_STRIKE_WINDOW, "int"),
+    "exchange_timeout": (ENV_EXCHANGE_TIMEOUT, "float"),
+    "exclusion_file": (ENV_EXCLUSION_FILE, "str"),
+    "job_id": (ENV_JOB_ID, "str"),
+    "run_dir": (ENV_RUN_DIR, "str"),
+}
+#: Every NANSENTINEL_* variable this package reads; anything else is probably a typo.
+KNOWN_ENV = frozenset(env for env, _ in _ENV_FIELDS.values())
+
+
+class ConfigError(ValueError):
+    """A configuration value is wrong; the message names the field or variable."""
+
+
+@dataclasses.dataclass(kw_only=True, slots=True)
+class SentinelConfig:
+    """What the sentinel does on a non-finite step, and where it reports.
+
+    Build it with :meth:`from_env` to get the documented precedence; constructing it directly
+    uses only the keywords and the defaults.
+    """
+
+    policy: str = "skip"
+    """``skip``: no rank applies the step, gradients are discarded; ``abort``: every rank
+    raises :class:`nansentinel.NonFiniteError` at the same step."""
+
+    report_dir: str = DEFAULT_REPORT_DIR
+    """Directory for incident reports (JSON) and the saved offending batch."""
+
+    max_consecutive_skips: int = 5
+    """After this many skipped steps in a row the skip policy escalates to abort: a run that
+    skips every step is not training, and the operator should know."""
+
+    hostname: str | None = None
+    """Host identity used in blame, reports and metrics. ``None`` means: ``NODE_NAME``
+    (Kubernetes downward API), else the machine's hostname."""
+
+    inject: str | None = None
+    """Fire-drill fault spec, e.g. ``kind=grad,rank=2,step=5,value=nan`` (see inject.py)."""
+
+    metrics_port: int = DEFAULT_METRICS_PORT
+    """Base port of the per-rank Prometheus exporter; the rank serves on base + LOCAL_RANK.
+    0 disables the exporter."""
+
+    metrics_addr: str = ""
+    """Address the exporter binds; empty means all interfaces."""
+
+    metrics_certfile: str | None = None
+    """TLS certificate for the exporter (both certfile and keyfile, or neither)."""
+
+    metrics_keyfile: str | None = None
+    """TLS private key for the exporter."""
+
+    host_strikes: int = 3
+    """A host blamed this many times within ``strike_window`` steps is excluded."""
+
+    strike_window: int = 100
+    """Window, in steps, over which host strikes are counted."""
+
+    exchange_timeout: float = 300.0
+    """Seconds a rank waits for the others at the health exchange before it names the ranks
+    that did not answer and raises, so that a dead or frozen rank never hangs the job."""
+
+    exclusion_file: str | None = None
+    """Where host exclusions are recorded for the launcher (JSON lines); None: not recorded."""
+
+    job_id: str | None = None
+    """Job identity written into reports; None: ``TORCHELASTIC_RUN_ID`` when set."""
+
+    run_dir: str | None = None
+    """Directory shared with the ``nansentinel run`` launcher for per-rank verdicts."""
+
+    def __post_init__(self) -> None:
+        if self.policy not in POLICIES:
+            raise ConfigError(
+                f"policy={self.policy!r} is not a known policy; expected one of "
+                f"{', '.join(POLICIES)}"
+            )
+        if not isinstance(self.report_dir, str) or not self.report_dir:
+            raise ConfigError(f"report_dir={self.report_dir!r} must be a non-empty path")
+        _require_int("max_consecutive_skips", self.max_consecutive_skips, minimum=1)
+        _require_int("metrics_port", self.metrics_port, minimum=0)
+        if self.metrics_port > 65535:
+            raise ConfigError(f"metrics_port={self.metrics_port} is above 65535")
+        if (self.metrics_certfile is None) != (self.metrics_keyfile is None):
+            raise ConfigError(
+                "metrics_certfile and metrics_keyfile must be given together "
+                f"(certfile={self.metrics_certfile!r}, keyfile={self.metrics_keyfile!r})"
+            )
+        _require_int("host_strikes", self.host_strikes, minimum=1)
+        _require_int("strike_window", self.strike_window, minimum=1)
+        if isinstance(self.exchange_timeout, bool) or not isinstance(
+            self.exchange_timeout, int | float
+        ):
+            raise ConfigError(f"exchange_timeout={self.exchange_timeout!r} must be a number")
+        if not self.exchange_timeout > 0:
+            raise ConfigError(f"exchange_timeout={self.exchange_timeout!r} must be > 0 seconds")
+        if self.hostname is not None and (not isinstance(self.hostname, str) or not self.hostname):
+            raise ConfigError(f"hostname={self.hostname!r} must be a non-empty string")
+        if self.inject is not None:
+            from nansentinel.inject import parse_inject  # local: inject imports config
+
+            try:
+                parse_inject(self.inject)
+            except ValueError as exc:
+                raise ConfigError(f"inject={self.inject!r}: {exc}") from None
+
+    @classmethod
+    def from_env(
+        cls, env: Mapping[str, str] | None = None, **overrides: Any
+    ) -> SentinelConfig:
+        """Build a config: keyword ``overrides`` > ``NANSENTINEL_*`` in ``env`` > defaults.
+
+        Args:
+            env: the environment to read (``os.environ`` when None); injected for tests.
+            overrides: field values; an unknown field name is a :class:`ConfigError`.
+        """
+        env = os.environ if env is None else env
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(overrides) - names)
+        if unknown:
+            hints = [
+                f"{u!r}" + _did_you_mean(u, names) for u in unknown
+            ]
+            raise ConfigError(f"unknown SentinelConfig field(s): {', '.join(hints)}")
+        for key in env:
+            if key.startswith("NANSENTINEL_") and key not in KNOWN_ENV:
+                log.warning(
+                    "environment variable %s is not read by nansentinel%s",
+                    key,
+                    _did_you_mean(key, KNOWN_ENV),
+                )
+        values: dict[str, Any] = {}
+        for name, (var, kind) in _ENV_FIELDS.items():
+            raw = env.get(var)
+            if raw is None or name in overrides:
+                continue
+            values[name] = _parse_env(var, raw, kind)
+        values.update(overrides)
+        try:
+            return cls(**values)
+        except ConfigError as exc:
+            # Say where a bad value came from when it came from the environment.
+            sources = [
+                var for name, (var, _) in _ENV_FIELDS.items()
+                if name in values and name not in overrides and name in str(exc)
+            ]
+            if sources:
+                raise ConfigError(f"{exc} (from environment variable {sources[0]})") from None
+            raise
+
+
+def resolve_hostname(configured: str | None, env: Mapping[str, str] | None = None) -> str:
+    """Host identity: the configured name, else ``NODE_NAME``, else ``socket.gethostname()``.
+
+    ``NANSENTINEL_HOSTNAME`` reaches here as ``configured`` through :meth:`from_env`.
+    """
+    env = os.environ if env is None else env
+    return configured or env.get(ENV_NODE_NAME) or socket.gethostname()
+
+
+def _parse_env(var: str, raw: str, kind: str) -> Any:
+    value = raw.strip()
+    if kind == "str":
+        if not value:
+            raise ConfigError(
+                f"environment variable {var} is set but empty; unset it or give a value"
+            )
+        return value
+    try:
+        return int(value) if kind == "int" else float(value)
+    except ValueError:
+        raise ConfigError(
+            f"environment variable {var}={raw!r} is not a valid {kind}"
+        ) from None
+
+
+def _require_int(field: str, value: object, *, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(f"{field}={value!r} must be an integer")
+    if value < minimum:
+        raise ConfigError(f"{field}={value!r} must be >= {minimum}")
+
+
+def _did_you_mean(word: str, choices: object) -> str:
+    close = difflib.get_close_matches(word, list(choices), n=1)  # type: ignore[call-overload]
+    return f" (did you mean {close[0]}?)" if close else ""

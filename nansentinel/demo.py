@@ -1,0 +1,151 @@
+"""The demo job: CPU ranks (gloo) train a small transformer on synthetic data, with a fault.
+
+``nansentinel demo`` starts it under torchrun (4 ranks by default) with one injected fault, and
+rank 0 prints a line per step and the incident. It is also a readable template of the three
+calls a training loop needs, and of checkpoint/resume as torchrun scripts do it, which is how
+the job goes on after a faulty host is excluded (``nansentinel run`` restarts the workers).
+
+Run one worker directly under torchrun::
+
+    torchrun --standalone --nproc-per-node=4 -m nansentinel.demo --steps 20
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import logging
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import nansentinel
+from nansentinel.report import write_new
+
+_SUMMARY = "The nansentinel demo job (one worker; run it under torchrun)."
+VOCAB, SEQ, DIM = 64, 16, 32
+DEFAULT_INJECT = "kind=grad,rank=2,step=5,value=nan"
+
+
+class TinyTransformer(nn.Module):
+    """Two encoder layers over token embeddings; learns ``next = (token + 1) % VOCAB``."""
+
+    def __init__(self, layers: int = 2) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, DIM)
+        self.pos = nn.Parameter(torch.zeros(SEQ, DIM))
+        layer = nn.TransformerEncoderLayer(DIM, 4, 4 * DIM, dropout=0.0, batch_first=True)
+        self.encoder = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
+        self.head = nn.Linear(DIM, VOCAB)
+
+    def forward(self, tokens: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        h = self.embed(tokens) * scale + self.pos
+        return self.head(self.encoder(h))
+
+
+def synthetic_batch(rank: int, step: int, batch: int = 16) -> dict[str, torch.Tensor]:
+    """A deterministic batch per (rank, step): tokens, targets and a float input scale."""
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    tokens = torch.randint(0, VOCAB, (batch, SEQ), generator=g)
+    return {"tokens": tokens, "targets": (tokens + 1) % VOCAB, "scale": torch.ones(batch, 1, 1)}
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m nansentinel.demo", description=_SUMMARY)
+    p.add_argument("--steps", type=int, default=20, help="training steps (default 20)")
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--checkpoint-dir", help="save a checkpoint here and resume from it")
+    p.add_argument("--checkpoint-every", type=int, default=5)
+    p.add_argument("--out", help="rank 0 writes the final weights here (torch.save)")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout)
+    distributed = "WORLD_SIZE" in os.environ
+    if distributed:
+        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+    rank = dist.get_rank() if distributed else 0
+    torch.manual_seed(0)  # identical initial weights on every rank
+    model: nn.Module = TinyTransformer()
+    if distributed:
+        model = DDP(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    sentinel = nansentinel.Sentinel(model, optimizer)
+    start = _resume(args, model, optimizer, sentinel)
+    loss_fn = nn.CrossEntropyLoss()
+    try:
+        for step in range(start, args.steps):
+            batch = sentinel.check_batch(synthetic_batch(rank, step))
+            logits = model(batch["tokens"], batch["scale"])
+            loss = loss_fn(logits.reshape(-1, VOCAB), batch["targets"].reshape(-1))
+            sentinel.check_loss(loss)
+            loss.backward()
+            result = sentinel.step()
+            optimizer.zero_grad(set_to_none=True)
+            if rank == 0:
+                bad = f" bad ranks {result.bad_ranks} hosts {result.bad_hosts} kinds {result.kinds}"
+                print(
+                    f"step {result.step:3d} {result.outcome:8s} loss {result.local_loss:.4f} "
+                    f"grad_norm {result.local_grad_norm:.4f}" + (bad if result.bad_ranks else ""),
+                    flush=True,
+                )
+            if args.checkpoint_dir and (step + 1) % args.checkpoint_every == 0:
+                _save(args, model, optimizer, sentinel, rank)
+        weights = _module(model).state_dict()
+        if not all(torch.isfinite(t).all() for t in weights.values()):
+            raise RuntimeError(f"rank {rank}: weights are not finite after training")
+        if rank == 0 and args.out:
+            write_new(Path(args.out), lambda tmp: torch.save(weights, tmp))
+    finally:
+        sentinel.close()
+        if distributed:
+            dist.destroy_process_group()
+    return 0
+
+
+def _module(model: nn.Module) -> nn.Module:
+    return model.module if isinstance(model, DDP) else model
+
+
+def _checkpoint_path(args: argparse.Namespace) -> Path:
+    return Path(args.checkpoint_dir) / "demo-checkpoint.pt"
+
+
+def _save(args: argparse.Namespace, model: nn.Module, optimizer: torch.optim.Optimizer,
+          sentinel: nansentinel.Sentinel, rank: int) -> None:
+    """Rank 0 saves model, optimizer and sentinel state atomically (temp file + rename)."""
+    if rank != 0:
+        return
+    path = _checkpoint_path(args)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    torch.save(
+        {"model": _module(model).state_dict(), "optimizer": optimizer.state_dict(),
+         "sentinel": sentinel.state_dict()},
+        tmp,
+    )
+    os.replace(tmp, path)
+
+
+def _resume(args: argparse.Namespace, model: nn.Module, optimizer: torch.optim.Optimizer,
+            sentinel: nansentinel.Sentinel) -> int:
+    if not args.checkpoint_dir or not _checkpoint_path(args).exists():
+        return 0
+    state = torch.load(_checkpoint_path(args), weights_only=False)
+    _module(model).load_state_dict(state["model"])
+    optimizer.load_state_dict(state["optimizer"])
+    sentinel.load_state_dict(state["sentinel"])
+    if sentinel.rank == 0:
+        print(f"resumed from {_checkpoint_path(args)} at step {sentinel.step_index}", flush=True)
+    return sentinel.step_index
+
+
+if __name__ == "__main__":
+    sys.exit(main())

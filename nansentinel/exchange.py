@@ -1,0 +1,248 @@
+"""The exchange: each rank's health row in, the same cluster view out on every rank.
+
+Rank ``r`` writes its row into slot ``r`` of a zero vector of ``world_size * FIELDS`` floats and
+the vector is summed across ranks. A sum is element-wise, so a NaN loss in rank 1's slot stays
+in rank 1's slot: every rank learns who is poisoned, which is what a gradient all-reduce alone
+loses. With DDP the vector is launched asynchronously from inside the last gradient bucket's
+communication hook, so it leaves together with the gradients and costs no round trip after
+backward; without DDP it is one small collective at ``step()``. With no process group (one
+process) the same code runs and the "collective" is the identity.
+
+The vector is fp32 (flags as 0/1 floats): NCCL reduces no bool, and one dtype keeps it one
+collective. The only host synchronisation of a step is :meth:`HealthExchange.wait`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import logging
+import math
+
+import torch
+import torch.distributed as dist
+
+from nansentinel.result import KINDS, ExchangeTimeoutError, RankIdentity
+
+log = logging.getLogger("nansentinel")
+
+# Layout of one rank's row in the health vector.
+F_BATCH, F_LOSS, F_GRAD, F_INJECTED, F_LOSS_VALUE, F_GRAD_NORM, F_HAS_LOSS, F_HAS_GRAD = range(8)
+FIELDS = 8
+_STORE_PREFIX = "nansentinel/arrived"
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class RankHealth:
+    """One rank's part of the cluster view."""
+
+    identity: RankIdentity
+    kinds: tuple[str, ...]
+    injected: bool
+    loss: float | None
+    grad_norm: float | None
+
+    @property
+    def rank(self) -> int:
+        return self.identity.rank
+
+    @property
+    def healthy(self) -> bool:
+        return not self.kinds
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ClusterView:
+    """Every rank's health at one step; built from identical data on every rank."""
+
+    step: int
+    ranks: tuple[RankHealth, ...]
+
+    def bad(self, kinds: tuple[str, ...] = KINDS) -> list[RankHealth]:
+        """Ranks with a non-finite value of one of ``kinds``."""
+        return [r for r in self.ranks if set(r.kinds) & set(kinds)]
+
+    @property
+    def hosts(self) -> list[str]:
+        return sorted({r.identity.hostname for r in self.ranks})
+
+    @property
+    def injected(self) -> bool:
+        return any(r.injected for r in self.ranks)
+
+
+def pack_row(
+    *,
+    batch: torch.Tensor,
+    loss: torch.Tensor,
+    grad: torch.Tensor,
+    injected: torch.Tensor,
+    loss_value: torch.Tensor,
+    grad_norm: torch.Tensor,
+    has_loss: bool,
+    has_grad: bool,
+) -> torch.Tensor:
+    """One rank's health row as an fp32 vector on the flags' device (no host sync)."""
+    device = batch.device
+    has = torch.tensor([float(has_loss), float(has_grad)], device=device)
+    parts = [batch, loss, grad, injected, loss_value, grad_norm]
+    row = torch.stack([p.to(device=device, dtype=torch.float32).reshape(()) for p in parts])
+    return torch.cat([row, has])
+
+
+def unpack_view(step: int, values: list[float], identities: list[RankIdentity]) -> ClusterView:
+    """Turn the summed vector (as host floats) into a :class:`ClusterView`."""
+    ranks = []
+    for r, ident in enumerate(identities):
+        row = values[r * FIELDS : (r + 1) * FIELDS]
+        kinds = tuple(k for k, f in zip(KINDS, (F_BATCH, F_LOSS, F_GRAD), strict=True) if row[f])
+        ranks.append(
+            RankHealth(
+                identity=ident,
+                kinds=kinds,
+                injected=bool(row[F_INJECTED]),
+                loss=row[F_LOSS_VALUE] if row[F_HAS_LOSS] else None,
+                grad_norm=row[F_GRAD_NORM] if row[F_HAS_GRAD] else None,
+            )
+        )
+    return ClusterView(step, tuple(ranks))
+
+
+class HealthExchange:
+    """Sums per-rank health rows across a process group, or passes them through alone.
+
+    Args:
+        group: the process group; None means the default group when one is initialised,
+            else no collective at all (world size 1).
+        device: the device of the flags; the collective runs there for NCCL, on CPU for gloo.
+        timeout: seconds to wait for the other ranks before naming the missing ones.
+    """
+
+    def __init__(
+        self, group: dist.ProcessGroup | None, device: torch.device, timeout: float
+    ) -> None:
+        self.distributed = dist.is_available() and dist.is_initialized()
+        self.group = group
+        self.rank = dist.get_rank(group) if self.distributed else 0
+        self.world_size = dist.get_world_size(group) if self.distributed else 1
+        self.timeout = timeout
+        self.device = device
+        if self.distributed and "nccl" in str(dist.get_backend(group)) and device.type == "cuda":
+            self.comm_device = device
+        else:
+            self.comm_device = torch.device("cpu")
+        self._vector: torch.Tensor | None = None
+        self._work: dist.Work | None = None
+        self._step = -1
+
+    @property
+    def launched(self) -> bool:
+        return self._vector is not None
+
+    def launch(self, step: int, row: torch.Tensor) -> None:
+        """Start summing this rank's ``row`` across the group (asynchronous)."""
+        vector = torch.zeros(self.world_size * FIELDS, dtype=torch.float32, device=self.comm_device)
+        vector[self.rank * FIELDS : (self.rank + 1) * FIELDS] = row.to(self.comm_device)
+        self._vector, self._step = vector, step
+        if self.distributed and self.world_size > 1:
+            self._work = dist.all_reduce(vector, group=self.group, async_op=True)
+
+    def wait(self, identities: list[RankIdentity]) -> ClusterView:
+        """Wait for the sum (bounded by the timeout) and return the cluster view.
+
+        This is the step's one host synchronisation.
+        """
+        if self._vector is None:
+            raise RuntimeError("HealthExchange.wait() before launch()")
+        vector, work, step = self._vector, self._work, self._step
+        self._vector, self._work = None, None
+        if work is not None:
+            try:
+                done = work.wait(timeout=datetime.timedelta(seconds=self.timeout))
+            except RuntimeError as exc:
+                raise self._timeout_error(step, identities, exc) from exc
+            if done is False:
+                raise self._timeout_error(step, identities, None)
+        return unpack_view(step, vector.tolist(), identities)
+
+    def barrier(self) -> None:
+        """A tiny collective used after an incident, so that rank 0's report is on disk
+        before any rank raises and torchrun tears the job down."""
+        if self.distributed and self.world_size > 1:
+            flag = torch.zeros(1, device=self.comm_device)
+            dist.all_reduce(flag, group=self.group)
+
+    def gather_json(self, payload: object) -> list[object]:
+        """All-gather one JSON-able object per rank (used once at start and after incidents).
+
+        Built on tensors rather than ``all_gather_object`` (which needs numpy on some CPU
+        builds) so that it runs wherever the training does.
+        """
+        text = json.dumps(payload).encode()
+        if not (self.distributed and self.world_size > 1):
+            return [json.loads(text)]
+        data = torch.tensor(list(text), dtype=torch.uint8, device=self.comm_device)
+        size = torch.tensor([data.numel()], dtype=torch.int64, device=self.comm_device)
+        sizes = [torch.zeros_like(size) for _ in range(self.world_size)]
+        dist.all_gather(sizes, size, group=self.group)
+        lengths = [int(s) for s in sizes]
+        padded = torch.zeros(max(lengths), dtype=torch.uint8, device=self.comm_device)
+        padded[: data.numel()] = data
+        out = [torch.zeros_like(padded) for _ in range(self.world_size)]
+        dist.all_gather(out, padded, group=self.group)
+        return [json.loads(bytes(t[:n].tolist())) for t, n in zip(out, lengths, strict=True)]
+
+    def _timeout_error(
+        self, step: int, identities: list[RankIdentity], cause: BaseException | None
+    ) -> ExchangeTimeoutError:
+        missing = self._missing_ranks(step)
+        me = identities[self.rank] if identities else None
+        where = f"rank {self.rank}" + (f" on host {me.hostname}" if me else "")
+        if missing:
+            names = ", ".join(
+                f"rank {r} ({identities[r].hostname})" if r < len(identities) else f"rank {r}"
+                for r in missing
+            )
+            who = f"no answer from {names}"
+        else:
+            who = "could not tell which ranks are missing (no rendezvous store)"
+        detail = f": {cause}" if cause else ""
+        return ExchangeTimeoutError(
+            f"nansentinel: health exchange at step {step} timed out after {self.timeout:g} s "
+            f"on {where}; {who}. The job stops here; torchrun restarts or ends it as "
+            f"configured{detail}"
+        )
+
+    def _missing_ranks(self, step: int) -> list[int]:
+        """After a timeout, find the ranks that are not stuck with us in the same exchange.
+
+        Every live rank that times out checks in at the rendezvous store; ranks that have not
+        checked in within a short grace period are dead or frozen. This costs nothing on the
+        normal step: the store is touched only after a timeout.
+        """
+        try:
+            store = dist.distributed_c10d._get_default_store()
+        except (RuntimeError, ValueError, AttributeError):
+            return []
+        prefix = f"{_STORE_PREFIX}/{step}"
+        try:
+            store.set(f"{prefix}/{self.rank}", "1")
+            grace = max(1.0, min(10.0, self.timeout / 2))
+            keys = [f"{prefix}/{r}" for r in range(self.world_size)]
+            try:
+                store.wait(keys, datetime.timedelta(seconds=grace))
+                return []
+            except RuntimeError:
+                pass
+            return [r for r in range(self.world_size) if not store.check([f"{prefix}/{r}"])]
+        except RuntimeError as exc:  # the store itself may be gone with rank 0
+            log.warning("nansentinel: rendezvous store unreachable after a timeout: %s", exc)
+            return []
+
+
+def nan_to_none(x: float | None) -> float | str | None:
+    """JSON has no NaN/Inf; reports spell them as strings."""
+    if x is None or math.isfinite(x):
+        return x
+    return str(x)

@@ -1,0 +1,137 @@
+"""Fire drills: make a rank non-finite on purpose, without touching the training script.
+
+``NANSENTINEL_INJECT`` (or ``Sentinel(..., inject=...)``) holds one or more faults separated by
+``;``, each a comma-separated list of ``key=value``::
+
+    kind=grad,rank=2,step=5,value=nan
+    kind=batch,host=node3,steps=5-9,value=inf;kind=loss,rank=0,step=12
+
+- ``kind``: ``batch`` | ``loss`` | ``grad`` (required)
+- ``rank=R`` or ``host=NAME``: where (neither: every rank — a divergence drill)
+- ``step=S`` or ``steps=A-B`` (inclusive): when, counted like ``StepResult.step`` (required)
+- ``value``: ``nan`` (default) | ``inf`` | ``-inf``
+
+An injected fault is written into the real data (the batch's first floating-point element, the
+loss value, or the first gradient element before its all-reduce), so it travels the same
+detection path as a real fault does; the incident report marks it as injected. A batch fault
+writes into the tensor that was passed to ``check_batch`` — a DataLoader's freshly collated
+batch, normally; a batch that is a view of a cached dataset would keep the NaN.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+
+from nansentinel.result import KINDS
+
+_VALUES = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Fault:
+    """One injected fault: ``kind`` at steps ``first..last`` on ``rank`` or ``host``."""
+
+    kind: str
+    first: int
+    last: int
+    value: float = math.nan
+    rank: int | None = None
+    host: str | None = None
+
+    def matches(self, step: int, rank: int, host: str) -> bool:
+        """True when this fault fires at ``step`` on the rank ``rank`` running on ``host``."""
+        if not self.first <= step <= self.last:
+            return False
+        if self.rank is not None and self.rank != rank:
+            return False
+        return self.host is None or self.host == host
+
+
+def parse_inject(spec: str) -> list[Fault]:
+    """Parse a ``NANSENTINEL_INJECT`` spec; ``ValueError`` names the clause and key."""
+    faults = []
+    for n, clause in enumerate(c.strip() for c in spec.split(";")):
+        if not clause:
+            continue
+        where = f"fault {n + 1} ({clause!r})"
+        fields: dict[str, str] = {}
+        for item in clause.split(","):
+            key, sep, value = item.partition("=")
+            key, value = key.strip(), value.strip()
+            if not sep or not key or not value:
+                raise ValueError(f"{where}: {item.strip()!r} is not key=value")
+            if key in fields:
+                raise ValueError(f"{where}: {key!r} given twice")
+            fields[key] = value
+        unknown = set(fields) - {"kind", "rank", "host", "step", "steps", "value"}
+        if unknown:
+            raise ValueError(
+                f"{where}: unknown key(s) {sorted(unknown)}; "
+                "expected kind, rank or host, step or steps, value"
+            )
+        kind = fields.get("kind")
+        if kind not in KINDS:
+            raise ValueError(f"{where}: kind={kind!r}, expected one of {', '.join(KINDS)}")
+        if "rank" in fields and "host" in fields:
+            raise ValueError(f"{where}: give rank or host, not both")
+        if ("step" in fields) == ("steps" in fields):
+            raise ValueError(f"{where}: give exactly one of step=S or steps=A-B")
+        if "step" in fields:
+            first = last = _int(where, "step", fields["step"])
+        else:
+            a, sep, b = fields["steps"].partition("-")
+            if not sep:
+                raise ValueError(f"{where}: steps={fields['steps']!r} is not A-B")
+            first, last = _int(where, "steps", a), _int(where, "steps", b)
+            if last < first:
+                raise ValueError(f"{where}: steps={fields['steps']!r} ends before it starts")
+        value_name = fields.get("value", "nan").lower()
+        if value_name not in _VALUES:
+            raise ValueError(f"{where}: value={value_name!r}, expected nan, inf or -inf")
+        rank = _int(where, "rank", fields["rank"]) if "rank" in fields else None
+        faults.append(
+            Fault(kind, first, last, _VALUES[value_name], rank=rank, host=fields.get("host"))
+        )
+    if not faults:
+        raise ValueError("the spec holds no fault")
+    return faults
+
+
+class Injector:
+    """The faults that apply to one rank; records what it fired so tests can assert on it."""
+
+    def __init__(self, faults: list[Fault], rank: int, host: str) -> None:
+        self.faults = [f for f in faults if f.rank in (None, rank) and f.host in (None, host)]
+        self.rank = rank
+        self.host = host
+        self.fired: list[tuple[int, str]] = []
+
+    def value_for(self, kind: str, step: int) -> float | None:
+        """The value to inject for ``kind`` at ``step`` on this rank, or None."""
+        for fault in self.faults:
+            if fault.kind == kind and fault.matches(step, self.rank, self.host):
+                return fault.value
+        return None
+
+    @torch.no_grad()
+    def poison(self, kind: str, step: int, tensor: torch.Tensor | None) -> bool:
+        """Write the fault into the first element of ``tensor`` in place; True if it fired."""
+        value = self.value_for(kind, step)
+        if value is None or tensor is None or tensor.numel() == 0:
+            return False
+        tensor[(0,) * tensor.dim()] = value
+        self.fired.append((step, kind))
+        return True
+
+
+def _int(where: str, key: str, text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise ValueError(f"{where}: {key}={text!r} is not an integer") from None
+    if value < 0:
+        raise ValueError(f"{where}: {key}={text!r} must be >= 0")
+    return value

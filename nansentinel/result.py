@@ -1,0 +1,96 @@
+"""What a step decided, and the errors the sentinel raises.
+
+Kept apart from sentinel.py so that the metrics exporter, the launcher and the tests can use
+these types without importing the training-loop machinery.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+#: The kinds of local check, in the order of the health vector.
+KINDS = ("batch", "loss", "grad")
+
+#: Step outcomes; they are the ``outcome`` label of ``nansentinel_steps_total``.
+OUTCOMES = ("applied", "skipped", "overflow", "aborted", "excluded")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class RankIdentity:
+    """Where a rank runs; gathered once at start so that blame can name it."""
+
+    rank: int
+    local_rank: int
+    world_size: int
+    hostname: str
+    device: str
+    gpu: str = ""
+    gpu_uuid: str = ""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class StepResult:
+    """The cluster-wide decision for one step; identical on every rank except the
+    ``local_*`` fields, which describe this rank."""
+
+    step: int
+    """Index of the step just decided (0-based, counts every call to ``step()``)."""
+    applied: bool
+    """True when ``optimizer.step()`` ran on this (and therefore every) rank."""
+    outcome: str
+    """One of :data:`OUTCOMES`."""
+    bad_ranks: list[int]
+    """Ranks whose own batch, loss or gradients were non-finite, sorted."""
+    bad_hosts: list[str]
+    """Hosts of ``bad_ranks``, sorted, without repeats."""
+    kinds: list[str]
+    """Which of ``batch``, ``loss``, ``grad`` were non-finite on any rank."""
+    local_kinds: list[str]
+    """Which kinds were non-finite on this rank."""
+    local_loss: float | None
+    """This rank's loss before any reduction (None when ``check_loss`` was not called)."""
+    local_grad_norm: float | None
+    """This rank's gradient L2 norm before the all-reduce (None when there were no grads)."""
+    consecutive_skips: int
+    """Skipped steps in a row, this one included."""
+    injected: bool = False
+    """True when a fire-drill fault (NANSENTINEL_INJECT) was injected at this step."""
+    overflow: bool = False
+    """True when GradScaler-handled fp16 overflow was seen (not blamed on a rank)."""
+    report_path: str | None = None
+    """The incident report written for this step (on the rank that wrote it)."""
+    verdict: str | None = None
+    """Replay verdict (data, host, transient, divergence); None when no replay ran."""
+    excluded_hosts: list[str] = dataclasses.field(default_factory=list)
+    """Hosts the cluster has decided to exclude so far."""
+    parameters: dict[int, list[str]] = dataclasses.field(default_factory=dict)
+    """For grad faults: rank -> names of parameters holding non-finite gradients there."""
+
+    @property
+    def healthy(self) -> bool:
+        """True when no rank reported a non-finite value."""
+        return not self.bad_ranks
+
+
+class NonFiniteError(RuntimeError):
+    """Raised on every rank, at the same step, when the policy aborts the run.
+
+    The message names step, ranks, hosts and kinds; ``result`` carries the full decision.
+    """
+
+    def __init__(self, message: str, result: StepResult) -> None:
+        super().__init__(message)
+        self.result = result
+
+
+class HostExcludedError(NonFiniteError):
+    """Raised on every rank when the cluster decides to exclude a host that keeps
+    poisoning the run; the launcher keeps that host out of the next rendezvous."""
+
+
+class ExchangeTimeoutError(RuntimeError):
+    """The health exchange did not complete in time; names the ranks that did not answer."""
+
+
+class SentinelUsageError(RuntimeError):
+    """The training loop called the sentinel in an order it cannot honour."""

@@ -1,0 +1,548 @@
+"""The Sentinel: the one path of a step, composed from the layers.
+
+::
+
+    check_batch ─┐
+    check_loss ──┤ local flags, kept on the device
+    backward ────┤ DDP comm hook: each bucket's norm before its all-reduce;
+                 │ the last bucket launches the health exchange
+    step() ──────┘ wait for the cluster view (the one host sync) → decide → act
+
+Everything expensive (naming parameters, saving the batch, writing the report) runs only after
+a detection; the healthy step pays for a few fused reductions and one small collective that
+travels beside the gradients.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+from nansentinel import checks, report
+from nansentinel.config import SentinelConfig, resolve_hostname
+from nansentinel.exchange import ClusterView, HealthExchange, RankHealth, nan_to_none, pack_row
+from nansentinel.inject import Injector, parse_inject
+from nansentinel.policy import ABORT, APPLY, EXCLUDE, OVERFLOW, Decision, History, decide
+from nansentinel.result import (
+    HostExcludedError,
+    NonFiniteError,
+    RankIdentity,
+    SentinelUsageError,
+    StepResult,
+)
+
+log = logging.getLogger("nansentinel")
+
+_OUTCOME = {APPLY: "applied", OVERFLOW: "overflow", ABORT: "aborted", EXCLUDE: "excluded"}
+
+
+class Sentinel:
+    """Watches one rank's batch, loss and gradients; decides each step with every other rank.
+
+    Args:
+        model: the module being trained, plain or wrapped in ``DistributedDataParallel``.
+            With DDP a communication hook is registered (construct the sentinel before the
+            first backward, and do not register another comm hook).
+        optimizer: stepped by :meth:`step` only when every rank is healthy.
+        scaler: a ``torch.amp.GradScaler``; :meth:`step` then calls ``scaler.step`` and
+            ``scaler.update``, and non-finite gradients alone count as fp16 overflow.
+        group: the process group (default: DDP's, else the default group if initialised,
+            else none: one process).
+        registry: a ``prometheus_client.CollectorRegistry`` for the metrics (tests inject one).
+        env: environment to read ``NANSENTINEL_*`` from (default ``os.environ``).
+        **overrides: fields of :class:`SentinelConfig`; keyword > env > default.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        *,
+        scaler: Any = None,
+        group: dist.ProcessGroup | None = None,
+        registry: Any = None,
+        env: dict[str, str] | None = None,
+        **overrides: Any,
+    ) -> None:
+        self.config = SentinelConfig.from_env(env, **overrides)
+        self.model = model
+        self.optimizer = optimizer
+        self.scaler = scaler
+        is_ddp = isinstance(model, DistributedDataParallel)
+        if group is None and is_ddp:
+            group = model.process_group
+        params = list(model.parameters())
+        self.device = params[0].device if params else torch.device("cpu")
+        self.exchange = HealthExchange(group, self.device, self.config.exchange_timeout)
+        self.rank = self.exchange.rank
+        self.world_size = self.exchange.world_size
+        environ = os.environ if env is None else env
+        self.identity = _identity(
+            self.rank, self.world_size, resolve_hostname(self.config.hostname, environ),
+            int(environ.get("LOCAL_RANK", "0") or 0), self.device,
+        )
+        # Gathered once, so that every later detection can name host, local rank and device.
+        gathered = self.exchange.gather_json(_identity_json(self.identity))
+        self.identities = [RankIdentity(**d) for d in gathered]  # type: ignore[arg-type]
+        self.job_id = self.config.job_id or environ.get("TORCHELASTIC_RUN_ID")
+        faults = parse_inject(self.config.inject) if self.config.inject else []
+        self.injector = Injector(faults, self.rank, self.identity.hostname)
+        prefix = "module." if is_ddp else ""
+        self._names = {id(p): n.removeprefix(prefix) for n, p in model.named_parameters()}
+        self.history = History()
+        self.step_index = 0
+        self._reset()
+        if is_ddp:
+            try:
+                model.register_comm_hook(None, self._comm_hook)
+            except RuntimeError as exc:
+                raise SentinelUsageError(
+                    f"nansentinel: cannot register its DDP communication hook on rank "
+                    f"{self.rank} ({self.identity.hostname}): {exc}. Construct the Sentinel "
+                    "before the first backward and do not register another comm hook."
+                ) from exc
+        self.metrics = None
+        if self.config.metrics_port:
+            self.metrics = _start_metrics(self, registry)
+
+    # --- the three calls of a training loop -------------------------------------------------
+
+    def check_batch(self, batch: Any) -> Any:
+        """Check every floating-point tensor of ``batch`` (any nesting of dict/list/tuple).
+
+        Non-float parts (ints, bools, strings, None) are ignored; a batch without float tensors
+        is harmless and checks nothing. Returns ``batch`` (with a drill fault written into it
+        when one is due). Call it before ``backward``.
+        """
+        started = time.perf_counter()
+        self._require_open("check_batch")
+        first = next(checks.float_tensors(batch), None)
+        if self.injector.poison("batch", self.step_index, first):
+            self._injected = True
+        flag, _ = checks.batch_flag(batch, self.device)
+        if self._batch_flag is not None:
+            flag = torch.maximum(self._batch_flag, flag)
+        self._batch_flag = flag
+        self._batch = batch
+        self._seconds += time.perf_counter() - started
+        return batch
+
+    def check_loss(self, loss: torch.Tensor | float) -> None:
+        """Check the loss (a tensor or a number; a non-scalar loss is checked element-wise and
+        its mean recorded). Call it before ``backward`` so the result can travel with the
+        gradient all-reduce."""
+        started = time.perf_counter()
+        self._require_open("check_loss")
+        if isinstance(loss, int | float) and not isinstance(loss, bool):
+            loss = torch.tensor(float(loss), device=self.device)
+        if not isinstance(loss, torch.Tensor):
+            raise TypeError(
+                f"nansentinel: check_loss expects a tensor or a number, got {type(loss).__name__} "
+                f"(rank {self.rank}, step {self.step_index})"
+            )
+        if not (loss.is_floating_point() or loss.is_complex()) or loss.numel() == 0:
+            raise TypeError(
+                f"nansentinel: check_loss expects a non-empty floating-point loss, got dtype "
+                f"{loss.dtype} with {loss.numel()} elements "
+                f"(rank {self.rank}, step {self.step_index})"
+            )
+        if self.injector.poison("loss", self.step_index, loss.detach()):
+            self._injected = True
+        flag, value = checks.loss_value(loss)
+        value = value.to(self.device)
+        if self._loss_flag is None:
+            self._loss_flag, self._loss_sum = flag.to(self.device), value
+        else:
+            self._loss_flag = torch.maximum(self._loss_flag, flag.to(self.device))
+            self._loss_sum = self._loss_sum + value
+        self._loss_count += 1
+        self._seconds += time.perf_counter() - started
+
+    def check_grads(self) -> None:
+        """Check this rank's local gradients now and start the health exchange.
+
+        DDP users never call this (the comm hook does it). Call it yourself only if you reduce
+        gradients by hand: after ``backward`` and *before* your own all-reduce, or blame is lost.
+        ``step()`` calls it when nothing else did.
+        """
+        started = time.perf_counter()
+        self._require_open("check_grads")
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        grads = [p.grad for p in params]
+        if grads and self.injector.poison("grad", self.step_index, grads[0]):  # type: ignore[arg-type]
+            self._injected = True
+        if grads:
+            self._grad_norms.append((params, checks.grad_norms(grads)))  # type: ignore[arg-type]
+        self._launch()
+        self._seconds += time.perf_counter() - started
+
+    def step(self) -> StepResult:
+        """Decide this step with every rank and act on it.
+
+        Applies the optimizer (or GradScaler) step only when every rank is healthy; otherwise
+        discards the gradients on every rank, or raises :class:`NonFiniteError` on every rank
+        when the policy aborts (or :class:`HostExcludedError` when a host is excluded).
+        """
+        if not self.exchange.launched:
+            self.check_grads()
+        started = time.perf_counter()
+        view = self.exchange.wait(self.identities)
+        # Waiting for the exchange is waiting for the gradient all-reduce beside it, and the
+        # optimizer step is the user's: neither is the sentinel's own cost.
+        not_ours = time.perf_counter() - started
+        decision = decide(view, self.history, self.config, amp=self.scaler is not None)
+        self.history.record(view, decision, self.config)
+        if decision.action in (APPLY, OVERFLOW):
+            opt_started = time.perf_counter()
+            if self.scaler is not None:
+                self.scaler.step(self.optimizer)
+                self.scaler.update()
+            else:
+                self.optimizer.step()
+            not_ours += time.perf_counter() - opt_started
+        else:
+            # Discard the poisoned gradients on every rank: weights never take them.
+            self.optimizer.zero_grad(set_to_none=True)
+        result = self._result(view, decision)
+        if decision.bad:
+            result = self._incident(view, decision, result)
+        self._seconds += time.perf_counter() - started - not_ours
+        if self.metrics is not None:
+            self.metrics.observe_step(result, self._seconds)
+        self._reset()
+        self.step_index += 1
+        if decision.action in (ABORT, EXCLUDE):
+            self._raise(decision, result)
+        return result
+
+    # --- state for checkpoints ---------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """Step counter and policy history, to be saved with the training checkpoint so that a
+        restarted job keeps counting steps and strikes where it left off."""
+        return {
+            "step": self.step_index,
+            "consecutive_skips": self.history.consecutive_skips,
+            "strikes": {h: list(s) for h, s in self.history.strikes.items()},
+            "excluded": list(self.history.excluded),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what :meth:`state_dict` saved."""
+        self.step_index = int(state["step"])
+        self.history = History(
+            consecutive_skips=int(state.get("consecutive_skips", 0)),
+            strikes={h: [int(s) for s in v] for h, v in state.get("strikes", {}).items()},
+            excluded=list(state.get("excluded", [])),
+        )
+
+    def close(self) -> None:
+        """Stop the metrics server (the DDP hook stays: DDP cannot unregister one)."""
+        if self.metrics is not None:
+            self.metrics.close()
+            self.metrics = None
+
+    def __enter__(self) -> Sentinel:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # --- internals ---------------------------------------------------------------------------
+
+    def _reset(self) -> None:
+        self._batch_flag: torch.Tensor | None = None
+        self._loss_flag: torch.Tensor | None = None
+        self._loss_sum: torch.Tensor | None = None
+        self._loss_count = 0
+        self._batch: Any = None
+        self._grad_norms: list[tuple[list[torch.Tensor], torch.Tensor]] = []
+        self._injected = False
+        self._seconds = 0.0
+
+    def _require_open(self, what: str) -> None:
+        if self.exchange.launched:
+            raise SentinelUsageError(
+                f"nansentinel: {what}() called on rank {self.rank} at step {self.step_index} "
+                "after this step's health exchange already left with the gradients; call "
+                "check_batch/check_loss before loss.backward(), then step()"
+            )
+
+    def _comm_hook(self, state, bucket):  # type: ignore[no-untyped-def]
+        """DDP comm hook: check the bucket on this rank, then all-reduce exactly as DDP's
+        default does (sum, divided by world size); the last bucket launches the exchange.
+
+        Deliberately unannotated: DDP inspects the annotations and rejects the string forms
+        that ``from __future__ import annotations`` produces."""
+        started = time.perf_counter()
+        grads = bucket.gradients()
+        if not self._grad_norms and self.injector.poison("grad", self.step_index, bucket.buffer()):
+            self._injected = True
+        self._grad_norms.append((list(bucket.parameters()), checks.grad_norms(grads)))
+        buffer = bucket.buffer()
+        buffer.div_(self.world_size)
+        work = dist.all_reduce(buffer, group=self.exchange.group, async_op=True)
+        future = work.get_future().then(lambda fut: fut.value()[0])
+        if bucket.is_last():
+            self._launch()
+        self._seconds += time.perf_counter() - started
+        return future
+
+    def _launch(self) -> None:
+        zero = torch.zeros((), dtype=torch.int32, device=self.device)
+        norms = [n for _, n in self._grad_norms]
+        all_norms = torch.cat(norms).to(self.device) if norms else None
+        loss_value = (
+            self._loss_sum / self._loss_count
+            if self._loss_sum is not None
+            else torch.zeros((), device=self.device)
+        )
+        row = pack_row(
+            batch=self._batch_flag if self._batch_flag is not None else zero,
+            loss=self._loss_flag if self._loss_flag is not None else zero,
+            grad=checks.nonfinite_flag(all_norms) if all_norms is not None else zero,
+            injected=torch.tensor(float(self._injected), device=self.device),
+            loss_value=loss_value,
+            grad_norm=checks.total_norm([all_norms]) if all_norms is not None else zero,
+            has_loss=self._loss_sum is not None,
+            has_grad=all_norms is not None,
+        )
+        self.exchange.launch(self.step_index, row)
+
+    def _result(self, view: ClusterView, decision: Decision) -> StepResult:
+        mine = view.ranks[self.rank]
+        return StepResult(
+            step=view.step,
+            applied=decision.action in (APPLY, OVERFLOW),
+            outcome=_OUTCOME.get(decision.action, "skipped"),
+            bad_ranks=decision.bad_ranks,
+            bad_hosts=decision.bad_hosts,
+            kinds=decision.kinds,
+            local_kinds=list(mine.kinds),
+            local_loss=mine.loss,
+            local_grad_norm=mine.grad_norm,
+            consecutive_skips=self.history.consecutive_skips,
+            injected=view.injected,
+            overflow=decision.overflow,
+            excluded_hosts=list(self.history.excluded),
+        )
+
+    def _incident(self, view: ClusterView, decision: Decision, result: StepResult) -> StepResult:
+        """After a detection: the poisoned ranks name their parameters and save their batch,
+        every rank shares that detail (one gather, only now), rank 0 writes the report."""
+        stem = report.incident_stem(self.job_id, view.step)
+        base = Path(self.config.report_dir)
+        detail: dict[str, Any] = {}
+        mine = view.ranks[self.rank]
+        if self.rank in decision.bad_ranks:
+            if "grad" in mine.kinds:
+                detail["parameters"] = self._nonfinite_parameters()
+            if self._batch is not None:
+                try:
+                    path = report.save_batch(base / f"{stem}-rank{self.rank}-batch.pt", self._batch)
+                    detail["batch_path"] = str(path)
+                except (OSError, RuntimeError) as exc:
+                    detail["batch_error"] = f"{type(exc).__name__}: {exc}"
+        details: list[dict[str, Any]] = self.exchange.gather_json(detail)  # type: ignore[assignment]
+        parameters = {r: d["parameters"] for r, d in enumerate(details) if d.get("parameters")}
+        result = _replace(result, parameters=parameters)
+        message = describe(view, decision, result)
+        if self.rank == 0:
+            payload = _report_payload(self, view, decision, result, details, message)
+            try:
+                path = report.write_json(base / f"{stem}.json", payload)
+                result = _replace(result, report_path=str(path))
+            except OSError as exc:
+                log.error("nansentinel: could not write the incident report in %s: %s", base, exc)
+            log.log(
+                logging.ERROR if decision.action in (ABORT, EXCLUDE) else logging.WARNING,
+                "%s%s", message, f"; report: {result.report_path}" if result.report_path else "",
+            )
+        if self.rank in decision.bad_ranks:
+            params, batch_path = detail.get("parameters"), detail.get("batch_path")
+            log.warning(
+                "nansentinel: rank %d on host %s (local rank %d, %s): non-finite %s at step %d%s%s",
+                self.rank, self.identity.hostname, self.identity.local_rank, self.identity.device,
+                ", ".join(mine.kinds), view.step,
+                f"; parameters: {_first(params, 8)}" if params else "",
+                f"; batch saved to {batch_path}" if batch_path else "",
+            )
+        return result
+
+    def _nonfinite_parameters(self) -> list[str]:
+        """Names of the parameters whose local gradient norm was non-finite (one host copy of
+        the per-parameter norms already computed; runs only after a detection)."""
+        names = []
+        for params, norms in self._grad_norms:
+            bad = (~torch.isfinite(norms)).nonzero().flatten().tolist()
+            names.extend(self._names.get(id(params[i]), f"<unnamed {i}>") for i in bad)
+        return names
+
+    def _raise(self, decision: Decision, result: StepResult) -> None:
+        message = describe_abort(decision, result)
+        if self.config.exclusion_file and decision.exclude_host and self.rank == 0:
+            from nansentinel.exclusion import ExclusionRecord, ExclusionStore
+
+            ExclusionStore(self.config.exclusion_file).add(
+                ExclusionRecord(
+                    host=decision.exclude_host,
+                    reason=decision.reason,
+                    step=result.step,
+                    evidence={
+                        "bad_ranks": result.bad_ranks,
+                        "kinds": result.kinds,
+                        "strikes": decision.strikes,
+                        "report_path": result.report_path,
+                    },
+                    time=time.time(),
+                    job_id=self.job_id,
+                )
+            )
+        if self.config.run_dir:
+            from nansentinel.verdicts import write_verdict
+
+            write_verdict(
+                self.config.run_dir,
+                self.rank,
+                {
+                    "rank": self.rank,
+                    "local_rank": self.identity.local_rank,
+                    "hostname": self.identity.hostname,
+                    "step": result.step,
+                    "outcome": result.outcome,
+                    "message": message,
+                    "bad_ranks": result.bad_ranks,
+                    "bad_hosts": result.bad_hosts,
+                    "kinds": result.kinds,
+                    "excluded_host": decision.exclude_host,
+                    "report_path": result.report_path,
+                },
+            )
+        # Rank 0's report and the exclusion record are on disk before anyone raises.
+        self.exchange.barrier()
+        error = HostExcludedError if decision.action == EXCLUDE else NonFiniteError
+        raise error(message, result)
+
+
+def describe(view: ClusterView, decision: Decision, result: StepResult) -> str:
+    """One log line for an incident: what, where (rank, host, local rank, device), what next."""
+    parts = []
+    for r in decision.bad:
+        ident = r.identity
+        params = result.parameters.get(r.rank)
+        parts.append(
+            f"rank {r.rank} (host {ident.hostname}, local rank {ident.local_rank}, "
+            f"{ident.device}): {', '.join(r.kinds)}"
+            + (f" [{_first(params, 5)}]" if params else "")
+        )
+    nxt = {
+        "skipped": "step skipped on every rank, gradients discarded",
+        "aborted": "aborting on every rank",
+        "excluded": f"excluding host {decision.exclude_host}",
+    }.get(result.outcome, result.outcome)
+    injected = " (injected by NANSENTINEL_INJECT)" if view.injected else ""
+    return (
+        f"nansentinel: non-finite values at step {view.step}{injected}: {'; '.join(parts)} "
+        f"— {nxt}" + (f" ({decision.reason})" if decision.reason else "")
+    )
+
+
+def describe_abort(decision: Decision, result: StepResult) -> str:
+    """The message of the exception raised on every rank."""
+    what = "excluding host " + str(decision.exclude_host) if decision.exclude_host else "aborting"
+    return (
+        f"nansentinel: {what} at step {result.step}: non-finite {', '.join(result.kinds)} on "
+        f"rank(s) {', '.join(map(str, result.bad_ranks))} (host(s) "
+        f"{', '.join(result.bad_hosts)}); {decision.reason}."
+        + (f" Report: {result.report_path}" if result.report_path else "")
+    )
+
+
+def _report_payload(
+    sentinel: Sentinel,
+    view: ClusterView,
+    decision: Decision,
+    result: StepResult,
+    details: list[Any],
+    message: str,
+) -> dict[str, Any]:
+    def rank_entry(r: RankHealth) -> dict[str, Any]:
+        ident = r.identity
+        entry: dict[str, Any] = {
+            "rank": r.rank,
+            "hostname": ident.hostname,
+            "local_rank": ident.local_rank,
+            "device": ident.device,
+            "gpu_uuid": ident.gpu_uuid,
+            "kinds": list(r.kinds),
+            "injected": r.injected,
+            "loss": nan_to_none(r.loss),
+            "grad_norm": nan_to_none(r.grad_norm),
+        }
+        entry.update(details[r.rank])
+        return entry
+
+    return {
+        "version": 1,
+        "message": message,
+        "job_id": sentinel.job_id,
+        "time": time.time(),
+        "step": view.step,
+        "outcome": result.outcome,
+        "reason": decision.reason,
+        "policy": sentinel.config.policy,
+        "bad_ranks": result.bad_ranks,
+        "bad_hosts": result.bad_hosts,
+        "kinds": result.kinds,
+        "injected": view.injected,
+        "overflow": decision.overflow,
+        "excluded_host": decision.exclude_host,
+        "consecutive_skips": result.consecutive_skips,
+        "world_size": sentinel.world_size,
+        "poisoned": [rank_entry(r) for r in decision.bad],
+        "ranks": [rank_entry(r) for r in view.ranks],
+    }
+
+
+def _identity(
+    rank: int, world_size: int, hostname: str, local_rank: int, device: torch.device
+) -> RankIdentity:
+    gpu = gpu_uuid = ""
+    if device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        gpu = str(index)
+        gpu_uuid = str(getattr(torch.cuda.get_device_properties(index), "uuid", ""))
+    return RankIdentity(rank, local_rank, world_size, hostname, str(device), gpu, gpu_uuid)
+
+
+def _identity_json(ident: RankIdentity) -> dict[str, Any]:
+    return {f: getattr(ident, f) for f in RankIdentity.__slots__}  # type: ignore[attr-defined]
+
+
+def _first(names: list[str], n: int) -> str:
+    more = f", … ({len(names) - n} more)" if len(names) > n else ""
+    return ", ".join(names[:n]) + more
+
+
+def _replace(result: StepResult, **changes: Any) -> StepResult:
+    return dataclasses.replace(result, **changes)
+
+
+def _start_metrics(sentinel: Sentinel, registry: Any) -> Any:
+    from nansentinel.metrics import SentinelMetrics
+
+    metrics = SentinelMetrics(sentinel.identity, registry=registry, device=sentinel.device)
+    port = sentinel.config.metrics_port + sentinel.identity.local_rank
+    metrics.serve(
+        sentinel.config.metrics_addr, port, sentinel.config.metrics_certfile,
+        sentinel.config.metrics_keyfile,
+    )
+    return metrics
