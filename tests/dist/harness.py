@@ -1,0 +1,89 @@
+"""Run a function on N gloo ranks in spawned processes, bounded in time.
+
+Every rank's return value comes back through a file; a rank that raises, hangs or dies fails
+the test with its traceback, and every process is killed before returning: nothing hangs CI.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import pickle
+import socket
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank: int, fn: Callable[..., Any], world: int, port: int, out: str,
+           env: dict[str, str], kwargs: dict[str, Any]) -> None:
+    import datetime
+
+    import torch.distributed as dist
+
+    os.environ.update(env)
+    os.environ.setdefault("LOCAL_RANK", str(rank))
+    path = Path(out) / f"rank{rank}.pkl"
+    try:
+        dist.init_process_group(
+            "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+            timeout=datetime.timedelta(seconds=60),
+        )
+        value = fn(rank, world, **kwargs)
+        payload = {"ok": True, "value": value}
+    except BaseException as exc:  # reported to the test, whatever it was
+        payload = {"ok": False, "error": repr(exc), "type": type(exc).__name__,
+                   "message": str(exc), "traceback": traceback.format_exc()}
+    path.write_bytes(pickle.dumps(payload))
+    with contextlib.suppress(Exception):  # a failed group may not tear down cleanly
+        dist.destroy_process_group()
+
+
+def run_ranks(fn: Callable[..., Any], world: int, tmp: Path, *, timeout: float = 90,
+              env: dict[str, str] | None = None, **kwargs: Any) -> list[dict[str, Any]]:
+    """Run ``fn(rank, world, **kwargs)`` on ``world`` gloo ranks; return each rank's payload
+    (``{"ok": True, "value": ...}`` or ``{"ok": False, "type", "message", "traceback"}``)."""
+    out = tmp / f"ranks-{time.monotonic_ns()}"
+    out.mkdir()
+    env = {"NANSENTINEL_METRICS_PORT": "0", "OMP_NUM_THREADS": "1", **(env or {})}
+    ctx = mp.start_processes(
+        _entry, args=(fn, world, free_port(), str(out), env, kwargs), nprocs=world,
+        join=False, start_method="spawn",
+    )
+    deadline = time.monotonic() + timeout
+    try:
+        while not all(not p.is_alive() for p in ctx.processes):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"ranks still running after {timeout} s")
+            time.sleep(0.05)
+    finally:
+        for p in ctx.processes:
+            if p.is_alive():
+                p.kill()
+            p.join(5)
+    results = []
+    for rank in range(world):
+        path = out / f"rank{rank}.pkl"
+        if not path.exists():
+            code = ctx.processes[rank].exitcode
+            raise AssertionError(f"rank {rank} left no result (exit code {code})")
+        results.append(pickle.loads(path.read_bytes()))
+    return results
+
+
+def values(results: list[dict[str, Any]]) -> list[Any]:
+    """The ranks' return values; fails with the first rank's traceback if any raised."""
+    for rank, r in enumerate(results):
+        if not r["ok"]:
+            raise AssertionError(f"rank {rank} raised:\n{r['traceback']}")
+    return [r["value"] for r in results]

@@ -1,0 +1,88 @@
+"""Training loops run on gloo ranks by the distributed tests (importable by spawned ranks)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import nansentinel
+from nansentinel.demo import VOCAB, TinyTransformer, synthetic_batch
+
+
+def train(rank: int, world: int, *, steps: int, report_dir: str, ddp: bool = True,
+          manual_reduce: bool = False, accumulate: int = 1, **overrides: Any) -> dict[str, Any]:
+    """Train the demo model; return each step's result and the final weights.
+
+    ``manual_reduce``: no DDP; the loop all-reduces gradients itself after check_grads(),
+    as a user with their own reducer would. ``accumulate``: micro-batches per step, the
+    first ones under DDP's no_sync().
+    """
+    torch.manual_seed(0)
+    model: nn.Module = TinyTransformer()
+    if ddp:
+        model = DDP(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    sentinel = nansentinel.Sentinel(model, opt, report_dir=report_dir, **overrides)
+    loss_fn = nn.CrossEntropyLoss()
+    records = []
+    error = None
+    try:
+        for step in range(steps):
+            for micro in range(accumulate):
+                batch = sentinel.check_batch(synthetic_batch(rank, step * accumulate + micro))
+                sync = micro == accumulate - 1 or not ddp
+                ctx = model.no_sync() if (ddp and not sync) else _null()
+                with ctx:
+                    logits = model(batch["tokens"], batch["scale"])
+                    loss = loss_fn(logits.reshape(-1, VOCAB), batch["targets"].reshape(-1))
+                    sentinel.check_loss(loss / accumulate)
+                    (loss / accumulate).backward()
+            if manual_reduce:
+                sentinel.check_grads()
+                for p in model.parameters():
+                    dist.all_reduce(p.grad)
+                    p.grad /= world
+            r = sentinel.step()
+            opt.zero_grad(set_to_none=True)
+            records.append({
+                "step": r.step, "applied": r.applied, "outcome": r.outcome,
+                "bad_ranks": r.bad_ranks, "bad_hosts": r.bad_hosts, "kinds": r.kinds,
+                "local_kinds": r.local_kinds, "injected": r.injected,
+                "report_path": r.report_path, "parameters": r.parameters,
+                "local_loss": r.local_loss, "local_grad_norm": r.local_grad_norm,
+            })
+    except nansentinel.NonFiniteError as exc:
+        error = {"type": type(exc).__name__, "message": str(exc), "step": exc.result.step,
+                 "report_path": exc.result.report_path}
+    module = model.module if isinstance(model, DDP) else model
+    weights = torch.cat([p.detach().reshape(-1) for p in module.parameters()])
+    return {"records": records, "weights": weights, "error": error,
+            "hostname": sentinel.identity.hostname}
+
+
+def late_loss_check(rank: int, world: int, *, report_dir: str) -> str:
+    """check_loss after backward under DDP: the exchange already left; must be a clear error."""
+    torch.manual_seed(0)
+    model = DDP(TinyTransformer())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sentinel = nansentinel.Sentinel(model, opt, report_dir=report_dir)
+    batch = synthetic_batch(rank, 0)
+    loss = model(batch["tokens"], batch["scale"]).float().mean()
+    loss.backward()
+    try:
+        sentinel.check_loss(loss)
+    except nansentinel.SentinelUsageError as exc:
+        return str(exc)
+    return "no error"
+
+
+class _null:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None
