@@ -101,7 +101,8 @@ def decide(
 
     provisional = Decision(SKIP, bad, overflow=overflow)
     for host in blamed_hosts(view, provisional):
-        strikes = len(history.strikes.get(host, ())) + 1
+        horizon = view.step - config.strike_window
+        strikes = sum(1 for s in history.strikes.get(host, ()) if s > horizon) + 1
         if strikes >= config.host_strikes and host not in history.excluded:
             return dataclasses.replace(
                 provisional,

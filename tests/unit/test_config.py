@@ -1,0 +1,67 @@
+"""Config precedence (keyword > env > default) and errors that name the field or variable."""
+
+from __future__ import annotations
+
+import pytest
+
+from nansentinel.config import ConfigError, SentinelConfig, resolve_hostname
+
+
+def test_defaults() -> None:
+    cfg = SentinelConfig.from_env({})
+    assert cfg.policy == "skip" and cfg.max_consecutive_skips == 5
+    assert cfg.metrics_port == 9410 and cfg.report_dir == "nansentinel_reports"
+
+
+def test_keyword_beats_env_beats_default() -> None:
+    env = {"NANSENTINEL_POLICY": "abort", "NANSENTINEL_MAX_CONSECUTIVE_SKIPS": "7"}
+    assert SentinelConfig.from_env(env).policy == "abort"
+    cfg = SentinelConfig.from_env(env, policy="skip")
+    assert cfg.policy == "skip" and cfg.max_consecutive_skips == 7
+
+
+@pytest.mark.parametrize(
+    ("env", "words"),
+    [
+        ({"NANSENTINEL_MAX_CONSECUTIVE_SKIPS": "five"},
+         ["NANSENTINEL_MAX_CONSECUTIVE_SKIPS", "five"]),
+        ({"NANSENTINEL_POLICY": "explode"}, ["policy", "explode", "NANSENTINEL_POLICY", "skip"]),
+        ({"NANSENTINEL_METRICS_PORT": "70000"}, ["metrics_port", "NANSENTINEL_METRICS_PORT"]),
+        ({"NANSENTINEL_REPORT_DIR": ""}, ["NANSENTINEL_REPORT_DIR", "empty"]),
+        ({"NANSENTINEL_INJECT": "kind=grad,step=x"}, ["inject", "step", "NANSENTINEL_INJECT"]),
+        ({"NANSENTINEL_EXCHANGE_TIMEOUT": "-1"}, ["exchange_timeout", "> 0"]),
+        ({"NANSENTINEL_MAX_CONSECUTIVE_SKIPS": "0"}, ["max_consecutive_skips", ">= 1"]),
+    ],
+)
+def test_malformed_env_names_the_variable(env: dict[str, str], words: list[str]) -> None:
+    with pytest.raises(ConfigError) as info:
+        SentinelConfig.from_env(env)
+    for word in words:
+        assert word in str(info.value)
+
+
+def test_unknown_keyword_suggests_the_field() -> None:
+    with pytest.raises(ConfigError, match=r"polcy.*did you mean policy"):
+        SentinelConfig.from_env({}, polcy="skip")
+
+
+def test_unknown_env_var_is_warned(caplog: pytest.LogCaptureFixture) -> None:
+    SentinelConfig.from_env({"NANSENTINEL_POLCY": "abort"})
+    assert "NANSENTINEL_POLCY" in caplog.text and "NANSENTINEL_POLICY" in caplog.text
+
+
+def test_bad_keyword_values() -> None:
+    with pytest.raises(ConfigError, match="policy='nope'"):
+        SentinelConfig(policy="nope")
+    with pytest.raises(ConfigError, match="max_consecutive_skips=True must be an integer"):
+        SentinelConfig(max_consecutive_skips=True)
+    with pytest.raises(ConfigError, match="given together"):
+        SentinelConfig(metrics_certfile="c.pem")
+
+
+def test_hostname_resolution_order() -> None:
+    assert resolve_hostname("a", {"NODE_NAME": "b"}) == "a"
+    assert resolve_hostname(None, {"NODE_NAME": "b"}) == "b"
+    assert resolve_hostname(None, {})  # the machine's hostname
+    cfg = SentinelConfig.from_env({"NANSENTINEL_HOSTNAME": "node7"})
+    assert resolve_hostname(cfg.hostname, {"NODE_NAME": "b"}) == "node7"

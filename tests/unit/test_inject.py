@@ -1,0 +1,55 @@
+"""Fire-drill specs: parsing, errors naming the clause, and matching by rank, host and step."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from nansentinel.inject import Injector, parse_inject
+
+
+def test_parse_several_faults() -> None:
+    faults = parse_inject(
+        "kind=grad,rank=2,step=5,value=nan; kind=batch,host=node3,steps=5-9,value=-inf"
+    )
+    assert faults[0].kind == "grad" and faults[0].rank == 2
+    assert faults[0].first == faults[0].last == 5
+    assert faults[1].host == "node3" and (faults[1].first, faults[1].last) == (5, 9)
+    assert faults[1].value == -math.inf and math.isnan(faults[0].value)
+
+
+@pytest.mark.parametrize(
+    ("spec", "words"),
+    [
+        ("kind=weights,rank=1,step=2", ["kind='weights'", "batch, loss, grad"]),
+        ("kind=grad,rank=1", ["exactly one of step"]),
+        ("kind=grad,rank=1,step=2,value=zero", ["value='zero'"]),
+        ("kind=grad,rank=1,host=a,step=2", ["rank or host"]),
+        ("kind=grad,step=9-3", ["step='9-3' is not an integer"]),
+        ("kind=grad,steps=9", ["not A-B"]),
+        ("kind=grad,steps=9-3", ["ends before it starts"]),
+        ("kind=grad,step=2,colour=red", ["unknown key", "colour"]),
+        ("kind=grad,step", ["not key=value"]),
+        ("", ["no fault"]),
+    ],
+)
+def test_bad_specs_name_the_problem(spec: str, words: list[str]) -> None:
+    with pytest.raises(ValueError) as info:
+        parse_inject(spec)
+    for word in words:
+        assert word in str(info.value)
+
+
+def test_injector_matches_rank_host_and_step_range() -> None:
+    faults = parse_inject("kind=loss,host=b,steps=3-4,value=inf;kind=grad,step=1")
+    on_b = Injector(faults, rank=5, host="b")
+    on_a = Injector(faults, rank=0, host="a")
+    assert on_b.value_for("loss", 3) == math.inf and on_b.value_for("loss", 5) is None
+    assert on_a.value_for("loss", 3) is None
+    assert math.isnan(on_a.value_for("grad", 1))  # no rank or host: every rank
+    t = torch.ones(2, 2)
+    assert on_b.poison("loss", 4, t) and t[0, 0] == math.inf and t[1, 1] == 1
+    assert on_b.fired == [(4, "loss")]
+    assert not on_b.poison("loss", 9, t)

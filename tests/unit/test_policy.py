@@ -1,0 +1,67 @@
+"""The decision as a pure function of view, history and config."""
+
+from __future__ import annotations
+
+from nansentinel.config import SentinelConfig
+from nansentinel.exchange import ClusterView, RankHealth
+from nansentinel.policy import ABORT, APPLY, EXCLUDE, OVERFLOW, SKIP, History, decide
+from nansentinel.result import RankIdentity
+
+HOSTS = ["n0", "n0", "n1", "n1"]
+
+
+def view(step: int, bad: dict[int, tuple[str, ...]]) -> ClusterView:
+    ranks = tuple(
+        RankHealth(RankIdentity(r, r % 2, 4, h, "cpu"), bad.get(r, ()), False, 1.0, 1.0)
+        for r, h in enumerate(HOSTS)
+    )
+    return ClusterView(step, ranks)
+
+
+def test_healthy_applies_and_bad_skips_naming_rank_and_host() -> None:
+    cfg = SentinelConfig(host_strikes=99)
+    assert decide(view(0, {}), History(), cfg).action == APPLY
+    d = decide(view(0, {2: ("grad",)}), History(), cfg)
+    assert d.action == SKIP and d.bad_ranks == [2] and d.bad_hosts == ["n1"] and d.kinds == ["grad"]
+
+
+def test_abort_policy_and_escalation() -> None:
+    bad = view(3, {1: ("loss",)})
+    assert decide(bad, History(), SentinelConfig(policy="abort", host_strikes=99)).action == ABORT
+    cfg = SentinelConfig(max_consecutive_skips=2, host_strikes=99)
+    h = History()
+    actions = []
+    for step in range(4):
+        d = decide(view(step, {1: ("loss",)}), h, cfg)
+        h.record(view(step, {1: ("loss",)}), d, cfg)
+        actions.append(d.action)
+    assert actions == [SKIP, SKIP, ABORT, ABORT]
+    d = decide(view(9, {}), h, cfg)
+    h.record(view(9, {}), d, cfg)
+    assert h.consecutive_skips == 0
+
+
+def test_amp_overflow_is_not_blamed_but_bad_loss_is() -> None:
+    cfg = SentinelConfig()
+    d = decide(view(0, {1: ("grad",)}), History(), cfg, amp=True)
+    assert d.action == OVERFLOW and d.overflow and d.bad_ranks == []
+    d = decide(view(0, {1: ("loss", "grad")}), History(), cfg, amp=True)
+    assert d.action == SKIP and d.bad_ranks == [1] and d.kinds == ["loss", "grad"]
+
+
+def test_strikes_within_window_exclude_a_host_but_never_the_only_one() -> None:
+    cfg = SentinelConfig(host_strikes=2, strike_window=10)
+    h = History()
+    seq = []
+    for step in (0, 20, 25):  # step 0 falls out of the window before step 20
+        v = view(step, {3: ("batch",)})
+        d = decide(v, h, cfg)
+        h.record(v, d, cfg)
+        seq.append(d.action)
+    assert seq == [SKIP, SKIP, EXCLUDE] and h.excluded == ["n1"]
+    # Every host bad: global divergence, nobody is struck.
+    h2 = History()
+    v = view(0, {0: ("loss",), 2: ("loss",)})
+    d = decide(v, h2, cfg)
+    h2.record(v, d, cfg)
+    assert h2.strikes == {}
