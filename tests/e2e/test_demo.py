@@ -1,0 +1,50 @@
+"""The README's first command, run as a user runs it: ``nansentinel demo`` in a fresh process."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.e2e
+
+
+def demo(tmp_path: Path, *args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("NANSENTINEL_")}
+    return subprocess.run(
+        [sys.executable, "-m", "nansentinel", "demo", "--report-dir", str(tmp_path / "r"), *args],
+        capture_output=True, text=True, timeout=timeout, env=env, cwd=tmp_path,
+        stdin=subprocess.DEVNULL,
+    )
+
+
+@pytest.mark.timeout(150)
+def test_demo_names_the_poisoned_rank_and_finishes(tmp_path: Path) -> None:
+    proc = demo(tmp_path, "--steps", "8")
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out
+    assert "step   5 skipped" in out and "bad ranks [2]" in out, out
+    assert "rank 2 (host" in out and "grad" in out
+    assert out.count(" applied ") == 7
+    reports = [p for p in (tmp_path / "r").glob("incident-*.json")]
+    assert len(reports) == 1 and json.loads(reports[0].read_text())["bad_ranks"] == [2]
+
+
+@pytest.mark.timeout(150)
+def test_abort_exits_non_zero_within_seconds_with_the_report_written(tmp_path: Path) -> None:
+    started = time.monotonic()
+    proc = demo(tmp_path, "--steps", "50", "--policy", "abort",
+                "--inject", "kind=loss,rank=1,step=3,value=inf")
+    elapsed = time.monotonic() - started
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0, out
+    assert "NonFiniteError" in out and "aborting at step 3" in out and "rank(s) 1" in out, out
+    assert "step   4" not in out  # no rank went on
+    report = json.loads(next((tmp_path / "r").glob("incident-*step00000003.json")).read_text())
+    assert report["outcome"] == "aborted" and report["bad_ranks"] == [1]
+    assert elapsed < 60, f"abort took {elapsed:.1f} s"

@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# The test command of the README: installs what the suite needs, then runs ruff and pytest.
+# Extra arguments go to pytest (e.g. `bash tests/run.sh tests/unit -q`).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+# Debian packages for the end-to-end tests: real Prometheus and Alertmanager (promtool, amtool),
+# iproute2 for the network-namespace hosts, openssl for the exporter's TLS test.
+need=()
+for pair in prometheus:prometheus promtool:prometheus prometheus-alertmanager:prometheus-alertmanager \
+            amtool:prometheus-alertmanager ip:iproute2 openssl:openssl; do
+    command -v "${pair%%:*}" >/dev/null 2>&1 || need+=("${pair##*:}")
+done
+if ((${#need[@]})); then
+    sudo=""
+    [ "$(id -u)" = 0 ] || sudo="sudo"
+    echo "installing Debian packages: ${need[*]}"
+    $sudo apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends \
+        $(printf '%s\n' "${need[@]}" | sort -u) >/dev/null
+fi
+
+# The pinned CPU build of torch first (an unpinned torch pulls a multi-GB CUDA build), then us.
+python3 -m pip install -q torch==2.13.0
+python3 -m pip install -q -e '.[test]'
+
+python3 -m ruff check .
+python3 -m pytest "$@"
