@@ -1,0 +1,242 @@
+"""The exclusion store: which hosts the cluster has decided to keep out, and why.
+
+When a host keeps poisoning the run (``host_strikes`` non-finite blames within
+``strike_window`` steps), the sentinel on global rank 0 appends an :class:`ExclusionRecord`
+here and every rank raises :class:`nansentinel.HostExcludedError`. The ``nansentinel run``
+launcher reads the same file: on the excluded host it leaves the job instead of rejoining
+the next rendezvous, and a launcher started later on that host refuses to join at all
+(exit code 4) until an operator clears the record with ``nansentinel excluded --clear HOST``.
+
+Format and locking. One JSON object per line (append-only, easy to ``tail`` and ``grep``),
+on a filesystem every host sees (NFS, Lustre, a PVC). Writers take an exclusive
+``flock`` on a sidecar lock file ``<file>.lock`` -- not on the data file, because
+:meth:`ExclusionStore.clear` replaces the data file and a lock on the replaced inode would
+protect nothing. Each append is flushed and fsynced before the lock is released, so a record
+is durable before the ranks exit and the launchers look for it. Readers take a shared lock
+when they can (a read-only operator account may not be able to create the lock file) and
+skip a torn or garbled line with a warning naming the file and the line, so one bad write
+never hides the other records.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import fcntl
+import json
+import logging
+import os
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger("nansentinel")
+
+# On local filesystems flock excludes every open file description, threads included; on
+# NFS Linux emulates flock with POSIX record locks, which belong to the process, so two
+# threads of one process would both "hold" the lock. This lock covers that case.
+_PROCESS_LOCK = threading.Lock()
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ExclusionRecord:
+    """One decision to exclude a host."""
+
+    host: str
+    """The host's identity as the sentinel names it (``NANSENTINEL_HOSTNAME``, ``NODE_NAME``
+    or the machine's hostname), which is also what the launcher on that host resolves."""
+    reason: str
+    """One human line: what was non-finite, how often, on which ranks."""
+    step: int
+    """Training step at which the cluster decided."""
+    evidence: dict[str, Any] = dataclasses.field(default_factory=dict)
+    """Whatever supports the decision: strikes, bad ranks, kinds, report paths."""
+    time: float = dataclasses.field(default_factory=time.time)
+    """Seconds since the epoch when the decision was made."""
+    job_id: str | None = None
+    """The job (torchrun run id) that decided, so an operator can find its logs."""
+
+    def to_json(self) -> str:
+        """One line of JSON, without a newline."""
+        return json.dumps(dataclasses.asdict(self), sort_keys=True, default=str)
+
+    @classmethod
+    def from_dict(cls, data: Any) -> ExclusionRecord:
+        """Rebuild a record; raises ``ValueError`` naming what is missing or wrong."""
+        if not isinstance(data, dict):
+            raise ValueError("not a JSON object")
+        host = data.get("host")
+        if not isinstance(host, str) or not host:
+            raise ValueError(f"host={host!r} is not a non-empty string")
+        evidence = data.get("evidence") or {}
+        if not isinstance(evidence, dict):
+            raise ValueError(f"evidence={evidence!r} is not an object")
+        try:
+            step = int(data.get("step", -1))
+            when = float(data.get("time", 0.0))
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"bad step or time: {exc}") from None
+        job_id = data.get("job_id")
+        return cls(
+            host=host,
+            reason=str(data.get("reason", "")),
+            step=step,
+            evidence=evidence,
+            time=when,
+            job_id=None if job_id is None else str(job_id),
+        )
+
+
+class ExclusionStore:
+    """Append-only JSON-lines file of :class:`ExclusionRecord`, safe across processes and
+    hosts that share the file.
+
+    Args:
+        path: the exclusion file; its directory is created on the first :meth:`add`.
+    """
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = Path(path)
+        self.lock_path = self.path.with_name(self.path.name + ".lock")
+
+    def __repr__(self) -> str:
+        return f"ExclusionStore({str(self.path)!r})"
+
+    def add(self, record: ExclusionRecord) -> None:
+        """Append ``record`` durably (flushed and fsynced before returning).
+
+        A previous writer that died mid-line leaves the file without a final newline; the
+        new record then starts on a fresh line, so the torn line costs only itself.
+        """
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        line = record.to_json() + "\n"
+        with self._locked(fcntl.LOCK_EX), open(self.path, "a+b") as f:
+            f.seek(0, os.SEEK_END)
+            if f.tell() > 0:
+                f.seek(-1, os.SEEK_END)
+                if f.read(1) != b"\n":
+                    line = "\n" + line
+            f.write(line.encode("utf-8"))
+            f.flush()
+            os.fsync(f.fileno())
+        log.info("recorded exclusion of host %s in %s: %s", record.host, self.path, record.reason)
+
+    def records(self) -> list[ExclusionRecord]:
+        """Every readable record, oldest first; ``[]`` when the file does not exist."""
+        try:
+            with self._locked(fcntl.LOCK_SH, required=False):
+                text = self.path.read_text(encoding="utf-8", errors="replace")
+        except FileNotFoundError:
+            return []
+        return list(self._parse(text))
+
+    def excluded_hosts(self) -> set[str]:
+        """Hosts with at least one record."""
+        return {r.host for r in self.records()}
+
+    def is_excluded(self, host: str) -> bool:
+        """True when ``host`` has a record."""
+        return host in self.excluded_hosts()
+
+    def records_for(self, host: str) -> list[ExclusionRecord]:
+        """The records of ``host``, oldest first."""
+        return [r for r in self.records() if r.host == host]
+
+    def clear(self, host: str) -> int:
+        """Remove every record of ``host``; returns how many were removed.
+
+        The file is rewritten to a temporary file and swapped in with ``os.replace`` under
+        the exclusive lock: a crash leaves the old file or the new one. Lines this store
+        cannot parse are kept as they were -- clearing one host must not destroy evidence
+        an operator may still want to read.
+        """
+        with self._locked(fcntl.LOCK_EX):
+            try:
+                text = self.path.read_text(encoding="utf-8", errors="replace")
+            except FileNotFoundError:
+                return 0
+            kept: list[str] = []
+            removed = 0
+            for line in text.splitlines():
+                record = self._parse_line(line)
+                if record is not None and record.host == host:
+                    removed += 1
+                elif line.strip():
+                    kept.append(line)
+            if removed == 0:
+                return 0
+            fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=f".{self.path.name}.")
+            try:
+                with os.fdopen(fd, "w", encoding="utf-8") as f:
+                    f.write("".join(line + "\n" for line in kept))
+                    f.flush()
+                    os.fsync(f.fileno())
+                with contextlib.suppress(OSError):
+                    os.chmod(tmp, self.path.stat().st_mode & 0o7777)
+                os.replace(tmp, self.path)
+            except BaseException:
+                Path(tmp).unlink(missing_ok=True)
+                raise
+            _fsync_dir(self.path.parent)
+        log.info("cleared %d exclusion record(s) of host %s from %s", removed, host, self.path)
+        return removed
+
+    # -- internals -------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def _locked(self, mode: int, *, required: bool = True) -> Iterator[None]:
+        """Hold the sidecar lock in ``mode``. With ``required=False`` a lock file that
+        cannot be created (read-only directory) means: read without the lock."""
+        with _PROCESS_LOCK:
+            fd: int | None = None
+            try:
+                if required:
+                    self.lock_path.parent.mkdir(parents=True, exist_ok=True)
+                fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT, 0o666)
+            except OSError:
+                if required:
+                    raise
+            if fd is None:
+                yield
+                return
+            try:
+                fcntl.flock(fd, mode)
+                yield
+            finally:
+                os.close(fd)  # closing the descriptor releases the flock
+
+    def _parse(self, text: str) -> Iterator[ExclusionRecord]:
+        for lineno, line in enumerate(text.splitlines(), start=1):
+            if not line.strip():
+                continue
+            record = self._parse_line(line, lineno)
+            if record is not None:
+                yield record
+
+    def _parse_line(self, line: str, lineno: int | None = None) -> ExclusionRecord | None:
+        try:
+            return ExclusionRecord.from_dict(json.loads(line))
+        except ValueError as exc:
+            if lineno is not None:
+                log.warning(
+                    "%s line %d: skipping unreadable exclusion record (%s): %.80r",
+                    self.path, lineno, exc, line,
+                )
+            return None
+
+
+def _fsync_dir(directory: Path) -> None:
+    """Make a rename durable; some filesystems (and all of Windows) cannot, which is fine."""
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)

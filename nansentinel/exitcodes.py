@@ -1,0 +1,58 @@
+"""Exit codes of ``nansentinel run``: what a scheduler or a wrapper script can branch on.
+
+A job script wants to know *why* the launcher stopped without parsing logs: retry a
+transient worker crash, page someone on a non-finite abort, drain a node that was excluded,
+or fix a typo. Each outcome has one code, the same on every host:
+
+====  =========================  ===========================================================
+code  name                       meaning
+====  =========================  ===========================================================
+0     ``EXIT_OK``                every worker finished successfully
+1     ``EXIT_WORKER_FAILED``     a worker failed for a reason the sentinel did not decide
+2     ``EXIT_CONFIG``            bad option or configuration; nothing was started
+3     ``EXIT_NONFINITE_ABORT``   the sentinel stopped the run on non-finite values
+4     ``EXIT_HOST_EXCLUDED``     this host was excluded; its launcher left the job
+5     ``EXIT_EXCHANGE_TIMEOUT``  a rank did not answer the sentinel's health exchange
+====  =========================  ===========================================================
+
+The values are part of the user-facing contract (alerts and job scripts test them); never
+renumber them. 2 matches argparse's own usage-error code, so ``--bogus`` and a bad
+``--host-strikes`` look the same to a caller.
+"""
+
+from __future__ import annotations
+
+EXIT_OK = 0
+"""Every worker on this host (and, through torchrun's exit barrier, the job) succeeded."""
+
+EXIT_WORKER_FAILED = 1
+"""A worker failed and no sentinel verdict explains it: a Python exception, an OOM kill,
+a segfault, a rendezvous that timed out. Usually worth a retry or a look at the logs."""
+
+EXIT_CONFIG = 2
+"""A usage or configuration error (unknown option, bad value, missing file). Nothing was
+launched; retrying the same command will fail the same way."""
+
+EXIT_NONFINITE_ABORT = 3
+"""The sentinel aborted the run because of non-finite values (abort policy, too many
+consecutive skips, or a host exclusion with no restart left). The incident report named in
+the summary says which rank, host, step and kind."""
+
+EXIT_HOST_EXCLUDED = 4
+"""This host was excluded (now or by an earlier run, per the exclusion file). Only the
+launcher on the excluded host exits with it, after running the ``--on-exclude`` hook, so
+that the scheduler can drain the node while the other hosts carry on."""
+
+EXIT_EXCHANGE_TIMEOUT = 5
+"""A rank did not answer the sentinel's health exchange within the exchange timeout: a
+dead, frozen or partitioned rank. The summary names the ranks that did not answer."""
+
+#: Name of each code, for messages and documentation.
+NAMES: dict[int, str] = {
+    EXIT_OK: "EXIT_OK",
+    EXIT_WORKER_FAILED: "EXIT_WORKER_FAILED",
+    EXIT_CONFIG: "EXIT_CONFIG",
+    EXIT_NONFINITE_ABORT: "EXIT_NONFINITE_ABORT",
+    EXIT_HOST_EXCLUDED: "EXIT_HOST_EXCLUDED",
+    EXIT_EXCHANGE_TIMEOUT: "EXIT_EXCHANGE_TIMEOUT",
+}

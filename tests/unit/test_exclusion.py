@@ -1,0 +1,246 @@
+"""Exclusion store, the rendezvous guard built on it, and ``nansentinel excluded``."""
+
+from __future__ import annotations
+
+import json
+import logging
+import multiprocessing
+from datetime import timedelta
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from nansentinel import launcher
+from nansentinel.exclusion import ExclusionRecord, ExclusionStore
+from nansentinel.exitcodes import EXIT_CONFIG, EXIT_OK
+from nansentinel.launcher import (
+    ExclusionGuard,
+    GuardedRendezvousHandler,
+    HostExcludedExit,
+    excluded_main,
+)
+from nansentinel.verdicts import write_verdict
+
+
+def _record(host: str, step: int = 3, **kw: object) -> ExclusionRecord:
+    return ExclusionRecord(host=host, reason=f"{host} poisoned the grads", step=step,
+                           evidence={"bad_ranks": [2, 3], "strikes": 3}, job_id="job-1", **kw)
+
+
+def test_add_then_read_back(tmp_path: Path) -> None:
+    store = ExclusionStore(tmp_path / "sub" / "excluded.jsonl")
+    assert store.records() == [] and not store.is_excluded("node3")
+    rec = _record("node3")
+    store.add(rec)
+    store.add(_record("node7", step=9))
+    first, second = store.records()
+    assert first == rec  # every field survives the round trip
+    assert (second.host, second.step) == ("node7", 9)
+    assert store.excluded_hosts() == {"node3", "node7"}
+    assert store.is_excluded("node3") and not store.is_excluded("node1")
+    # One JSON object per line: greppable, tail-able.
+    lines = store.path.read_text().splitlines()
+    assert [json.loads(line)["host"] for line in lines] == ["node3", "node7"]
+
+
+def _add_many(path: str, writer: int, count: int) -> None:
+    store = ExclusionStore(path)
+    for i in range(count):
+        # Long reasons make a torn or interleaved write likely if the lock did not work.
+        store.add(ExclusionRecord(host=f"w{writer}-{i}", reason="x" * 5000, step=i))
+
+
+def test_concurrent_adds_from_processes_lose_nothing(tmp_path: Path) -> None:
+    path = str(tmp_path / "excluded.jsonl")
+    ctx = multiprocessing.get_context("spawn")
+    procs = [ctx.Process(target=_add_many, args=(path, w, 20)) for w in range(4)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=60)
+        assert p.exitcode == 0
+    hosts = ExclusionStore(path).excluded_hosts()
+    assert hosts == {f"w{w}-{i}" for w in range(4) for i in range(20)}
+    assert len(Path(path).read_text().splitlines()) == 80
+
+
+def test_garbled_line_is_skipped_with_a_warning_naming_file_and_line(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    store = ExclusionStore(tmp_path / "excluded.jsonl")
+    store.add(_record("node1"))
+    with open(store.path, "a") as f:
+        f.write('{"host": "node2", "reas\n')  # torn write
+        f.write('["not", "an", "object"]\n')
+    store.add(_record("node3"))
+    with caplog.at_level(logging.WARNING, logger="nansentinel"):
+        hosts = store.excluded_hosts()
+    assert hosts == {"node1", "node3"}
+    warnings = [r.getMessage() for r in caplog.records]
+    assert any(str(store.path) in w and "line 2" in w for w in warnings)
+    assert any("line 3" in w for w in warnings)
+
+
+def test_record_after_a_torn_last_line_still_lands_on_its_own_line(tmp_path: Path) -> None:
+    store = ExclusionStore(tmp_path / "excluded.jsonl")
+    store.add(_record("node1"))
+    with open(store.path, "a") as f:
+        f.write('{"host": "node2", "reason": "a writer died he')  # no newline
+    store.add(_record("node3"))
+    assert store.excluded_hosts() == {"node1", "node3"}
+
+
+def test_clear_removes_only_that_host_and_keeps_unreadable_lines(tmp_path: Path) -> None:
+    store = ExclusionStore(tmp_path / "excluded.jsonl")
+    store.add(_record("node3"))
+    store.add(_record("node5"))
+    with open(store.path, "a") as f:
+        f.write("garbage that an operator may want to read\n")
+    store.add(_record("node3", step=40))
+    assert store.clear("node3") == 2
+    assert store.excluded_hosts() == {"node5"}
+    assert "garbage that an operator" in store.path.read_text()
+    assert store.clear("node3") == 0
+    assert ExclusionStore(tmp_path / "missing.jsonl").clear("node3") == 0
+    assert not list(tmp_path.glob(".excluded.jsonl.*"))  # no temp file left behind
+
+
+def test_record_rejects_a_record_without_a_host() -> None:
+    with pytest.raises(ValueError, match="host"):
+        ExclusionRecord.from_dict({"reason": "r", "step": 1})
+    with pytest.raises(ValueError, match="evidence"):
+        ExclusionRecord.from_dict({"host": "h", "evidence": [1]})
+
+
+# -- the rendezvous guard -------------------------------------------------------------------
+
+
+class _FakeExecutor:
+    def __init__(self) -> None:
+        self.ops: list[object] = []
+
+    def run(self, op: object, deadline: float) -> None:
+        self.ops.append(op)
+
+
+class _FakeDynamicHandler:
+    """Stands in for torch's DynamicRendezvousHandler: records what the wrapper calls."""
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+        self._op_executor = _FakeExecutor()
+        self.settings = SimpleNamespace(timeout=SimpleNamespace(close=timedelta(seconds=3)))
+        self.use_agent_store = True
+
+    def next_rendezvous(self) -> str:
+        self.calls.append("next_rendezvous")
+        return "rdzv-info"
+
+    def shutdown(self) -> bool:
+        self.calls.append("shutdown")
+        return True
+
+    def _stop_heartbeats(self) -> None:
+        self.calls.append("stop_heartbeats")
+
+    def num_nodes_waiting(self) -> int:
+        return 2
+
+    def get_run_id(self) -> str:
+        return "job-1"
+
+
+def _verdict(host: str, excluded: str | None, outcome: str = "excluded") -> dict[str, object]:
+    return {"rank": 0, "local_rank": 0, "hostname": host, "step": 12, "outcome": outcome,
+            "message": f"{excluded} is bad", "bad_ranks": [4], "bad_hosts": [excluded],
+            "kinds": ["grad"], "excluded_host": excluded, "report_path": None}
+
+
+def test_guard_lets_a_healthy_host_rejoin_and_archives_the_old_verdicts(tmp_path: Path) -> None:
+    inner = _FakeDynamicHandler()
+    guard = ExclusionGuard("node1", tmp_path, ExclusionStore(tmp_path / "x.jsonl"), "job-1")
+    handler = GuardedRendezvousHandler(inner, guard)
+    assert handler.next_rendezvous() == "rdzv-info"
+    write_verdict(tmp_path, 0, _verdict("node1", "node3"))  # another host was excluded
+    assert handler.next_rendezvous() == "rdzv-info"
+    assert inner.calls == ["next_rendezvous", "next_rendezvous"]
+    assert not (tmp_path / "verdicts").exists()
+    assert (tmp_path / "verdicts.attempt-0" / "rank-0.json").exists()
+    assert set(guard.others_excluded) == {"node3"}
+    # The normal end of a job still closes the rendezvous, as torchrun does.
+    assert handler.shutdown() is True and inner.calls[-1] == "shutdown"
+    assert handler.get_backend() == "nansentinel"
+    assert handler.num_nodes_waiting() == 2 and handler.get_run_id() == "job-1"
+
+
+def test_guard_keeps_the_excluded_host_out_and_leaves_without_closing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _RendezvousExitOp
+
+    monkeypatch.setattr(launcher, "RECORD_WAIT_S", 0.1)
+    store = ExclusionStore(tmp_path / "x.jsonl")
+    inner = _FakeDynamicHandler()
+    guard = ExclusionGuard("node3", tmp_path / "run", store, "job-1")
+    handler = GuardedRendezvousHandler(inner, guard)
+    handler.next_rendezvous()
+    # Rank 0's record never arrived: the guard writes one from this host's own verdict.
+    write_verdict(tmp_path / "run", 4, _verdict("node3", "node3"))
+    with pytest.raises(HostExcludedExit) as info:
+        handler.next_rendezvous()
+    assert info.value.record.host == "node3" and "node3 is bad" in info.value.record.reason
+    assert store.is_excluded("node3")
+    assert inner.calls == ["next_rendezvous"]  # did not join the next round
+    assert handler.shutdown() is True
+    assert "shutdown" not in inner.calls  # closing would end the job for every host
+    assert inner.calls[-1] == "stop_heartbeats"
+    assert [type(op) for op in inner._op_executor.ops] == [_RendezvousExitOp]
+
+
+def test_guard_refuses_a_host_already_in_the_store(tmp_path: Path) -> None:
+    store = ExclusionStore(tmp_path / "x.jsonl")
+    store.add(_record("node3"))
+    handler = GuardedRendezvousHandler(
+        _FakeDynamicHandler(), ExclusionGuard("node3", tmp_path, store, None)
+    )
+    with pytest.raises(HostExcludedExit, match="node3 poisoned"):
+        handler.next_rendezvous()
+    other = GuardedRendezvousHandler(
+        _FakeDynamicHandler(), ExclusionGuard("node1", tmp_path, store, None)
+    )
+    assert other.next_rendezvous() == "rdzv-info"
+
+
+# -- nansentinel excluded ---------------------------------------------------------------------
+
+
+def test_excluded_lists_clears_and_prints_json(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "x.jsonl"
+    assert excluded_main(["--exclusion-file", str(path)]) == EXIT_OK
+    assert "no excluded hosts" in capsys.readouterr().out
+    ExclusionStore(path).add(_record("node3", step=12))
+    assert excluded_main(["--exclusion-file", str(path)]) == EXIT_OK
+    out = capsys.readouterr().out
+    assert "node3" in out and "step 12" in out and "job job-1" in out
+    assert "node3 poisoned the grads" in out and "strikes=3" in out
+    assert excluded_main(["--exclusion-file", str(path), "--json"]) == EXIT_OK
+    assert json.loads(capsys.readouterr().out)[0]["host"] == "node3"
+    assert excluded_main(["--exclusion-file", str(path), "--clear", "node3"]) == EXIT_OK
+    assert "cleared 1 exclusion record(s) of host node3" in capsys.readouterr().out
+    assert not ExclusionStore(path).records()
+
+
+def test_excluded_reads_the_file_from_the_environment_or_says_it_is_missing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.delenv("NANSENTINEL_EXCLUSION_FILE", raising=False)
+    assert excluded_main([]) == EXIT_CONFIG
+    assert "--exclusion-file" in capsys.readouterr().err
+    path = tmp_path / "x.jsonl"
+    ExclusionStore(path).add(_record("node9"))
+    monkeypatch.setenv("NANSENTINEL_EXCLUSION_FILE", str(path))
+    assert excluded_main([]) == EXIT_OK
+    assert "node9" in capsys.readouterr().out
