@@ -34,24 +34,40 @@ HOST = "node-a"
 
 
 def identity(rank: int = 0, local_rank: int = 0, **kw: str) -> RankIdentity:
-    return RankIdentity(rank=rank, local_rank=local_rank, world_size=4, hostname=HOST,
-                        device="cpu", **kw)  # fmt: skip
+    return RankIdentity(
+        rank=rank, local_rank=local_rank, world_size=4, hostname=HOST, device="cpu", **kw
+    )
 
 
 def result(step: int = 0, **kw: object) -> StepResult:
     fields: dict[str, object] = dict(
-        step=step, applied=True, outcome="applied", bad_ranks=[], bad_hosts=[], kinds=[],
-        local_kinds=[], local_loss=1.5, local_grad_norm=0.25, consecutive_skips=0,
-    )  # fmt: skip
+        step=step,
+        applied=True,
+        outcome="applied",
+        bad_ranks=[],
+        bad_hosts=[],
+        kinds=[],
+        local_kinds=[],
+        local_loss=1.5,
+        local_grad_norm=0.25,
+        consecutive_skips=0,
+    )
     fields.update(kw)
     return StepResult(**fields)  # type: ignore[arg-type]
 
 
 def bad_result(step: int, *, local: list[str], host: str = HOST, **kw: object) -> StepResult:
     return result(
-        step, applied=False, outcome="skipped", bad_ranks=[1], bad_hosts=[host],
-        kinds=local or ["grad"], local_kinds=local, consecutive_skips=1, **kw,
-    )  # fmt: skip
+        step,
+        applied=False,
+        outcome="skipped",
+        bad_ranks=[1],
+        bad_hosts=[host],
+        kinds=local or ["grad"],
+        local_kinds=local,
+        consecutive_skips=1,
+        **kw,
+    )
 
 
 def value(m: SentinelMetrics, name: str, **labels: str) -> float | None:
@@ -109,8 +125,9 @@ def test_healthy_step() -> None:
 
 def test_non_finite_step_counts_each_local_kind_and_one_blamed_step() -> None:
     m = SentinelMetrics(identity(rank=1))
-    m.observe_step(bad_result(3, local=["loss", "grad"], local_loss=math.nan,
-                              local_grad_norm=math.inf), 0.01)  # fmt: skip
+    m.observe_step(
+        bad_result(3, local=["loss", "grad"], local_loss=math.nan, local_grad_norm=math.inf), 0.01
+    )
     assert value(m, "nansentinel_nonfinite_total", kind="loss") == 1
     assert value(m, "nansentinel_nonfinite_total", kind="grad") == 1
     assert value(m, "nansentinel_nonfinite_total", kind="batch") == 0
@@ -177,12 +194,29 @@ def test_cluster_view_can_be_forced_either_way() -> None:
 
 def test_rank_info_is_the_dcgm_join_key() -> None:
     m = SentinelMetrics(identity(rank=5, local_rank=1, gpu="1", gpu_uuid="0a1b2c3d-aaaa"))
-    labels = dict(rank="5", local_rank="1", world_size="4", hostname=HOST, gpu="1",
-                  gpu_uuid="GPU-0a1b2c3d-aaaa")  # fmt: skip
+    labels = dict(
+        rank="5",
+        local_rank="1",
+        world_size="4",
+        hostname=HOST,
+        gpu="1",
+        gpu_uuid="GPU-0a1b2c3d-aaaa",
+    )
     assert value(m, "nansentinel_rank_info", **labels) == 1
     cpu = SentinelMetrics(identity())
-    assert value(cpu, "nansentinel_rank_info", rank="0", local_rank="0", world_size="4",
-                 hostname=HOST, gpu="", gpu_uuid="") == 1  # fmt: skip
+    assert (
+        value(
+            cpu,
+            "nansentinel_rank_info",
+            rank="0",
+            local_rank="0",
+            world_size="4",
+            hostname=HOST,
+            gpu="",
+            gpu_uuid="",
+        )
+        == 1
+    )
 
 
 @pytest.mark.parametrize(
@@ -217,6 +251,22 @@ def test_cpu_utilization_follows_busy_time() -> None:
     ratio = collector.cpu_utilization()
     # This process alone kept a core busy since the collector's first reading.
     assert 0.0 < ratio <= 1.0
+
+
+def test_device_memory_is_read_for_a_cuda_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The CUDA branch on a CPU machine: torch's allocator counters are stubbed.
+    seen: list[torch.device] = []
+
+    def allocated(device: torch.device) -> int:
+        seen.append(device)
+        return 3 << 20
+
+    monkeypatch.setattr(torch.cuda, "memory_allocated", allocated)
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device: 8 << 20)
+    m = SentinelMetrics(identity(), device=torch.device("cuda", 1))
+    assert value(m, "nansentinel_device_memory_allocated_bytes") == 3 << 20
+    assert value(m, "nansentinel_device_memory_reserved_bytes") == 8 << 20
+    assert seen and all(d == torch.device("cuda", 1) for d in seen)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -301,11 +351,28 @@ def make_self_signed(tmp_path: Path) -> tuple[Path, Path]:
         pytest.skip("openssl is not installed; cannot make a self-signed certificate")
     cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
     subprocess.run(
-        [openssl, "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-subj", "/CN=localhost",
-         "-days", "1", "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1",
-         "-keyout", str(key), "-out", str(cert)],
-        check=True, capture_output=True, timeout=30,
-    )  # fmt: skip
+        [
+            openssl,
+            "req",
+            "-x509",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-subj",
+            "/CN=localhost",
+            "-days",
+            "1",
+            "-addext",
+            "subjectAltName=DNS:localhost,IP:127.0.0.1",
+            "-keyout",
+            str(key),
+            "-out",
+            str(cert),
+        ],
+        check=True,
+        capture_output=True,
+        timeout=30,
+    )
     return cert, key
 
 
