@@ -268,8 +268,6 @@ def prometheus(
             f"--config.file={config_path}",
             f"--storage.tsdb.path={workdir / 'data'}",
             f"--web.listen-address=127.0.0.1:{port}",
-            "--web.console.templates=",
-            "--web.console.libraries=",
             "--log.level=info",
         ],
         workdir / "prometheus.log",
