@@ -19,6 +19,8 @@ import datetime
 import json
 import logging
 import math
+import os
+import threading
 
 import torch
 import torch.distributed as dist
@@ -135,10 +137,19 @@ class HealthExchange:
         self._vector: torch.Tensor | None = None
         self._work: dist.Work | None = None
         self._step = -1
+        self._diagnosed: tuple[int, ExchangeTimeoutError] | None = None
+        self._lock = threading.Lock()
+        # Check-in keys must not collide with an earlier attempt of the same job.
+        self._attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
 
     @property
     def launched(self) -> bool:
         return self._vector is not None
+
+    def settled(self) -> bool:
+        """True when this step's exchange was launched and its collective has completed."""
+        work = self._work
+        return self._vector is not None and (work is None or work.is_completed())
 
     def launch(self, step: int, row: torch.Tensor) -> None:
         """Start summing this rank's ``row`` across the group (asynchronous)."""
@@ -161,9 +172,9 @@ class HealthExchange:
             try:
                 done = work.wait(timeout=datetime.timedelta(seconds=self.timeout))
             except RuntimeError as exc:
-                raise self._timeout_error(step, identities, exc) from exc
+                raise self.diagnose(step, identities, exc) from exc
             if done is False:
-                raise self._timeout_error(step, identities, None)
+                raise self.diagnose(step, identities, None)
         return unpack_view(step, vector.tolist(), identities)
 
     def barrier(self) -> None:
@@ -193,42 +204,56 @@ class HealthExchange:
         dist.all_gather(out, padded, group=self.group)
         return [json.loads(bytes(t[:n].tolist())) for t, n in zip(out, lengths, strict=True)]
 
-    def _timeout_error(
+    def diagnose(
+        self, step: int, identities: list[RankIdentity], cause: BaseException | None
+    ) -> ExchangeTimeoutError:
+        """The error for a collective of ``step`` that failed or timed out, naming the ranks
+        (and hosts) that did not answer. Diagnosed once per step: DDP may report the same
+        failure once per gradient bucket."""
+        with self._lock:
+            if self._diagnosed is None or self._diagnosed[0] != step:
+                self._diagnosed = (step, self._diagnose(step, identities, cause))
+            return self._diagnosed[1]
+
+    def _diagnose(
         self, step: int, identities: list[RankIdentity], cause: BaseException | None
     ) -> ExchangeTimeoutError:
         missing = self._missing_ranks(step)
         me = identities[self.rank] if identities else None
         where = f"rank {self.rank}" + (f" on host {me.hostname}" if me else "")
-        if missing:
+        if missing is None:
+            who = "could not tell which ranks are missing (the rendezvous store is unreachable)"
+        elif missing:
             names = ", ".join(
                 f"rank {r} ({identities[r].hostname})" if r < len(identities) else f"rank {r}"
                 for r in missing
             )
             who = f"no answer from {names}"
         else:
-            who = "could not tell which ranks are missing (no rendezvous store)"
-        detail = f": {cause}" if cause else ""
+            who = "every rank checked in, so the failure is in the transport itself"
+        detail = f" (cause: {cause})" if cause else ""
         return ExchangeTimeoutError(
-            f"nansentinel: health exchange at step {step} timed out after {self.timeout:g} s "
-            f"on {where}; {who}. The job stops here; torchrun restarts or ends it as "
-            f"configured{detail}"
+            f"nansentinel: the collectives of step {step} failed or timed out after "
+            f"{self.timeout:g} s on {where}; {who}. This rank stops here; torchrun restarts "
+            f"or ends the job as configured{detail}",
+            missing or [],
         )
 
-    def _missing_ranks(self, step: int) -> list[int]:
+    def _missing_ranks(self, step: int) -> list[int] | None:
         """After a timeout, find the ranks that are not stuck with us in the same exchange.
 
         Every live rank that times out checks in at the rendezvous store; ranks that have not
         checked in within a short grace period are dead or frozen. This costs nothing on the
-        normal step: the store is touched only after a timeout.
+        normal step: the store is touched only after a timeout. None: no store to ask.
         """
         try:
             store = dist.distributed_c10d._get_default_store()
         except (RuntimeError, ValueError, AttributeError):
-            return []
-        prefix = f"{_STORE_PREFIX}/{step}"
+            return None
+        prefix = f"{_STORE_PREFIX}/{self._attempt}/{step}"
         try:
             store.set(f"{prefix}/{self.rank}", "1")
-            grace = max(1.0, min(10.0, self.timeout / 2))
+            grace = diagnosis_grace(self.timeout)
             keys = [f"{prefix}/{r}" for r in range(self.world_size)]
             try:
                 store.wait(keys, datetime.timedelta(seconds=grace))
@@ -238,7 +263,12 @@ class HealthExchange:
             return [r for r in range(self.world_size) if not store.check([f"{prefix}/{r}"])]
         except RuntimeError as exc:  # the store itself may be gone with rank 0
             log.warning("nansentinel: rendezvous store unreachable after a timeout: %s", exc)
-            return []
+            return None
+
+
+def diagnosis_grace(timeout: float) -> float:
+    """Seconds the live ranks give each other to check in after a failed collective."""
+    return max(1.0, min(10.0, timeout / 2))
 
 
 def nan_to_none(x: float | None) -> float | str | None:

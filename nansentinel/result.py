@@ -12,7 +12,7 @@ import dataclasses
 KINDS = ("batch", "loss", "grad")
 
 #: Step outcomes; they are the ``outcome`` label of ``nansentinel_steps_total``.
-OUTCOMES = ("applied", "skipped", "overflow", "aborted", "excluded")
+OUTCOMES = ("applied", "skipped", "overflow", "aborted", "excluded", "rolled_back")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -89,7 +89,12 @@ class HostExcludedError(NonFiniteError):
 
 
 class ExchangeTimeoutError(RuntimeError):
-    """The health exchange did not complete in time; names the ranks that did not answer."""
+    """The step's collectives failed or did not complete in time; the message names the ranks
+    (and hosts) that did not answer, ``missing`` lists them."""
+
+    def __init__(self, message: str, missing: list[int] | None = None) -> None:
+        super().__init__(message)
+        self.missing = list(missing or [])
 
 
 class SentinelUsageError(RuntimeError):

@@ -28,7 +28,14 @@ from torch.nn.parallel import DistributedDataParallel
 
 from nansentinel import checks, report
 from nansentinel.config import SentinelConfig, resolve_hostname
-from nansentinel.exchange import ClusterView, HealthExchange, RankHealth, nan_to_none, pack_row
+from nansentinel.exchange import (
+    ClusterView,
+    HealthExchange,
+    RankHealth,
+    diagnosis_grace,
+    nan_to_none,
+    pack_row,
+)
 from nansentinel.inject import Injector, parse_inject
 from nansentinel.policy import ABORT, APPLY, EXCLUDE, OVERFLOW, Decision, History, decide
 from nansentinel.result import (
@@ -38,6 +45,7 @@ from nansentinel.result import (
     SentinelUsageError,
     StepResult,
 )
+from nansentinel.watchdog import Watchdog
 
 log = logging.getLogger("nansentinel")
 
@@ -109,6 +117,14 @@ class Sentinel:
                     f"{self.rank} ({self.identity.hostname}): {exc}. Construct the Sentinel "
                     "before the first backward and do not register another comm hook."
                 ) from exc
+        self.watchdog: Watchdog | None = None
+        if self.world_size > 1:
+            # Later than the exchange's own timeout, so that a wait() that can time out by
+            # itself raises in the training thread first.
+            deadline = self.config.exchange_timeout + diagnosis_grace(self.config.exchange_timeout)
+            self.watchdog = Watchdog(
+                deadline + 2.0, self._on_timeout, settled=self.exchange.settled
+            )
         self.metrics = None
         if self.config.metrics_port:
             self.metrics = _start_metrics(self, registry)
@@ -195,6 +211,7 @@ class Sentinel:
             self.check_grads()
         started = time.perf_counter()
         view = self.exchange.wait(self.identities)
+        self._disarm()
         # Waiting for the exchange is waiting for the gradient all-reduce beside it, and the
         # optimizer step is the user's: neither is the sentinel's own cost.
         not_ours = time.perf_counter() - started
@@ -245,10 +262,14 @@ class Sentinel:
         )
 
     def close(self) -> None:
-        """Stop the metrics server (the DDP hook stays: DDP cannot unregister one)."""
+        """Stop the metrics server and the watchdog (the DDP hook stays: DDP cannot
+        unregister one)."""
         if self.metrics is not None:
             self.metrics.close()
             self.metrics = None
+        if self.watchdog is not None:
+            self.watchdog.close()
+            self.watchdog = None
 
     def __enter__(self) -> Sentinel:
         return self
@@ -268,6 +289,53 @@ class Sentinel:
         self._injected = False
         self._seconds = 0.0
 
+    def _arm(self) -> None:
+        if self.watchdog is not None:
+            self.watchdog.arm(self.step_index)
+
+    def _disarm(self) -> None:
+        if self.watchdog is not None:
+            self.watchdog.disarm()
+
+    def _on_timeout(self, step: int) -> None:
+        """Watchdog thread: the step's collectives are stuck (a rank froze or died where no
+        Python timeout reaches). Name the missing ranks, leave a verdict for the launcher and
+        end the process, as NCCL's watchdog does; torchrun restarts or ends the job."""
+        error = self.exchange.diagnose(step, self.identities, None)
+        log.error("%s", error)
+        self._write_verdict(step, "exchange_timeout", str(error), missing=error.missing)
+        for handler in logging.getLogger().handlers + log.handlers:
+            handler.flush()
+        if self.rank == 0:
+            # Without torchrun's agent store, rank 0 hosts the rendezvous store: linger so the
+            # other live ranks can finish their own diagnosis before it goes away.
+            time.sleep(diagnosis_grace(self.config.exchange_timeout))
+        from nansentinel.exitcodes import EXIT_EXCHANGE_TIMEOUT
+
+        os._exit(EXIT_EXCHANGE_TIMEOUT)
+
+    def _write_verdict(self, step: int, outcome: str, message: str, **extra: Any) -> None:
+        """Leave this rank's verdict where ``nansentinel run`` looks for it (if launched so)."""
+        if not self.config.run_dir:
+            return
+        from nansentinel.verdicts import write_verdict
+
+        payload = {
+            "rank": self.rank,
+            "local_rank": self.identity.local_rank,
+            "hostname": self.identity.hostname,
+            "step": step,
+            "outcome": outcome,
+            "message": message,
+            "bad_ranks": [],
+            "bad_hosts": [],
+            "kinds": [],
+            "excluded_host": None,
+            "report_path": None,
+        }
+        payload.update(extra)
+        write_verdict(self.config.run_dir, self.rank, payload)
+
     def _require_open(self, what: str) -> None:
         if self.exchange.launched:
             raise SentinelUsageError(
@@ -283,6 +351,7 @@ class Sentinel:
         Deliberately unannotated: DDP inspects the annotations and rejects the string forms
         that ``from __future__ import annotations`` produces."""
         started = time.perf_counter()
+        self._arm()
         grads = bucket.gradients()
         if not self._grad_norms and self.injector.poison("grad", self.step_index, bucket.buffer()):
             self._injected = True
@@ -290,13 +359,22 @@ class Sentinel:
         buffer = bucket.buffer()
         buffer.div_(self.world_size)
         work = dist.all_reduce(buffer, group=self.exchange.group, async_op=True)
-        future = work.get_future().then(lambda fut: fut.value()[0])
+        step, identities, exchange = self.step_index, self.identities, self.exchange
+
+        def reduced(fut: torch.futures.Future) -> torch.Tensor:
+            try:
+                return fut.value()[0]
+            except RuntimeError as exc:  # a peer died: say which one, not just "reset by peer"
+                raise exchange.diagnose(step, identities, exc) from exc
+
+        future = work.get_future().then(reduced)
         if bucket.is_last():
             self._launch()
         self._seconds += time.perf_counter() - started
         return future
 
     def _launch(self) -> None:
+        self._arm()
         zero = torch.zeros((), dtype=torch.int32, device=self.device)
         norms = [n for _, n in self._grad_norms]
         all_norms = torch.cat(norms).to(self.device) if norms else None
@@ -351,7 +429,9 @@ class Sentinel:
                     detail["batch_path"] = str(path)
                 except (OSError, RuntimeError) as exc:
                     detail["batch_error"] = f"{type(exc).__name__}: {exc}"
+        self._arm()
         details: list[dict[str, Any]] = self.exchange.gather_json(detail)  # type: ignore[assignment]
+        self._disarm()
         parameters = {r: d["parameters"] for r, d in enumerate(details) if d.get("parameters")}
         result = _replace(result, parameters=parameters)
         message = describe(view, decision, result)
@@ -406,28 +486,15 @@ class Sentinel:
                     job_id=self.job_id,
                 )
             )
-        if self.config.run_dir:
-            from nansentinel.verdicts import write_verdict
-
-            write_verdict(
-                self.config.run_dir,
-                self.rank,
-                {
-                    "rank": self.rank,
-                    "local_rank": self.identity.local_rank,
-                    "hostname": self.identity.hostname,
-                    "step": result.step,
-                    "outcome": result.outcome,
-                    "message": message,
-                    "bad_ranks": result.bad_ranks,
-                    "bad_hosts": result.bad_hosts,
-                    "kinds": result.kinds,
-                    "excluded_host": decision.exclude_host,
-                    "report_path": result.report_path,
-                },
-            )
+        self._write_verdict(
+            result.step, result.outcome, message, bad_ranks=result.bad_ranks,
+            bad_hosts=result.bad_hosts, kinds=result.kinds,
+            excluded_host=decision.exclude_host, report_path=result.report_path,
+        )
         # Rank 0's report and the exclusion record are on disk before anyone raises.
+        self._arm()
         self.exchange.barrier()
+        self._disarm()
         error = HostExcludedError if decision.action == EXCLUDE else NonFiniteError
         raise error(message, result)
 

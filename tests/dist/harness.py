@@ -50,9 +50,13 @@ def _entry(rank: int, fn: Callable[..., Any], world: int, port: int, out: str,
 
 
 def run_ranks(fn: Callable[..., Any], world: int, tmp: Path, *, timeout: float = 90,
-              env: dict[str, str] | None = None, **kwargs: Any) -> list[dict[str, Any]]:
+              env: dict[str, str] | None = None, expect_all: bool = True,
+              wait_for: list[int] | None = None, **kwargs: Any) -> list[dict[str, Any]]:
     """Run ``fn(rank, world, **kwargs)`` on ``world`` gloo ranks; return each rank's payload
-    (``{"ok": True, "value": ...}`` or ``{"ok": False, "type", "message", "traceback"}``)."""
+    (``{"ok": True, "value": ...}`` or ``{"ok": False, "type", "message", "traceback"}``),
+    with its ``exitcode``. A rank that left no result fails the test unless ``expect_all`` is
+    False, when its payload is ``{"ok": False, "missing": True, "exitcode": ...}``.
+    ``wait_for``: the ranks whose end is awaited (default all); the rest are killed then."""
     out = tmp / f"ranks-{time.monotonic_ns()}"
     out.mkdir()
     env = {"NANSENTINEL_METRICS_PORT": "0", "OMP_NUM_THREADS": "1", **(env or {})}
@@ -61,8 +65,9 @@ def run_ranks(fn: Callable[..., Any], world: int, tmp: Path, *, timeout: float =
         join=False, start_method="spawn",
     )
     deadline = time.monotonic() + timeout
+    awaited = [ctx.processes[r] for r in (range(world) if wait_for is None else wait_for)]
     try:
-        while not all(not p.is_alive() for p in ctx.processes):
+        while any(p.is_alive() for p in awaited):
             if time.monotonic() > deadline:
                 raise TimeoutError(f"ranks still running after {timeout} s")
             time.sleep(0.05)
@@ -74,10 +79,13 @@ def run_ranks(fn: Callable[..., Any], world: int, tmp: Path, *, timeout: float =
     results = []
     for rank in range(world):
         path = out / f"rank{rank}.pkl"
-        if not path.exists():
-            code = ctx.processes[rank].exitcode
+        code = ctx.processes[rank].exitcode
+        if path.exists():
+            results.append({**pickle.loads(path.read_bytes()), "exitcode": code})
+        elif expect_all:
             raise AssertionError(f"rank {rank} left no result (exit code {code})")
-        results.append(pickle.loads(path.read_bytes()))
+        else:
+            results.append({"ok": False, "missing": True, "exitcode": code})
     return results
 
 

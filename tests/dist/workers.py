@@ -86,3 +86,36 @@ class _null:
 
     def __exit__(self, *exc: object) -> None:
         return None
+
+
+def stall(rank: int, world: int, *, victim: int, at_step: int, how: str, report_dir: str,
+          run_dir: str, exchange_timeout: float) -> dict[str, Any]:
+    """Train until rank ``victim`` kills or freezes itself at ``at_step``, before its backward;
+    the others must end, naming it, instead of hanging."""
+    import os
+    import signal
+    import time
+
+    torch.manual_seed(0)
+    model = DDP(TinyTransformer())
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    sentinel = nansentinel.Sentinel(model, opt, report_dir=report_dir, run_dir=run_dir,
+                                    exchange_timeout=exchange_timeout, hostname=f"host{rank}")
+    loss_fn = nn.CrossEntropyLoss()
+    started = None
+    try:
+        for step in range(at_step + 3):
+            if rank == victim and step == at_step:
+                os.kill(os.getpid(), signal.SIGKILL if how == "kill" else signal.SIGSTOP)
+            if step == at_step:
+                started = time.monotonic()
+            batch = sentinel.check_batch(synthetic_batch(rank, step))
+            loss = loss_fn(model(batch["tokens"], batch["scale"]).reshape(-1, VOCAB),
+                           batch["targets"].reshape(-1))
+            sentinel.check_loss(loss)
+            loss.backward()
+            sentinel.step()
+            opt.zero_grad()
+    except RuntimeError as exc:
+        return {"error": str(exc), "seconds": time.monotonic() - (started or time.monotonic())}
+    return {"error": None}

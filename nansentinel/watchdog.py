@@ -1,0 +1,74 @@
+"""A deadline on the step's collectives, so a dead or frozen rank never hangs the others.
+
+Under DDP the gradient all-reduce runs inside ``loss.backward()``, in C++, where no Python
+timeout reaches: with one rank frozen (SIGSTOP, a hung GPU) gloo waits for its process-group
+timeout (30 minutes by default) and NCCL may wait forever. The watchdog is armed when a step's
+first collective is launched and disarmed when the step's exchange completes; if the deadline
+passes, it calls ``on_expire`` from its own thread — the sentinel names the missing ranks there
+and ends the process, as NCCL's own watchdog does, so that torchrun can restart or end the job.
+
+Arming and disarming are two attribute writes: the normal step pays nothing else.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+
+
+class Watchdog:
+    """Calls ``on_expire(step)`` once if a step stays armed longer than ``timeout`` seconds.
+
+    Args:
+        timeout: seconds from :meth:`arm` to expiry.
+        on_expire: called from the watchdog thread with the armed step.
+        settled: says whether the armed collectives have in fact completed; a step whose
+            collectives completed but that the loop never decided (it stopped after backward)
+            must not kill the process later, so expiry asks this first.
+        clock: monotonic clock (injected by tests).
+        poll: how often the thread looks, in seconds.
+    """
+
+    def __init__(
+        self,
+        timeout: float,
+        on_expire: Callable[[int], None],
+        *,
+        settled: Callable[[], bool] = lambda: False,
+        clock: Callable[[], float] = time.monotonic,
+        poll: float = 0.5,
+    ) -> None:
+        self.timeout = timeout
+        self.on_expire = on_expire
+        self.settled = settled
+        self.clock = clock
+        self.poll = min(poll, timeout / 4)
+        self._armed: tuple[int, float] | None = None
+        self._stop = threading.Event()
+        self.expired: int | None = None
+        self._thread = threading.Thread(target=self._run, name="nansentinel-watchdog", daemon=True)
+        self._thread.start()
+
+    def arm(self, step: int) -> None:
+        """Start the deadline for ``step`` unless it is already running."""
+        if self._armed is None:
+            self._armed = (step, self.clock() + self.timeout)
+
+    def disarm(self) -> None:
+        self._armed = None
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.poll):
+            armed = self._armed
+            if armed is not None and self.clock() > armed[1]:
+                if self.settled():
+                    self._armed = None
+                    continue
+                self.expired = armed[0]
+                self.on_expire(armed[0])
+                return

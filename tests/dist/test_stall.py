@@ -1,0 +1,44 @@
+"""Never hang: a rank that dies or freezes mid-run is named by the others within the timeout."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from nansentinel.exitcodes import EXIT_EXCHANGE_TIMEOUT
+from tests.dist.harness import run_ranks
+from tests.dist.workers import stall
+
+TIMEOUT = 4.0
+
+
+@pytest.mark.timeout(120)
+def test_killed_rank_is_named_by_the_others(tmp_path: Path) -> None:
+    results = run_ranks(stall, 3, tmp_path, expect_all=False, victim=2, at_step=2, how="kill",
+                        report_dir=str(tmp_path / "r"), run_dir=str(tmp_path / "run"),
+                        exchange_timeout=TIMEOUT, timeout=90)
+    assert results[2].get("missing") and results[2]["exitcode"] == -9
+    for r in results[:2]:
+        out = r["value"]
+        assert out["error"] and "no answer from rank 2 (host2)" in out["error"], out
+        assert "step 2" in out["error"]
+        assert out["seconds"] < TIMEOUT + 15
+
+
+@pytest.mark.timeout(120)
+def test_frozen_rank_is_named_and_the_others_exit_within_the_timeout(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    results = run_ranks(stall, 3, tmp_path, expect_all=False, wait_for=[0, 2], victim=1,
+                        at_step=2, how="stop",
+                        report_dir=str(tmp_path / "r"), run_dir=str(run_dir),
+                        exchange_timeout=TIMEOUT, timeout=60)
+    # The live ranks were ended by the watchdog with the documented exit code...
+    for rank in (0, 2):
+        assert results[rank].get("missing") and results[rank]["exitcode"] == EXIT_EXCHANGE_TIMEOUT
+        verdict = json.loads((run_dir / "verdicts" / f"rank-{rank}.json").read_text())
+        # ...and left a verdict for the launcher naming the frozen rank.
+        assert verdict["outcome"] == "exchange_timeout" and verdict["missing"] == [1]
+        assert "no answer from rank 1 (host1)" in verdict["message"]
+    assert not (run_dir / "verdicts" / "rank-1.json").exists()

@@ -1,0 +1,42 @@
+"""The watchdog fires once for a stuck step, never for a disarmed or settled one."""
+
+from __future__ import annotations
+
+import time
+
+from nansentinel.watchdog import Watchdog
+
+
+def wait_for(predicate, timeout: float = 5.0) -> bool:  # type: ignore[no-untyped-def]
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if predicate():
+            return True
+        time.sleep(0.01)
+    return False
+
+
+def test_fires_once_for_a_stuck_step() -> None:
+    fired: list[int] = []
+    dog = Watchdog(0.2, fired.append, poll=0.02)
+    dog.arm(7)
+    dog.arm(8)  # already armed: the first deadline stands
+    assert wait_for(lambda: fired == [7])
+    time.sleep(0.2)
+    assert fired == [7] and dog.expired == 7
+    dog.close()
+
+
+def test_disarmed_and_settled_steps_do_not_fire() -> None:
+    fired: list[int] = []
+    dog = Watchdog(0.2, fired.append, poll=0.02)
+    dog.arm(1)
+    dog.disarm()
+    time.sleep(0.4)
+    assert fired == []
+    dog.close()
+    settled = Watchdog(0.1, fired.append, poll=0.02, settled=lambda: True)
+    settled.arm(2)
+    time.sleep(0.3)
+    assert fired == [] and settled.expired is None
+    settled.close()
