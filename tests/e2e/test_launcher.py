@@ -1,0 +1,255 @@
+"""``nansentinel run`` end to end: real torchrun agents, real worker processes.
+
+The first tests call the launcher in-process on one node (``--standalone``), as torch's own
+launcher tests do. The last ones build three "hosts" from network namespaces
+(tests/e2e/netns.py) and run one launcher per host over a c10d rendezvous: six ranks on
+three hostnames, then a host excluded mid-run while the other two carry on.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import sys
+from pathlib import Path
+
+import pytest
+
+from nansentinel.exclusion import ExclusionRecord, ExclusionStore
+from nansentinel.exitcodes import (
+    EXIT_EXCHANGE_TIMEOUT,
+    EXIT_HOST_EXCLUDED,
+    EXIT_NONFINITE_ABORT,
+    EXIT_OK,
+)
+from nansentinel.launcher import excluded_main, main
+
+from .netns import NetnsCluster, unavailable_reason
+
+pytestmark = pytest.mark.e2e
+
+REPO = Path(__file__).resolve().parents[2]
+WORKERS = Path(__file__).resolve().parent / "workers"
+HOST = "e2e-host-a"
+
+
+@pytest.fixture(autouse=True)
+def _launcher_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Workers import nansentinel from this checkout; the host has a known name; no
+    NANSENTINEL_* from the caller's shell leaks in."""
+    for key in [k for k in os.environ if k.startswith("NANSENTINEL_")]:
+        monkeypatch.delenv(key)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+    monkeypatch.setenv("NANSENTINEL_HOSTNAME", HOST)
+
+
+@pytest.mark.timeout(120)
+def test_four_workers_each_touch_their_rank_across_a_restart(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    out.mkdir()
+    env_before = dict(os.environ)
+    code = main([
+        "--metrics-port", "0", "--host-strikes=7", "--exclusion-file", str(tmp_path / "x.jsonl"),
+        "--standalone", "--nproc-per-node=4", "--max-restarts=1", "--monitor-interval=0.2",
+        str(WORKERS / "touch_rank.py"), str(out), "--fail-first",
+    ])
+    assert code == EXIT_OK
+    seen = {int(p.stem.split("-")[1]): json.loads(p.read_text()) for p in out.glob("rank-*.json")}
+    assert set(seen) == {0, 1, 2, 3}
+    for rank, env in seen.items():
+        assert env["WORLD_SIZE"] == "4" and env["RANK"] == str(rank)
+        # torchrun's --max-restarts reached the agent, which restarted the group once.
+        assert env["TORCHELASTIC_MAX_RESTARTS"] == "1"
+        assert env["TORCHELASTIC_RESTART_COUNT"] == "1"
+        assert env["NANSENTINEL_METRICS_PORT"] == "0"
+        assert env["NANSENTINEL_HOST_STRIKES"] == "7"
+        assert env["NANSENTINEL_EXCLUSION_FILE"] == str(tmp_path / "x.jsonl")
+        assert env["NANSENTINEL_JOB_ID"] == env["TORCHELASTIC_RUN_ID"]
+        assert env["NANSENTINEL_RUN_DIR"]
+    # A clean run leaves no run directory, and the caller's environment is as it was.
+    assert not Path(seen[0]["NANSENTINEL_RUN_DIR"]).exists()
+    assert dict(os.environ) == env_before
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    ("outcome", "extra", "code", "root_cause"),
+    [
+        ("aborted", [], EXIT_NONFINITE_ABORT, "the sentinel aborted the run"),
+        ("exchange_timeout", [], EXIT_EXCHANGE_TIMEOUT, "the sentinel's health exchange"),
+        # No restart left (--max-restarts=0): the mapping alone says this host was excluded.
+        ("excluded", ["--excluded-host", HOST], EXIT_HOST_EXCLUDED, f"this host ({HOST})"),
+    ],
+)
+def test_verdicts_become_a_summary_and_an_exit_code(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], outcome: str, extra: list[str],
+    code: int, root_cause: str,
+) -> None:
+    out = tmp_path / "out"
+    out.mkdir()
+    hook_out = tmp_path / "hook.txt"
+    got = main([
+        "--report-dir", str(tmp_path / "reports"),
+        f"--on-exclude=printf '%s|%s' {{host}} {{reason}} > {hook_out}",
+        "--standalone", "--nproc-per-node=2", "--monitor-interval=0.2",
+        str(WORKERS / "verdict_worker.py"), str(out), outcome, *extra,
+    ])
+    assert got == code
+    err = capsys.readouterr().err
+    # Both ranks are listed; which one torchrun saw fail first (the other may be stopped
+    # by the agent before its own exit) is a race, so only one exit code is certain.
+    assert f"rank 0 (local_rank 0) on host {HOST}" in err
+    assert f"rank 1 (local_rank 1) on host {HOST}" in err
+    assert "exitcode 1" in err
+    assert f"verdict: {outcome} at step 7" in err and "report_path: /reports/step-7.json" in err
+    assert f"Root cause: {root_cause}" in err
+    assert "Traceback" not in err.split("=" * 78)[1]  # the summary block itself is clean
+    # The run directory (verdicts) is kept with the reports for the post-mortem.
+    assert list((tmp_path / "reports" / "runs").glob(f"nansentinel-run-{HOST}-*/verdicts"))
+    if code == EXIT_HOST_EXCLUDED:
+        assert hook_out.read_text() == f"{HOST}|non-finite loss on rank 1 at step 7 (excluded)"
+    else:
+        assert not hook_out.exists()
+
+
+@pytest.mark.timeout(120)
+def test_excluded_host_is_not_restarted(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The sentinel excludes this host at the first attempt; restarts are left, but the
+    launcher's rendezvous guard keeps the agent from starting the workers again."""
+    out = tmp_path / "out"
+    out.mkdir()
+    excl = tmp_path / "shared" / "excluded.jsonl"
+    hook_out = tmp_path / "hook.txt"
+    got = main([
+        "--exclusion-file", str(excl),
+        f"--on-exclude=printf '%s|%s' {{host}} {{reason}} > {hook_out}",
+        "--standalone", "--nproc-per-node=2", "--max-restarts=2", "--monitor-interval=0.2",
+        str(WORKERS / "verdict_worker.py"), str(out), "excluded", "--excluded-host", HOST,
+        "--record",
+    ])
+    assert got == EXIT_HOST_EXCLUDED
+    assert sorted(p.name for p in out.iterdir()) == ["attempt-0-rank0", "attempt-0-rank1"]
+    assert hook_out.read_text() == f"{HOST}|non-finite loss on rank 1 at step 7 (excluded)"
+    assert [r.host for r in ExclusionStore(excl).records()] == [HOST]  # rank 0's, no copy
+    err = capsys.readouterr().err
+    assert f"host {HOST} is excluded" in err or f"this host ({HOST}) is excluded" in err
+
+
+@pytest.mark.timeout(60)
+def test_host_already_excluded_does_not_join(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "out"
+    out.mkdir()
+    excl = tmp_path / "excluded.jsonl"
+    reason = "3 non-finite grads in 100 steps on ranks 4,5 (it's 'bad')"
+    ExclusionStore(excl).add(ExclusionRecord(host=HOST, reason=reason, step=41, job_id="old"))
+    hook_out = tmp_path / "hook.txt"
+    got = main([
+        "--exclusion-file", str(excl),
+        f"--on-exclude=printf '%s|%s' {{host}} {{reason}} > {hook_out}",
+        "--standalone", "--nproc-per-node=2", str(WORKERS / "touch_rank.py"), str(out),
+    ])
+    assert got == EXIT_HOST_EXCLUDED
+    assert hook_out.read_text() == f"{HOST}|{reason}"
+    assert not list(out.iterdir())  # no worker was started
+    err = capsys.readouterr().err
+    assert f"host {HOST} is excluded" in err and "--clear" in err and "step 41" in err
+
+
+# -- several hosts: network namespaces -------------------------------------------------------
+
+
+def _netns_or_skip(monkeypatch: pytest.MonkeyPatch) -> None:
+    reason = unavailable_reason()
+    if reason:
+        pytest.skip(f"multi-host test needs network namespaces: {reason}")
+    # Each namespace host is named by its own hostname, not by the in-process tests' name.
+    monkeypatch.delenv("NANSENTINEL_HOSTNAME")
+
+
+def _run_argv(cluster: NetnsCluster, *args: str) -> list[str]:
+    # Inside namespaces we just created nothing else listens, so any port is free there.
+    port = random.randrange(20000, 60000)
+    endpoint = f"{cluster.hosts[0].ip}:{port}"
+    return [sys.executable, "-m", "nansentinel", "run", *args[:-1],
+            "--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}", "--monitor-interval=0.5",
+            args[-1]]
+
+
+def _netns_env() -> dict[str, str]:
+    return {"PYTHONPATH": str(REPO), "GLOO_SOCKET_IFNAME": "eth0"}
+
+
+@pytest.mark.timeout(90)
+def test_three_hosts_six_ranks(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    _netns_or_skip(monkeypatch)
+    out = tmp_path / "out"
+    out.mkdir()
+    with NetnsCluster(3, tmp_path / "cluster") as cluster:
+        base = _run_argv(cluster, "--nnodes=3", "--nproc-per-node=2", "--rdzv-id=six",
+                         "--rdzv-conf=join_timeout=40", str(WORKERS / "allreduce_worker.py"))
+        procs = [cluster.start(h, [*base, str(out)], env=_netns_env()) for h in cluster.hosts]
+        codes = cluster.wait(procs, timeout=60)
+        logs = {h.name: cluster.log(h.name)[-3000:] for h in cluster.hosts}
+    assert codes == [0, 0, 0], logs
+    receipts = [json.loads(p.read_text()) for p in out.glob("*.json")]
+    assert sorted(r["rank"] for r in receipts) == list(range(6))
+    assert {r["hostname"] for r in receipts} == {"node1", "node2", "node3"}
+    assert all(r["world_size"] == 6 and r["sum"] == 6.0 for r in receipts)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    ("names", "bad"),
+    [
+        (("node1", "node2", "node3"), "node3"),
+        # node0 sorts first, so it is the agents' group rank 0, which (with torch's shared
+        # TCP store) hosted the workers' store: the survivors must move it.
+        (("node1", "node2", "node0"), "node0"),
+    ],
+    ids=["last-agent", "agent-rank-0"],
+)
+def test_excluded_host_leaves_and_the_others_resume(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+    names: tuple[str, ...], bad: str,
+) -> None:
+    _netns_or_skip(monkeypatch)
+    out = tmp_path / "out"
+    out.mkdir()
+    excl = tmp_path / "shared" / "excluded.jsonl"
+    with NetnsCluster(3, tmp_path / "cluster", names=names) as cluster:
+        # keep-alive expiry (5 s x 12 = 60 s) is longer than join_timeout: the survivors
+        # finish only if the excluded agent really leaves the round, not by timing it out.
+        base = _run_argv(
+            cluster,
+            f"--exclusion-file={excl}",
+            f"--on-exclude=printf '%s|%s' {{host}} {{reason}} > {out}/hook-{{host}}.txt",
+            "--nnodes=2:3", "--nproc-per-node=2", "--max-restarts=2", "--rdzv-id=excl",
+            "--rdzv-conf=join_timeout=30,last_call_timeout=3,keep_alive_interval=5,"
+            "keep_alive_max_attempt=12",
+            str(WORKERS / "exclusion_worker.py"),
+        )
+        args = [str(out), f"--bad-host={bad}", "--bad-step=7", "--steps=12", "--full-world=6"]
+        procs = [cluster.start(h, [*base, *args], env=_netns_env()) for h in cluster.hosts]
+        codes = dict(zip(names, cluster.wait(procs, timeout=90), strict=True))
+        logs = {n: cluster.log(n)[-4000:] for n in names}
+
+    assert codes == {n: EXIT_HOST_EXCLUDED if n == bad else EXIT_OK for n in names}, logs
+    assert "EXIT_HOST_EXCLUDED" in logs[bad]
+    hook = (out / f"hook-{bad}.txt").read_text()
+    assert hook.startswith(f"{bad}|non-finite grad on ranks") and f"host {bad} excluded" in hook
+    assert [p.name for p in out.glob("hook-*")] == [f"hook-{bad}.txt"]
+    done = [json.loads(p.read_text()) for p in out.glob("done-*.json")]
+    survivors = {n for n in names if n != bad}
+    # Two hosts x two ranks, restarted once, resumed from the checkpoint before step 7.
+    assert sorted(d["rank"] for d in done) == [0, 1, 2, 3]
+    assert {d["hostname"] for d in done} == survivors
+    assert all(d["world_size"] == 4 and d["restart_count"] == 1 and d["start"] == 6
+               for d in done), done
+
+    assert excluded_main(["--exclusion-file", str(excl)]) == EXIT_OK
+    listing = capsys.readouterr().out
+    assert listing.startswith(f"{bad}  step 7") and "job excl" in listing
+    assert ExclusionStore(excl).excluded_hosts() == {bad}

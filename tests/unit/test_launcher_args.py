@@ -1,0 +1,296 @@
+"""``nansentinel run`` arguments, worker environment, hook formatting, exit-code mapping.
+
+Nothing here launches a worker; the launches are in tests/e2e/test_launcher.py.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from nansentinel import exitcodes, launcher
+from nansentinel.launcher import format_hook, main, run_hook, split_argv
+from nansentinel.verdicts import (
+    archive_verdicts,
+    outcome_from_verdicts,
+    read_verdicts,
+    write_verdict,
+)
+
+
+@pytest.mark.parametrize(
+    ("argv", "ours", "theirs"),
+    [
+        (["--nnodes=2", "train.py"], [], ["--nnodes=2", "train.py"]),
+        (
+            ["--metrics-port", "9500", "--host-strikes=2", "--nnodes=2:3", "train.py", "--lr=1"],
+            ["--metrics-port", "9500", "--host-strikes=2"],
+            ["--nnodes=2:3", "train.py", "--lr=1"],
+        ),
+        # The first unknown argument ends ours; later look-alikes belong to torchrun/script.
+        (
+            ["--job-id", "j", "--standalone", "train.py", "--job-id", "mine"],
+            ["--job-id", "j"],
+            ["--standalone", "train.py", "--job-id", "mine"],
+        ),
+        # No abbreviations: --metrics is not --metrics-port.
+        (["--metrics", "1", "t.py"], [], ["--metrics", "1", "t.py"]),
+        (["--on-exclude", "kubectl cordon {host}", "t.py"],
+         ["--on-exclude", "kubectl cordon {host}"], ["t.py"]),
+        (["--report_dir=/r", "-h"], ["--report_dir=/r", "-h"], []),
+    ],
+)
+def test_split_argv(argv: list[str], ours: list[str], theirs: list[str]) -> None:
+    assert split_argv(argv) == (ours, theirs)
+
+
+def test_torchrun_options_pass_through_unchanged() -> None:
+    """What reaches torchrun's parser is byte-for-byte what the user wrote."""
+    from torch.distributed.run import parse_args
+
+    torch_part = ["--nnodes=1:4", "--max-restarts=3", "--monitor-interval", "0.25",
+                  "--rdzv-conf=join_timeout=5", "--standalone", "train.py", "--epochs", "2"]
+    _, theirs = split_argv(["--exclusion-file=/x", "--host-strikes", "4", *torch_part])
+    assert theirs == torch_part
+    args = parse_args(theirs)
+    assert (args.max_restarts, args.monitor_interval, args.nnodes) == (3, 0.25, "1:4")
+    assert args.training_script_args == ["--epochs", "2"]
+
+
+def test_help_shows_our_options_then_torchruns(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--help"]) == exitcodes.EXIT_OK
+    out = capsys.readouterr().out
+    ours = out.index("--exclusion-file")
+    theirs = out.index("\ntorchrun options:")
+    assert ours < theirs < out.index("--max-restarts")
+    assert theirs < out.index("--rdzv-endpoint")
+    assert "NANSENTINEL_METRICS_PORT" in out and "--on-exclude" in out
+
+
+def test_help_among_torchrun_options_shows_both(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--standalone", "--help"]) == exitcodes.EXIT_OK
+    out = capsys.readouterr().out
+    assert "--host-strikes" in out and "--max-restarts" in out
+
+
+@pytest.mark.parametrize(
+    ("argv", "needle"),
+    [
+        (["--host-strikes", "0", "--standalone", "t.py"],
+         "host_strikes=0 must be >= 1 (from --host-strikes)"),
+        (["--metrics-port", "70000", "--standalone", "t.py"], "metrics_port=70000"),
+        (["--exchange-timeout", "soon", "t.py"], "invalid float value"),
+        (["--standalone", "--host-strikes", "2", "t.py"], "must come before all torchrun options"),
+        (["--on-exclude", "drain {node}", "t.py"], "only {host} and {reason}"),
+        (["--on-exclude", "drain {host", "t.py"], "malformed"),
+        (["--nnodes=3:1", "t.py"], "min_nodes"),
+        (["--nnodes=a:b:c", "t.py"], "--nnodes"),
+        (["--metrics-port"], "expected one argument"),
+        (["--standalone"], "training_script"),
+    ],
+)
+def test_bad_options_are_config_errors_without_traceback(
+    argv: list[str], needle: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(argv) == exitcodes.EXIT_CONFIG
+    err = capsys.readouterr().err
+    assert needle in err
+    assert "Traceback" not in err
+
+
+def test_worker_env_flags_override_and_job_id_defaults(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("NANSENTINEL_METRICS_PORT", "9000")
+    monkeypatch.delenv("NANSENTINEL_JOB_ID", raising=False)
+    opts = launcher.build_parser().parse_args(["--metrics-port", "9500", "--host-strikes=2"])
+    env = launcher._worker_env(opts, "rdzv-42")
+    assert env == {
+        "NANSENTINEL_METRICS_PORT": "9500",
+        "NANSENTINEL_HOST_STRIKES": "2",
+        "NANSENTINEL_JOB_ID": "rdzv-42",
+    }
+    assert "overrides NANSENTINEL_METRICS_PORT=9000" in capsys.readouterr().err
+    monkeypatch.setenv("NANSENTINEL_JOB_ID", "users-own")
+    opts = launcher.build_parser().parse_args([])
+    assert launcher._worker_env(opts, "rdzv-42") == {"NANSENTINEL_JOB_ID": "users-own"}
+
+
+def test_standalone_is_resolved_like_torchrun_does() -> None:
+    from torch.distributed.run import parse_args
+
+    args = parse_args(["--standalone", "t.py"])
+    launcher._resolve_standalone(args)
+    assert (args.rdzv_backend, args.rdzv_endpoint) == ("c10d", "localhost:0")
+    args = parse_args(["--nnodes=2", "--rdzv-backend=c10d", "--rdzv-endpoint=h:1", "t.py"])
+    launcher._resolve_standalone(args)
+    assert (args.rdzv_backend, args.rdzv_endpoint) == ("c10d", "h:1")
+
+
+def test_hook_values_are_shell_quoted(tmp_path: Path) -> None:
+    out = tmp_path / "hook.txt"
+    reason = "grad NaN on 'rank 3'; $(touch pwned) `id` \"x\""
+    template = f"printf '%s|%s' {{host}} {{reason}} > {out}"
+    assert format_hook("kubectl cordon {host}", "node-1", "r") == "kubectl cordon node-1"
+    assert run_hook(template, "node 3", reason) == 0
+    assert out.read_text() == f"node 3|{reason}"
+    assert not (Path.cwd() / "pwned").exists()
+
+
+def test_failing_hook_is_reported_not_raised(capsys: pytest.CaptureFixture[str]) -> None:
+    assert run_hook("exit 7", "h", "r") == 7
+    assert "exited with status 7" in capsys.readouterr().err
+    assert run_hook(None, "h", "r") is None
+
+
+def test_hook_timeout_is_bounded(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setattr(launcher, "HOOK_TIMEOUT_S", 0.5)
+    assert run_hook("sleep 30", "h", "r") is None
+    assert "did not finish" in capsys.readouterr().err
+
+
+# -- verdict files -> exit code ----------------------------------------------------------------
+
+
+def _verdict(rank: int, outcome: str, excluded: str | None = None) -> dict[str, object]:
+    return {"rank": rank, "local_rank": rank % 2, "hostname": f"node{rank // 2}", "step": 5,
+            "outcome": outcome, "message": f"{outcome} at step 5", "bad_ranks": [1],
+            "bad_hosts": ["node0"], "kinds": ["loss"], "excluded_host": excluded,
+            "report_path": None}
+
+
+@pytest.mark.parametrize(
+    ("outcomes", "host", "code"),
+    [
+        ({}, "node0", exitcodes.EXIT_WORKER_FAILED),
+        ({0: ("aborted", None), 1: ("aborted", None)}, "node0", exitcodes.EXIT_NONFINITE_ABORT),
+        ({0: ("exchange_timeout", None)}, "node0", exitcodes.EXIT_EXCHANGE_TIMEOUT),
+        ({0: ("excluded", "node1"), 2: ("excluded", "node1")}, "node1",
+         exitcodes.EXIT_HOST_EXCLUDED),
+        # Another host was excluded and no restart is left: the run stopped on non-finite.
+        ({0: ("excluded", "node1")}, "node0", exitcodes.EXIT_NONFINITE_ABORT),
+        # An abort outranks the timeouts it causes.
+        ({0: ("exchange_timeout", None), 1: ("aborted", None)}, "node0",
+         exitcodes.EXIT_NONFINITE_ABORT),
+        ({0: ("something_new", None)}, "node0", exitcodes.EXIT_WORKER_FAILED),
+    ],
+)
+def test_exit_code_from_verdict_files(
+    tmp_path: Path, outcomes: dict[int, tuple[str, str | None]], host: str, code: int
+) -> None:
+    for rank, (outcome, excluded) in outcomes.items():
+        write_verdict(tmp_path, rank, _verdict(rank, outcome, excluded))
+    result = outcome_from_verdicts(read_verdicts(tmp_path), host)
+    assert result.exit_code == code
+    assert result.explanation
+
+
+def test_verdict_files_are_atomic_readable_and_archived(tmp_path: Path) -> None:
+    path = write_verdict(tmp_path, 3, {**_verdict(3, "aborted"), "odd": object()})
+    assert path == tmp_path / "verdicts" / "rank-3.json"
+    (tmp_path / "verdicts" / "rank-4.json").write_text("{torn")
+    (tmp_path / "verdicts" / "notes.txt").write_text("ignored")
+    verdicts = read_verdicts(tmp_path)
+    assert list(verdicts) == [3] and verdicts[3]["outcome"] == "aborted"
+    assert [p.name for p in (tmp_path / "verdicts").iterdir() if p.name.startswith(".")] == []
+    assert archive_verdicts(tmp_path) == tmp_path / "verdicts.attempt-0"
+    write_verdict(tmp_path, 0, _verdict(0, "aborted"))
+    assert archive_verdicts(tmp_path) == tmp_path / "verdicts.attempt-1"
+    assert read_verdicts(tmp_path) == {} and archive_verdicts(tmp_path) is None
+
+
+def test_exit_codes_are_the_documented_contract() -> None:
+    assert (exitcodes.EXIT_OK, exitcodes.EXIT_WORKER_FAILED, exitcodes.EXIT_CONFIG,
+            exitcodes.EXIT_NONFINITE_ABORT, exitcodes.EXIT_HOST_EXCLUDED,
+            exitcodes.EXIT_EXCHANGE_TIMEOUT) == (0, 1, 2, 3, 4, 5)
+    assert set(exitcodes.NAMES) == {0, 1, 2, 3, 4, 5}
+
+
+def test_torchrun_wrapper_script_forwards_arguments(tmp_path: Path) -> None:
+    """launch/torchrun-wrapper.sh runs ``python -m nansentinel run`` with every argument."""
+    script = Path(__file__).parents[2] / "launch" / "torchrun-wrapper.sh"
+    fake = tmp_path / "python"
+    fake.write_text('#!/bin/sh\nfor a in "$@"; do printf "<%s>" "$a"; done\n')
+    fake.chmod(0o755)
+    env = {**os.environ, "PYTHON": str(fake)}
+    done = subprocess.run([str(script), "--nnodes=2", "a b", "train.py"], env=env,
+                          capture_output=True, text=True, timeout=10, check=True)
+    assert done.stdout == "<-m><nansentinel><run><--nnodes=2><a b><train.py>"
+
+
+def test_sentinel_flags_are_exactly_the_documented_ones() -> None:
+    """Guards the CLI surface: a new flag must be documented here and in the manual."""
+    flags = {f for a in launcher.build_parser()._actions for f in a.option_strings}
+    documented = {"--metrics-port", "--report-dir", "--exclusion-file", "--host-strikes",
+                  "--strike-window", "--exchange-timeout", "--job-id", "--on-exclude"}
+    aliases = {f.replace("-", "_").replace("__", "--", 1) for f in documented}
+    assert flags == documented | aliases | {"-h", "--help"}
+    assert all(f in (launcher.__doc__ or "") for f in documented)
+
+
+# -- launch/ scripts -----------------------------------------------------------------------------
+
+LAUNCH = Path(__file__).parents[2] / "launch"
+
+
+def test_slurm_script_runs_one_launcher_per_node_with_the_right_options(tmp_path: Path) -> None:
+    """Run the sbatch script with stand-ins for srun, scontrol and nansentinel."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    stubs = {
+        # srun: drop its own options, run the task as one node would (SLURMD_NODENAME set).
+        "srun": 'while [ "${1#--}" != "$1" ]; do shift; done\n'
+                'SLURMD_NODENAME=gpu-node-7 exec "$@"\n',
+        "scontrol": 'printf "gpu-head\\ngpu-node-7\\n"\n',
+        "nansentinel": 'echo "host=$NANSENTINEL_HOSTNAME"\n'
+                       'for a in "$@"; do printf "<%s>\\n" "$a"; done\n',
+    }
+    for name, body in stubs.items():
+        (bin_dir / name).write_text("#!/bin/sh\n" + body)
+        (bin_dir / name).chmod(0o755)
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_NNODES": "4",
+           "SLURM_JOB_ID": "77", "SLURM_JOB_NODELIST": "gpu-[head,node-7]",
+           "SHARED": str(tmp_path / "shared")}
+    done = subprocess.run(["bash", str(LAUNCH / "slurm" / "nansentinel.sbatch"), "train.py",
+                           "--lr", "0.1"], env=env, capture_output=True, text=True, timeout=20)
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[0] == "host=gpu-node-7"
+    args = [line[1:-1] for line in lines[1:]]
+    assert args[:2] == ["run", f"--exclusion-file={tmp_path}/shared/excluded.jsonl"]
+    assert "--on-exclude=scontrol update nodename={host} state=drain reason={reason}" in args
+    assert {"--nnodes=3:4", "--rdzv-backend=c10d", "--rdzv-endpoint=gpu-head:29400",
+            "--rdzv-id=77", "--nproc-per-node=8"} <= set(args)
+    assert args[-3:] == ["train.py", "--lr", "0.1"]
+    # Sentinel options come before torchrun's, as `nansentinel run` requires.
+    ours, theirs = split_argv(args[1:])
+    assert theirs[0] == "--nnodes=3:4" and len(ours) == 4
+
+
+def test_kubernetes_job_wires_node_name_metrics_ports_and_exit_codes() -> None:
+    yaml = pytest.importorskip("yaml")
+    docs = list(yaml.safe_load_all((LAUNCH / "kubernetes" / "train-job.yaml").read_text()))
+    job = next(d for d in docs if d["kind"] == "Job")
+    pod = job["spec"]["template"]
+    container = pod["spec"]["containers"][0]
+    args = container["args"]
+    env = {e["name"]: e for e in container["env"]}
+    assert env["NODE_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "spec.nodeName"
+    assert all(name in env for name in ("NANSENTINEL_HOST_STRIKES", "NANSENTINEL_POLICY"))
+    nproc = int(next(a for a in args if a.startswith("--nproc-per-node=")).split("=")[1])
+    base = int(next(a for a in args if a.startswith("--metrics-port=")).split("=")[1])
+    metrics = {p["name"]: p["containerPort"] for p in container["ports"]
+               if p["name"].startswith("metrics-")}
+    assert metrics == {f"metrics-{i}": base + i for i in range(nproc)}
+    assert pod["metadata"]["labels"]["nansentinel.io/metrics"] == "true"
+    ours, theirs = split_argv(args)
+    assert "--on-exclude=kubectl cordon {host}" in ours and theirs[0].startswith("--nnodes=")
+    policy = {r["onExitCodes"]["values"][0]: r["action"]
+              for r in job["spec"]["podFailurePolicy"]["rules"]}
+    assert policy == {exitcodes.EXIT_CONFIG: "FailJob", exitcodes.EXIT_HOST_EXCLUDED: "Ignore"}
+    assert pod["spec"]["restartPolicy"] == "Never"
