@@ -55,6 +55,8 @@ def demo(argv: list[str]) -> int:
     p.add_argument("--report-dir", default=os.environ.get(ENV_REPORT_DIR, "nansentinel_reports"))
     p.add_argument("--metrics-port", type=int, default=int(os.environ.get(ENV_METRICS_PORT, 0)),
                    help="base port of the per-rank exporters (default 0: off)")
+    p.add_argument("--sleep", type=float, default=0.0,
+                   help="pause after each step, seconds (to watch the metrics live)")
     args = p.parse_args(argv)
     env = {
         ENV_POLICY: args.policy,
@@ -76,7 +78,8 @@ def demo(argv: list[str]) -> int:
     )
     try:
         torchrun(["--standalone", f"--nproc-per-node={args.nproc}", "--monitor-interval=0.5",
-                  "-m", "nansentinel.demo", "--steps", str(args.steps)])
+                  "-m", "nansentinel.demo", "--steps", str(args.steps),
+                  "--sleep", str(args.sleep)])
     except ChildFailedError as exc:
         print(f"nansentinel demo: workers failed: {exc.get_first_failure()[1].message}",
               file=sys.stderr)

@@ -30,6 +30,7 @@ ENV_METRICS_PORT = "NANSENTINEL_METRICS_PORT"
 ENV_METRICS_ADDR = "NANSENTINEL_METRICS_ADDR"
 ENV_METRICS_CERTFILE = "NANSENTINEL_METRICS_CERTFILE"
 ENV_METRICS_KEYFILE = "NANSENTINEL_METRICS_KEYFILE"
+ENV_METRICS_LINGER = "NANSENTINEL_METRICS_LINGER"
 ENV_HOST_STRIKES = "NANSENTINEL_HOST_STRIKES"
 ENV_STRIKE_WINDOW = "NANSENTINEL_STRIKE_WINDOW"
 ENV_EXCHANGE_TIMEOUT = "NANSENTINEL_EXCHANGE_TIMEOUT"
@@ -54,6 +55,7 @@ _ENV_FIELDS: dict[str, tuple[str, str]] = {
     "metrics_addr": (ENV_METRICS_ADDR, "str"),
     "metrics_certfile": (ENV_METRICS_CERTFILE, "str"),
     "metrics_keyfile": (ENV_METRICS_KEYFILE, "str"),
+    "metrics_linger": (ENV_METRICS_LINGER, "float"),
     "host_strikes": (ENV_HOST_STRIKES, "int"),
     "strike_window": (ENV_STRIKE_WINDOW, "int"),
     "exchange_timeout": (ENV_EXCHANGE_TIMEOUT, "float"),
@@ -108,6 +110,11 @@ class SentinelConfig:
     metrics_keyfile: str | None = None
     """TLS private key for the exporter."""
 
+    metrics_linger: float = 20.0
+    """Seconds the exporter stays up after the sentinel stops the run (abort or exclusion),
+    so that Prometheus scrapes the final state and the page fires; longer than the scrape
+    interval (15 s in deploy/). Only applies while the exporter is on."""
+
     host_strikes: int = 3
     """A host blamed this many times within ``strike_window`` steps is excluded."""
 
@@ -152,6 +159,10 @@ class SentinelConfig:
             raise ConfigError(f"exchange_timeout={self.exchange_timeout!r} must be a number")
         if not self.exchange_timeout > 0:
             raise ConfigError(f"exchange_timeout={self.exchange_timeout!r} must be > 0 seconds")
+        if isinstance(self.metrics_linger, bool) or not isinstance(
+            self.metrics_linger, int | float
+        ) or not self.metrics_linger >= 0:
+            raise ConfigError(f"metrics_linger={self.metrics_linger!r} must be >= 0 seconds")
         if self.hostname is not None and (not isinstance(self.hostname, str) or not self.hostname):
             raise ConfigError(f"hostname={self.hostname!r} must be a non-empty string")
         if self.inject is not None:

@@ -17,6 +17,7 @@ import datetime
 import logging
 import os
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -59,6 +60,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m nansentinel.demo", description=_SUMMARY)
     p.add_argument("--steps", type=int, default=20, help="training steps (default 20)")
     p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--sleep", type=float, default=0.0,
+                   help="pause after each step, seconds (to watch the metrics live)")
     p.add_argument("--checkpoint-dir", help="save a checkpoint here and resume from it")
     p.add_argument("--checkpoint-every", type=int, default=5)
     p.add_argument("--out", help="rank 0 writes the final weights here (torch.save)")
@@ -98,6 +101,8 @@ def main(argv: list[str] | None = None) -> int:
                 )
             if args.checkpoint_dir and (step + 1) % args.checkpoint_every == 0:
                 _save(args, model, optimizer, sentinel, rank)
+            if args.sleep:
+                time.sleep(args.sleep)
         weights = _module(model).state_dict()
         if not all(torch.isfinite(t).all() for t in weights.values()):
             raise RuntimeError(f"rank {rank}: weights are not finite after training")

@@ -495,6 +495,12 @@ class Sentinel:
         self._arm()
         self.exchange.barrier()
         self._disarm()
+        if self.metrics is not None and self.config.metrics_linger > 0:
+            log.info(
+                "nansentinel: rank %d keeps its exporter up %g s for the final scrape",
+                self.rank, self.config.metrics_linger,
+            )
+            time.sleep(self.config.metrics_linger)
         error = HostExcludedError if decision.action == EXCLUDE else NonFiniteError
         raise error(message, result)
 
