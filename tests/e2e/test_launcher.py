@@ -3,7 +3,8 @@
 The first tests call the launcher in-process on one node (``--standalone``), as torch's own
 launcher tests do. The last ones build three "hosts" from network namespaces
 (tests/e2e/netns.py) and run one launcher per host over a c10d rendezvous: six ranks on
-three hostnames, then a host excluded mid-run while the other two carry on.
+three hostnames, then the real Sentinel excluding a host mid-run while the other two carry
+on from their checkpoint.
 """
 
 from __future__ import annotations
@@ -215,41 +216,46 @@ def test_excluded_host_leaves_and_the_others_resume(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
     names: tuple[str, ...], bad: str,
 ) -> None:
+    """The real Sentinel, with a fire drill: non-finite gradients on every rank of one host
+    at steps 5-7; three strikes exclude it at step 7."""
     _netns_or_skip(monkeypatch)
     out = tmp_path / "out"
     out.mkdir()
-    excl = tmp_path / "shared" / "excluded.jsonl"
+    shared = tmp_path / "shared"
+    excl = shared / "excluded.jsonl"
     with NetnsCluster(3, tmp_path / "cluster", names=names) as cluster:
         # keep-alive expiry (5 s x 12 = 60 s) is longer than join_timeout: the survivors
         # finish only if the excluded agent really leaves the round, not by timing it out.
         base = _run_argv(
             cluster,
-            f"--exclusion-file={excl}",
+            f"--exclusion-file={excl}", f"--report-dir={shared}/reports", "--metrics-port=0",
+            "--host-strikes=3", "--exchange-timeout=30",
             f"--on-exclude=printf '%s|%s' {{host}} {{reason}} > {out}/hook-{{host}}.txt",
             "--nnodes=2:3", "--nproc-per-node=2", "--max-restarts=2", "--rdzv-id=excl",
             "--rdzv-conf=join_timeout=30,last_call_timeout=3,keep_alive_interval=5,"
             "keep_alive_max_attempt=12",
-            str(WORKERS / "exclusion_worker.py"),
+            str(WORKERS / "sentinel_worker.py"),
         )
-        args = [str(out), f"--bad-host={bad}", "--bad-step=7", "--steps=12", "--full-world=6"]
-        procs = [cluster.start(h, [*base, *args], env=_netns_env()) for h in cluster.hosts]
+        args = [str(out), "--steps=12", "--full-world=6"]
+        env = {**_netns_env(), "NANSENTINEL_INJECT": f"kind=grad,host={bad},steps=5-7"}
+        procs = [cluster.start(h, [*base, *args], env=env) for h in cluster.hosts]
         codes = dict(zip(names, cluster.wait(procs, timeout=90), strict=True))
         logs = {n: cluster.log(n)[-4000:] for n in names}
 
     assert codes == {n: EXIT_HOST_EXCLUDED if n == bad else EXIT_OK for n in names}, logs
-    assert "EXIT_HOST_EXCLUDED" in logs[bad]
-    hook = (out / f"hook-{bad}.txt").read_text()
-    assert hook.startswith(f"{bad}|non-finite grad on ranks") and f"host {bad} excluded" in hook
+    assert "EXIT_HOST_EXCLUDED" in logs[bad] and f"excluded_host: {bad}" in logs[bad]
+    reason = f"host {bad} blamed 3 times within 100 steps"
+    assert (out / f"hook-{bad}.txt").read_text() == f"{bad}|{reason}"
     assert [p.name for p in out.glob("hook-*")] == [f"hook-{bad}.txt"]
     done = [json.loads(p.read_text()) for p in out.glob("done-*.json")]
-    survivors = {n for n in names if n != bad}
-    # Two hosts x two ranks, restarted once, resumed from the checkpoint before step 7.
+    # Two hosts x two ranks, restarted once, resumed from the checkpoint taken after step 5
+    # (steps 5 and 6 were skipped, step 7 excluded the host).
     assert sorted(d["rank"] for d in done) == [0, 1, 2, 3]
-    assert {d["hostname"] for d in done} == survivors
+    assert {d["hostname"] for d in done} == {n for n in names if n != bad}
     assert all(d["world_size"] == 4 and d["restart_count"] == 1 and d["start"] == 6
                for d in done), done
 
     assert excluded_main(["--exclusion-file", str(excl)]) == EXIT_OK
     listing = capsys.readouterr().out
-    assert listing.startswith(f"{bad}  step 7") and "job excl" in listing
+    assert listing.startswith(f"{bad}  step 7") and "job excl" in listing and reason in listing
     assert ExclusionStore(excl).excluded_hosts() == {bad}

@@ -1,0 +1,78 @@
+"""Worker for the exclusion test: a real training loop under the real Sentinel.
+
+A linear model under DDP (gloo) takes ``--steps`` steps with the three sentinel calls. The
+fault is a fire drill (``NANSENTINEL_INJECT``, e.g. ``kind=grad,host=node3,steps=5-7``):
+non-finite gradients on every rank of one host until the host strikes exclude it; the
+Sentinel then records the exclusion (rank 0), leaves a verdict on every rank and raises
+HostExcludedError, and the launcher does the rest. Rank 0 checkpoints model, optimizer and
+sentinel state to ``OUTDIR/ckpt.pt`` every ``--ckpt-every`` steps; a restarted worker resumes
+from it. In the first incarnation a worker that finds fewer than ``--full-world`` ranks waits:
+a late host's agent is about to join and torchrun will restart it. At the end every rank
+writes ``OUTDIR/done-<host>-rank<R>.json``.
+"""
+
+import argparse
+import datetime
+import json
+import os
+import socket
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import nansentinel
+
+p = argparse.ArgumentParser()
+p.add_argument("outdir", type=Path)
+p.add_argument("--steps", type=int, required=True)
+p.add_argument("--full-world", type=int, required=True)
+p.add_argument("--ckpt-every", type=int, default=3)
+args = p.parse_args()
+
+host = os.environ.get("NANSENTINEL_HOSTNAME") or socket.gethostname()
+restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+rank, world = dist.get_rank(), dist.get_world_size()
+if restart == 0 and world < args.full_world:
+    time.sleep(120)  # torchrun restarts us when the missing host joins
+    sys.exit(f"rank {rank}: the world never reached {args.full_world} ranks")
+
+torch.manual_seed(0)
+model = DDP(torch.nn.Linear(8, 1))
+optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+sentinel = nansentinel.Sentinel(model, optimizer)
+ckpt = args.outdir / "ckpt.pt"
+start = 0
+if ckpt.exists():
+    state = torch.load(ckpt)
+    model.module.load_state_dict(state["model"])
+    optimizer.load_state_dict(state["optimizer"])
+    sentinel.load_state_dict(state["sentinel"])
+    start = sentinel.step_index
+
+g = torch.Generator().manual_seed(rank)
+for step in range(start, args.steps):
+    x, y = torch.randn(16, 8, generator=g), torch.randn(16, 1, generator=g)
+    sentinel.check_batch(x)
+    loss = torch.nn.functional.mse_loss(model(x), y)
+    sentinel.check_loss(loss)
+    loss.backward()
+    sentinel.step()  # raises HostExcludedError on every rank when a host is excluded
+    optimizer.zero_grad()
+    if rank == 0 and (step + 1) % args.ckpt_every == 0:
+        state = {"model": model.module.state_dict(), "optimizer": optimizer.state_dict(),
+                 "sentinel": sentinel.state_dict()}
+        torch.save(state, ckpt.with_suffix(".tmp"))
+        os.replace(ckpt.with_suffix(".tmp"), ckpt)
+    dist.barrier()  # nobody runs ahead of rank 0's checkpoint
+
+assert all(torch.isfinite(q).all() for q in model.parameters()), "weights took a NaN"
+receipt = {"hostname": host, "rank": rank, "world_size": world, "start": start,
+           "restart_count": restart}
+(args.outdir / f"done-{host}-rank{rank}.json").write_text(json.dumps(receipt))
+sentinel.close()
+dist.destroy_process_group()
