@@ -268,7 +268,7 @@ class ExclusionGuard:
         self.store = store
         self.job_id = job_id
         self.excluded: ExclusionRecord | None = None
-        self.others_excluded: dict[str, ExclusionRecord | dict[str, Any]] = {}
+        self.others_excluded: set[str] = set()
         self._rounds = 0
 
     def __repr__(self) -> str:  # shown in torchrun's "rdzv_configs" log line
@@ -298,7 +298,7 @@ class ExclusionGuard:
             for verdict in read_verdicts(self.run_dir).values():
                 host = verdict.get("excluded_host")
                 if verdict.get("outcome") == OUTCOME_EXCLUDED and host:
-                    self.others_excluded.setdefault(str(host), verdict)
+                    self.others_excluded.add(str(host))
             archived = archive_verdicts(self.run_dir)
             if archived is not None:
                 _say(f"verdicts of the failed attempt kept in {archived}")
@@ -497,6 +497,8 @@ def main(argv: list[str] | None = None) -> int:
     explicit_reports = opts.report_dir or os.environ.get(_config.ENV_REPORT_DIR)
     with _restored_process_state():
         run_dir, created = _make_run_dir(explicit_reports, hostname)
+        # Verdicts describe this launch only: a reused NANSENTINEL_RUN_DIR may hold old ones.
+        archive_verdicts(run_dir)
         env[_config.ENV_RUN_DIR] = str(run_dir)
         os.environ.update(env)
         try:

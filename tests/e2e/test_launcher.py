@@ -25,6 +25,7 @@ from nansentinel.exitcodes import (
     EXIT_OK,
 )
 from nansentinel.launcher import excluded_main, main
+from nansentinel.verdicts import write_verdict
 
 from .netns import NetnsCluster, unavailable_reason
 
@@ -71,6 +72,24 @@ def test_four_workers_each_touch_their_rank_across_a_restart(tmp_path: Path) -> 
     # A clean run leaves no run directory, and the caller's environment is as it was.
     assert not Path(seen[0]["NANSENTINEL_RUN_DIR"]).exists()
     assert dict(os.environ) == env_before
+
+
+@pytest.mark.timeout(60)
+def test_stale_verdicts_in_a_reused_run_dir_do_not_exclude(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A user-set NANSENTINEL_RUN_DIR may hold an earlier run's verdicts (this host
+    excluded, since cleared by an operator); they must not keep the new run out."""
+    run_dir = tmp_path / "run"
+    write_verdict(run_dir, 0, {"outcome": "excluded", "excluded_host": HOST, "step": 3})
+    monkeypatch.setenv("NANSENTINEL_RUN_DIR", str(run_dir))
+    out = tmp_path / "out"
+    out.mkdir()
+    code = main(["--standalone", "--nproc-per-node=2", "--monitor-interval=0.2",
+                 str(WORKERS / "touch_rank.py"), str(out)])
+    assert code == EXIT_OK
+    assert sorted(p.name for p in out.iterdir()) == ["rank-0.json", "rank-1.json"]
+    assert (run_dir / "verdicts.attempt-0" / "rank-0.json").exists()  # kept, set aside
 
 
 @pytest.mark.timeout(120)

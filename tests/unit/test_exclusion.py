@@ -167,7 +167,7 @@ def test_guard_lets_a_healthy_host_rejoin_and_archives_the_old_verdicts(tmp_path
     assert inner.calls == ["next_rendezvous", "next_rendezvous"]
     assert not (tmp_path / "verdicts").exists()
     assert (tmp_path / "verdicts.attempt-0" / "rank-0.json").exists()
-    assert set(guard.others_excluded) == {"node3"}
+    assert guard.others_excluded == {"node3"}
     # The normal end of a job still closes the rendezvous, as torchrun does.
     assert handler.shutdown() is True and inner.calls[-1] == "shutdown"
     assert handler.get_backend() == "nansentinel"
