@@ -66,9 +66,12 @@ exit code 3 on the healthy hosts. With ``--rdzv-backend=static`` the wrapper is 
 installed (the static backend has no rounds to leave); an excluded host is then refused at
 its next start. The host running the c10d rendezvous store (``--rdzv-endpoint``) cannot
 leave without ending the rendezvous for everyone: put the endpoint on a host you trust, or
-use etcd. On a failover where the excluded host was the agent group's rank 0, set
-``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` so that the workers' store moves with the new
-rank 0 (this launcher sets it when an elastic range and restarts make that possible).
+use etcd. When ``--nnodes`` is a range this launcher sets
+``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` (unless you set it): by default torchrun's agent
+of group rank 0 also hosts the workers' store, and agents keep that address across rounds,
+so after the excluded host was group rank 0 the survivors' workers would wait for a store
+that is gone (seen with torch 2.13). Without sharing, each round's rank 0 publishes a fresh
+store address.
 """
 
 from __future__ import annotations

@@ -52,7 +52,7 @@ if ckpt.exists():
     model.module.load_state_dict(state["model"])
     optimizer.load_state_dict(state["optimizer"])
     sentinel.load_state_dict(state["sentinel"])
-    start = sentinel.step_index
+    start = state["step"]
 
 g = torch.Generator().manual_seed(rank)
 for step in range(start, args.steps):
@@ -64,8 +64,8 @@ for step in range(start, args.steps):
     sentinel.step()  # raises HostExcludedError on every rank when a host is excluded
     optimizer.zero_grad()
     if rank == 0 and (step + 1) % args.ckpt_every == 0:
-        state = {"model": model.module.state_dict(), "optimizer": optimizer.state_dict(),
-                 "sentinel": sentinel.state_dict()}
+        state = {"step": step + 1, "model": model.module.state_dict(),
+                 "optimizer": optimizer.state_dict(), "sentinel": sentinel.state_dict()}
         torch.save(state, ckpt.with_suffix(".tmp"))
         os.replace(ckpt.with_suffix(".tmp"), ckpt)
     dist.barrier()  # nobody runs ahead of rank 0's checkpoint
