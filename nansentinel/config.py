@@ -37,10 +37,24 @@ ENV_EXCHANGE_TIMEOUT = "NANSENTINEL_EXCHANGE_TIMEOUT"
 ENV_EXCLUSION_FILE = "NANSENTINEL_EXCLUSION_FILE"
 ENV_JOB_ID = "NANSENTINEL_JOB_ID"
 ENV_RUN_DIR = "NANSENTINEL_RUN_DIR"
+ENV_LOSS_SPIKE_ACTION = "NANSENTINEL_LOSS_SPIKE_ACTION"
+ENV_GRAD_SPIKE_ACTION = "NANSENTINEL_GRAD_SPIKE_ACTION"
+ENV_SPIKE_RATIO = "NANSENTINEL_SPIKE_RATIO"
+ENV_SPIKE_ZSCORE = "NANSENTINEL_SPIKE_ZSCORE"
+ENV_SPIKE_WINDOW = "NANSENTINEL_SPIKE_WINDOW"
+ENV_SPIKE_WARMUP = "NANSENTINEL_SPIKE_WARMUP"
+ENV_SNAPSHOT_EVERY = "NANSENTINEL_SNAPSHOT_EVERY"
+ENV_ROLLBACK_LR_FACTOR = "NANSENTINEL_ROLLBACK_LR_FACTOR"
+ENV_ROLLBACK_LR_STEPS = "NANSENTINEL_ROLLBACK_LR_STEPS"
+ENV_ROLLBACK_SKIP_BATCHES = "NANSENTINEL_ROLLBACK_SKIP_BATCHES"
+ENV_MAX_ROLLBACKS = "NANSENTINEL_MAX_ROLLBACKS"
+ENV_REPLAY = "NANSENTINEL_REPLAY"
+ENV_REPLAY_ANOMALY = "NANSENTINEL_REPLAY_ANOMALY"
 #: Kubernetes downward API convention (DCGM's exporter reads the same variable).
 ENV_NODE_NAME = "NODE_NAME"
 
-POLICIES = ("skip", "abort")
+POLICIES = ("skip", "abort", "rollback")
+SPIKE_ACTIONS = ("warn", "skip", "rollback")
 DEFAULT_METRICS_PORT = 9410
 DEFAULT_REPORT_DIR = "nansentinel_reports"
 
@@ -62,6 +76,19 @@ _ENV_FIELDS: dict[str, tuple[str, str]] = {
     "exclusion_file": (ENV_EXCLUSION_FILE, "str"),
     "job_id": (ENV_JOB_ID, "str"),
     "run_dir": (ENV_RUN_DIR, "str"),
+    "loss_spike_action": (ENV_LOSS_SPIKE_ACTION, "str"),
+    "grad_spike_action": (ENV_GRAD_SPIKE_ACTION, "str"),
+    "spike_ratio": (ENV_SPIKE_RATIO, "float"),
+    "spike_zscore": (ENV_SPIKE_ZSCORE, "float"),
+    "spike_window": (ENV_SPIKE_WINDOW, "int"),
+    "spike_warmup": (ENV_SPIKE_WARMUP, "int"),
+    "snapshot_every": (ENV_SNAPSHOT_EVERY, "int"),
+    "rollback_lr_factor": (ENV_ROLLBACK_LR_FACTOR, "float"),
+    "rollback_lr_steps": (ENV_ROLLBACK_LR_STEPS, "int"),
+    "rollback_skip_batches": (ENV_ROLLBACK_SKIP_BATCHES, "int"),
+    "max_rollbacks": (ENV_MAX_ROLLBACKS, "int"),
+    "replay": (ENV_REPLAY, "bool"),
+    "replay_anomaly": (ENV_REPLAY_ANOMALY, "bool"),
 }
 #: Every NANSENTINEL_* variable this package reads; anything else is probably a typo.
 KNOWN_ENV = frozenset(env for env, _ in _ENV_FIELDS.values())
@@ -81,7 +108,8 @@ class SentinelConfig:
 
     policy: str = "skip"
     """``skip``: no rank applies the step, gradients are discarded; ``abort``: every rank
-    raises :class:`nansentinel.NonFiniteError` at the same step."""
+    raises :class:`nansentinel.NonFiniteError` at the same step; ``rollback``: every rank
+    restores the last-good snapshot, lowers the learning rate and skips ahead."""
 
     report_dir: str = DEFAULT_REPORT_DIR
     """Directory for incident reports (JSON) and the saved offending batch."""
@@ -134,6 +162,46 @@ class SentinelConfig:
     run_dir: str | None = None
     """Directory shared with the ``nansentinel run`` launcher for per-rank verdicts."""
 
+    loss_spike_action: str = "warn"
+    """On a loss spike: ``warn`` (report, apply), ``skip`` the step, or ``rollback``."""
+
+    grad_spike_action: str = "warn"
+    """On a gradient-norm spike: ``warn``, ``skip`` or ``rollback``."""
+
+    spike_ratio: float = 10.0
+    """A value spikes at this multiple of its rolling median (and ``spike_zscore``)."""
+
+    spike_zscore: float = 6.0
+    """... and at this robust z-score (distance from the median in 1.4826 x MAD units)."""
+
+    spike_window: int = 100
+    """Values per rank in the rolling reference."""
+
+    spike_warmup: int = 20
+    """Values needed before a series is judged."""
+
+    snapshot_every: int = 50
+    """Healthy steps between last-good snapshots (kept only when a rollback is possible)."""
+
+    rollback_lr_factor: float = 0.5
+    """Learning-rate multiplier after a rollback (compounds on repeated rollbacks)."""
+
+    rollback_lr_steps: int = 500
+    """Steps the lowered learning rate stays in force."""
+
+    rollback_skip_batches: int = 10
+    """Batches discarded after a rollback (PaLM's remedy: step past the data that led in)."""
+
+    max_rollbacks: int = 3
+    """Rollbacks to the same snapshot before the run aborts: it keeps diverging there."""
+
+    replay: bool = True
+    """After a detection, replay the batch to tell data, host and transient faults apart
+    (needs ``Sentinel(..., replay=fn)``)."""
+
+    replay_anomaly: bool = False
+    """Run the replay under ``torch.autograd.set_detect_anomaly`` to name the operation."""
+
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
             raise ConfigError(
@@ -165,6 +233,31 @@ class SentinelConfig:
             raise ConfigError(f"metrics_linger={self.metrics_linger!r} must be >= 0 seconds")
         if self.hostname is not None and (not isinstance(self.hostname, str) or not self.hostname):
             raise ConfigError(f"hostname={self.hostname!r} must be a non-empty string")
+        for name in ("loss_spike_action", "grad_spike_action"):
+            if getattr(self, name) not in SPIKE_ACTIONS:
+                raise ConfigError(
+                    f"{name}={getattr(self, name)!r} is not a spike action; expected one of "
+                    f"{', '.join(SPIKE_ACTIONS)}"
+                )
+        _require_positive("spike_ratio", self.spike_ratio, above=1.0)
+        _require_positive("spike_zscore", self.spike_zscore, above=0.0)
+        _require_int("spike_window", self.spike_window, minimum=3)
+        _require_int("spike_warmup", self.spike_warmup, minimum=3)
+        if self.spike_warmup > self.spike_window:
+            raise ConfigError(
+                f"spike_warmup={self.spike_warmup} must not exceed spike_window={self.spike_window}"
+            )
+        _require_int("snapshot_every", self.snapshot_every, minimum=1)
+        if not (isinstance(self.rollback_lr_factor, int | float) and not isinstance(
+            self.rollback_lr_factor, bool
+        ) and 0 < self.rollback_lr_factor <= 1):
+            raise ConfigError(f"rollback_lr_factor={self.rollback_lr_factor!r} must be in (0, 1]")
+        _require_int("rollback_lr_steps", self.rollback_lr_steps, minimum=0)
+        _require_int("rollback_skip_batches", self.rollback_skip_batches, minimum=0)
+        _require_int("max_rollbacks", self.max_rollbacks, minimum=1)
+        for name in ("replay", "replay_anomaly"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{name}={getattr(self, name)!r} must be True or False")
         if self.inject is not None:
             from nansentinel.inject import parse_inject  # local: inject imports config
 
@@ -235,6 +328,13 @@ def _parse_env(var: str, raw: str, kind: str) -> Any:
                 f"environment variable {var} is set but empty; unset it or give a value"
             )
         return value
+    if kind == "bool":
+        lowered = value.lower()
+        if lowered in ("1", "true", "yes", "on"):
+            return True
+        if lowered in ("0", "false", "no", "off"):
+            return False
+        raise ConfigError(f"environment variable {var}={raw!r} is not a boolean (1/0, true/false)")
     try:
         return int(value) if kind == "int" else float(value)
     except ValueError:
@@ -248,6 +348,11 @@ def _require_int(field: str, value: object, *, minimum: int) -> None:
         raise ConfigError(f"{field}={value!r} must be an integer")
     if value < minimum:
         raise ConfigError(f"{field}={value!r} must be >= {minimum}")
+
+
+def _require_positive(field: str, value: object, *, above: float) -> None:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not value > above:
+        raise ConfigError(f"{field}={value!r} must be a number > {above:g}")
 
 
 def _did_you_mean(word: str, choices: object) -> str:

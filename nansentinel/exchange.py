@@ -30,8 +30,9 @@ from nansentinel.result import KINDS, ExchangeTimeoutError, RankIdentity
 log = logging.getLogger("nansentinel")
 
 # Layout of one rank's row in the health vector.
-F_BATCH, F_LOSS, F_GRAD, F_INJECTED, F_LOSS_VALUE, F_GRAD_NORM, F_HAS_LOSS, F_HAS_GRAD = range(8)
-FIELDS = 8
+(F_BATCH, F_LOSS, F_GRAD, F_INJECTED, F_LOSS_VALUE, F_GRAD_NORM, F_HAS_LOSS, F_HAS_GRAD,
+ F_QUARANTINED) = range(9)
+FIELDS = 9
 _STORE_PREFIX = "nansentinel/arrived"
 
 
@@ -44,6 +45,7 @@ class RankHealth:
     injected: bool
     loss: float | None
     grad_norm: float | None
+    quarantined: bool = False
 
     @property
     def rank(self) -> int:
@@ -73,6 +75,14 @@ class ClusterView:
     def injected(self) -> bool:
         return any(r.injected for r in self.ranks)
 
+    @property
+    def quarantined(self) -> bool:
+        return any(r.quarantined for r in self.ranks)
+
+    def values(self, signal: str) -> list[float | None]:
+        """Every rank's ``loss`` or ``grad_norm`` (None where the rank had none)."""
+        return [getattr(r, signal) for r in self.ranks]
+
 
 def pack_row(
     *,
@@ -84,10 +94,11 @@ def pack_row(
     grad_norm: torch.Tensor,
     has_loss: bool,
     has_grad: bool,
+    quarantined: bool = False,
 ) -> torch.Tensor:
     """One rank's health row as an fp32 vector on the flags' device (no host sync)."""
     device = batch.device
-    has = torch.tensor([float(has_loss), float(has_grad)], device=device)
+    has = torch.tensor([float(has_loss), float(has_grad), float(quarantined)], device=device)
     parts = [batch, loss, grad, injected, loss_value, grad_norm]
     row = torch.stack([p.to(device=device, dtype=torch.float32).reshape(()) for p in parts])
     return torch.cat([row, has])
@@ -106,6 +117,7 @@ def unpack_view(step: int, values: list[float], identities: list[RankIdentity]) 
                 injected=bool(row[F_INJECTED]),
                 loss=row[F_LOSS_VALUE] if row[F_HAS_LOSS] else None,
                 grad_norm=row[F_GRAD_NORM] if row[F_HAS_GRAD] else None,
+                quarantined=bool(row[F_QUARANTINED]),
             )
         )
     return ClusterView(step, tuple(ranks))
@@ -214,6 +226,39 @@ class HealthExchange:
             if self._diagnosed is None or self._diagnosed[0] != step:
                 self._diagnosed = (step, self._diagnose(step, identities, cause))
             return self._diagnosed[1]
+
+    def send_object(self, obj: object, src: int, dst: int) -> object | None:
+        """Move one picklable object (e.g. a batch) from rank ``src`` to rank ``dst``; other
+        ranks do nothing. Used only by the replay after a detection."""
+        import io
+
+        if not (self.distributed and self.world_size > 1) or src == dst:
+            return obj if self.rank == dst else None
+        if self.rank not in (src, dst):
+            return None
+        other = dst if self.rank == src else src
+        peer = dist.get_global_rank(self.group, other) if self.group is not None else other
+        if self.rank == src:
+            buf = io.BytesIO()
+            torch.save(obj, buf)
+            data = torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)
+            size = torch.tensor([data.numel()], dtype=torch.int64)
+            dist.send(size.to(self.comm_device), peer, group=self.group)
+            dist.send(data.to(self.comm_device), peer, group=self.group)
+            return None
+        size = torch.zeros(1, dtype=torch.int64, device=self.comm_device)
+        dist.recv(size, peer, group=self.group)
+        data = torch.empty(int(size), dtype=torch.uint8, device=self.comm_device)
+        dist.recv(data, peer, group=self.group)
+        payload = bytes(data.cpu().contiguous().untyped_storage())
+        return torch.load(io.BytesIO(payload), weights_only=False)
+
+    def sum_floats(self, values: list[float]) -> list[float]:
+        """Element-wise sum of a short float list across ranks (identity alone)."""
+        t = torch.tensor(values, dtype=torch.float32, device=self.comm_device)
+        if self.distributed and self.world_size > 1:
+            dist.all_reduce(t, group=self.group)
+        return t.tolist()
 
     def _diagnose(
         self, step: int, identities: list[RankIdentity], cause: BaseException | None

@@ -24,7 +24,7 @@ import math
 import threading
 import time
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import psutil
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
@@ -33,7 +33,7 @@ from prometheus_client.exposition import start_http_server
 from prometheus_client.registry import Collector
 
 from nansentinel.config import ENV_METRICS_PORT
-from nansentinel.result import KINDS, RankIdentity, StepResult
+from nansentinel.result import KINDS, VERDICTS, RankIdentity, StepResult
 
 if TYPE_CHECKING:
     import torch
@@ -211,6 +211,22 @@ class SentinelMetrics:
             registry=r,
         )
         self._step = Gauge(f"{PREFIX}_step", "Index of the last step decided.", registry=r)
+        spikes = {
+            signal: Counter(
+                f"{PREFIX}_{signal}_spikes",
+                f"Steps on which this rank's own {signal.replace('_', ' ')} spiked over its "
+                "running median (spike_ratio and spike_zscore).",
+                registry=r,
+            )
+            for signal in ("loss", "grad_norm")
+        }
+        self._spikes = spikes
+        self._lr_factor = Gauge(
+            f"{PREFIX}_lr_factor",
+            "Learning-rate factor in force (below 1 during a cooldown after a rollback).",
+            registry=r,
+        )
+        self._lr_factor.set(1)
         self._timestamp = Gauge(
             f"{PREFIX}_last_step_timestamp_seconds",
             "Unix time of the last step decided (0 before the first); for stall alerts.",
@@ -246,8 +262,19 @@ class SentinelMetrics:
                 ["hostname"],
                 registry=r,
             )
+            verdicts = Counter(
+                f"{PREFIX}_verdicts",
+                "Replay verdicts of incidents: data, host, transient, divergence (cluster view, "
+                "exported by rank 0 only).",
+                ["verdict"],
+                registry=r,
+            )
+            self._verdicts: dict[str, Any] | None = {
+                v: verdicts.labels(verdict=v) for v in VERDICTS
+            }
         else:
             self._host_blamed = self._host_excluded = None
+            self._verdicts = None
         r.register(HostCollector(device))
 
     def observe_step(self, result: StepResult, check_seconds: float) -> None:
@@ -270,6 +297,11 @@ class SentinelMetrics:
             self._grad_norm.set(result.local_grad_norm)
         self._step.set(result.step)
         self._timestamp.set(self._clock())
+        for signal in result.local_spikes:
+            self._spikes[signal].inc()
+        self._lr_factor.set(result.lr_factor)
+        if self._verdicts is not None and result.verdict in self._verdicts:
+            self._verdicts[result.verdict].inc()
         if not math.isnan(check_seconds):
             self._check_seconds.observe(check_seconds)
         if self._host_blamed is not None and self._host_excluded is not None:

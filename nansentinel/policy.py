@@ -2,7 +2,7 @@
 
 Every rank holds the same view (the exchange guarantees it), the same history (built from the
 same views) and the same config, so every rank reaches the same decision without another
-collective: no rank can step the optimizer while another skips.
+collective: no rank can step the optimizer while another skips or rolls back.
 """
 
 from __future__ import annotations
@@ -12,8 +12,14 @@ import dataclasses
 from nansentinel.config import SentinelConfig
 from nansentinel.exchange import ClusterView, RankHealth
 from nansentinel.result import KINDS
+from nansentinel.spikes import Spikes
 
-APPLY, SKIP, OVERFLOW, ABORT, EXCLUDE = "apply", "skip", "overflow", "abort", "exclude"
+APPLY, SKIP, OVERFLOW, ABORT, EXCLUDE, ROLLBACK = (
+    "apply", "skip", "overflow", "abort", "exclude", "rollback",
+)
+# Why a step was not applied as is; planned skips do not count towards escalation.
+NONFINITE, SPIKE, QUARANTINE, AFTER_ROLLBACK = "nonfinite", "spike", "quarantine", "after_rollback"
+_SEVERITY = {"warn": 0, "skip": 1, "rollback": 2}
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -24,11 +30,13 @@ class Decision:
     bad: tuple[RankHealth, ...]
     """Blamed ranks (for AMP runs: ranks whose batch or loss was non-finite)."""
     reason: str = ""
+    cause: str = ""
+    """``nonfinite``, ``spike``, ``quarantine``, ``after_rollback`` or empty (applied)."""
     overflow: bool = False
     """Gradients overflowed under GradScaler on some rank: counted, not blamed."""
     exclude_host: str | None = None
     strikes: int = 0
-    """Strikes against ``exclude_host`` (or the most-struck blamed host) in the window."""
+    """Strikes against ``exclude_host`` in the window."""
 
     @property
     def bad_ranks(self) -> list[int]:
@@ -51,14 +59,26 @@ class History:
     consecutive_skips: int = 0
     strikes: dict[str, list[int]] = dataclasses.field(default_factory=dict)
     excluded: list[str] = dataclasses.field(default_factory=list)
+    rollbacks: dict[int, int] = dataclasses.field(default_factory=dict)
+    """Snapshot step -> rollbacks to it."""
+    skip_batches: int = 0
+    """Batches still to discard after a rollback."""
 
-    def record(self, view: ClusterView, decision: Decision, config: SentinelConfig) -> None:
+    def record(
+        self,
+        view: ClusterView,
+        decision: Decision,
+        config: SentinelConfig,
+        *,
+        verdict: str | None = None,
+        snapshot_step: int | None = None,
+    ) -> None:
         """Advance the history by one decided step."""
-        if decision.action in (SKIP, ABORT, EXCLUDE):
+        if decision.cause in (NONFINITE, SPIKE) and decision.action != APPLY:
             self.consecutive_skips += 1
-        else:
+        elif decision.action in (APPLY, OVERFLOW):
             self.consecutive_skips = 0
-        for host in blamed_hosts(view, decision):
+        for host in blamed_hosts(view, decision, verdict):
             self.strikes.setdefault(host, []).append(view.step)
         horizon = view.step - config.strike_window
         for host in list(self.strikes):
@@ -67,24 +87,37 @@ class History:
                 del self.strikes[host]
         if decision.exclude_host and decision.exclude_host not in self.excluded:
             self.excluded.append(decision.exclude_host)
+        if decision.cause == AFTER_ROLLBACK:
+            self.skip_batches -= 1
+        if decision.action == ROLLBACK and snapshot_step is not None:
+            self.rollbacks[snapshot_step] = self.rollbacks.get(snapshot_step, 0) + 1
+            self.skip_batches = config.rollback_skip_batches
 
 
-def blamed_hosts(view: ClusterView, decision: Decision) -> list[str]:
-    """Hosts that earn a strike: those with a bad rank, but only while some host is healthy.
+def blamed_hosts(view: ClusterView, decision: Decision, verdict: str | None = None) -> list[str]:
+    """Hosts that earn a strike: those with a bad rank, but only while some host is healthy,
+    and not when a replay found the data (or a global divergence) to blame.
 
     When every host is bad the cause is global (learning rate, model, overflow), not a host,
     and excluding hosts one by one would only shrink the job.
     """
     bad = set(decision.bad_hosts)
-    if not bad or bad >= set(view.hosts):
+    if not bad or bad >= set(view.hosts) or verdict in ("data", "divergence"):
         return []
     return sorted(bad)
 
 
 def decide(
-    view: ClusterView, history: History, config: SentinelConfig, *, amp: bool = False
+    view: ClusterView,
+    history: History,
+    config: SentinelConfig,
+    *,
+    amp: bool = False,
+    spikes: Spikes | None = None,
+    verdict: str | None = None,
+    snapshot_step: int | None = None,
 ) -> Decision:
-    """Decide ``apply | skip | overflow | abort | exclude`` for one step.
+    """Decide ``apply | skip | overflow | rollback | abort | exclude`` for one step.
 
     Args:
         view: the cluster view of this step (the same on every rank).
@@ -92,16 +125,52 @@ def decide(
         config: the sentinel config (the same on every rank).
         amp: a GradScaler is in use, so non-finite gradients alone are fp16 overflow that the
             scaler handles by skipping and lowering its scale, not a rank's fault.
+        spikes: loss / gradient-norm spikes of this step.
+        verdict: the replay verdict, when a replay ran.
+        snapshot_step: the step of the snapshot a rollback would restore (None: none yet).
     """
     blame_kinds = ("batch", "loss") if amp else KINDS
     bad = tuple(view.bad(blame_kinds))
     overflow = amp and bool(view.bad(("grad",)))
-    if not bad:
-        return Decision(OVERFLOW if overflow else APPLY, (), overflow=overflow)
+    if bad:
+        return _nonfinite(view, bad, history, config, overflow, verdict, snapshot_step)
+    if view.quarantined:
+        return Decision(SKIP, (), "a quarantined batch came round again", QUARANTINE, overflow)
+    if spikes:
+        action = _most_severe(spikes, config)
+        if action != "warn":
+            reason = "spike in " + ", ".join(spikes.signals())
+            if action == "rollback":
+                return _rollback(history, config, (), overflow, snapshot_step, reason, SPIKE)
+            return Decision(SKIP, (), reason, SPIKE, overflow)
+    if history.skip_batches > 0:
+        return Decision(
+            SKIP, (), f"discarding batches after a rollback ({history.skip_batches} left)",
+            AFTER_ROLLBACK, overflow,
+        )
+    return Decision(OVERFLOW if overflow else APPLY, (), overflow=overflow)
 
-    provisional = Decision(SKIP, bad, overflow=overflow)
-    for host in blamed_hosts(view, provisional):
-        horizon = view.step - config.strike_window
+
+def _most_severe(spikes: Spikes, config: SentinelConfig) -> str:
+    actions = [
+        config.loss_spike_action if s == "loss" else config.grad_spike_action
+        for s in spikes.signals()
+    ]
+    return max(actions, key=_SEVERITY.__getitem__)
+
+
+def _nonfinite(
+    view: ClusterView,
+    bad: tuple[RankHealth, ...],
+    history: History,
+    config: SentinelConfig,
+    overflow: bool,
+    verdict: str | None,
+    snapshot_step: int | None,
+) -> Decision:
+    provisional = Decision(SKIP, bad, cause=NONFINITE, overflow=overflow)
+    horizon = view.step - config.strike_window
+    for host in blamed_hosts(view, provisional, verdict):
         strikes = sum(1 for s in history.strikes.get(host, ()) if s > horizon) + 1
         if strikes >= config.host_strikes and host not in history.excluded:
             return dataclasses.replace(
@@ -122,4 +191,29 @@ def decide(
                 f"(max_consecutive_skips={config.max_consecutive_skips})"
             ),
         )
+    if config.policy == "rollback":
+        return _rollback(history, config, bad, overflow, snapshot_step, "policy is rollback",
+                         NONFINITE)
     return provisional
+
+
+def _rollback(
+    history: History,
+    config: SentinelConfig,
+    bad: tuple[RankHealth, ...],
+    overflow: bool,
+    snapshot_step: int | None,
+    reason: str,
+    cause: str,
+) -> Decision:
+    if snapshot_step is None:
+        return Decision(SKIP, bad, f"{reason}, but no snapshot yet: skipped", cause, overflow)
+    done = history.rollbacks.get(snapshot_step, 0)
+    if done >= config.max_rollbacks:
+        return Decision(
+            ABORT, bad,
+            f"{done} rollbacks to the snapshot of step {snapshot_step} did not help "
+            f"(max_rollbacks={config.max_rollbacks})",
+            cause, overflow,
+        )
+    return Decision(ROLLBACK, bad, f"{reason}: restoring step {snapshot_step}", cause, overflow)

@@ -11,6 +11,9 @@ import dataclasses
 #: The kinds of local check, in the order of the health vector.
 KINDS = ("batch", "loss", "grad")
 
+#: Replay verdicts: what caused a detection (see replay.py).
+VERDICTS = ("data", "host", "transient", "divergence")
+
 #: Step outcomes; they are the ``outcome`` label of ``nansentinel_steps_total``.
 OUTCOMES = ("applied", "skipped", "overflow", "aborted", "excluded", "rolled_back")
 
@@ -65,6 +68,18 @@ class StepResult:
     """Hosts the cluster has decided to exclude so far."""
     parameters: dict[int, list[str]] = dataclasses.field(default_factory=dict)
     """For grad faults: rank -> names of parameters holding non-finite gradients there."""
+    spikes: dict[str, list[int]] = dataclasses.field(default_factory=dict)
+    """Signal (``loss``, ``grad_norm``) -> ranks whose value spiked (-1: the cluster mean)."""
+    local_spikes: list[str] = dataclasses.field(default_factory=list)
+    """Signals that spiked on this rank."""
+    quarantined: bool = False
+    """True when a rank was fed a batch quarantined earlier (verdict ``data``)."""
+    rolled_back_to: int | None = None
+    """The step whose snapshot was restored, when this step rolled back."""
+    lr_factor: float = 1.0
+    """Learning-rate factor in force after this step (below 1 during a rollback cooldown)."""
+    reason: str = ""
+    """Why the step was not applied as is (empty when it was)."""
 
     @property
     def healthy(self) -> bool:

@@ -26,30 +26,45 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from nansentinel import checks, report
+from nansentinel import checks, incident, report
 from nansentinel.config import SentinelConfig, resolve_hostname
 from nansentinel.exchange import (
     ClusterView,
     HealthExchange,
     RankHealth,
     diagnosis_grace,
-    nan_to_none,
     pack_row,
 )
 from nansentinel.inject import Injector, parse_inject
-from nansentinel.policy import ABORT, APPLY, EXCLUDE, OVERFLOW, Decision, History, decide
+from nansentinel.policy import (
+    ABORT,
+    APPLY,
+    EXCLUDE,
+    OVERFLOW,
+    ROLLBACK,
+    Decision,
+    History,
+    decide,
+)
+from nansentinel.recovery import Cooldown, MemorySnapshots, SnapshotStore, UserSnapshots
+from nansentinel.replay import ReplayFn, ReplayResult, fingerprint, replay, verdict_of
 from nansentinel.result import (
+    KINDS,
     HostExcludedError,
     NonFiniteError,
     RankIdentity,
     SentinelUsageError,
     StepResult,
 )
+from nansentinel.spikes import SIGNALS, SpikeDetector, Spikes
 from nansentinel.watchdog import Watchdog
 
 log = logging.getLogger("nansentinel")
 
-_OUTCOME = {APPLY: "applied", OVERFLOW: "overflow", ABORT: "aborted", EXCLUDE: "excluded"}
+_OUTCOME = {
+    APPLY: "applied", OVERFLOW: "overflow", ABORT: "aborted", EXCLUDE: "excluded",
+    ROLLBACK: "rolled_back",
+}
 
 
 class Sentinel:
@@ -65,6 +80,11 @@ class Sentinel:
         group: the process group (default: DDP's, else the default group if initialised,
             else none: one process).
         registry: a ``prometheus_client.CollectorRegistry`` for the metrics (tests inject one).
+        replay: ``fn(module, batch) -> loss``, the forward and loss of one step on the
+            unwrapped module; with it, a detection is replayed to tell data, host and
+            transient faults apart and to find the first non-finite module and parameter.
+        snapshots: ``(save, load)`` — the user's own checkpoint pair for rollbacks
+            (``save(step)``; ``load() -> step``) — or a ``SnapshotStore``; default: host memory.
         env: environment to read ``NANSENTINEL_*`` from (default ``os.environ``).
         **overrides: fields of :class:`SentinelConfig`; keyword > env > default.
     """
@@ -78,6 +98,8 @@ class Sentinel:
         group: dist.ProcessGroup | None = None,
         registry: Any = None,
         env: dict[str, str] | None = None,
+        replay: ReplayFn | None = None,
+        snapshots: tuple[Any, Any] | SnapshotStore | None = None,
         **overrides: Any,
     ) -> None:
         self.config = SentinelConfig.from_env(env, **overrides)
@@ -107,6 +129,24 @@ class Sentinel:
         self._names = {id(p): n.removeprefix(prefix) for n, p in model.named_parameters()}
         self.history = History()
         self.step_index = 0
+        self.module = model.module if is_ddp else model
+        self.replay_fn = replay
+        cfg = self.config
+        self.spikes = SpikeDetector(
+            self.world_size, window=cfg.spike_window, warmup=cfg.spike_warmup,
+            ratio=cfg.spike_ratio, zscore=cfg.spike_zscore,
+        )
+        self.snapshots: SnapshotStore | None
+        if isinstance(snapshots, tuple):
+            self.snapshots = UserSnapshots(*snapshots)
+        elif snapshots is not None:
+            self.snapshots = snapshots
+        elif "rollback" in (cfg.policy, cfg.loss_spike_action, cfg.grad_spike_action):
+            self.snapshots = MemorySnapshots(self.module, optimizer, scaler)
+        else:
+            self.snapshots = None  # no rollback possible: no copies made
+        self.cooldown = Cooldown()
+        self.quarantine: set[str] = set()
         self._reset()
         if is_ddp:
             try:
@@ -143,6 +183,8 @@ class Sentinel:
         first = next(checks.float_tensors(batch), None)
         if self.injector.poison("batch", self.step_index, first):
             self._injected = True
+        if self.quarantine and fingerprint(batch) in self.quarantine:
+            self._quarantined = True
         flag, _ = checks.batch_flag(batch, self.device)
         if self._batch_flag is not None:
             flag = torch.maximum(self._batch_flag, flag)
@@ -204,8 +246,9 @@ class Sentinel:
         """Decide this step with every rank and act on it.
 
         Applies the optimizer (or GradScaler) step only when every rank is healthy; otherwise
-        discards the gradients on every rank, or raises :class:`NonFiniteError` on every rank
-        when the policy aborts (or :class:`HostExcludedError` when a host is excluded).
+        discards the gradients on every rank, rolls every rank back to the last-good snapshot,
+        or raises :class:`NonFiniteError` on every rank when the policy aborts (or
+        :class:`HostExcludedError` when a host is excluded).
         """
         if not self.exchange.launched:
             self.check_grads()
@@ -215,22 +258,42 @@ class Sentinel:
         # Waiting for the exchange is waiting for the gradient all-reduce beside it, and the
         # optimizer step is the user's: neither is the sentinel's own cost.
         not_ours = time.perf_counter() - started
-        decision = decide(view, self.history, self.config, amp=self.scaler is not None)
-        self.history.record(view, decision, self.config)
+        current = {s: view.values(s) for s in SIGNALS}
+        spikes = self.spikes.judge(current)
+        self.spikes.record(current, spikes)
+        blamed = view.bad(("batch", "loss") if self.scaler is not None else KINDS)
+        verdict, replays = self._blame(view, blamed, spikes) if blamed or spikes else (None, [])
+        snapshot_step = self.snapshots.step if self.snapshots is not None else None
+        decision = decide(
+            view, self.history, self.config, amp=self.scaler is not None, spikes=spikes,
+            verdict=verdict, snapshot_step=snapshot_step,
+        )
+        self.history.record(
+            view, decision, self.config, verdict=verdict, snapshot_step=snapshot_step
+        )
+        rolled_back_to = None
         if decision.action in (APPLY, OVERFLOW):
             opt_started = time.perf_counter()
+            saved_lr = self.cooldown.apply(self.optimizer)
             if self.scaler is not None:
                 self.scaler.step(self.optimizer)
                 self.scaler.update()
             else:
                 self.optimizer.step()
+            self.cooldown.undo(self.optimizer, saved_lr)
             not_ours += time.perf_counter() - opt_started
+            self._maybe_snapshot(view, spikes)
         else:
             # Discard the poisoned gradients on every rank: weights never take them.
             self.optimizer.zero_grad(set_to_none=True)
-        result = self._result(view, decision)
-        if decision.bad:
-            result = self._incident(view, decision, result)
+            if decision.action == ROLLBACK and self.snapshots is not None:
+                rolled_back_to = self.snapshots.load()
+                self.cooldown.start(self.config.rollback_lr_factor, self.config.rollback_lr_steps)
+        if verdict == "data":
+            self.quarantine.update(r["fingerprint"] for r in replays if r.get("fingerprint"))
+        result = self._result(view, decision, spikes, verdict, rolled_back_to)
+        if decision.bad or spikes or decision.action == ROLLBACK:
+            result = self._incident(view, decision, result, spikes, replays)
         self._seconds += time.perf_counter() - started - not_ours
         if self.metrics is not None:
             self.metrics.observe_step(result, self._seconds)
@@ -239,6 +302,60 @@ class Sentinel:
         if decision.action in (ABORT, EXCLUDE):
             self._raise(decision, result)
         return result
+
+    def _blame(
+        self, view: ClusterView, blamed: list[RankHealth], spikes: Spikes
+    ) -> tuple[str | None, list[dict[str, Any]]]:
+        """The verdict for this step: ``divergence`` when every rank is bad or spiking,
+        otherwise (with a replay function) a replay of the first poisoned rank's batch there
+        and on a healthy peer, preferably on another host. Same answer on every rank."""
+        if self.world_size > 1 and (
+            len(blamed) == self.world_size or spikes.everywhere(self.world_size)
+        ):
+            return "divergence", []
+        if not blamed or self.replay_fn is None or not self.config.replay:
+            return None, []
+        subject = blamed[0]
+        healthy = [r for r in view.ranks if r.healthy]
+        peer = next(
+            (r.rank for r in healthy if r.identity.hostname != subject.identity.hostname),
+            healthy[0].rank if healthy else None,
+        )
+        self._arm()
+        own: ReplayResult | None = None
+        theirs: ReplayResult | None = None
+        detail: dict[str, Any] = {}
+        if self.rank == subject.rank and self._batch is not None:
+            own = replay(self.module, self._batch, self.replay_fn,
+                         anomaly=self.config.replay_anomaly)
+            detail = {"replay": own.to_json(), "fingerprint": fingerprint(self._batch)}
+        if peer is not None:
+            batch = self.exchange.send_object(
+                self._batch if self.rank == subject.rank else None, subject.rank, peer
+            )
+            if self.rank == peer and batch is not None:
+                theirs = replay(self.module, batch, self.replay_fn,
+                                anomaly=self.config.replay_anomaly)
+                detail = {"peer_replay": theirs.to_json(), "replayed_for": subject.rank}
+        flags = self.exchange.sum_floats([
+            float(own is not None and own.error is None),
+            float(own is not None and own.finite),
+            float(theirs is not None and theirs.error is None),
+            float(theirs is not None and theirs.finite),
+        ])
+        details: list[dict[str, Any]] = self.exchange.gather_json(detail)  # type: ignore[assignment]
+        self._disarm()
+        if not flags[0]:
+            return None, details
+        return verdict_of(bool(flags[1]), bool(flags[3]) if flags[2] else None), details
+
+    def _maybe_snapshot(self, view: ClusterView, spikes: Spikes) -> None:
+        """Keep the state after a healthy, quiet step as the last good one, every N steps."""
+        snaps = self.snapshots
+        if snaps is None or spikes or self.history.skip_batches > 0:
+            return
+        if snaps.step is None or view.step - snaps.step >= self.config.snapshot_every:
+            snaps.save(view.step)
 
     # --- state for checkpoints ---------------------------------------------------------------
 
@@ -287,6 +404,7 @@ class Sentinel:
         self._batch: Any = None
         self._grad_norms: list[tuple[list[torch.Tensor], torch.Tensor]] = []
         self._injected = False
+        self._quarantined = False
         self._seconds = 0.0
 
     def _arm(self) -> None:
@@ -392,10 +510,14 @@ class Sentinel:
             grad_norm=checks.total_norm([all_norms]) if all_norms is not None else zero,
             has_loss=self._loss_sum is not None,
             has_grad=all_norms is not None,
+            quarantined=self._quarantined,
         )
         self.exchange.launch(self.step_index, row)
 
-    def _result(self, view: ClusterView, decision: Decision) -> StepResult:
+    def _result(
+        self, view: ClusterView, decision: Decision, spikes: Spikes, verdict: str | None,
+        rolled_back_to: int | None,
+    ) -> StepResult:
         mine = view.ranks[self.rank]
         return StepResult(
             step=view.step,
@@ -411,11 +533,22 @@ class Sentinel:
             injected=view.injected,
             overflow=decision.overflow,
             excluded_hosts=list(self.history.excluded),
+            verdict=verdict,
+            spikes={k: list(v) for k, v in spikes.ranks.items()},
+            local_spikes=spikes.of_rank(self.rank),
+            quarantined=view.quarantined,
+            rolled_back_to=rolled_back_to,
+            lr_factor=self.cooldown.factor if self.cooldown.steps_left > 0 else 1.0,
+            reason=decision.reason,
         )
 
-    def _incident(self, view: ClusterView, decision: Decision, result: StepResult) -> StepResult:
-        """After a detection: the poisoned ranks name their parameters and save their batch,
-        every rank shares that detail (one gather, only now), rank 0 writes the report."""
+    def _incident(
+        self, view: ClusterView, decision: Decision, result: StepResult, spikes: Spikes,
+        replays: list[dict[str, Any]],
+    ) -> StepResult:
+        """After a detection (or a spike, or a rollback): the poisoned ranks name their
+        parameters and save their batch, every rank shares that detail (one gather, only now),
+        rank 0 writes the report."""
         stem = report.incident_stem(self.job_id, view.step)
         base = Path(self.config.report_dir)
         detail: dict[str, Any] = {}
@@ -434,9 +567,14 @@ class Sentinel:
         self._disarm()
         parameters = {r: d["parameters"] for r, d in enumerate(details) if d.get("parameters")}
         result = _replace(result, parameters=parameters)
-        message = describe(view, decision, result)
+        for d, r in zip(details, replays or [{}] * len(details), strict=True):
+            d.update(r)
+        message = incident.describe(view, decision, result, spikes)
         if self.rank == 0:
-            payload = _report_payload(self, view, decision, result, details, message)
+            payload = incident.payload(
+                view, decision, result, spikes, details, message, job_id=self.job_id,
+                policy=self.config.policy, world_size=self.world_size,
+            )
             try:
                 path = report.write_json(base / f"{stem}.json", payload)
                 result = _replace(result, report_path=str(path))
@@ -452,7 +590,7 @@ class Sentinel:
                 "nansentinel: rank %d on host %s (local rank %d, %s): non-finite %s at step %d%s%s",
                 self.rank, self.identity.hostname, self.identity.local_rank, self.identity.device,
                 ", ".join(mine.kinds), view.step,
-                f"; parameters: {_first(params, 8)}" if params else "",
+                f"; parameters: {incident.first(params, 8)}" if params else "",
                 f"; batch saved to {batch_path}" if batch_path else "",
             )
         return result
@@ -467,7 +605,7 @@ class Sentinel:
         return names
 
     def _raise(self, decision: Decision, result: StepResult) -> None:
-        message = describe_abort(decision, result)
+        message = incident.describe_abort(decision, result)
         if self.config.exclusion_file and decision.exclude_host and self.rank == 0:
             from nansentinel.exclusion import ExclusionRecord, ExclusionStore
 
@@ -503,86 +641,6 @@ class Sentinel:
             time.sleep(self.config.metrics_linger)
         error = HostExcludedError if decision.action == EXCLUDE else NonFiniteError
         raise error(message, result)
-
-
-def describe(view: ClusterView, decision: Decision, result: StepResult) -> str:
-    """One log line for an incident: what, where (rank, host, local rank, device), what next."""
-    parts = []
-    for r in decision.bad:
-        ident = r.identity
-        params = result.parameters.get(r.rank)
-        parts.append(
-            f"rank {r.rank} (host {ident.hostname}, local rank {ident.local_rank}, "
-            f"{ident.device}): {', '.join(r.kinds)}"
-            + (f" [{_first(params, 5)}]" if params else "")
-        )
-    nxt = {
-        "skipped": "step skipped on every rank, gradients discarded",
-        "aborted": "aborting on every rank",
-        "excluded": f"excluding host {decision.exclude_host}",
-    }.get(result.outcome, result.outcome)
-    injected = " (injected by NANSENTINEL_INJECT)" if view.injected else ""
-    return (
-        f"nansentinel: non-finite values at step {view.step}{injected}: {'; '.join(parts)} "
-        f"— {nxt}" + (f" ({decision.reason})" if decision.reason else "")
-    )
-
-
-def describe_abort(decision: Decision, result: StepResult) -> str:
-    """The message of the exception raised on every rank."""
-    what = "excluding host " + str(decision.exclude_host) if decision.exclude_host else "aborting"
-    return (
-        f"nansentinel: {what} at step {result.step}: non-finite {', '.join(result.kinds)} on "
-        f"rank(s) {', '.join(map(str, result.bad_ranks))} (host(s) "
-        f"{', '.join(result.bad_hosts)}); {decision.reason}."
-        + (f" Report: {result.report_path}" if result.report_path else "")
-    )
-
-
-def _report_payload(
-    sentinel: Sentinel,
-    view: ClusterView,
-    decision: Decision,
-    result: StepResult,
-    details: list[Any],
-    message: str,
-) -> dict[str, Any]:
-    def rank_entry(r: RankHealth) -> dict[str, Any]:
-        ident = r.identity
-        entry: dict[str, Any] = {
-            "rank": r.rank,
-            "hostname": ident.hostname,
-            "local_rank": ident.local_rank,
-            "device": ident.device,
-            "gpu_uuid": ident.gpu_uuid,
-            "kinds": list(r.kinds),
-            "injected": r.injected,
-            "loss": nan_to_none(r.loss),
-            "grad_norm": nan_to_none(r.grad_norm),
-        }
-        entry.update(details[r.rank])
-        return entry
-
-    return {
-        "version": 1,
-        "message": message,
-        "job_id": sentinel.job_id,
-        "time": time.time(),
-        "step": view.step,
-        "outcome": result.outcome,
-        "reason": decision.reason,
-        "policy": sentinel.config.policy,
-        "bad_ranks": result.bad_ranks,
-        "bad_hosts": result.bad_hosts,
-        "kinds": result.kinds,
-        "injected": view.injected,
-        "overflow": decision.overflow,
-        "excluded_host": decision.exclude_host,
-        "consecutive_skips": result.consecutive_skips,
-        "world_size": sentinel.world_size,
-        "poisoned": [rank_entry(r) for r in decision.bad],
-        "ranks": [rank_entry(r) for r in view.ranks],
-    }
 
 
 def _identity(

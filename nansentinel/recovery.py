@@ -1,0 +1,137 @@
+"""Recovery: restore the last good state, cool the learning rate down, skip ahead.
+
+This is the playbook people follow by hand after a spike or a NaN (PaLM's remedy among them):
+stop before the weights are ruined, restore the last good state, lower the learning rate near
+the spike, skip the batches that led into it. Every rank holds an identical snapshot (taken at
+the same healthy step, of identical weights) and restores it at the same step, so the replicas
+stay identical without a collective.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import torch
+
+
+class SnapshotStore(Protocol):
+    """Where last-good state goes: host memory by default, or the user's own checkpoints."""
+
+    def save(self, step: int) -> None:
+        """Save the current (healthy) state as of ``step``."""
+
+    def load(self) -> int:
+        """Restore the last saved state; return its step."""
+
+    @property
+    def step(self) -> int | None:
+        """Step of the last saved state (None: nothing saved yet)."""
+
+
+class MemorySnapshots:
+    """Model, optimizer (and GradScaler) state copied to host memory.
+
+    A copy is one device-to-host transfer of the weights and optimizer state every
+    ``snapshot_every`` healthy steps; it is paid only when a rollback policy or action is on.
+    """
+
+    def __init__(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                 scaler: Any = None) -> None:
+        self.module, self.optimizer, self.scaler = module, optimizer, scaler
+        self._state: dict[str, Any] | None = None
+        self._step: int | None = None
+
+    @property
+    def step(self) -> int | None:
+        return self._step
+
+    def save(self, step: int) -> None:
+        state = {
+            "model": _to_cpu(self.module.state_dict()),
+            "optimizer": _to_cpu(copy.deepcopy(self.optimizer.state_dict())),
+        }
+        if self.scaler is not None:
+            state["scaler"] = self.scaler.state_dict()
+        self._state, self._step = state, step
+
+    def load(self) -> int:
+        if self._state is None or self._step is None:
+            raise RuntimeError("no snapshot to roll back to")
+        self.module.load_state_dict(self._state["model"])
+        # load_state_dict keeps our copy intact: the optimizer casts into fresh tensors.
+        self.optimizer.load_state_dict(copy.deepcopy(self._state["optimizer"]))
+        if self.scaler is not None and "scaler" in self._state:
+            self.scaler.load_state_dict(self._state["scaler"])
+        return self._step
+
+
+class UserSnapshots:
+    """The user's own save/load pair, e.g. writing and reading their checkpoints.
+
+    Args:
+        save: called with the step of a healthy state worth keeping.
+        load: restores the last saved state and returns its step.
+    """
+
+    def __init__(self, save: Callable[[int], None], load: Callable[[], int]) -> None:
+        self._save, self._load = save, load
+        self._step: int | None = None
+
+    @property
+    def step(self) -> int | None:
+        return self._step
+
+    def save(self, step: int) -> None:
+        self._save(step)
+        self._step = step
+
+    def load(self) -> int:
+        return int(self._load())
+
+
+@dataclasses.dataclass(slots=True)
+class Cooldown:
+    """A learning-rate factor in force for a number of steps after a rollback.
+
+    Applied around ``optimizer.step()`` and undone right after it, so that it composes with
+    any LR scheduler (which sets ``group["lr"]`` itself) instead of compounding with it.
+    Rollbacks during a cooldown multiply the factors: a second rollback at 0.5 gives 0.25.
+    """
+
+    factor: float = 1.0
+    steps_left: int = 0
+
+    def start(self, factor: float, steps: int) -> None:
+        self.factor = (self.factor if self.steps_left > 0 else 1.0) * factor
+        self.steps_left = steps
+
+    def apply(self, optimizer: torch.optim.Optimizer) -> list[float] | None:
+        """Scale every group's LR; return the previous values for :meth:`undo`."""
+        if self.steps_left <= 0:
+            return None
+        saved = [g["lr"] for g in optimizer.param_groups]
+        for group in optimizer.param_groups:
+            group["lr"] = group["lr"] * self.factor
+        return saved
+
+    def undo(self, optimizer: torch.optim.Optimizer, saved: list[float] | None) -> None:
+        if saved is None:
+            return
+        for group, lr in zip(optimizer.param_groups, saved, strict=True):
+            group["lr"] = lr
+        self.steps_left -= 1
+        if self.steps_left <= 0:
+            self.factor = 1.0
+
+
+def _to_cpu(obj: Any) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().to("cpu", copy=True)
+    if isinstance(obj, dict):
+        return {k: _to_cpu(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_to_cpu(v) for v in obj]
+    return obj

@@ -1,0 +1,173 @@
+"""Blame by replay: was it the data, the host, or the model?
+
+Runs only after a detection, never on the normal step. The poisoned rank's batch is replayed
+with the same (unchanged: the step was not applied) weights:
+
+- on the poisoned rank again: finite now → ``transient`` (a flipped bit: hardware suspect);
+- on a healthy rank on another host: non-finite there too → ``data`` (the batch is
+  quarantined); finite there → ``host`` (a strike against the poisoned rank's host);
+- every rank non-finite or spiking together → ``divergence`` (learning rate or model: no
+  replay needed, rollback with a lower learning rate is the remedy).
+
+While replaying, forward hooks on every module and gradient hooks on every parameter find the
+first module whose output went non-finite and the first parameter gradient that did, and, when
+asked, ``torch.autograd.set_detect_anomaly`` names the backward operation. These tools cost
+2-3x a step and more, which is why they live here and not on the normal step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+import warnings
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+from nansentinel import checks
+
+ReplayFn = Callable[[torch.nn.Module, Any], torch.Tensor]
+"""``fn(module, batch) -> loss``: the forward and loss of one step, on the unwrapped module."""
+
+
+@dataclasses.dataclass(slots=True)
+class ReplayResult:
+    """What one replay of a batch found."""
+
+    finite: bool
+    loss: float | None = None
+    first_module: str | None = None
+    first_parameter: str | None = None
+    anomaly: str | None = None
+    error: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        if d["loss"] is not None and not torch.isfinite(torch.tensor(d["loss"])):
+            d["loss"] = str(d["loss"])
+        return d
+
+
+def replay(
+    module: torch.nn.Module, batch: Any, fn: ReplayFn, *, anomaly: bool = False
+) -> ReplayResult:
+    """Replay ``fn(module, batch)`` forward and backward with localisation hooks.
+
+    Leaves no trace: gradients are taken with ``torch.autograd.grad`` (nothing accumulates
+    into ``.grad``, and DDP's reducer, which hooks gradient accumulation, never sees the replay
+    — only the poisoned rank and one peer run it), buffers (e.g. BatchNorm statistics) and the
+    RNG state are restored, hooks removed. Any exception from ``fn`` is recorded, not raised.
+    """
+    found: dict[str, str] = {}
+    grads_finite = True
+
+    def forward_hook(name: str) -> Callable[..., None]:
+        def hook(_mod: torch.nn.Module, _inp: Any, out: Any) -> None:
+            if "module" not in found and any(
+                not bool(torch.isfinite(t).all()) for t in checks.float_tensors(out)
+            ):
+                found["module"] = name or type(module).__name__
+
+        return hook
+
+    def grad_hook(name: str) -> Callable[[torch.Tensor], None]:
+        def hook(grad: torch.Tensor) -> None:
+            nonlocal grads_finite
+            if not bool(torch.isfinite(grad).all()):
+                grads_finite = False
+                found.setdefault("parameter", name)
+
+        return hook
+
+    handles = [m.register_forward_hook(forward_hook(n)) for n, m in module.named_modules()]
+    params = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+    handles += [p.register_hook(grad_hook(n)) for n, p in params]
+    result = ReplayResult(finite=False)
+    with _preserved(module):
+        try:
+            with warnings.catch_warnings(record=True) as caught, _anomaly(anomaly):
+                warnings.simplefilter("always")
+                loss = fn(module, batch)
+                value = loss.detach().float().mean()
+                result.loss = float(value)
+                loss_finite = bool(torch.isfinite(loss.detach()).all())
+                if loss.requires_grad and params:
+                    torch.autograd.grad(
+                        loss.float().sum(), [p for _, p in params], allow_unused=True
+                    )
+            result.finite = loss_finite and grads_finite and "module" not in found
+        except Exception as exc:  # the user's replay function may fail in any way
+            text = str(exc)
+            if anomaly and isinstance(exc, RuntimeError) and "nan" in text.lower():
+                trace = "\n".join(str(w.message) for w in caught if "Traceback" in str(w.message))
+                result.anomaly = text + ("\n" + trace if trace else "")
+            else:
+                result.error = f"{type(exc).__name__}: {text}"
+        finally:
+            for h in handles:
+                h.remove()
+    result.first_module = found.get("module")
+    result.first_parameter = found.get("parameter")
+    return result
+
+
+def verdict_of(own_finite: bool, peer_finite: bool | None) -> str:
+    """The verdict from the two replays (``peer_finite`` None: there was no healthy peer)."""
+    if own_finite:
+        return "transient"
+    if peer_finite is None or not peer_finite:
+        return "data"
+    return "host"
+
+
+def fingerprint(batch: Any) -> str:
+    """A short content fingerprint of every tensor of a batch (float and integer), used to
+    recognise a quarantined batch if it comes round again. One host sync per tensor, paid only
+    while something is quarantined."""
+    h = hashlib.sha1()
+    for t in _all_tensors(batch):
+        d = t.detach()
+        if d.is_complex():
+            d = torch.view_as_real(d)
+        stats = torch.stack([d.double().sum(), d.double().abs().sum(), d.double().pow(2).sum()])
+        h.update(f"{d.dtype}{tuple(d.shape)}{stats.tolist()}".encode())
+    return h.hexdigest()[:16]
+
+
+def _all_tensors(obj: Any) -> Iterator[torch.Tensor]:
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            yield from _all_tensors(v)
+    elif isinstance(obj, list | tuple):
+        for v in obj:
+            yield from _all_tensors(v)
+
+
+@contextlib.contextmanager
+def _preserved(module: torch.nn.Module) -> Iterator[None]:
+    buffers = {n: b.detach().clone() for n, b in module.named_buffers()}
+    cpu_rng = torch.get_rng_state()
+    cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for n, b in module.named_buffers():
+                if n in buffers:
+                    b.copy_(buffers[n])
+        torch.set_rng_state(cpu_rng)
+        if cuda_rng is not None:
+            torch.cuda.set_rng_state_all(cuda_rng)
+
+
+@contextlib.contextmanager
+def _anomaly(enabled: bool) -> Iterator[None]:
+    if not enabled:
+        yield
+        return
+    with torch.autograd.detect_anomaly(check_nan=True):
+        yield
