@@ -130,7 +130,8 @@ def decide(
         snapshot_step: the step of the snapshot a rollback would restore (None: none yet).
     """
     blame_kinds = ("batch", "loss") if amp else KINDS
-    bad = tuple(view.bad(blame_kinds))
+    # A batch quarantined earlier (verdict data) is skipped, not blamed a second time.
+    bad = tuple(r for r in view.bad(blame_kinds) if not r.quarantined)
     overflow = amp and bool(view.bad(("grad",)))
     if bad:
         return _nonfinite(view, bad, history, config, overflow, verdict, snapshot_step)

@@ -82,35 +82,47 @@ def replay(
         return hook
 
     handles = [m.register_forward_hook(forward_hook(n)) for n, m in module.named_modules()]
-    params = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
-    handles += [p.register_hook(grad_hook(n)) for n, p in params]
+    params = [p for _, p in module.named_parameters() if p.requires_grad]
+    handles += [p.register_hook(grad_hook(n)) for n, p in module.named_parameters()
+                if p.requires_grad]
     result = ReplayResult(finite=False)
-    with _preserved(module):
-        try:
-            with warnings.catch_warnings(record=True) as caught, _anomaly(anomaly):
-                warnings.simplefilter("always")
-                loss = fn(module, batch)
-                value = loss.detach().float().mean()
-                result.loss = float(value)
-                loss_finite = bool(torch.isfinite(loss.detach()).all())
-                if loss.requires_grad and params:
-                    torch.autograd.grad(
-                        loss.float().sum(), [p for _, p in params], allow_unused=True
-                    )
-            result.finite = loss_finite and grads_finite and "module" not in found
-        except Exception as exc:  # the user's replay function may fail in any way
-            text = str(exc)
-            if anomaly and isinstance(exc, RuntimeError) and "nan" in text.lower():
-                trace = "\n".join(str(w.message) for w in caught if "Traceback" in str(w.message))
-                result.anomaly = text + ("\n" + trace if trace else "")
-            else:
-                result.error = f"{type(exc).__name__}: {text}"
-        finally:
-            for h in handles:
-                h.remove()
+    try:
+        with _preserved(module):
+            loss = fn(module, batch)
+            result.loss = float(loss.detach().float().mean())
+            loss_finite = bool(torch.isfinite(loss.detach()).all())
+            if loss.requires_grad and params:
+                torch.autograd.grad(loss.float().sum(), params, allow_unused=True)
+        result.finite = loss_finite and grads_finite and "module" not in found
+    except Exception as exc:  # the user's replay function may fail in any way
+        result.error = f"{type(exc).__name__}: {exc}"
+    finally:
+        for h in handles:
+            h.remove()
     result.first_module = found.get("module")
     result.first_parameter = found.get("parameter")
+    if anomaly and not result.finite and result.error is None:
+        # A second pass: anomaly mode raises at the first bad backward op, before the
+        # parameter hooks above could see anything, so it cannot share their pass.
+        result.anomaly = _anomaly_trace(module, batch, fn, params)
     return result
+
+
+def _anomaly_trace(
+    module: torch.nn.Module, batch: Any, fn: ReplayFn, params: list[torch.nn.Parameter]
+) -> str | None:
+    """The backward operation that produced NaN, with the forward stack anomaly mode records."""
+    with _preserved(module), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            with torch.autograd.detect_anomaly(check_nan=True):
+                loss = fn(module, batch)
+                if loss.requires_grad and params:
+                    torch.autograd.grad(loss.float().sum(), params, allow_unused=True)
+        except RuntimeError as exc:
+            trace = "\n".join(str(w.message) for w in caught if "Traceback" in str(w.message))
+            return str(exc) + ("\n" + trace if trace else "")
+    return None
 
 
 def verdict_of(own_finite: bool, peer_finite: bool | None) -> str:
@@ -162,12 +174,3 @@ def _preserved(module: torch.nn.Module) -> Iterator[None]:
         torch.set_rng_state(cpu_rng)
         if cuda_rng is not None:
             torch.cuda.set_rng_state_all(cuda_rng)
-
-
-@contextlib.contextmanager
-def _anomaly(enabled: bool) -> Iterator[None]:
-    if not enabled:
-        yield
-        return
-    with torch.autograd.detect_anomaly(check_nan=True):
-        yield

@@ -261,7 +261,10 @@ class Sentinel:
         current = {s: view.values(s) for s in SIGNALS}
         spikes = self.spikes.judge(current)
         self.spikes.record(current, spikes)
-        blamed = view.bad(("batch", "loss") if self.scaler is not None else KINDS)
+        blamed = [
+            r for r in view.bad(("batch", "loss") if self.scaler is not None else KINDS)
+            if not r.quarantined
+        ]
         verdict, replays = self._blame(view, blamed, spikes) if blamed or spikes else (None, [])
         snapshot_step = self.snapshots.step if self.snapshots is not None else None
         decision = decide(
@@ -360,13 +363,19 @@ class Sentinel:
     # --- state for checkpoints ---------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
-        """Step counter and policy history, to be saved with the training checkpoint so that a
-        restarted job keeps counting steps and strikes where it left off."""
+        """Step counter, policy history, spike references, cooldown and quarantine, to be saved
+        with the training checkpoint so that a restarted job carries on where it left off."""
+        h = self.history
         return {
             "step": self.step_index,
-            "consecutive_skips": self.history.consecutive_skips,
-            "strikes": {h: list(s) for h, s in self.history.strikes.items()},
-            "excluded": list(self.history.excluded),
+            "consecutive_skips": h.consecutive_skips,
+            "strikes": {host: list(s) for host, s in h.strikes.items()},
+            "excluded": list(h.excluded),
+            "rollbacks": dict(h.rollbacks),
+            "skip_batches": h.skip_batches,
+            "spikes": self.spikes.state_dict(),
+            "cooldown": [self.cooldown.factor, self.cooldown.steps_left],
+            "quarantine": sorted(self.quarantine),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -376,7 +385,14 @@ class Sentinel:
             consecutive_skips=int(state.get("consecutive_skips", 0)),
             strikes={h: [int(s) for s in v] for h, v in state.get("strikes", {}).items()},
             excluded=list(state.get("excluded", [])),
+            rollbacks={int(k): int(v) for k, v in state.get("rollbacks", {}).items()},
+            skip_batches=int(state.get("skip_batches", 0)),
         )
+        if "spikes" in state:
+            self.spikes.load_state_dict(state["spikes"])
+        if "cooldown" in state:
+            self.cooldown.factor, self.cooldown.steps_left = state["cooldown"]
+        self.quarantine = set(state.get("quarantine", []))
 
     def close(self) -> None:
         """Stop the metrics server and the watchdog (the DDP hook stays: DDP cannot
