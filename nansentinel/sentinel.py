@@ -285,7 +285,7 @@ class Sentinel:
                 self.optimizer.step()
             self.cooldown.undo(self.optimizer, saved_lr)
             not_ours += time.perf_counter() - opt_started
-            self._maybe_snapshot(view, spikes)
+            self._maybe_snapshot(view, current)
         else:
             # Discard the poisoned gradients on every rank: weights never take them.
             self.optimizer.zero_grad(set_to_none=True)
@@ -352,10 +352,10 @@ class Sentinel:
             return None, details
         return verdict_of(bool(flags[1]), bool(flags[3]) if flags[2] else None), details
 
-    def _maybe_snapshot(self, view: ClusterView, spikes: Spikes) -> None:
+    def _maybe_snapshot(self, view: ClusterView, current: dict[str, list[float | None]]) -> None:
         """Keep the state after a healthy, quiet step as the last good one, every N steps."""
         snaps = self.snapshots
-        if snaps is None or spikes or self.history.skip_batches > 0:
+        if snaps is None or self.history.skip_batches > 0 or not self.spikes.quiet(current):
             return
         if snaps.step is None or view.step - snaps.step >= self.config.snapshot_every:
             snaps.save(view.step)

@@ -81,8 +81,10 @@ class SpikeDetector:
         self.refresh = refresh or max(1, window // 10)
         rows = world_size + 1  # the last row is the cluster mean
         self._values = {s: [deque(maxlen=window) for _ in range(rows)] for s in SIGNALS}
-        # Per row: (median, threshold) or None while warming up.
-        self._ref: dict[str, list[tuple[float, float] | None]] = {s: [None] * rows for s in SIGNALS}
+        # Per row: (median, spike threshold, quiet threshold) or None while warming up.
+        self._ref: dict[str, list[tuple[float, float, float] | None]] = {
+            s: [None] * rows for s in SIGNALS
+        }
         self._recorded = 0
 
     def judge(self, current: dict[str, list[float | None]]) -> Spikes:
@@ -99,6 +101,18 @@ class SpikeDetector:
                 ranks.setdefault(signal, []).append(rank)
                 ratios.setdefault(signal, {})[rank] = x / ref[0] if ref[0] > 0 else math.inf
         return Spikes(ranks, ratios)
+
+    def quiet(self, current: dict[str, list[float | None]]) -> bool:
+        """No value is even half-way (geometrically) to a spike: sqrt(ratio) x the median and
+        half the z-score. A rollback target must be quiet, or restoring it brings the spike
+        straight back (the gradient norm rises for steps before it crosses the threshold)."""
+        for signal in SIGNALS:
+            refs = self._ref[signal]
+            for row, x in enumerate(_with_mean(current.get(signal, []), self.world_size)):
+                ref = refs[row]
+                if x is not None and (not math.isfinite(x) or (ref is not None and x >= ref[2])):
+                    return False
+        return True
 
     def record(self, current: dict[str, list[float | None]], spikes: Spikes) -> None:
         """Add this step's finite, non-spiking values to the reference windows."""
@@ -124,9 +138,11 @@ class SpikeDetector:
                 mad = sorted(abs(v - median) for v in ordered)[len(ordered) // 2]
                 scale = 1.4826 * mad + 1e-12 + 1e-6 * abs(median)
                 threshold = median + self.zscore * scale
+                quiet = median + self.zscore / 2 * scale
                 if median > 0:  # a non-positive median (a log-likelihood): z-score alone
                     threshold = max(threshold, self.ratio * median)
-                refs[row] = (median, threshold)
+                    quiet = max(quiet, math.sqrt(self.ratio) * median)
+                refs[row] = (median, threshold, quiet)
 
     def state_dict(self) -> dict[str, object]:
         return {"values": {s: [list(d) for d in rows] for s, rows in self._values.items()},
