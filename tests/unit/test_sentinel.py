@@ -12,7 +12,7 @@ import torch
 from prometheus_client import CollectorRegistry
 
 import nansentinel
-from tests.dist.harness import free_port
+from tests.distributed.harness import free_port
 
 
 def make(tmp_path: Path, **kw: object) -> tuple[torch.nn.Module, torch.optim.Optimizer,

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from nansentinel.exitcodes import EXIT_EXCHANGE_TIMEOUT
-from tests.dist.harness import run_ranks
-from tests.dist.workers import stall
+from tests.distributed.harness import run_ranks
+from tests.distributed.workers import stall
 
 TIMEOUT = 4.0
 

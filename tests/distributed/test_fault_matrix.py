@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.dist.harness import run_ranks, values
-from tests.dist.workers import late_loss_check, train
+from tests.distributed.harness import run_ranks, values
+from tests.distributed.workers import late_loss_check, train
 
 WORLD = 4
 # {batch, loss, grad} x {nan, inf, -inf}, each on its own rank and step, with healthy steps

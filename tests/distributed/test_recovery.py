@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.dist.harness import run_ranks, values
-from tests.dist.workers_recovery import blame, divergence, exploding
+from tests.distributed.harness import run_ranks, values
+from tests.distributed.workers_recovery import blame, divergence, exploding
 
 
 @pytest.mark.timeout(150)
