@@ -1,0 +1,494 @@
+"""Shared pieces of the overhead benchmarks (``overhead.py`` on CPU/gloo, ``gpu_checks.py`` on
+CUDA/NCCL): the model, the training-loop variants, the balanced step order, the statistics and
+the table.
+
+Why one module for both: the CPU and the GPU numbers are only comparable if they time the very
+same loops and summarise them the same way. Nothing here starts processes or picks a backend.
+
+The variants are the ways people guard a training step against NaN/Inf:
+
+``baseline``
+    plain DDP: forward, backward, ``optimizer.step()``, ``zero_grad()``.
+``sentinel``
+    the same loop with nansentinel's three calls (``check_batch``, ``check_loss``, ``step``).
+``pyhook``
+    diagnostic, not a guard: plain DDP with torch's own *Python* all-reduce comm hook. Any
+    sentinel that checks buckets inside a comm hook pays at least this much, so it splits the
+    sentinel's overhead into "being a Python comm hook" and "the checks themselves".
+``hooks``
+    the usual blog recipe: a ``register_hook`` on every parameter doing
+    ``if not torch.isfinite(grad).all()`` (one host sync per tensor) plus a forward hook on every
+    module checking its outputs the same way.
+``anomaly``
+    ``torch.autograd.set_detect_anomaly(True)`` around forward and backward.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import statistics
+import subprocess
+import time
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import nansentinel
+from nansentinel import checks
+
+BASELINE = "baseline"
+VARIANTS = ("baseline", "sentinel", "pyhook", "hooks", "anomaly")
+DEFAULT_VARIANTS = VARIANTS
+LABELS = {
+    "baseline": "baseline (plain DDP)",
+    "sentinel": "nansentinel",
+    "pyhook": "DDP + Python allreduce comm hook (diagnostic floor)",
+    "hooks": "blog recipe: per-param grad hooks + forward hooks",
+    "anomaly": "set_detect_anomaly(True)",
+}
+#: The issue's targets for the sentinel (median step-time ratio, peak-memory ratio).
+TIME_TARGET = 1.01
+MEMORY_TARGET = 1.05
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ModelConfig:
+    """Size of the benchmark transformer. The default (3.7 M parameters, batch 8 x 64 tokens)
+    takes ~150 ms a step on one core of the dev machine: long enough that timer and scheduler
+    noise stay small, short enough for ~120 rounds of every variant in a few minutes."""
+
+    d_model: int = 256
+    nhead: int = 4
+    ff: int = 1024
+    layers: int = 4
+    seq: int = 64
+    batch: int = 8
+    vocab: int = 1024
+
+
+#: For the smoke test: a step takes about a millisecond, the numbers mean nothing.
+TINY = ModelConfig(d_model=32, nhead=2, ff=64, layers=1, seq=8, batch=4, vocab=64)
+
+
+class BenchModel(nn.Module):
+    """Float features in (so that ``check_batch`` has bytes to read), token logits out."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.proj = nn.Linear(cfg.d_model, cfg.d_model)
+        layer = nn.TransformerEncoderLayer(
+            cfg.d_model, cfg.nhead, cfg.ff, dropout=0.0, batch_first=True
+        )
+        self.encoder = nn.TransformerEncoder(layer, cfg.layers, enable_nested_tensor=False)
+        self.head = nn.Linear(cfg.d_model, cfg.vocab)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.encoder(self.proj(x)))
+
+
+def make_batch(
+    cfg: ModelConfig, rank: int, step: int, device: torch.device
+) -> dict[str, torch.Tensor]:
+    """A deterministic batch per (rank, step); every variant gets the same one in a round, so
+    every variant does exactly the same arithmetic."""
+    g = torch.Generator().manual_seed(7919 * step + rank)
+    x = torch.randn(cfg.batch, cfg.seq, cfg.d_model, generator=g)
+    targets = torch.randint(0, cfg.vocab, (cfg.batch, cfg.seq), generator=g)
+    return {"x": x.to(device), "targets": targets.to(device)}
+
+
+def compute_loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    logits = model(batch["x"])
+    return F.cross_entropy(logits.flatten(0, 1), batch["targets"].flatten())
+
+
+# --- the variants ----------------------------------------------------------------------------
+
+
+class Variant:
+    """One DDP model + optimizer and the loop of one guard. ``step`` runs one training step."""
+
+    name = BASELINE
+
+    def __init__(self, model: DDP, optimizer: torch.optim.Optimizer) -> None:
+        self.model = model
+        self.optimizer = optimizer
+
+    def step(self, batch: dict[str, torch.Tensor]) -> None:
+        loss = compute_loss(self.model, batch)
+        loss.backward()
+        self.optimizer.step()
+        self.optimizer.zero_grad()
+
+    def close(self) -> None:
+        """Release what the variant holds beyond the model (hooks, servers)."""
+
+
+class SentinelVariant(Variant):
+    name = "sentinel"
+
+    def __init__(self, model: DDP, optimizer: torch.optim.Optimizer, report_dir: str) -> None:
+        super().__init__(model, optimizer)
+        # env={}: a stray NANSENTINEL_INJECT or port in the caller's shell must not change what
+        # is measured. No metrics exporter, as in the documented benchmark usage.
+        self.sentinel = nansentinel.Sentinel(
+            model, optimizer, metrics_port=0, report_dir=report_dir, env={}
+        )
+
+    def step(self, batch: dict[str, torch.Tensor]) -> None:
+        self.sentinel.check_batch(batch)
+        loss = compute_loss(self.model, batch)
+        self.sentinel.check_loss(loss)
+        loss.backward()
+        result = self.sentinel.step()
+        self.optimizer.zero_grad()
+        if not result.applied:
+            raise RuntimeError(f"the sentinel skipped a healthy benchmark step: {result}")
+
+    def close(self) -> None:
+        self.sentinel.close()
+
+
+class PyHookVariant(Variant):
+    name = "pyhook"
+
+    def __init__(self, model: DDP, optimizer: torch.optim.Optimizer) -> None:
+        super().__init__(model, optimizer)
+        model.register_comm_hook(model.process_group, allreduce_hook)
+
+
+class BlogHooksVariant(Variant):
+    """The recipe most posts give: it finds the first bad tensor, at the price of one host
+    sync per parameter and per module output, and it names nothing across ranks."""
+
+    name = "hooks"
+
+    def __init__(self, model: DDP, optimizer: torch.optim.Optimizer) -> None:
+        super().__init__(model, optimizer)
+        inner = model.module
+        self._handles = [
+            p.register_hook(_grad_hook(n)) for n, p in inner.named_parameters() if p.requires_grad
+        ]
+        self._handles += [
+            m.register_forward_hook(_forward_hook(n)) for n, m in inner.named_modules()
+        ]
+
+    def close(self) -> None:
+        for h in self._handles:
+            h.remove()
+
+
+class AnomalyVariant(Variant):
+    name = "anomaly"
+
+    def step(self, batch: dict[str, torch.Tensor]) -> None:
+        with torch.autograd.set_detect_anomaly(True):
+            loss = compute_loss(self.model, batch)
+            loss.backward()
+        self.optimizer.step()
+        self.optimizer.zero_grad()
+
+
+def _grad_hook(name: str) -> Callable[[torch.Tensor], None]:
+    def hook(grad: torch.Tensor) -> None:
+        if not torch.isfinite(grad).all():  # a host sync per gradient tensor, as in the posts
+            raise FloatingPointError(f"non-finite gradient in {name}")
+
+    return hook
+
+
+def _forward_hook(name: str) -> Callable[..., None]:
+    def hook(module: nn.Module, inputs: Any, output: Any) -> None:
+        for t in _tensors(output):
+            if t.is_floating_point() and not torch.isfinite(t).all():
+                raise FloatingPointError(f"non-finite output of {name}")
+
+    return hook
+
+
+def _tensors(obj: Any) -> Iterator[torch.Tensor]:
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, list | tuple):
+        for o in obj:
+            yield from _tensors(o)
+
+
+def build_variant(
+    name: str,
+    cfg: ModelConfig,
+    device: torch.device,
+    *,
+    report_dir: str,
+    seed: int = 0,
+) -> Variant:
+    """A fresh DDP model (same seed, hence the same initial weights for every variant) and an
+    AdamW optimizer, wrapped in the named variant. Needs an initialised process group."""
+    torch.manual_seed(seed)
+    module = BenchModel(cfg).to(device)
+    device_ids = [device.index] if device.type == "cuda" else None
+    # init_sync=False: the seed already makes the weights identical on every rank, and the
+    # initial broadcast's buffers can be freed on a gloo thread, where the CPU memory profiler
+    # does not see the free (the peak then came out a random 14 MB high on some ranks).
+    model = DDP(module, device_ids=device_ids, init_sync=False)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    if name == BASELINE:
+        return Variant(model, optimizer)
+    if name == "sentinel":
+        return SentinelVariant(model, optimizer, report_dir)
+    if name == "pyhook":
+        return PyHookVariant(model, optimizer)
+    if name == "hooks":
+        return BlogHooksVariant(model, optimizer)
+    if name == "anomaly":
+        return AnomalyVariant(model, optimizer)
+    raise ValueError(f"unknown variant {name!r}; expected one of {', '.join(VARIANTS)}")
+
+
+def parse_variants(text: str) -> list[str]:
+    """``"baseline,sentinel"`` -> list; the baseline is always first, since every ratio needs
+    it."""
+    names = [v.strip() for v in text.split(",") if v.strip()]
+    unknown = [v for v in names if v not in VARIANTS]
+    if unknown:
+        raise ValueError(f"unknown variant(s) {unknown}; expected some of {', '.join(VARIANTS)}")
+    return [BASELINE] + [v for v in dict.fromkeys(names) if v != BASELINE]
+
+
+# --- step order --------------------------------------------------------------------------------
+
+
+def balanced_orders(n: int) -> list[list[int]]:
+    """Williams design: orders of ``n`` variants such that, over one cycle, every variant sits
+    in every position equally often and follows every other variant equally often.
+
+    Why: a step can slow the next one (allocator state, caches, a GC debt). With a fixed
+    A B C D order the baseline would always follow the same variant and carry its debt; this
+    spreads such carry-over over all variants evenly.
+    """
+    first: list[int] = [0]
+    lo, hi = 1, n - 1
+    while len(first) < n:
+        first.append(lo)
+        lo += 1
+        if len(first) < n:
+            first.append(hi)
+            hi -= 1
+    rows = [[(v + i) % n for v in first] for i in range(n)]
+    if n % 2:
+        rows += [list(reversed(r)) for r in rows]
+    return rows
+
+
+def run_rounds(
+    variants: Sequence[Variant],
+    batches: Callable[[int], dict[str, torch.Tensor]],
+    rounds: int,
+    sync: Callable[[], None],
+    *,
+    first_round: int = 0,
+) -> dict[str, list[float]]:
+    """Run every variant once per round in a balanced order; return each variant's step times
+    (seconds) indexed by round, so that ratios pair steps of the same round (at most a few
+    hundred ms apart: slow drifts of the machine hit both sides of a ratio)."""
+    orders = balanced_orders(len(variants))
+    times: dict[str, list[float]] = {v.name: [0.0] * rounds for v in variants}
+    for r in range(rounds):
+        batch = batches(first_round + r)
+        for i in orders[(first_round + r) % len(orders)]:
+            v = variants[i]
+            sync()
+            started = time.perf_counter()
+            v.step(batch)
+            sync()
+            times[v.name][r] = time.perf_counter() - started
+    return times
+
+
+# --- statistics and the table --------------------------------------------------------------
+
+
+def quantile(data: Sequence[float], q: float) -> float:
+    """Linear-interpolation quantile (numpy's default), without needing numpy."""
+    if not data:
+        return math.nan
+    xs = sorted(data)
+    pos = q * (len(xs) - 1)
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+def median_ci(data: Sequence[float], z: float = 1.96) -> tuple[float, float]:
+    """Distribution-free ~95% confidence interval of the median (order statistics around
+    n/2 +- z*sqrt(n)/2). Why: it tells whether a 1% target is resolved by this run's noise at
+    all, without assuming the step times are normal (they are not: they have a long tail)."""
+    xs = sorted(data)
+    n = len(xs)
+    if n == 0:
+        return math.nan, math.nan
+    half = z * math.sqrt(n) / 2
+    lo = max(0, math.floor(n / 2 - half))
+    hi = min(n - 1, math.ceil(n / 2 + half) - 1)
+    return xs[lo], xs[hi]
+
+
+def summarize(
+    times: dict[str, list[float]], memory: dict[str, float] | None = None
+) -> dict[str, dict[str, float]]:
+    """Per variant: median step (ms) and the median, p10, p90 and 95% CI of the per-round
+    ratios to the baseline step of the same round; plus the peak-memory ratio when given."""
+    base = times[BASELINE]
+    out: dict[str, dict[str, float]] = {}
+    for name, ts in times.items():
+        ratios = [t / b for t, b in zip(ts, base, strict=True) if b > 0]
+        extra = [t - b for t, b in zip(ts, base, strict=True)]
+        lo, hi = median_ci(ratios)
+        row = {
+            "steps": len(ts),
+            "median_ms": statistics.median(ts) * 1e3 if ts else math.nan,
+            "ratio_median": statistics.median(ratios) if ratios else math.nan,
+            # Paired, like the ratios: comparable with a profile's milliseconds, unlike a
+            # difference of two medians.
+            "extra_ms_median": statistics.median(extra) * 1e3 if extra else math.nan,
+            "ratio_p10": quantile(ratios, 0.1),
+            "ratio_p90": quantile(ratios, 0.9),
+            "ratio_ci95_low": lo,
+            "ratio_ci95_high": hi,
+            "memory_ratio": math.nan,
+        }
+        if memory and memory.get(name) and memory.get(BASELINE):
+            row["memory_ratio"] = memory[name] / memory[BASELINE]
+        out[name] = row
+    return out
+
+
+def markdown_table(summary: dict[str, dict[str, float]]) -> str:
+    lines = [
+        "| variant | median step ms | median ratio vs baseline | p10–p90 ratio "
+        "| 95% CI of median ratio | peak memory ratio |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    for name, s in summary.items():
+        mem = "n/a" if math.isnan(s["memory_ratio"]) else f"{s['memory_ratio']:.3f}"
+        lines.append(
+            f"| {LABELS.get(name, name)} | {s['median_ms']:.1f} | {s['ratio_median']:.3f} "
+            f"| {s['ratio_p10']:.3f}–{s['ratio_p90']:.3f} "
+            f"| {s['ratio_ci95_low']:.3f}–{s['ratio_ci95_high']:.3f} | {mem} |"
+        )
+    return "\n".join(lines)
+
+
+def verdict(summary: dict[str, dict[str, float]]) -> list[str]:
+    """Plain sentences on the sentinel's targets. A target counts as met or missed only when
+    the whole confidence interval is on one side of it; otherwise this run cannot tell."""
+    s = summary.get("sentinel")
+    if s is None:
+        return []
+    if s["ratio_ci95_high"] <= TIME_TARGET:
+        t = "met"
+    elif s["ratio_ci95_low"] > TIME_TARGET:
+        t = "MISSED"
+    else:
+        t = "not resolved by this run's noise (the CI straddles the target)"
+    lines = [
+        f"sentinel step-time target (median ratio <= {TIME_TARGET}): {t}; median "
+        f"{s['ratio_median']:.4f}, 95% CI {s['ratio_ci95_low']:.4f}–{s['ratio_ci95_high']:.4f}"
+    ]
+    if not math.isnan(s["memory_ratio"]):
+        m = "met" if s["memory_ratio"] <= MEMORY_TARGET else "MISSED"
+        lines.append(
+            f"sentinel peak-memory target (ratio <= {MEMORY_TARGET}): {m}; "
+            f"ratio {s['memory_ratio']:.4f}"
+        )
+    return lines
+
+
+# --- the check's own cost against one read of the gradient bytes ---------------------------
+
+
+def model_grads(cfg: ModelConfig, device: torch.device, seed: int = 0) -> list[torch.Tensor]:
+    """The gradient tensors of one backward of the benchmark model (no DDP, no optimizer)."""
+    torch.manual_seed(seed)
+    model = BenchModel(cfg).to(device)
+    compute_loss(model, make_batch(cfg, 0, 0, device)).backward()
+    return [p.grad for p in model.parameters() if p.grad is not None]
+
+
+def check_cost(
+    grads: Sequence[torch.Tensor],
+    timer: Callable[[Callable[[], object]], float],
+    reps: int,
+) -> dict[str, float]:
+    """Median seconds of ``checks.grad_norms`` over ``grads`` against a plain ``torch.sum`` over
+    one flat tensor of the same bytes ("one read"), and against ``isfinite().all()`` (the blog
+    recipe's check) over the same flat tensor. The three are interleaved rep by rep.
+
+    ``timer(fn)`` returns the seconds one call of ``fn`` took (host clock with syncs on CPU,
+    CUDA events on a GPU).
+    """
+    numel = sum(g.numel() for g in grads)
+    flat = torch.randn(numel, dtype=grads[0].dtype, device=grads[0].device)
+    cases: dict[str, Callable[[], object]] = {
+        "grad_norms": lambda: checks.grad_norms(grads),
+        "sum_one_read": lambda: torch.sum(flat),
+        "isfinite_all": lambda: torch.isfinite(flat).all(),
+    }
+    for fn in cases.values():  # warm-up: first calls allocate and pick kernels
+        for _ in range(3):
+            fn()
+    samples: dict[str, list[float]] = {k: [] for k in cases}
+    for _ in range(reps):
+        for k, fn in cases.items():
+            samples[k].append(timer(fn))
+    med = {k: statistics.median(v) for k, v in samples.items()}
+    return {
+        "tensors": len(grads),
+        "bytes": numel * flat.element_size(),
+        "grad_norms_ms": med["grad_norms"] * 1e3,
+        "sum_one_read_ms": med["sum_one_read"] * 1e3,
+        "isfinite_all_ms": med["isfinite_all"] * 1e3,
+        "grad_norms_vs_one_read": med["grad_norms"] / med["sum_one_read"],
+        "isfinite_vs_one_read": med["isfinite_all"] / med["sum_one_read"],
+    }
+
+
+def check_cost_line(cost: dict[str, float]) -> str:
+    return (
+        f"check cost: checks.grad_norms over {cost['tensors']} gradient tensors "
+        f"({cost['bytes'] / 2**20:.1f} MiB) took {cost['grad_norms_ms']:.3f} ms, one read "
+        f"(torch.sum over a flat tensor of the same bytes) {cost['sum_one_read_ms']:.3f} ms: "
+        f"{cost['grad_norms_vs_one_read']:.2f}x one read "
+        f"(isfinite().all() over the same bytes: {cost['isfinite_vs_one_read']:.2f}x)"
+    )
+
+
+def library_revision() -> str:
+    """Which nansentinel was measured: its path, and the git commit of its checkout with a mark
+    when its files differ from that commit (others may be editing the tree while it runs)."""
+    pkg = Path(nansentinel.__file__).resolve().parent
+    try:
+        rev = subprocess.run(
+            ["git", "-C", str(pkg), "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=True,
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "-C", str(pkg), "status", "--porcelain", "--", "."],
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=True,
+        ).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return f"{pkg} (not a git checkout)"
+    return f"{pkg} at {rev}" + (" + uncommitted changes" if dirty else "")

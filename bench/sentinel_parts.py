@@ -1,0 +1,146 @@
+"""``overhead.py --profile``: where the sentinel's time goes, part by part.
+
+perf_counter wrappers are installed around the sentinel's methods from outside the library
+(the benchmark must not need changes to ``nansentinel/``). Each wrapper costs about a
+microsecond a call and there are a dozen calls a step: negligible against the milliseconds
+being attributed. Parts that a newer library no longer has are skipped, not fatal, so the
+profile keeps working while the internals move; the table says which were missing.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+OPTIMIZER = "  optimizer.step (the user's, not ours)"
+WAIT = "  exchange.wait (incl. the wait for the collective)"
+#: (label, "module:attribute path"); indentation in the label shows nesting.
+PARTS = (
+    ("check_batch", "nansentinel.sentinel:Sentinel.check_batch"),
+    ("check_loss", "nansentinel.sentinel:Sentinel.check_loss"),
+    ("comm hook, all buckets (in backward)", "nansentinel.sentinel:Sentinel._comm_hook"),
+    ("  checks.grad_norms", "nansentinel.checks:grad_norms"),
+    ("  _launch: pack row + start exchange", "nansentinel.sentinel:Sentinel._launch"),
+    ("    pack_row", "nansentinel.sentinel:pack_row"),
+    ("    exchange.launch", "nansentinel.exchange:HealthExchange.launch"),
+    ("  dist.all_reduce calls (buckets + health vector)", "torch.distributed:all_reduce"),
+    ("  watchdog arm (all callers)", "nansentinel.watchdog:Watchdog.arm"),
+    ("step()", "nansentinel.sentinel:Sentinel.step"),
+    (WAIT, "nansentinel.exchange:HealthExchange.wait"),
+    ("  decide", "nansentinel.sentinel:decide"),
+    ("  history.record", "nansentinel.policy:History.record"),
+    ("  _result", "nansentinel.sentinel:Sentinel._result"),
+)
+
+
+class PartTimer:
+    """Accumulates seconds and calls per part, only inside the attached variant's steps."""
+
+    def __init__(self) -> None:
+        self.enabled = False
+        self.armed = False  # set for the measured rounds; warm-up is not counted
+        self.total: dict[str, float] = defaultdict(float)
+        self.calls: dict[str, int] = defaultdict(int)
+        self.missing: list[str] = []
+
+    def install(self) -> None:
+        """Patch before the Sentinel is built, so that DDP registers the wrapped comm hook."""
+        for label, target in PARTS:
+            module, _, path = target.partition(":")
+            *owners, attr = path.split(".")
+            try:
+                owner: Any = importlib.import_module(module)
+                for name in owners:
+                    owner = getattr(owner, name)
+                fn = getattr(owner, attr)
+            except (ImportError, AttributeError):
+                self.missing.append(target)
+                continue
+            setattr(owner, attr, self.wrap(fn, label))
+
+    def attach(self, variant: Any) -> None:
+        """Count only inside ``variant``'s steps (``torch.distributed.all_reduce`` is shared
+        with the other variants), and time its optimizer step, which is the user's cost."""
+        if variant is None:
+            return
+        opt = variant.optimizer
+        opt.step = self.wrap(opt.step, OPTIMIZER)
+        step = variant.step
+
+        def counted(batch: dict[str, torch.Tensor]) -> None:
+            self.enabled = self.armed
+            try:
+                step(batch)
+            finally:
+                self.enabled = False
+
+        variant.step = counted
+
+    def wrap(self, fn: Callable[..., Any], label: str) -> Callable[..., Any]:
+        @functools.wraps(fn)  # keeps the signature DDP inspects on a comm hook
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            if not self.enabled:
+                return fn(*args, **kwargs)
+            started = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.total[label] += time.perf_counter() - started
+                self.calls[label] += 1
+
+        return wrapper
+
+    def per_step(self, steps: int) -> dict[str, Any]:
+        labels = [label for label, _ in PARTS] + [OPTIMIZER]
+        parts = {
+            label: {
+                "ms_per_step": self.total[label] * 1e3 / steps,
+                "calls_per_step": self.calls[label] / steps,
+            }
+            for label in labels
+        }
+        return {"parts": parts, "missing": self.missing}
+
+
+def render(profile: dict[str, Any], summary: dict[str, dict[str, float]]) -> str:
+    """The breakdown table and the sentinel's own time set against the measured difference."""
+    parts = profile["parts"]
+    ms = {k: v["ms_per_step"] for k, v in parts.items()}
+    ours = (
+        ms["check_batch"]
+        + ms["check_loss"]
+        + ms["comm hook, all buckets (in backward)"]
+        + ms["step()"]
+        - ms[OPTIMIZER]
+        - ms[WAIT]
+    )
+    lines = [
+        "where the sentinel's time goes (rank 0, mean ms per measured step):",
+        "",
+        "| part | ms/step | calls/step |",
+        "|---|---:|---:|",
+    ]
+    for label, v in parts.items():
+        name = label.lstrip(" ")
+        indent = "&nbsp;" * (len(label) - len(name))
+        lines.append(f"| {indent}{name} | {v['ms_per_step']:.3f} | {v['calls_per_step']:.1f} |")
+    lines += [
+        "",
+        "- the sentinel's own time (both checks + comm hook + step(), less the wait and the "
+        f"optimizer): {ours:.3f} ms/step",
+    ]
+    for name in ("sentinel", "pyhook"):
+        if name in summary:
+            lines.append(
+                f"- {name}: median per-round extra time over the baseline step: "
+                f"{summary[name]['extra_ms_median']:.3f} ms"
+            )
+    if profile["missing"]:
+        lines.append(f"- not in this library version: {', '.join(profile['missing'])}")
+    return "\n".join(lines)

@@ -1,0 +1,100 @@
+"""The overhead benchmark still runs end to end: a toy-sized run of ``bench/overhead.py`` as a
+subprocess (2 gloo ranks, every variant, the memory phase, the check-cost phase), so that a
+change to the library's API or to the benchmark itself cannot silently rot it.
+
+The numbers of a toy run mean nothing; the test checks their shape: every variant present,
+every ratio finite and positive, and identical final weights in every variant (each variant
+does the same arithmetic, so a difference means a guard changed training).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+VARIANTS = ("baseline", "sentinel", "pyhook", "hooks", "anomaly")
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    env.pop("NANSENTINEL_INJECT", None)
+    return env
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(200)
+def test_overhead_benchmark_tiny_run(tmp_path: Path) -> None:
+    out = tmp_path / "overhead.json"
+    cmd = [
+        sys.executable,
+        str(ROOT / "bench" / "overhead.py"),
+        "--tiny",
+        "--steps",
+        "6",
+        "--warmup",
+        "1",
+        "--memory-steps",
+        "1",
+        "--check-reps",
+        "5",
+        "--timeout",
+        "150",
+        "--collective-timeout",
+        "30",
+        "--json",
+        str(out),
+    ]
+    proc = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, f"benchmark failed:\n{proc.stdout}\n{proc.stderr}"
+
+    report = json.loads(out.read_text())
+    summary = report["summary"]
+    assert tuple(summary) == VARIANTS
+    for name, row in summary.items():
+        assert row["steps"] == 6, name
+        assert row["median_ms"] > 0, name
+        for key in ("ratio_median", "ratio_p10", "ratio_p90", "memory_ratio"):
+            assert math.isfinite(row[key]) and row[key] > 0, (name, key, row[key])
+        assert row["ratio_p10"] <= row["ratio_median"] <= row["ratio_p90"], name
+    assert summary["baseline"]["ratio_median"] == 1.0
+    assert summary["baseline"]["memory_ratio"] == 1.0
+    # The same arithmetic in every variant: the sentinel applied every step, no guard altered
+    # the gradients.
+    for name, diff in report["weights_max_abs_diff_vs_baseline"].items():
+        assert diff <= 1e-6, (name, diff)
+
+    cost = report["check_cost"]
+    assert cost["grad_norms_ms"] > 0 and cost["sum_one_read_ms"] > 0
+    assert math.isfinite(cost["grad_norms_vs_one_read"])
+    assert report["memory_detail"]["sentinel"]["largest_extra_alloc_bytes"] >= 0
+
+    table = proc.stdout
+    assert "| variant | median step ms | median ratio vs baseline | p10–p90 ratio" in table
+    for label in ("baseline (plain DDP)", "nansentinel", "set_detect_anomaly(True)"):
+        assert f"| {label} |" in table
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(60)
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this checks the no-GPU message")
+def test_gpu_checks_says_clearly_that_it_needs_a_gpu() -> None:
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "gpu_checks.py")],
+        cwd=ROOT,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=50,
+    )
+    assert proc.returncode == 2
+    assert "no CUDA device" in proc.stderr and "measured nothing" in proc.stderr
+    assert "Traceback" not in proc.stderr
