@@ -86,24 +86,27 @@ def loss_value(loss: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def grad_norms(grads: Sequence[torch.Tensor]) -> torch.Tensor:
-    """Per-tensor L2 norms of ``grads`` as one fp32 vector, using the fused multi-tensor
-    kernel (one launch on CUDA), so a bucket costs about one read of its bytes.
+    """Per-tensor L2 norms of ``grads`` (one device and dtype, as in a DDP bucket) as one
+    fp32 vector, using the fused multi-tensor kernel (one launch on CUDA), so a bucket costs
+    about one read of its bytes.
 
     The per-tensor norms are kept so that, only after a detection, the poisoned rank can name
     the parameters that held the non-finite values without a second pass.
     """
     if not grads:
         return torch.zeros(0, dtype=torch.float32)
-    by_dtype: dict[torch.dtype, list[int]] = {}
-    for i, g in enumerate(grads):
-        by_dtype.setdefault(g.dtype, []).append(i)
-    if len(by_dtype) == 1:
-        (dtype,) = by_dtype
-        return _stack_norms(grads, dtype)
-    out = torch.empty(len(grads), dtype=torch.float32, device=grads[0].device)
-    for dtype, idx in by_dtype.items():
-        out[idx] = _stack_norms([grads[i] for i in idx], dtype)
-    return out
+    kw = {"dtype": torch.float32} if grads[0].dtype in _HALF else {}
+    return torch.stack(torch._foreach_norm(list(grads), 2, **kw)).to(torch.float32)
+
+
+def by_device_and_dtype(params: Sequence[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """Group parameters by (device, dtype) of their gradients, keeping order within a group,
+    so that each group is one fused norm (DDP buckets are already grouped this way)."""
+    groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+    for p in params:
+        assert p.grad is not None
+        groups.setdefault((p.grad.device, p.grad.dtype), []).append(p)
+    return list(groups.values())
 
 
 def total_norm(norms: Iterable[torch.Tensor]) -> torch.Tensor:
@@ -112,11 +115,6 @@ def total_norm(norms: Iterable[torch.Tensor]) -> torch.Tensor:
     if not parts:
         return torch.zeros((), dtype=torch.float32)
     return torch.linalg.vector_norm(torch.cat(parts).float())
-
-
-def _stack_norms(grads: Sequence[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
-    kw = {"dtype": torch.float32} if dtype in _HALF else {}
-    return torch.stack(torch._foreach_norm(list(grads), 2, **kw)).to(torch.float32)
 
 
 def _to(t: torch.Tensor, device: torch.device) -> torch.Tensor:

@@ -89,19 +89,26 @@ def pack_row(
     batch: torch.Tensor,
     loss: torch.Tensor,
     grad: torch.Tensor,
-    injected: torch.Tensor,
+    injected: bool,
     loss_value: torch.Tensor,
     grad_norm: torch.Tensor,
     has_loss: bool,
     has_grad: bool,
     quarantined: bool = False,
 ) -> torch.Tensor:
-    """One rank's health row as an fp32 vector on the flags' device (no host sync)."""
+    """One rank's health row (layout ``F_*``) as an fp32 vector on the flags' device.
+
+    No host sync: Python values become ``torch.full`` fill kernels, where
+    ``torch.tensor([...], device=cuda)`` would copy from the host and synchronise the stream.
+    """
     device = batch.device
-    has = torch.tensor([float(has_loss), float(has_grad), float(quarantined)], device=device)
-    parts = [batch, loss, grad, injected, loss_value, grad_norm]
-    row = torch.stack([p.to(device=device, dtype=torch.float32).reshape(()) for p in parts])
-    return torch.cat([row, has])
+
+    def const(x: bool) -> torch.Tensor:
+        return torch.full((), float(x), device=device)
+
+    parts = [batch, loss, grad, const(injected), loss_value, grad_norm,
+             const(has_loss), const(has_grad), const(quarantined)]
+    return torch.stack([p.to(device=device, dtype=torch.float32).reshape(()) for p in parts])
 
 
 def unpack_view(step: int, values: list[float], identities: list[RankIdentity]) -> ClusterView:

@@ -234,11 +234,10 @@ class Sentinel:
         started = time.perf_counter()
         self._require_open("check_grads")
         params = [p for p in self.model.parameters() if p.grad is not None]
-        grads = [p.grad for p in params]
-        if grads and self.injector.poison("grad", self.step_index, grads[0]):  # type: ignore[arg-type]
+        if params and self.injector.poison("grad", self.step_index, params[0].grad):
             self._injected = True
-        if grads:
-            self._grad_norms.append((params, checks.grad_norms(grads)))  # type: ignore[arg-type]
+        for group in checks.by_device_and_dtype(params):
+            self._grad_norms.append((group, checks.grad_norms([p.grad for p in group])))  # type: ignore[misc]
         self._launch()
         self._seconds += time.perf_counter() - started
 
@@ -510,8 +509,8 @@ class Sentinel:
     def _launch(self) -> None:
         self._arm()
         zero = torch.zeros((), dtype=torch.int32, device=self.device)
-        norms = [n for _, n in self._grad_norms]
-        all_norms = torch.cat(norms).to(self.device) if norms else None
+        norms = [n.to(self.device) for _, n in self._grad_norms]
+        all_norms = torch.cat(norms) if norms else None
         loss_value = (
             self._loss_sum / self._loss_count
             if self._loss_sum is not None
@@ -521,7 +520,7 @@ class Sentinel:
             batch=self._batch_flag if self._batch_flag is not None else zero,
             loss=self._loss_flag if self._loss_flag is not None else zero,
             grad=checks.nonfinite_flag(all_norms) if all_norms is not None else zero,
-            injected=torch.tensor(float(self._injected), device=self.device),
+            injected=self._injected,
             loss_value=loss_value,
             grad_norm=checks.total_norm([all_norms]) if all_norms is not None else zero,
             has_loss=self._loss_sum is not None,

@@ -43,8 +43,8 @@ def test_loss_scalar_and_per_sample() -> None:
     assert int(flag) == 1
 
 
-def test_grad_norms_per_tensor_and_mixed_dtypes() -> None:
-    grads = [torch.ones(4), torch.full((2,), 2.0, dtype=torch.float16), torch.zeros(3)]
+def test_grad_norms_per_tensor_and_grouping_by_dtype() -> None:
+    grads = [torch.ones(4), torch.full((2,), 2.0), torch.zeros(3)]
     norms = checks.grad_norms(grads)
     assert norms.dtype == torch.float32
     assert norms.tolist() == pytest.approx([2.0, math.sqrt(8), 0.0])
@@ -52,6 +52,15 @@ def test_grad_norms_per_tensor_and_mixed_dtypes() -> None:
     norms = checks.grad_norms(grads)
     assert math.isnan(norms[1]) and int(checks.nonfinite_flag(norms)) == 1
     assert math.isnan(float(checks.total_norm([norms])))
+    half = [torch.full((4096,), 60000.0, dtype=torch.float16)]  # fp32 accumulation: no overflow
+    assert math.isfinite(float(checks.grad_norms(half)[0]))
+    params = [torch.nn.Parameter(torch.zeros(2)), torch.nn.Parameter(torch.zeros(2).half()),
+              torch.nn.Parameter(torch.zeros(3))]
+    for p in params:
+        p.grad = torch.ones_like(p)
+    groups = checks.by_device_and_dtype(params)
+    assert [[id(p) for p in g] for g in groups] == [[id(params[0]), id(params[2])],
+                                                    [id(params[1])]]
 
 
 def test_total_norm_matches_torch() -> None:
