@@ -27,6 +27,8 @@ from typing import Any
 import torch
 
 from nansentinel import checks
+from nansentinel.exchange import ClusterView, HealthExchange, RankHealth
+from nansentinel.spikes import Spikes
 
 ReplayFn = Callable[[torch.nn.Module, Any], torch.Tensor]
 """``fn(module, batch) -> loss``: the forward and loss of one step, on the unwrapped module."""
@@ -123,6 +125,59 @@ def _anomaly_trace(
             trace = "\n".join(str(w.message) for w in caught if "Traceback" in str(w.message))
             return str(exc) + ("\n" + trace if trace else "")
     return None
+
+
+def blame(
+    view: ClusterView,
+    blamed: list[RankHealth],
+    spikes: Spikes,
+    *,
+    exchange: HealthExchange,
+    module: torch.nn.Module,
+    batch: Any,
+    fn: ReplayFn | None,
+    anomaly: bool = False,
+) -> tuple[str | None, list[dict[str, Any]]]:
+    """The verdict of one step, the same on every rank, and each rank's replay detail.
+
+    ``divergence`` when every rank is bad or spiking (no replay needed). Otherwise, with a
+    replay function, the first poisoned rank replays its own batch, and a healthy peer —
+    preferably on another host — replays the same batch, sent to it point to point. Two
+    small collectives (a sum of four flags, a gather of the details) make the outcome
+    common knowledge. Called on every rank, after a detection only.
+    """
+    world = exchange.world_size
+    if world > 1 and (len(blamed) == world or spikes.everywhere(world)):
+        return "divergence", []
+    if not blamed or fn is None:
+        return None, []
+    subject = blamed[0]
+    healthy = [r for r in view.ranks if r.healthy]
+    peer = next(
+        (r.rank for r in healthy if r.identity.hostname != subject.identity.hostname),
+        healthy[0].rank if healthy else None,
+    )
+    own = theirs = None
+    detail: dict[str, Any] = {}
+    if exchange.rank == subject.rank and batch is not None:
+        own = replay(module, batch, fn, anomaly=anomaly)
+        detail = {"replay": own.to_json(), "fingerprint": fingerprint(batch)}
+    if peer is not None:
+        sent = exchange.send_object(batch if exchange.rank == subject.rank else None,
+                                    subject.rank, peer)
+        if exchange.rank == peer and sent is not None:
+            theirs = replay(module, sent, fn, anomaly=anomaly)
+            detail = {"peer_replay": theirs.to_json(), "replayed_for": subject.rank}
+    flags = exchange.sum_floats([
+        float(own is not None and own.error is None),
+        float(own is not None and own.finite),
+        float(theirs is not None and theirs.error is None),
+        float(theirs is not None and theirs.finite),
+    ])
+    details: list[dict[str, Any]] = exchange.gather_json(detail)  # type: ignore[assignment]
+    if not flags[0]:
+        return None, details
+    return verdict_of(bool(flags[1]), bool(flags[3]) if flags[2] else None), details
 
 
 def verdict_of(own_finite: bool, peer_finite: bool | None) -> str:

@@ -31,11 +31,10 @@ from nansentinel.config import SentinelConfig, resolve_hostname
 from nansentinel.exchange import (
     ClusterView,
     HealthExchange,
-    RankHealth,
     diagnosis_grace,
-    pack_row,
 )
 from nansentinel.inject import Injector, parse_inject
+from nansentinel.local import LocalHealth
 from nansentinel.policy import (
     ABORT,
     APPLY,
@@ -47,7 +46,7 @@ from nansentinel.policy import (
     decide,
 )
 from nansentinel.recovery import Cooldown, MemorySnapshots, SnapshotStore, UserSnapshots
-from nansentinel.replay import ReplayFn, ReplayResult, fingerprint, replay, verdict_of
+from nansentinel.replay import ReplayFn, blame, fingerprint
 from nansentinel.result import (
     KINDS,
     HostExcludedError,
@@ -182,14 +181,10 @@ class Sentinel:
         self._require_open("check_batch")
         first = next(checks.float_tensors(batch), None)
         if self.injector.poison("batch", self.step_index, first):
-            self._injected = True
+            self.local.injected = True
         if self.quarantine and fingerprint(batch) in self.quarantine:
-            self._quarantined = True
-        flag, _ = checks.batch_flag(batch, self.device)
-        if self._batch_flag is not None:
-            flag = torch.maximum(self._batch_flag, flag)
-        self._batch_flag = flag
-        self._batch = batch
+            self.local.quarantined = True
+        self.local.add_batch(batch, checks.batch_flag(batch, self.device)[0])
         self._seconds += time.perf_counter() - started
         return batch
 
@@ -200,7 +195,7 @@ class Sentinel:
         started = time.perf_counter()
         self._require_open("check_loss")
         if isinstance(loss, int | float) and not isinstance(loss, bool):
-            loss = torch.tensor(float(loss), device=self.device)
+            loss = torch.full((), float(loss), device=self.device)  # no host copy on CUDA
         if not isinstance(loss, torch.Tensor):
             raise TypeError(
                 f"nansentinel: check_loss expects a tensor or a number, got {type(loss).__name__} "
@@ -213,15 +208,8 @@ class Sentinel:
                 f"(rank {self.rank}, step {self.step_index})"
             )
         if self.injector.poison("loss", self.step_index, loss.detach()):
-            self._injected = True
-        flag, value = checks.loss_value(loss)
-        value = value.to(self.device)
-        if self._loss_flag is None:
-            self._loss_flag, self._loss_sum = flag.to(self.device), value
-        else:
-            self._loss_flag = torch.maximum(self._loss_flag, flag.to(self.device))
-            self._loss_sum = self._loss_sum + value
-        self._loss_count += 1
+            self.local.injected = True
+        self.local.add_loss(*checks.loss_value(loss))
         self._seconds += time.perf_counter() - started
 
     def check_grads(self) -> None:
@@ -235,9 +223,9 @@ class Sentinel:
         self._require_open("check_grads")
         params = [p for p in self.model.parameters() if p.grad is not None]
         if params and self.injector.poison("grad", self.step_index, params[0].grad):
-            self._injected = True
+            self.local.injected = True
         for group in checks.by_device_and_dtype(params):
-            self._grad_norms.append((group, checks.grad_norms([p.grad for p in group])))  # type: ignore[misc]
+            self.local.add_grads(group, checks.grad_norms([p.grad for p in group]))  # type: ignore[misc]
         self._launch()
         self._seconds += time.perf_counter() - started
 
@@ -264,7 +252,15 @@ class Sentinel:
             r for r in view.bad(("batch", "loss") if self.scaler is not None else KINDS)
             if not r.quarantined
         ]
-        verdict, replays = self._blame(view, blamed, spikes) if blamed or spikes else (None, [])
+        verdict, replays = None, []
+        if blamed or spikes:
+            self._arm()
+            verdict, replays = blame(
+                view, blamed, spikes, exchange=self.exchange, module=self.module,
+                batch=self.local.batch, fn=self.replay_fn if self.config.replay else None,
+                anomaly=self.config.replay_anomaly,
+            )
+            self._disarm()
         snapshot_step = self.snapshots.step if self.snapshots is not None else None
         decision = decide(
             view, self.history, self.config, amp=self.scaler is not None, spikes=spikes,
@@ -304,52 +300,6 @@ class Sentinel:
         if decision.action in (ABORT, EXCLUDE):
             self._raise(decision, result)
         return result
-
-    def _blame(
-        self, view: ClusterView, blamed: list[RankHealth], spikes: Spikes
-    ) -> tuple[str | None, list[dict[str, Any]]]:
-        """The verdict for this step: ``divergence`` when every rank is bad or spiking,
-        otherwise (with a replay function) a replay of the first poisoned rank's batch there
-        and on a healthy peer, preferably on another host. Same answer on every rank."""
-        if self.world_size > 1 and (
-            len(blamed) == self.world_size or spikes.everywhere(self.world_size)
-        ):
-            return "divergence", []
-        if not blamed or self.replay_fn is None or not self.config.replay:
-            return None, []
-        subject = blamed[0]
-        healthy = [r for r in view.ranks if r.healthy]
-        peer = next(
-            (r.rank for r in healthy if r.identity.hostname != subject.identity.hostname),
-            healthy[0].rank if healthy else None,
-        )
-        self._arm()
-        own: ReplayResult | None = None
-        theirs: ReplayResult | None = None
-        detail: dict[str, Any] = {}
-        if self.rank == subject.rank and self._batch is not None:
-            own = replay(self.module, self._batch, self.replay_fn,
-                         anomaly=self.config.replay_anomaly)
-            detail = {"replay": own.to_json(), "fingerprint": fingerprint(self._batch)}
-        if peer is not None:
-            batch = self.exchange.send_object(
-                self._batch if self.rank == subject.rank else None, subject.rank, peer
-            )
-            if self.rank == peer and batch is not None:
-                theirs = replay(self.module, batch, self.replay_fn,
-                                anomaly=self.config.replay_anomaly)
-                detail = {"peer_replay": theirs.to_json(), "replayed_for": subject.rank}
-        flags = self.exchange.sum_floats([
-            float(own is not None and own.error is None),
-            float(own is not None and own.finite),
-            float(theirs is not None and theirs.error is None),
-            float(theirs is not None and theirs.finite),
-        ])
-        details: list[dict[str, Any]] = self.exchange.gather_json(detail)  # type: ignore[assignment]
-        self._disarm()
-        if not flags[0]:
-            return None, details
-        return verdict_of(bool(flags[1]), bool(flags[3]) if flags[2] else None), details
 
     def _maybe_snapshot(self, view: ClusterView, current: dict[str, list[float | None]]) -> None:
         """Keep the state after a healthy, quiet step as the last good one, every N steps."""
@@ -412,14 +362,7 @@ class Sentinel:
     # --- internals ---------------------------------------------------------------------------
 
     def _reset(self) -> None:
-        self._batch_flag: torch.Tensor | None = None
-        self._loss_flag: torch.Tensor | None = None
-        self._loss_sum: torch.Tensor | None = None
-        self._loss_count = 0
-        self._batch: Any = None
-        self._grad_norms: list[tuple[list[torch.Tensor], torch.Tensor]] = []
-        self._injected = False
-        self._quarantined = False
+        self.local = LocalHealth(self.device)
         self._seconds = 0.0
 
     def _arm(self) -> None:
@@ -486,9 +429,10 @@ class Sentinel:
         started = time.perf_counter()
         self._arm()
         grads = bucket.gradients()
-        if not self._grad_norms and self.injector.poison("grad", self.step_index, bucket.buffer()):
-            self._injected = True
-        self._grad_norms.append((list(bucket.parameters()), checks.grad_norms(grads)))
+        first = not self.local.grad_norms
+        if first and self.injector.poison("grad", self.step_index, bucket.buffer()):
+            self.local.injected = True
+        self.local.add_grads(list(bucket.parameters()), checks.grad_norms(grads))
         buffer = bucket.buffer()
         buffer.div_(self.world_size)
         work = dist.all_reduce(buffer, group=self.exchange.group, async_op=True)
@@ -508,26 +452,7 @@ class Sentinel:
 
     def _launch(self) -> None:
         self._arm()
-        zero = torch.zeros((), dtype=torch.int32, device=self.device)
-        norms = [n.to(self.device) for _, n in self._grad_norms]
-        all_norms = torch.cat(norms) if norms else None
-        loss_value = (
-            self._loss_sum / self._loss_count
-            if self._loss_sum is not None
-            else torch.zeros((), device=self.device)
-        )
-        row = pack_row(
-            batch=self._batch_flag if self._batch_flag is not None else zero,
-            loss=self._loss_flag if self._loss_flag is not None else zero,
-            grad=checks.nonfinite_flag(all_norms) if all_norms is not None else zero,
-            injected=self._injected,
-            loss_value=loss_value,
-            grad_norm=checks.total_norm([all_norms]) if all_norms is not None else zero,
-            has_loss=self._loss_sum is not None,
-            has_grad=all_norms is not None,
-            quarantined=self._quarantined,
-        )
-        self.exchange.launch(self.step_index, row)
+        self.exchange.launch(self.step_index, self.local.row())
 
     def _result(
         self, view: ClusterView, decision: Decision, spikes: Spikes, verdict: str | None,
@@ -568,12 +493,13 @@ class Sentinel:
         base = Path(self.config.report_dir)
         detail: dict[str, Any] = {}
         mine = view.ranks[self.rank]
+        batch = self.local.batch
         if self.rank in decision.bad_ranks:
             if "grad" in mine.kinds:
-                detail["parameters"] = self._nonfinite_parameters()
-            if self._batch is not None:
+                detail["parameters"] = self.local.nonfinite_parameters(self._names)
+            if batch is not None:
                 try:
-                    path = report.save_batch(base / f"{stem}-rank{self.rank}-batch.pt", self._batch)
+                    path = report.save_batch(base / f"{stem}-rank{self.rank}-batch.pt", batch)
                     detail["batch_path"] = str(path)
                 except (OSError, RuntimeError) as exc:
                     detail["batch_error"] = f"{type(exc).__name__}: {exc}"
@@ -581,7 +507,7 @@ class Sentinel:
         details: list[dict[str, Any]] = self.exchange.gather_json(detail)  # type: ignore[assignment]
         self._disarm()
         parameters = {r: d["parameters"] for r, d in enumerate(details) if d.get("parameters")}
-        result = _replace(result, parameters=parameters)
+        result = dataclasses.replace(result, parameters=parameters)
         for d, r in zip(details, replays or [{}] * len(details), strict=True):
             d.update(r)
         message = incident.describe(view, decision, result, spikes)
@@ -592,7 +518,7 @@ class Sentinel:
             )
             try:
                 path = report.write_json(base / f"{stem}.json", payload)
-                result = _replace(result, report_path=str(path))
+                result = dataclasses.replace(result, report_path=str(path))
             except OSError as exc:
                 log.error("nansentinel: could not write the incident report in %s: %s", base, exc)
             log.log(
@@ -609,15 +535,6 @@ class Sentinel:
                 f"; batch saved to {batch_path}" if batch_path else "",
             )
         return result
-
-    def _nonfinite_parameters(self) -> list[str]:
-        """Names of the parameters whose local gradient norm was non-finite (one host copy of
-        the per-parameter norms already computed; runs only after a detection)."""
-        names = []
-        for params, norms in self._grad_norms:
-            bad = (~torch.isfinite(norms)).nonzero().flatten().tolist()
-            names.extend(self._names.get(id(params[i]), f"<unnamed {i}>") for i in bad)
-        return names
 
     def _raise(self, decision: Decision, result: StepResult) -> None:
         message = incident.describe_abort(decision, result)
@@ -671,15 +588,6 @@ def _identity(
 
 def _identity_json(ident: RankIdentity) -> dict[str, Any]:
     return {f: getattr(ident, f) for f in RankIdentity.__slots__}  # type: ignore[attr-defined]
-
-
-def _first(names: list[str], n: int) -> str:
-    more = f", … ({len(names) - n} more)" if len(names) > n else ""
-    return ", ".join(names[:n]) + more
-
-
-def _replace(result: StepResult, **changes: Any) -> StepResult:
-    return dataclasses.replace(result, **changes)
 
 
 def _start_metrics(sentinel: Sentinel, registry: Any) -> Any:
