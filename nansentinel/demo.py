@@ -80,20 +80,26 @@ def main(argv: list[str] | None = None) -> int:
     if distributed:
         model = DDP(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
-    sentinel = nansentinel.Sentinel(model, optimizer)
-    start = _resume(args, model, optimizer, sentinel)
     loss_fn = nn.CrossEntropyLoss()
+
+    def step_loss(module: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        logits = module(batch["tokens"], batch["scale"])
+        return loss_fn(logits.reshape(-1, VOCAB), batch["targets"].reshape(-1))
+
+    # replay=: after a detection, the batch is replayed to tell data, host and transient apart.
+    sentinel = nansentinel.Sentinel(model, optimizer, replay=step_loss)
+    start = _resume(args, model, optimizer, sentinel)
     try:
         for step in range(start, args.steps):
             batch = sentinel.check_batch(synthetic_batch(rank, step))
-            logits = model(batch["tokens"], batch["scale"])
-            loss = loss_fn(logits.reshape(-1, VOCAB), batch["targets"].reshape(-1))
+            loss = step_loss(model, batch)
             sentinel.check_loss(loss)
             loss.backward()
             result = sentinel.step()
             optimizer.zero_grad(set_to_none=True)
             if rank == 0:
-                bad = f" bad ranks {result.bad_ranks} hosts {result.bad_hosts} kinds {result.kinds}"
+                bad = (f" bad ranks {result.bad_ranks} hosts {result.bad_hosts} kinds "
+                       f"{result.kinds} verdict {result.verdict}")
                 print(
                     f"step {result.step:3d} {result.outcome:8s} loss {result.local_loss:.4f} "
                     f"grad_norm {result.local_grad_norm:.4f}" + (bad if result.bad_ranks else ""),
