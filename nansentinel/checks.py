@@ -21,21 +21,26 @@ import torch
 _HALF = (torch.float16, torch.bfloat16)
 
 
+def tensors(obj: object) -> Iterator[torch.Tensor]:
+    """Yield every tensor in any nesting of mappings, lists and tuples (other leaves — strings,
+    None, numbers — are skipped)."""
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, Mapping):
+        for value in obj.values():
+            yield from tensors(value)
+    elif isinstance(obj, list | tuple):
+        for value in obj:
+            yield from tensors(value)
+
+
 def float_tensors(obj: object) -> Iterator[torch.Tensor]:
-    """Yield the floating-point tensors in any nesting of mappings, lists and tuples.
+    """Yield the floating-point (and complex) tensors of a nested batch.
 
     Integer and bool tensors (token ids, masks), strings, None and numbers are ignored: they
     cannot hold NaN, and a batch may legitimately carry them beside the data.
     """
-    if isinstance(obj, torch.Tensor):
-        if obj.is_floating_point() or obj.is_complex():
-            yield obj
-    elif isinstance(obj, Mapping):
-        for value in obj.values():
-            yield from float_tensors(value)
-    elif isinstance(obj, list | tuple):
-        for value in obj:
-            yield from float_tensors(value)
+    return (t for t in tensors(obj) if t.is_floating_point() or t.is_complex())
 
 
 def tensor_norm(t: torch.Tensor) -> torch.Tensor:

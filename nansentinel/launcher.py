@@ -79,48 +79,48 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import datetime
-import json
 import os
-import shlex
 import signal
-import string
-import subprocess
 import sys
 import tempfile
 import threading
-import time
 import uuid
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 from nansentinel import config as _config
-from nansentinel.exclusion import ExclusionRecord, ExclusionStore
-from nansentinel.exitcodes import (
-    EXIT_CONFIG,
-    EXIT_HOST_EXCLUDED,
-    EXIT_OK,
-    EXIT_WORKER_FAILED,
-    NAMES,
+from nansentinel.console import PROG, exit_status, say
+from nansentinel.excluded import excluded_main
+from nansentinel.exclusion import ExclusionStore
+from nansentinel.exitcodes import EXIT_CONFIG, EXIT_OK
+from nansentinel.hooks import check_hook, format_hook, run_hook
+from nansentinel.rendezvous import (
+    ExclusionGuard,
+    GuardedRendezvousHandler,
+    HostExcludedExit,
+    install_guard,
 )
-from nansentinel.verdicts import (
-    OUTCOME_EXCLUDED,
-    archive_verdicts,
-    outcome_from_verdicts,
-    read_verdicts,
-)
+from nansentinel.summary import launch, refuse_excluded
+from nansentinel.verdicts import archive_verdicts
 
-#: The rendezvous backend name under which the exclusion guard is registered.
-GUARD_BACKEND = "nansentinel"
-_INNER_BACKEND_KEY = "nansentinel_inner_backend"
-_GUARD_KEY = "nansentinel_guard"
-#: Seconds the ``--on-exclude`` hook may run; a hung ``scontrol`` must not hang the launcher.
-HOOK_TIMEOUT_S = 120.0
-#: Seconds the excluded host waits for rank 0's exclusion record before writing its own.
-RECORD_WAIT_S = 5.0
+# The pieces of ``nansentinel run``, each in its module: the exclusion guard around torchrun's
+# rendezvous (nansentinel.rendezvous), the --on-exclude hook (nansentinel.hooks), how a launch
+# ends (nansentinel.summary), ``nansentinel excluded`` (nansentinel.excluded). Names that
+# used to live here stay importable from here.
+__all__ = [
+    "ExclusionGuard",
+    "GuardedRendezvousHandler",
+    "HostExcludedExit",
+    "build_parser",
+    "excluded_main",
+    "format_hook",
+    "main",
+    "run_hook",
+    "split_argv",
+]
+
 _SHARE_STORE_ENV = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
-_PROG = "nansentinel run"
 
 
 # -- options ---------------------------------------------------------------------------
@@ -164,8 +164,8 @@ _FLAG_TO_OPT = {flag: opt for opt in _OPTIONS for flag in opt.flags}
 def build_parser() -> argparse.ArgumentParser:
     """The parser of the sentinel options (torchrun's own parser handles the rest)."""
     parser = argparse.ArgumentParser(
-        prog=_PROG,
-        usage=f"{_PROG} [sentinel options] [torchrun options] training_script [script args]",
+        prog=PROG,
+        usage=f"{PROG} [sentinel options] [torchrun options] training_script [script args]",
         description="Run torch.distributed.run (torchrun) with the nansentinel launcher: "
         "per-rank failure summaries, exit codes by outcome, host exclusion across restarts.",
         epilog="Every other option is torchrun's and is passed through unchanged; they follow.",
@@ -207,246 +207,6 @@ def split_argv(argv: Sequence[str]) -> tuple[list[str], list[str]]:
     return ours, list(argv[i:])
 
 
-def hook_fields(template: str) -> set[str]:
-    """Replacement fields of an ``--on-exclude`` template; raises ``ValueError`` on a
-    malformed template."""
-    return {field for _, field, _, _ in string.Formatter().parse(template) if field is not None}
-
-
-def format_hook(template: str, host: str, reason: str) -> str:
-    """The hook command with ``{host}`` and ``{reason}`` replaced, each shell-quoted, so a
-    reason with spaces or quotes cannot change the command."""
-    return template.format(host=shlex.quote(host), reason=shlex.quote(reason))
-
-
-def run_hook(template: str | None, host: str, reason: str) -> int | None:
-    """Run the ``--on-exclude`` hook; returns its exit status (None when there is none).
-
-    A failing or hung hook is reported and does not change the launcher's exit code: the
-    host is excluded either way, and exit code 4 still tells the scheduler so.
-    """
-    if not template:
-        return None
-    command = format_hook(template, host, reason)
-    _say(f"running --on-exclude hook: {command}")
-    try:
-        done = subprocess.run(command, shell=True, timeout=HOOK_TIMEOUT_S, check=False)
-    except subprocess.TimeoutExpired:
-        _say(f"--on-exclude hook did not finish within {HOOK_TIMEOUT_S:.0f} s; left behind")
-        return None
-    except OSError as exc:
-        _say(f"--on-exclude hook could not be started: {exc}")
-        return None
-    if done.returncode != 0:
-        _say(f"--on-exclude hook exited with status {done.returncode}")
-    return done.returncode
-
-
-# -- exclusion guard around torchrun's rendezvous handler -------------------------------
-
-
-class HostExcludedExit(Exception):
-    """Raised inside torchrun's agent when this host must not join the next rendezvous."""
-
-    def __init__(self, record: ExclusionRecord) -> None:
-        super().__init__(f"host {record.host} is excluded: {record.reason}")
-        self.record = record
-
-
-class ExclusionGuard:
-    """Decides, before each rendezvous round, whether this host may (re)join.
-
-    Args:
-        hostname: this host's identity, as the sentinel names hosts.
-        run_dir: where this host's ranks write their verdicts.
-        store: the shared exclusion store, or None when no file is configured.
-        job_id: written into a record this guard has to add itself.
-    """
-
-    def __init__(
-        self, hostname: str, run_dir: Path, store: ExclusionStore | None, job_id: str | None
-    ) -> None:
-        self.hostname = hostname
-        self.run_dir = run_dir
-        self.store = store
-        self.job_id = job_id
-        self.excluded: ExclusionRecord | None = None
-        self.others_excluded: set[str] = set()
-        self._rounds = 0
-
-    def __repr__(self) -> str:  # shown in torchrun's "rdzv_configs" log line
-        return f"ExclusionGuard(host={self.hostname!r}, store={self.store!r})"
-
-    def check(self) -> ExclusionRecord | None:
-        """The record that keeps this host out, or None when it may join."""
-        for verdict in read_verdicts(self.run_dir).values():
-            if (
-                verdict.get("outcome") == OUTCOME_EXCLUDED
-                and verdict.get("excluded_host") == self.hostname
-            ):
-                return self._record_from_verdict(verdict)
-        if self.store is not None:
-            mine = self.store.records_for(self.hostname)
-            if mine:
-                return mine[-1]
-        return None
-
-    def before_round(self) -> None:
-        """Called by the handler wrapper before each ``next_rendezvous()``."""
-        record = self.check()
-        if record is not None:
-            self.excluded = record
-            raise HostExcludedExit(record)
-        if self._rounds > 0:
-            for verdict in read_verdicts(self.run_dir).values():
-                host = verdict.get("excluded_host")
-                if verdict.get("outcome") == OUTCOME_EXCLUDED and host:
-                    self.others_excluded.add(str(host))
-            archived = archive_verdicts(self.run_dir)
-            if archived is not None:
-                _say(f"verdicts of the failed attempt kept in {archived}")
-        self._rounds += 1
-
-    def _record_from_verdict(self, verdict: Mapping[str, Any]) -> ExclusionRecord:
-        """Prefer rank 0's record (it carries the cluster's evidence); if it does not show
-        up in the shared file within RECORD_WAIT_S, write one from this verdict, so a
-        launcher started later on this host still refuses to join."""
-        if self.store is not None:
-            deadline = time.monotonic() + RECORD_WAIT_S
-            while True:
-                mine = self.store.records_for(self.hostname)
-                if mine:
-                    return mine[-1]
-                if time.monotonic() >= deadline:
-                    break
-                time.sleep(0.2)
-        step = verdict.get("step")
-        record = ExclusionRecord(
-            host=self.hostname,
-            reason=str(verdict.get("message") or "excluded by the sentinel"),
-            step=int(step) if isinstance(step, int) else -1,
-            evidence={
-                "source": "launcher (from this host's verdicts)",
-                "bad_ranks": verdict.get("bad_ranks"),
-                "kinds": verdict.get("kinds"),
-                "report_path": verdict.get("report_path"),
-            },
-            job_id=self.job_id,
-        )
-        if self.store is not None:
-            try:
-                self.store.add(record)
-            except OSError as exc:
-                _say(f"could not record the exclusion in {self.store.path}: {exc}")
-        return record
-
-
-class GuardedRendezvousHandler:
-    """torchrun's rendezvous handler with an exclusion check before every round.
-
-    Implements torch's ``RendezvousHandler`` interface by delegation. Deliberately not a
-    subclass: torch's registry only checks :meth:`get_backend`, and delegation keeps every
-    attribute of the real handler reachable (``__getattr__``).
-    """
-
-    def __init__(self, inner: Any, guard: ExclusionGuard) -> None:
-        self._inner = inner
-        self._guard = guard
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._inner, name)
-
-    def get_backend(self) -> str:
-        return GUARD_BACKEND
-
-    @property
-    def use_agent_store(self) -> bool:
-        return bool(self._inner.use_agent_store)
-
-    def next_rendezvous(self) -> Any:
-        self._guard.before_round()
-        return self._inner.next_rendezvous()
-
-    def is_closed(self) -> bool:
-        return bool(self._inner.is_closed())
-
-    def set_closed(self) -> None:
-        self._inner.set_closed()
-
-    def num_nodes_waiting(self) -> int:
-        return int(self._inner.num_nodes_waiting())
-
-    def get_run_id(self) -> str:
-        return str(self._inner.get_run_id())
-
-    def shutdown(self) -> bool:
-        """Close the rendezvous on a normal exit; on exclusion only leave it.
-
-        torchrun's ``launch_agent`` calls ``shutdown()`` whenever the agent exits other than
-        by a signal, and for the dynamic (c10d, etcd) handler that *closes* the rendezvous:
-        every other agent would then fail its next round with ``RendezvousClosedError``.
-        """
-        if self._guard.excluded is None:
-            return bool(self._inner.shutdown())
-        _leave_rendezvous(self._inner)
-        return True
-
-
-def _leave_rendezvous(handler: Any) -> None:
-    """Remove this node from the current round of a dynamic rendezvous, so the others
-    complete the next round without waiting for our keep-alive to expire.
-
-    Uses torch internals (``_stop_heartbeats``, ``_op_executor``, ``_RendezvousExitOp``);
-    when they are missing the result is the same, only later: the node stops sending
-    keep-alives when this process exits and the others drop it after
-    ``keep_alive_interval * keep_alive_max_attempt`` seconds.
-    """
-    try:
-        from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _RendezvousExitOp
-
-        handler._stop_heartbeats()
-        close = getattr(getattr(handler, "settings", None), "timeout", None)
-        seconds = close.close.total_seconds() if close is not None else 30.0
-        handler._op_executor.run(_RendezvousExitOp(), time.monotonic() + seconds)
-    except Exception as exc:  # any failure has the same fallback
-        _say(
-            f"could not leave the rendezvous cleanly ({type(exc).__name__}: {exc}); "
-            "the other hosts drop this one when its keep-alive expires"
-        )
-
-
-def _create_guarded_handler(params: Any) -> GuardedRendezvousHandler:
-    """Rendezvous backend creator registered under :data:`GUARD_BACKEND`."""
-    from torch.distributed.elastic.rendezvous import RendezvousParameters
-    from torch.distributed.elastic.rendezvous import registry as rdzv_registry
-
-    extra = dict(params.config)
-    guard = extra.pop(_GUARD_KEY)
-    inner_params = RendezvousParameters(
-        backend=extra.pop(_INNER_BACKEND_KEY),
-        endpoint=params.endpoint,
-        run_id=params.run_id,
-        min_nodes=params.min_nodes,
-        max_nodes=params.max_nodes,
-        local_addr=params.local_addr,
-        **extra,
-    )
-    return GuardedRendezvousHandler(rdzv_registry.get_rendezvous_handler(inner_params), guard)
-
-
-def _install_guard(launch_config: Any, guard: ExclusionGuard) -> bool:
-    """Route ``launch_config``'s rendezvous through the guard; False for static."""
-    from torch.distributed.elastic.rendezvous import rendezvous_handler_registry
-
-    if launch_config.rdzv_backend == "static":
-        return False
-    rendezvous_handler_registry.register(GUARD_BACKEND, _create_guarded_handler)
-    launch_config.rdzv_configs[_INNER_BACKEND_KEY] = launch_config.rdzv_backend
-    launch_config.rdzv_configs[_GUARD_KEY] = guard
-    launch_config.rdzv_backend = GUARD_BACKEND
-    return True
-
-
 # -- main ---------------------------------------------------------------------------------
 
 
@@ -459,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         opts = parser.parse_args(ours)
     except SystemExit as exc:  # argparse has printed the usage error
-        return _exit_status(exc)
+        return exit_status(exc)
 
     from torch.distributed import run as torchrun
 
@@ -470,9 +230,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args = torch_parser.parse_args(theirs)
     except SystemExit as exc:
-        return _exit_status(exc)
+        return exit_status(exc)
     if opts.on_exclude:
-        problem = _check_hook(opts.on_exclude)
+        problem = check_hook(opts.on_exclude)
         if problem:
             return _config_error(problem)
 
@@ -495,7 +255,7 @@ def main(argv: list[str] | None = None) -> int:
     if store is not None:
         mine = store.records_for(hostname)
         if mine:
-            return _refuse_excluded(mine[-1], store, opts.on_exclude)
+            return refuse_excluded(mine[-1], store, opts.on_exclude)
 
     explicit_reports = opts.report_dir or os.environ.get(_config.ENV_REPORT_DIR)
     with _restored_process_state():
@@ -509,52 +269,14 @@ def main(argv: list[str] | None = None) -> int:
         except (AssertionError, ValueError, RuntimeError) as exc:
             return _config_error(f"torchrun options: {exc}")
         guard = ExclusionGuard(hostname, run_dir, store, job_id)
-        guarded = _install_guard(launch_config, guard)
+        guarded = install_guard(launch_config, guard)
         if guarded and launch_config.max_nodes > launch_config.min_nodes:
             # Membership may change; see "Limits" in the module docstring.
             os.environ.setdefault(_SHARE_STORE_ENV, "1")
-        code = _launch(launch_config, cmd, cmd_args, guard, opts.on_exclude)
+        code = launch(launch_config, cmd, cmd_args, guard, opts.on_exclude)
     if code == EXIT_OK and created:
         _remove_empty_tree(run_dir)
     return code
-
-
-def _launch(
-    launch_config: Any, cmd: Any, cmd_args: list[str], guard: ExclusionGuard, hook: str | None
-) -> int:
-    """Run torchrun's agent; map how it ended to an exit code, with a summary."""
-    from torch.distributed.elastic.multiprocessing import SignalException
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.launcher.api import elastic_launch
-
-    try:
-        elastic_launch(config=launch_config, entrypoint=cmd)(*cmd_args)
-    except HostExcludedExit as exc:
-        _print_summary(
-            guard, {}, read_verdicts(guard.run_dir), EXIT_HOST_EXCLUDED,
-            f"this host ({guard.hostname}) is excluded: {exc.record.reason}; its launcher "
-            "leaves the job and the other hosts continue without it",
-        )
-        run_hook(hook, exc.record.host, exc.record.reason)
-        return EXIT_HOST_EXCLUDED
-    except ChildFailedError as exc:
-        verdicts = read_verdicts(guard.run_dir)
-        outcome = outcome_from_verdicts(verdicts, guard.hostname)
-        _print_summary(guard, exc.failures, verdicts, outcome.exit_code, outcome.explanation)
-        if outcome.exit_code == EXIT_HOST_EXCLUDED:
-            # No restart was left to reach the guard: record the exclusion here.
-            record = guard.check()
-            run_hook(hook, guard.hostname, record.reason if record else outcome.explanation)
-        return outcome.exit_code
-    except SignalException as exc:
-        _say(f"received {signal.Signals(exc.sigval).name}; the workers were stopped")
-        return 128 + int(exc.sigval)
-    except Exception as exc:  # rendezvous, agent: say it, no dump
-        _say(f"the launcher failed on host {guard.hostname}: {type(exc).__name__}: {exc}")
-        return EXIT_WORKER_FAILED
-    for host in sorted(guard.others_excluded):
-        _say(f"host {host} was excluded during this run; the job continued without it")
-    return EXIT_OK
 
 
 def _torchrun_parser(ours: argparse.ArgumentParser, theirs: list[str]) -> Any:
@@ -563,7 +285,7 @@ def _torchrun_parser(ours: argparse.ArgumentParser, theirs: list[str]) -> Any:
     from torch.distributed import run as torchrun
 
     parser = torchrun.get_args_parser()
-    parser.prog = f"{_PROG} [sentinel options]"
+    parser.prog = f"{PROG} [sentinel options]"
     torch_help = parser.print_help
 
     def print_both(file: Any = None) -> None:
@@ -584,19 +306,6 @@ def _torchrun_parser(ours: argparse.ArgumentParser, theirs: list[str]) -> Any:
 
         parser.error = error  # type: ignore[method-assign]
     return parser
-
-
-def _check_hook(template: str) -> str | None:
-    try:
-        unknown = hook_fields(template) - {"host", "reason"}
-    except ValueError as exc:
-        return f"--on-exclude {template!r} is malformed: {exc}"
-    if unknown:
-        return (
-            f"--on-exclude {template!r} uses {{{', '.join(sorted(unknown))}}}; only {{host}} "
-            "and {reason} are replaced (write {{ and }} for literal braces)"
-        )
-    return None
 
 
 def _resolve_standalone(args: argparse.Namespace) -> None:
@@ -627,7 +336,7 @@ def _worker_env(opts: argparse.Namespace, job_id: str) -> dict[str, str]:
             continue
         before = os.environ.get(opt.env)
         if before is not None and before != str(value):
-            _say(f"{opt.flags[0]}={value} overrides {opt.env}={before} from the environment")
+            say(f"{opt.flags[0]}={value} overrides {opt.env}={before} from the environment")
         env[opt.env] = str(value)
     env.setdefault(_config.ENV_JOB_ID, os.environ.get(_config.ENV_JOB_ID) or job_id)
     return env
@@ -677,139 +386,9 @@ def _restored_process_state() -> Iterator[None]:
                 signal.signal(sig, handler)
 
 
-def _refuse_excluded(record: ExclusionRecord, store: ExclusionStore, hook: str | None) -> int:
-    _say(
-        f"host {record.host} is excluded (exclusion file {store.path}; job {record.job_id}, "
-        f"step {record.step}, {_format_time(record.time)}): {record.reason}\n"
-        "  Not joining the job. Once the host is repaired, clear it with:\n"
-        f"    nansentinel excluded --exclusion-file {shlex.quote(str(store.path))} "
-        f"--clear {shlex.quote(record.host)}"
-    )
-    run_hook(hook, record.host, record.reason)
-    return EXIT_HOST_EXCLUDED
-
-
-def _print_summary(
-    guard: ExclusionGuard,
-    failures: Mapping[int, Any],
-    verdicts: Mapping[int, Mapping[str, Any]],
-    code: int,
-    root_cause: str,
-) -> None:
-    """A per-rank root-cause block, like torchrun's ``@record`` summary, plus verdicts."""
-    bar = "=" * 78
-    lines = [
-        bar,
-        f"{_PROG}: workers stopped on host {guard.hostname} (job {guard.job_id}); "
-        f"exit {code} ({NAMES.get(code, '?')})",
-        f"Root cause: {root_cause}",
-    ]
-    for rank in sorted(set(failures) | set(verdicts)):
-        failure, verdict = failures.get(rank), verdicts.get(rank)
-        host = (verdict or {}).get("hostname") or guard.hostname
-        if failure is not None:
-            local = failure.local_rank
-            status = (
-                f": exitcode {failure.exitcode}, pid {failure.pid}, "
-                f"{_format_time(failure.timestamp)}"
-            )
-        else:  # the agent restarts a failed group without reporting it; the verdict remains
-            local, status = (verdict or {}).get("local_rank", "?"), ""
-        lines.append(f"  rank {rank} (local_rank {local}) on host {host}{status}")
-        if verdict is not None:
-            lines.append(
-                f"    verdict: {verdict.get('outcome')} at step {verdict.get('step')}: "
-                f"{verdict.get('message', '')}"
-            )
-            for key in ("bad_ranks", "bad_hosts", "kinds", "excluded_host", "report_path"):
-                if verdict.get(key):
-                    lines.append(f"    {key}: {verdict[key]}")
-        elif failure is not None and failure.message:
-            lines.append(f"    error: {str(failure.message).strip().splitlines()[-1]}")
-    lines += [f"Verdicts: {guard.run_dir}", bar]
-    print("\n".join(lines), file=sys.stderr, flush=True)
-
-
-def _say(message: str) -> None:
-    print(f"{_PROG}: {message}", file=sys.stderr, flush=True)
-
-
 def _config_error(message: str) -> int:
-    _say(f"error: {message}")
+    say(f"error: {message}")
     return EXIT_CONFIG
-
-
-def _exit_status(exc: SystemExit) -> int:
-    if exc.code is None:
-        return EXIT_OK
-    return exc.code if isinstance(exc.code, int) else EXIT_CONFIG
-
-
-def _format_time(epoch: float | int | None) -> str:
-    if not epoch:
-        return "time unknown"
-    when = datetime.datetime.fromtimestamp(float(epoch), tz=datetime.timezone.utc)
-    return when.strftime("%Y-%m-%d %H:%M:%SZ")
-
-
-# -- nansentinel excluded ----------------------------------------------------------------
-
-
-def excluded_main(argv: list[str] | None = None) -> int:
-    """``nansentinel excluded``: list the excluded hosts, or clear one after repair."""
-    parser = argparse.ArgumentParser(
-        prog="nansentinel excluded",
-        description="List the hosts the sentinel has excluded (host, step, time, job, reason, "
-        "evidence), or clear a repaired host so that its launcher may join again.",
-        allow_abbrev=False,
-    )
-    parser.add_argument(
-        "--exclusion-file", "--exclusion_file", metavar="FILE",
-        default=os.environ.get(_config.ENV_EXCLUSION_FILE),
-        help=f"the exclusion file [env {_config.ENV_EXCLUSION_FILE}]",
-    )
-    parser.add_argument("--clear", metavar="HOST", action="append", default=[],
-                        help="remove every record of HOST (repeatable)")
-    parser.add_argument("--json", action="store_true", help="print the records as JSON")
-    try:
-        args = parser.parse_args(argv)
-    except SystemExit as exc:
-        return _exit_status(exc)
-    if not args.exclusion_file:
-        print(
-            "nansentinel excluded: error: no exclusion file; pass --exclusion-file FILE or set "
-            f"{_config.ENV_EXCLUSION_FILE}",
-            file=sys.stderr,
-        )
-        return EXIT_CONFIG
-    store = ExclusionStore(args.exclusion_file)
-    try:
-        if args.clear:
-            for host in args.clear:
-                removed = store.clear(host)
-                print(f"cleared {removed} exclusion record(s) of host {host} from {store.path}")
-            return EXIT_OK
-        records = store.records()
-    except OSError as exc:
-        print(f"nansentinel excluded: error: {exc}", file=sys.stderr)
-        return EXIT_CONFIG
-    if args.json:
-        print(json.dumps([dataclasses.asdict(r) for r in records], indent=2, default=str))
-        return EXIT_OK
-    if not records:
-        print(f"no excluded hosts in {store.path}")
-        return EXIT_OK
-    for r in records:
-        print(f"{r.host}  step {r.step}  {_format_time(r.time)}  job {r.job_id}")
-        print(f"    reason:   {r.reason}")
-        if r.evidence:
-            print(f"    evidence: {_summarize(r.evidence)}")
-    return EXIT_OK
-
-
-def _summarize(evidence: Mapping[str, Any], limit: int = 160) -> str:
-    text = ", ".join(f"{k}={v}" for k, v in evidence.items() if v not in (None, "", [], {}))
-    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 if __name__ == "__main__":

@@ -194,24 +194,13 @@ def fingerprint(batch: Any) -> str:
     recognise a quarantined batch if it comes round again. One host sync per tensor, paid only
     while something is quarantined."""
     h = hashlib.sha1()
-    for t in _all_tensors(batch):
+    for t in checks.tensors(batch):
         d = t.detach()
         if d.is_complex():
             d = torch.view_as_real(d)
         stats = torch.stack([d.double().sum(), d.double().abs().sum(), d.double().pow(2).sum()])
         h.update(f"{d.dtype}{tuple(d.shape)}{stats.tolist()}".encode())
     return h.hexdigest()[:16]
-
-
-def _all_tensors(obj: Any) -> Iterator[torch.Tensor]:
-    if isinstance(obj, torch.Tensor):
-        yield obj
-    elif isinstance(obj, dict):
-        for v in obj.values():
-            yield from _all_tensors(v)
-    elif isinstance(obj, list | tuple):
-        for v in obj:
-            yield from _all_tensors(v)
 
 
 @contextlib.contextmanager

@@ -11,7 +11,6 @@ from types import SimpleNamespace
 
 import pytest
 
-from nansentinel import launcher
 from nansentinel.exclusion import ExclusionRecord, ExclusionStore
 from nansentinel.exitcodes import EXIT_CONFIG, EXIT_OK
 from nansentinel.launcher import (
@@ -179,7 +178,7 @@ def test_guard_keeps_the_excluded_host_out_and_leaves_without_closing(
 ) -> None:
     from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _RendezvousExitOp
 
-    monkeypatch.setattr(launcher, "RECORD_WAIT_S", 0.1)
+    monkeypatch.setattr("nansentinel.rendezvous.RECORD_WAIT_S", 0.1)
     store = ExclusionStore(tmp_path / "x.jsonl")
     inner = _FakeDynamicHandler()
     guard = ExclusionGuard("node3", tmp_path / "run", store, "job-1")

@@ -149,7 +149,7 @@ def test_failing_hook_is_reported_not_raised(capsys: pytest.CaptureFixture[str])
 def test_hook_timeout_is_bounded(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    monkeypatch.setattr(launcher, "HOOK_TIMEOUT_S", 0.5)
+    monkeypatch.setattr("nansentinel.hooks.HOOK_TIMEOUT_S", 0.5)
     assert run_hook("sleep 30", "h", "r") is None
     assert "did not finish" in capsys.readouterr().err
 

@@ -1,0 +1,79 @@
+"""``nansentinel excluded``: list the hosts the sentinel excluded, or clear one after repair.
+
+The exclusion file outlives the job on purpose -- a launcher started later on a bad host
+refuses to join -- so an operator needs a way to see why a host is out and to let it back
+in once it is fixed, without editing JSON lines by hand (:mod:`nansentinel.exclusion` keeps
+the file locked while it rewrites it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+from collections.abc import Mapping
+from typing import Any
+
+from nansentinel import config as _config
+from nansentinel.console import exit_status, format_time
+from nansentinel.exclusion import ExclusionStore
+from nansentinel.exitcodes import EXIT_CONFIG, EXIT_OK
+
+
+def excluded_main(argv: list[str] | None = None) -> int:
+    """``nansentinel excluded``: list the excluded hosts, or clear one after repair."""
+    parser = argparse.ArgumentParser(
+        prog="nansentinel excluded",
+        description="List the hosts the sentinel has excluded (host, step, time, job, reason, "
+        "evidence), or clear a repaired host so that its launcher may join again.",
+        allow_abbrev=False,
+    )
+    parser.add_argument(
+        "--exclusion-file", "--exclusion_file", metavar="FILE",
+        default=os.environ.get(_config.ENV_EXCLUSION_FILE),
+        help=f"the exclusion file [env {_config.ENV_EXCLUSION_FILE}]",
+    )
+    parser.add_argument("--clear", metavar="HOST", action="append", default=[],
+                        help="remove every record of HOST (repeatable)")
+    parser.add_argument("--json", action="store_true", help="print the records as JSON")
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:
+        return exit_status(exc)
+    if not args.exclusion_file:
+        print(
+            "nansentinel excluded: error: no exclusion file; pass --exclusion-file FILE or set "
+            f"{_config.ENV_EXCLUSION_FILE}",
+            file=sys.stderr,
+        )
+        return EXIT_CONFIG
+    store = ExclusionStore(args.exclusion_file)
+    try:
+        if args.clear:
+            for host in args.clear:
+                removed = store.clear(host)
+                print(f"cleared {removed} exclusion record(s) of host {host} from {store.path}")
+            return EXIT_OK
+        records = store.records()
+    except OSError as exc:
+        print(f"nansentinel excluded: error: {exc}", file=sys.stderr)
+        return EXIT_CONFIG
+    if args.json:
+        print(json.dumps([dataclasses.asdict(r) for r in records], indent=2, default=str))
+        return EXIT_OK
+    if not records:
+        print(f"no excluded hosts in {store.path}")
+        return EXIT_OK
+    for r in records:
+        print(f"{r.host}  step {r.step}  {format_time(r.time)}  job {r.job_id}")
+        print(f"    reason:   {r.reason}")
+        if r.evidence:
+            print(f"    evidence: {_summarize(r.evidence)}")
+    return EXIT_OK
+
+
+def _summarize(evidence: Mapping[str, Any], limit: int = 160) -> str:
+    text = ", ".join(f"{k}={v}" for k, v in evidence.items() if v not in (None, "", [], {}))
+    return text if len(text) <= limit else text[: limit - 3] + "..."

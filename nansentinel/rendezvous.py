@@ -1,0 +1,233 @@
+"""The exclusion guard: torchrun's rendezvous handler, wrapped so an excluded host leaves.
+
+Every way torchrun's agent re-enters the job -- a restart after a failure, or a healthy agent
+making room for a node waiting to join -- goes through its rendezvous handler's
+``next_rendezvous()``. :func:`install_guard` routes the launch through a backend named
+``nansentinel`` (registered in torch's public handler registry) that wraps the backend the
+user asked for. Before each round the guard asks whether this host is excluded: by its own
+ranks' verdicts, which are on local disk and cannot race, or by the shared exclusion file.
+If so the agent does not rejoin (:class:`HostExcludedExit`), and on the way out the handler
+only removes this node from the current round instead of closing the rendezvous, which
+would end the job for every host. The launcher's module docstring tells the whole story and
+its limits.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from nansentinel.console import say
+from nansentinel.exclusion import ExclusionRecord, ExclusionStore
+from nansentinel.verdicts import OUTCOME_EXCLUDED, archive_verdicts, read_verdicts
+
+#: The rendezvous backend name under which the exclusion guard is registered.
+GUARD_BACKEND = "nansentinel"
+_INNER_BACKEND_KEY = "nansentinel_inner_backend"
+_GUARD_KEY = "nansentinel_guard"
+#: Seconds the excluded host waits for rank 0's exclusion record before writing its own.
+RECORD_WAIT_S = 5.0
+
+
+class HostExcludedExit(Exception):
+    """Raised inside torchrun's agent when this host must not join the next rendezvous."""
+
+    def __init__(self, record: ExclusionRecord) -> None:
+        super().__init__(f"host {record.host} is excluded: {record.reason}")
+        self.record = record
+
+
+class ExclusionGuard:
+    """Decides, before each rendezvous round, whether this host may (re)join.
+
+    Args:
+        hostname: this host's identity, as the sentinel names hosts.
+        run_dir: where this host's ranks write their verdicts.
+        store: the shared exclusion store, or None when no file is configured.
+        job_id: written into a record this guard has to add itself.
+    """
+
+    def __init__(
+        self, hostname: str, run_dir: Path, store: ExclusionStore | None, job_id: str | None
+    ) -> None:
+        self.hostname = hostname
+        self.run_dir = run_dir
+        self.store = store
+        self.job_id = job_id
+        self.excluded: ExclusionRecord | None = None
+        self.others_excluded: set[str] = set()
+        self._rounds = 0
+
+    def __repr__(self) -> str:  # shown in torchrun's "rdzv_configs" log line
+        return f"ExclusionGuard(host={self.hostname!r}, store={self.store!r})"
+
+    def check(self) -> ExclusionRecord | None:
+        """The record that keeps this host out, or None when it may join."""
+        for verdict in read_verdicts(self.run_dir).values():
+            if (
+                verdict.get("outcome") == OUTCOME_EXCLUDED
+                and verdict.get("excluded_host") == self.hostname
+            ):
+                return self._record_from_verdict(verdict)
+        if self.store is not None:
+            mine = self.store.records_for(self.hostname)
+            if mine:
+                return mine[-1]
+        return None
+
+    def before_round(self) -> None:
+        """Called by the handler wrapper before each ``next_rendezvous()``."""
+        record = self.check()
+        if record is not None:
+            self.excluded = record
+            raise HostExcludedExit(record)
+        if self._rounds > 0:
+            for verdict in read_verdicts(self.run_dir).values():
+                host = verdict.get("excluded_host")
+                if verdict.get("outcome") == OUTCOME_EXCLUDED and host:
+                    self.others_excluded.add(str(host))
+            archived = archive_verdicts(self.run_dir)
+            if archived is not None:
+                say(f"verdicts of the failed attempt kept in {archived}")
+        self._rounds += 1
+
+    def _record_from_verdict(self, verdict: Mapping[str, Any]) -> ExclusionRecord:
+        """Prefer rank 0's record (it carries the cluster's evidence); if it does not show
+        up in the shared file within RECORD_WAIT_S, write one from this verdict, so a
+        launcher started later on this host still refuses to join."""
+        if self.store is not None:
+            deadline = time.monotonic() + RECORD_WAIT_S
+            while True:
+                mine = self.store.records_for(self.hostname)
+                if mine:
+                    return mine[-1]
+                if time.monotonic() >= deadline:
+                    break
+                time.sleep(0.2)
+        step = verdict.get("step")
+        record = ExclusionRecord(
+            host=self.hostname,
+            reason=str(verdict.get("message") or "excluded by the sentinel"),
+            step=int(step) if isinstance(step, int) else -1,
+            evidence={
+                "source": "launcher (from this host's verdicts)",
+                "bad_ranks": verdict.get("bad_ranks"),
+                "kinds": verdict.get("kinds"),
+                "report_path": verdict.get("report_path"),
+            },
+            job_id=self.job_id,
+        )
+        if self.store is not None:
+            try:
+                self.store.add(record)
+            except OSError as exc:
+                say(f"could not record the exclusion in {self.store.path}: {exc}")
+        return record
+
+
+class GuardedRendezvousHandler:
+    """torchrun's rendezvous handler with an exclusion check before every round.
+
+    Implements torch's ``RendezvousHandler`` interface by delegation. Deliberately not a
+    subclass: torch's registry only checks :meth:`get_backend`, and delegation keeps every
+    attribute of the real handler reachable (``__getattr__``).
+    """
+
+    def __init__(self, inner: Any, guard: ExclusionGuard) -> None:
+        self._inner = inner
+        self._guard = guard
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+    def get_backend(self) -> str:
+        return GUARD_BACKEND
+
+    @property
+    def use_agent_store(self) -> bool:
+        return bool(self._inner.use_agent_store)
+
+    def next_rendezvous(self) -> Any:
+        self._guard.before_round()
+        return self._inner.next_rendezvous()
+
+    def is_closed(self) -> bool:
+        return bool(self._inner.is_closed())
+
+    def set_closed(self) -> None:
+        self._inner.set_closed()
+
+    def num_nodes_waiting(self) -> int:
+        return int(self._inner.num_nodes_waiting())
+
+    def get_run_id(self) -> str:
+        return str(self._inner.get_run_id())
+
+    def shutdown(self) -> bool:
+        """Close the rendezvous on a normal exit; on exclusion only leave it.
+
+        torchrun's ``launch_agent`` calls ``shutdown()`` whenever the agent exits other than
+        by a signal, and for the dynamic (c10d, etcd) handler that *closes* the rendezvous:
+        every other agent would then fail its next round with ``RendezvousClosedError``.
+        """
+        if self._guard.excluded is None:
+            return bool(self._inner.shutdown())
+        _leave_rendezvous(self._inner)
+        return True
+
+
+def _leave_rendezvous(handler: Any) -> None:
+    """Remove this node from the current round of a dynamic rendezvous, so the others
+    complete the next round without waiting for our keep-alive to expire.
+
+    Uses torch internals (``_stop_heartbeats``, ``_op_executor``, ``_RendezvousExitOp``);
+    when they are missing the result is the same, only later: the node stops sending
+    keep-alives when this process exits and the others drop it after
+    ``keep_alive_interval * keep_alive_max_attempt`` seconds.
+    """
+    try:
+        from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _RendezvousExitOp
+
+        handler._stop_heartbeats()
+        close = getattr(getattr(handler, "settings", None), "timeout", None)
+        seconds = close.close.total_seconds() if close is not None else 30.0
+        handler._op_executor.run(_RendezvousExitOp(), time.monotonic() + seconds)
+    except Exception as exc:  # any failure has the same fallback
+        say(
+            f"could not leave the rendezvous cleanly ({type(exc).__name__}: {exc}); "
+            "the other hosts drop this one when its keep-alive expires"
+        )
+
+
+def _create_guarded_handler(params: Any) -> GuardedRendezvousHandler:
+    """Rendezvous backend creator registered under :data:`GUARD_BACKEND`."""
+    from torch.distributed.elastic.rendezvous import RendezvousParameters
+    from torch.distributed.elastic.rendezvous import registry as rdzv_registry
+
+    extra = dict(params.config)
+    guard = extra.pop(_GUARD_KEY)
+    inner_params = RendezvousParameters(
+        backend=extra.pop(_INNER_BACKEND_KEY),
+        endpoint=params.endpoint,
+        run_id=params.run_id,
+        min_nodes=params.min_nodes,
+        max_nodes=params.max_nodes,
+        local_addr=params.local_addr,
+        **extra,
+    )
+    return GuardedRendezvousHandler(rdzv_registry.get_rendezvous_handler(inner_params), guard)
+
+
+def install_guard(launch_config: Any, guard: ExclusionGuard) -> bool:
+    """Route ``launch_config``'s rendezvous through the guard; False for static."""
+    from torch.distributed.elastic.rendezvous import rendezvous_handler_registry
+
+    if launch_config.rdzv_backend == "static":
+        return False
+    rendezvous_handler_registry.register(GUARD_BACKEND, _create_guarded_handler)
+    launch_config.rdzv_configs[_INNER_BACKEND_KEY] = launch_config.rdzv_backend
+    launch_config.rdzv_configs[_GUARD_KEY] = guard
+    launch_config.rdzv_backend = GUARD_BACKEND
+    return True
