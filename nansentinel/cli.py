@@ -33,7 +33,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return run_main(rest)
     if command == "excluded":
-        from nansentinel.launcher import excluded_main
+        from nansentinel.excluded import excluded_main
 
         return excluded_main(rest)
     if command == "demo":
