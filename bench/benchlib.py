@@ -287,6 +287,14 @@ def balanced_orders(n: int) -> list[list[int]]:
     return rows
 
 
+@dataclasses.dataclass
+class Rounds:
+    """Per variant, one entry per round: wall seconds, and CPU seconds of the calling thread."""
+
+    wall: dict[str, list[float]]
+    cpu: dict[str, list[float]]
+
+
 def run_rounds(
     variants: Sequence[Variant],
     batches: Callable[[int], dict[str, torch.Tensor]],
@@ -294,22 +302,30 @@ def run_rounds(
     sync: Callable[[], None],
     *,
     first_round: int = 0,
-) -> dict[str, list[float]]:
+) -> Rounds:
     """Run every variant once per round in a balanced order; return each variant's step times
-    (seconds) indexed by round, so that ratios pair steps of the same round (at most a few
-    hundred ms apart: slow drifts of the machine hit both sides of a ratio)."""
+    indexed by round, so that ratios pair steps of the same round (at most a few hundred ms
+    apart: slow drifts of the machine hit both sides of a ratio).
+
+    Wall time is what the targets are about. The thread's CPU time is recorded beside it
+    because it hardly moves when other processes take the core away, so on a shared machine
+    it still shows the work a guard adds (on CPU the checks run on this thread; it misses
+    only work moved to other threads, such as a comm hook's ``then`` callbacks).
+    """
     orders = balanced_orders(len(variants))
-    times: dict[str, list[float]] = {v.name: [0.0] * rounds for v in variants}
+    wall: dict[str, list[float]] = {v.name: [0.0] * rounds for v in variants}
+    cpu: dict[str, list[float]] = {v.name: [0.0] * rounds for v in variants}
     for r in range(rounds):
         batch = batches(first_round + r)
         for i in orders[(first_round + r) % len(orders)]:
             v = variants[i]
             sync()
-            started = time.perf_counter()
+            started, started_cpu = time.perf_counter(), time.thread_time()
             v.step(batch)
             sync()
-            times[v.name][r] = time.perf_counter() - started
-    return times
+            wall[v.name][r] = time.perf_counter() - started
+            cpu[v.name][r] = time.thread_time() - started_cpu
+    return Rounds(wall, cpu)
 
 
 # --- statistics and the table --------------------------------------------------------------
@@ -341,10 +357,13 @@ def median_ci(data: Sequence[float], z: float = 1.96) -> tuple[float, float]:
 
 
 def summarize(
-    times: dict[str, list[float]], memory: dict[str, float] | None = None
+    times: dict[str, list[float]],
+    memory: dict[str, float] | None = None,
+    cpu: dict[str, list[float]] | None = None,
 ) -> dict[str, dict[str, float]]:
     """Per variant: median step (ms) and the median, p10, p90 and 95% CI of the per-round
-    ratios to the baseline step of the same round; plus the peak-memory ratio when given."""
+    ratios to the baseline step of the same round; plus the peak-memory ratio and the same
+    paired ratio of CPU time when given."""
     base = times[BASELINE]
     out: dict[str, dict[str, float]] = {}
     for name, ts in times.items():
@@ -366,23 +385,37 @@ def summarize(
         }
         if memory and memory.get(name) and memory.get(BASELINE):
             row["memory_ratio"] = memory[name] / memory[BASELINE]
+        if cpu:
+            cpu_ratios = [t / b for t, b in zip(cpu[name], cpu[BASELINE], strict=True) if b > 0]
+            lo, hi = median_ci(cpu_ratios)
+            row["cpu_ratio_median"] = statistics.median(cpu_ratios) if cpu_ratios else math.nan
+            row["cpu_ratio_ci95_low"], row["cpu_ratio_ci95_high"] = lo, hi
         out[name] = row
     return out
 
 
 def markdown_table(summary: dict[str, dict[str, float]]) -> str:
+    """The table; a last column of CPU-time ratios when they were measured."""
+    with_cpu = all("cpu_ratio_median" in s for s in summary.values())
     lines = [
         "| variant | median step ms | median ratio vs baseline | p10–p90 ratio "
-        "| 95% CI of median ratio | peak memory ratio |",
-        "|---|---:|---:|---:|---:|---:|",
+        "| 95% CI of median ratio | peak memory ratio |"
+        + (" CPU-time ratio (95% CI) |" if with_cpu else ""),
+        "|---|---:|---:|---:|---:|---:|" + ("---:|" if with_cpu else ""),
     ]
     for name, s in summary.items():
         mem = "n/a" if math.isnan(s["memory_ratio"]) else f"{s['memory_ratio']:.3f}"
-        lines.append(
+        line = (
             f"| {LABELS.get(name, name)} | {s['median_ms']:.1f} | {s['ratio_median']:.3f} "
             f"| {s['ratio_p10']:.3f}–{s['ratio_p90']:.3f} "
             f"| {s['ratio_ci95_low']:.3f}–{s['ratio_ci95_high']:.3f} | {mem} |"
         )
+        if with_cpu:
+            line += (
+                f" {s['cpu_ratio_median']:.3f} ({s['cpu_ratio_ci95_low']:.3f}–"
+                f"{s['cpu_ratio_ci95_high']:.3f}) |"
+            )
+        lines.append(line)
     return "\n".join(lines)
 
 

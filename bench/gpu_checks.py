@@ -199,9 +199,10 @@ def _time_steps(
         return benchlib.make_batch(cfg, 0, step, device)
 
     benchlib.run_rounds(variants, batches, args.warmup, torch.cuda.synchronize)
+    # Wall time only: the host's CPU time would include spinning in cudaDeviceSynchronize.
     times = benchlib.run_rounds(
         variants, batches, args.steps, torch.cuda.synchronize, first_round=args.warmup
-    )
+    ).wall
     base = variants[0].model.module.state_dict()
     diff = {
         v.name: max(

@@ -179,6 +179,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         ranks = _spawn(_timing_worker, spec, args.timeout)
         times = _merge_times(ranks)
+        cpu_times = _merge_times(ranks, "cpu_times", sum)
         per_rank = [r.get("memory", {}) for r in ranks]
         if args.memory_steps > 0 and args.memory_fresh:
             per_rank = [{} for _ in range(WORLD_SIZE)]
@@ -193,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
         say("check cost vs one read ...")
         cost = _check_cost_here(cfg, args.threads, args.check_reps)
 
-    summary = benchlib.summarize(times, memory)
+    summary = benchlib.summarize(times, memory, cpu_times)
     report: dict[str, Any] = {
         "benchmark": "nansentinel overhead, CPU gloo",
         "command": " ".join([sys.executable, *sys.argv]),
@@ -219,6 +220,7 @@ def main(argv: list[str] | None = None) -> int:
         "loadavg_1m_before_after": [load_before[0], os.getloadavg()[0]],
         "seconds": time.perf_counter() - started,
         "step_times_s": times,
+        "step_cpu_times_s": cpu_times,
     }
     text = render(report)
     print(text, flush=True)
@@ -341,11 +343,13 @@ def _merge_memory(
     return memory, detail
 
 
-def _merge_times(ranks: list[dict[str, Any]]) -> dict[str, list[float]]:
-    """Per round, the slower rank's step: in synchronous data parallelism the slowest rank
-    sets the pace."""
-    names = ranks[0]["times"].keys()
-    return {n: [max(ts) for ts in zip(*(r["times"][n] for r in ranks), strict=True)] for n in names}
+def _merge_times(
+    ranks: list[dict[str, Any]], key: str = "times", merge: Callable[..., float] = max
+) -> dict[str, list[float]]:
+    """Per round, the slower rank's wall time (in synchronous data parallelism the slowest rank
+    sets the pace), or the ranks' total CPU time (``key="cpu_times", merge=sum``)."""
+    names = ranks[0][key].keys()
+    return {n: [merge(ts) for ts in zip(*(r[key][n] for r in ranks), strict=True)] for n in names}
 
 
 # --- phase 1: step times ---------------------------------------------------------------------
@@ -377,7 +381,9 @@ def _timing_worker(rank: int, spec: Spec) -> None:
         gc.collect()
         if timer is not None:
             timer.armed = True
-        times = benchlib.run_rounds(variants, batch_of, spec.steps, nosync, first_round=spec.warmup)
+        rounds = benchlib.run_rounds(
+            variants, batch_of, spec.steps, nosync, first_round=spec.warmup
+        )
         base = variants[0].model.module.state_dict()
         diff = {
             v.name: max(
@@ -386,7 +392,8 @@ def _timing_worker(rank: int, spec: Spec) -> None:
             for v in variants[1:]
         }
         result = {
-            "times": times,
+            "times": rounds.wall,
+            "cpu_times": rounds.cpu,
             "parameters": sum(p.numel() for p in variants[0].model.parameters()),
             "weights_diff": diff,
             "profile": timer.per_step(spec.steps) if timer is not None else None,
