@@ -44,17 +44,15 @@ def float_tensors(obj: object) -> Iterator[torch.Tensor]:
 
 
 def tensor_norm(t: torch.Tensor) -> torch.Tensor:
-    """L2 norm of ``t`` as a 0-d fp32 (or fp64) tensor: one read of its bytes.
+    """L2 norm of ``t`` as a 0-d fp32 tensor: one read of its bytes.
 
     Half-precision tensors are reduced with fp32 accumulation so that an ordinary large batch
-    does not overflow fp16's 65504 and raise a false alarm.
+    does not overflow fp16's 65504 and raise a false alarm; fp64 in fp64, then cast.
     """
     if t.is_complex():
         t = torch.view_as_real(t)
     if t.dtype in _HALF:
         return torch.linalg.vector_norm(t, dtype=torch.float32)
-    if t.dtype == torch.float64:
-        return torch.linalg.vector_norm(t)
     return torch.linalg.vector_norm(t).float()
 
 
@@ -64,30 +62,41 @@ def nonfinite_flag(norms: torch.Tensor) -> torch.Tensor:
     return (~torch.isfinite(norms)).any().to(torch.int32)
 
 
-def batch_flag(batch: object, device: torch.device) -> tuple[torch.Tensor, int]:
-    """Check every floating-point tensor of a nested batch.
+def batch_norms(batch: object, device: torch.device) -> list[torch.Tensor]:
+    """One 0-d fp32 norm per floating-point tensor of a nested batch, on ``device``.
 
-    Returns ``(flag, count)``: an int32 0-d tensor on ``device`` (1 when any tensor holds a
-    non-finite value) and the number of tensors checked, so that a caller can tell an empty
-    batch from a healthy one. Tensors on another device are reduced where they live and only
-    their 0-d norm is moved (non-blocking towards an accelerator).
+    Tensors on another device are reduced where they live and only their 0-d norm is moved
+    (non-blocking towards an accelerator). The flag is taken later, once per step, from all
+    the norms together (:func:`nonfinite_flag`), which keeps a check to one kernel per tensor.
     """
-    norms = [_to(tensor_norm(t).to(torch.float32), device) for t in float_tensors(batch)]
+    return [_to(tensor_norm(t), device) for t in float_tensors(batch)]
+
+
+def batch_flag(batch: object, device: torch.device) -> tuple[torch.Tensor, int]:
+    """``(flag, count)`` for a nested batch: an int32 0-d tensor on ``device`` (1 when any
+    floating-point tensor holds a non-finite value) and the number of tensors checked, so that
+    a caller can tell an empty batch from a healthy one."""
+    norms = batch_norms(batch, device)
     if not norms:
         return torch.zeros((), dtype=torch.int32, device=device), 0
     return nonfinite_flag(torch.stack(norms)), len(norms)
 
 
-def loss_value(loss: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(flag, value)`` for a loss: the flag as int32, the value as fp32 0-d (the mean for a
-    non-scalar loss, so that per-sample losses can be passed as they are)."""
+def loss_scalar(loss: torch.Tensor) -> torch.Tensor:
+    """The loss as an fp32 0-d tensor: itself when scalar, its mean otherwise (per-sample
+    losses can be passed as they are; a NaN or Inf anywhere propagates into the mean)."""
     detached = loss.detach()
     if detached.is_complex():
         raise TypeError("a complex loss cannot be checked; pass a real-valued loss")
-    value = detached.float().mean() if detached.numel() != 1 else detached.float().reshape(())
-    norm = tensor_norm(detached).to(torch.float32)
-    # NaN in a mean propagates; an overflowed-but-finite norm is caught by the norm.
-    return nonfinite_flag(torch.stack([norm, value])), value
+    if detached.numel() == 1:
+        return detached.reshape(()).float()
+    return detached.float().mean()
+
+
+def loss_value(loss: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(flag, value)`` for a loss: the flag as int32, the value from :func:`loss_scalar`."""
+    value = loss_scalar(loss)
+    return nonfinite_flag(value), value
 
 
 def grad_norms(grads: Sequence[torch.Tensor]) -> torch.Tensor:

@@ -172,8 +172,9 @@ class HealthExchange:
 
     def launch(self, step: int, row: torch.Tensor) -> None:
         """Start summing this rank's ``row`` across the group (asynchronous)."""
-        vector = torch.zeros(self.world_size * FIELDS, dtype=torch.float32, device=self.comm_device)
-        vector[self.rank * FIELDS : (self.rank + 1) * FIELDS] = row.to(self.comm_device)
+        # Zeros around this rank's slot, in one op.
+        before, after = self.rank * FIELDS, (self.world_size - self.rank - 1) * FIELDS
+        vector = torch.nn.functional.pad(row.to(self.comm_device), (before, after))
         self._vector, self._step = vector, step
         if self.distributed and self.world_size > 1:
             self._work = dist.all_reduce(vector, group=self.group, async_op=True)

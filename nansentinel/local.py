@@ -1,9 +1,10 @@
 """One rank's health for the step in progress, kept on the device until the decision.
 
-The training loop's checks add to it (several times under gradient accumulation: flags are
-OR-ed, losses averaged); the last gradient bucket, or ``step()``, packs it into the row that
-the exchange sums across ranks. Nothing here synchronises with the host, except
-:meth:`LocalHealth.nonfinite_parameters`, which runs only after a detection.
+The training loop's checks add to it (several times under gradient accumulation: norms are
+collected, losses averaged). The last gradient bucket, or ``step()``, packs it into the row
+that the exchange sums across ranks, and only then are the flags taken, once per step.
+Nothing here synchronises with the host, except :meth:`LocalHealth.nonfinite_parameters`,
+which runs only after a detection.
 """
 
 from __future__ import annotations
@@ -17,12 +18,11 @@ from nansentinel.exchange import pack_row
 
 
 class LocalHealth:
-    """Flags, loss and per-parameter gradient norms of this rank for one step."""
+    """Batch norms, loss and per-parameter gradient norms of this rank for one step."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
-        self.batch_flag: torch.Tensor | None = None
-        self.loss_flag: torch.Tensor | None = None
+        self.batch_norms: list[torch.Tensor] = []
         self.loss_sum: torch.Tensor | None = None
         self.loss_count = 0
         self.batch: Any = None
@@ -32,17 +32,14 @@ class LocalHealth:
         self.injected = False
         self.quarantined = False
 
-    def add_batch(self, batch: Any, flag: torch.Tensor) -> None:
-        self.batch_flag = flag if self.batch_flag is None else torch.maximum(self.batch_flag, flag)
+    def add_batch(self, batch: Any, norms: list[torch.Tensor]) -> None:
+        self.batch_norms.extend(norms)
         self.batch = batch
 
-    def add_loss(self, flag: torch.Tensor, value: torch.Tensor) -> None:
-        flag, value = flag.to(self.device), value.to(self.device)
-        if self.loss_flag is None or self.loss_sum is None:
-            self.loss_flag, self.loss_sum = flag, value
-        else:
-            self.loss_flag = torch.maximum(self.loss_flag, flag)
-            self.loss_sum = self.loss_sum + value
+    def add_loss(self, value: torch.Tensor) -> None:
+        """Add a loss value (0-d); NaN and Inf propagate through the sum into the flag."""
+        value = value.to(self.device)
+        self.loss_sum = value if self.loss_sum is None else self.loss_sum + value
         self.loss_count += 1
 
     def add_grads(self, params: list[torch.Tensor], norms: torch.Tensor) -> None:
@@ -54,8 +51,9 @@ class LocalHealth:
         norms = [n.to(self.device) for _, n in self.grad_norms]
         all_norms = torch.cat(norms) if norms else None
         return pack_row(
-            batch=self.batch_flag if self.batch_flag is not None else zero,
-            loss=self.loss_flag if self.loss_flag is not None else zero,
+            batch=checks.nonfinite_flag(torch.stack(self.batch_norms)) if self.batch_norms
+            else zero,
+            loss=checks.nonfinite_flag(self.loss_sum) if self.loss_sum is not None else zero,
             grad=checks.nonfinite_flag(all_norms) if all_norms is not None else zero,
             injected=self.injected,
             loss_value=(

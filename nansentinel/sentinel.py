@@ -184,7 +184,7 @@ class Sentinel:
             self.local.injected = True
         if self.quarantine and fingerprint(batch) in self.quarantine:
             self.local.quarantined = True
-        self.local.add_batch(batch, checks.batch_flag(batch, self.device)[0])
+        self.local.add_batch(batch, checks.batch_norms(batch, self.device))
         self._seconds += time.perf_counter() - started
         return batch
 
@@ -209,7 +209,7 @@ class Sentinel:
             )
         if self.injector.poison("loss", self.step_index, loss.detach()):
             self.local.injected = True
-        self.local.add_loss(*checks.loss_value(loss))
+        self.local.add_loss(checks.loss_scalar(loss))
         self._seconds += time.perf_counter() - started
 
     def check_grads(self) -> None:
