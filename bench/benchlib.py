@@ -390,6 +390,8 @@ def summarize(
             lo, hi = median_ci(cpu_ratios)
             row["cpu_ratio_median"] = statistics.median(cpu_ratios) if cpu_ratios else math.nan
             row["cpu_ratio_ci95_low"], row["cpu_ratio_ci95_high"] = lo, hi
+            cpu_extra = [t - b for t, b in zip(cpu[name], cpu[BASELINE], strict=True)]
+            row["cpu_extra_ms_median"] = statistics.median(cpu_extra) * 1e3
         out[name] = row
     return out
 

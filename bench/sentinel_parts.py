@@ -46,6 +46,7 @@ class PartTimer:
         self.enabled = False
         self.armed = False  # set for the measured rounds; warm-up is not counted
         self.total: dict[str, float] = defaultdict(float)
+        self.cpu: dict[str, float] = defaultdict(float)
         self.calls: dict[str, int] = defaultdict(int)
         self.missing: list[str] = []
 
@@ -87,11 +88,12 @@ class PartTimer:
         def wrapper(*args: Any, **kwargs: Any) -> Any:
             if not self.enabled:
                 return fn(*args, **kwargs)
-            started = time.perf_counter()
+            started, started_cpu = time.perf_counter(), time.thread_time()
             try:
                 return fn(*args, **kwargs)
             finally:
                 self.total[label] += time.perf_counter() - started
+                self.cpu[label] += time.thread_time() - started_cpu
                 self.calls[label] += 1
 
         return wrapper
@@ -101,6 +103,7 @@ class PartTimer:
         parts = {
             label: {
                 "ms_per_step": self.total[label] * 1e3 / steps,
+                "cpu_ms_per_step": self.cpu[label] * 1e3 / steps,
                 "calls_per_step": self.calls[label] / steps,
             }
             for label in labels
@@ -111,35 +114,39 @@ class PartTimer:
 def render(profile: dict[str, Any], summary: dict[str, dict[str, float]]) -> str:
     """The breakdown table and the sentinel's own time set against the measured difference."""
     parts = profile["parts"]
-    ms = {k: v["ms_per_step"] for k, v in parts.items()}
-    ours = (
-        ms["check_batch"]
-        + ms["check_loss"]
-        + ms["comm hook, all buckets (in backward)"]
-        + ms["step()"]
-        - ms[OPTIMIZER]
-        - ms[WAIT]
-    )
+
+    def ours(key: str) -> float:
+        ms = {k: v[key] for k, v in parts.items()}
+        top = ("check_batch", "check_loss", "comm hook, all buckets (in backward)", "step()")
+        return sum(ms[k] for k in top) - ms[OPTIMIZER] - ms[WAIT]
+
     lines = [
         "where the sentinel's time goes (rank 0, mean ms per measured step):",
         "",
-        "| part | ms/step | calls/step |",
-        "|---|---:|---:|",
+        "| part | wall ms/step | CPU ms/step | calls/step |",
+        "|---|---:|---:|---:|",
     ]
     for label, v in parts.items():
         name = label.lstrip(" ")
         indent = "&nbsp;" * (len(label) - len(name))
-        lines.append(f"| {indent}{name} | {v['ms_per_step']:.3f} | {v['calls_per_step']:.1f} |")
+        lines.append(
+            f"| {indent}{name} | {v['ms_per_step']:.3f} | {v['cpu_ms_per_step']:.3f} "
+            f"| {v['calls_per_step']:.1f} |"
+        )
     lines += [
         "",
         "- the sentinel's own time (both checks + comm hook + step(), less the wait and the "
-        f"optimizer): {ours:.3f} ms/step",
+        f"optimizer): wall {ours('ms_per_step'):.3f} ms/step, CPU {ours('cpu_ms_per_step'):.3f} "
+        "ms/step (wall counts time the core spent elsewhere, e.g. on gloo threads)",
     ]
     for name in ("sentinel", "pyhook"):
         if name in summary:
+            row = summary[name]
+            cpu = row.get("cpu_extra_ms_median")
             lines.append(
-                f"- {name}: median per-round extra time over the baseline step: "
-                f"{summary[name]['extra_ms_median']:.3f} ms"
+                f"- {name}: median per-round extra over the baseline step: wall "
+                f"{row['extra_ms_median']:.3f} ms"
+                + (f", CPU (both ranks' training threads) {cpu:.3f} ms" if cpu is not None else "")
             )
     if profile["missing"]:
         lines.append(f"- not in this library version: {', '.join(profile['missing'])}")
