@@ -50,6 +50,7 @@ def test_overhead_benchmark_tiny_run(tmp_path: Path) -> None:
         "150",
         "--collective-timeout",
         "30",
+        "--profile",
         "--json",
         str(out),
     ]
@@ -81,6 +82,9 @@ def test_overhead_benchmark_tiny_run(tmp_path: Path) -> None:
     assert "| variant | median step ms | median ratio vs baseline | p10–p90 ratio" in table
     for label in ("baseline (plain DDP)", "nansentinel", "set_detect_anomaly(True)"):
         assert f"| {label} |" in table
+    # --profile: the sentinel's parts were timed (its comm hook ran once per bucket).
+    assert "where the sentinel's time goes" in table
+    assert report["profile"]["parts"]["check_batch"]["calls_per_step"] == 1.0
 
 
 @pytest.mark.e2e
