@@ -14,7 +14,7 @@ would wreck the weights anyway, and such a batch is almost surely corrupt.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 
 import torch
 
@@ -56,30 +56,14 @@ def tensor_norm(t: torch.Tensor) -> torch.Tensor:
     return torch.linalg.vector_norm(t).float()
 
 
-def nonfinite_flag(norms: torch.Tensor) -> torch.Tensor:
-    """int32 0-d tensor: 1 if any of ``norms`` is NaN or Inf, else 0 (int32, since NCCL
-    reduces no bool)."""
-    return (~torch.isfinite(norms)).any().to(torch.int32)
-
-
 def batch_norms(batch: object, device: torch.device) -> list[torch.Tensor]:
     """One 0-d fp32 norm per floating-point tensor of a nested batch, on ``device``.
 
     Tensors on another device are reduced where they live and only their 0-d norm is moved
     (non-blocking towards an accelerator). The flag is taken later, once per step, from all
-    the norms together (:func:`nonfinite_flag`), which keeps a check to one kernel per tensor.
+    the norms together (``exchange.pack_row``), which keeps a check to one kernel per tensor.
     """
     return [_to(tensor_norm(t), device) for t in float_tensors(batch)]
-
-
-def batch_flag(batch: object, device: torch.device) -> tuple[torch.Tensor, int]:
-    """``(flag, count)`` for a nested batch: an int32 0-d tensor on ``device`` (1 when any
-    floating-point tensor holds a non-finite value) and the number of tensors checked, so that
-    a caller can tell an empty batch from a healthy one."""
-    norms = batch_norms(batch, device)
-    if not norms:
-        return torch.zeros((), dtype=torch.int32, device=device), 0
-    return nonfinite_flag(torch.stack(norms)), len(norms)
 
 
 def loss_scalar(loss: torch.Tensor) -> torch.Tensor:
@@ -91,12 +75,6 @@ def loss_scalar(loss: torch.Tensor) -> torch.Tensor:
     if detached.numel() == 1:
         return detached.reshape(()).float()
     return detached.float().mean()
-
-
-def loss_value(loss: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(flag, value)`` for a loss: the flag as int32, the value from :func:`loss_scalar`."""
-    value = loss_scalar(loss)
-    return nonfinite_flag(value), value
 
 
 def grad_norms(grads: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -121,14 +99,6 @@ def by_device_and_dtype(params: Sequence[torch.Tensor]) -> list[list[torch.Tenso
         assert p.grad is not None
         groups.setdefault((p.grad.device, p.grad.dtype), []).append(p)
     return list(groups.values())
-
-
-def total_norm(norms: Iterable[torch.Tensor]) -> torch.Tensor:
-    """Combine per-tensor norms into one L2 norm (NaN/Inf propagate)."""
-    parts = [n.reshape(-1) for n in norms]
-    if not parts:
-        return torch.zeros((), dtype=torch.float32)
-    return torch.linalg.vector_norm(torch.cat(parts).float())
 
 
 def _to(t: torch.Tensor, device: torch.device) -> torch.Tensor:

@@ -30,7 +30,9 @@ from nansentinel.result import KINDS, ExchangeTimeoutError, RankIdentity
 log = logging.getLogger("nansentinel")
 
 # Layout of one rank's row in the health vector.
-(F_BATCH, F_LOSS, F_GRAD, F_INJECTED, F_LOSS_VALUE, F_GRAD_NORM, F_HAS_LOSS, F_HAS_GRAD,
+# Three non-finite flags, then the two values they were taken from (loss, gradient norm),
+# then four host-known flags: the order lets a row be built from three pieces (see pack_row).
+(F_BATCH, F_LOSS, F_GRAD, F_LOSS_VALUE, F_GRAD_NORM, F_INJECTED, F_HAS_LOSS, F_HAS_GRAD,
  F_QUARANTINED) = range(9)
 FIELDS = 9
 _STORE_PREFIX = "nansentinel/arrived"
@@ -85,30 +87,22 @@ class ClusterView:
 
 
 def pack_row(
-    *,
-    batch: torch.Tensor,
-    loss: torch.Tensor,
-    grad: torch.Tensor,
-    injected: bool,
+    batch_norm: torch.Tensor,
     loss_value: torch.Tensor,
     grad_norm: torch.Tensor,
-    has_loss: bool,
-    has_grad: bool,
-    quarantined: bool = False,
+    host_flags: torch.Tensor,
 ) -> torch.Tensor:
-    """One rank's health row (layout ``F_*``) as an fp32 vector on the flags' device.
+    """One rank's health row (layout ``F_*``) as an fp32 vector, in a handful of kernels.
 
-    No host sync: Python values become ``torch.full`` fill kernels, where
-    ``torch.tensor([...], device=cuda)`` would copy from the host and synchronise the stream.
+    ``batch_norm``, ``loss_value`` and ``grad_norm`` are 0-d fp32 tensors on one device (zero
+    when absent): a NaN or Inf in any of them is that kind's flag, taken here in one
+    ``isfinite`` for all three. ``host_flags`` holds ``injected, has_loss, has_grad,
+    quarantined`` on the same device (the caller caches those few constant tensors, since a
+    host-to-device copy per step would synchronise the stream).
     """
-    device = batch.device
-
-    def const(x: bool) -> torch.Tensor:
-        return torch.full((), float(x), device=device)
-
-    parts = [batch, loss, grad, const(injected), loss_value, grad_norm,
-             const(has_loss), const(has_grad), const(quarantined)]
-    return torch.stack([p.to(device=device, dtype=torch.float32).reshape(()) for p in parts])
+    values = torch.stack([batch_norm, loss_value, grad_norm])
+    flags = (~torch.isfinite(values)).to(torch.float32)
+    return torch.cat([flags, values[1:], host_flags])
 
 
 def unpack_view(step: int, values: list[float], identities: list[RankIdentity]) -> ClusterView:
@@ -149,10 +143,10 @@ class HealthExchange:
         self.world_size = dist.get_world_size(group) if self.distributed else 1
         self.timeout = timeout
         self.device = device
-        if self.distributed and "nccl" in str(dist.get_backend(group)) and device.type == "cuda":
-            self.comm_device = device
-        else:
-            self.comm_device = torch.device("cpu")
+        nccl = self.distributed and "nccl" in str(dist.get_backend(group))
+        self.comm_device = device if nccl and device.type == "cuda" else torch.device("cpu")
+        #: The gradient averaging can use ReduceOp.AVG (NCCL) instead of scale-then-sum.
+        self.supports_avg = bool(nccl and device.type == "cuda")
         self._vector: torch.Tensor | None = None
         self._work: dist.Work | None = None
         self._step = -1

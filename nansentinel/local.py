@@ -13,8 +13,18 @@ from typing import Any
 
 import torch
 
-from nansentinel import checks
 from nansentinel.exchange import pack_row
+
+_CONSTANTS: dict[tuple[tuple[float, ...], torch.device], torch.Tensor] = {}
+
+
+def _constant(values: tuple[float, ...], device: torch.device) -> torch.Tensor:
+    """A small constant tensor on ``device``, made once and reused: a fresh host-to-device
+    copy every step would synchronise the CUDA stream."""
+    key = (values, device)
+    if key not in _CONSTANTS:
+        _CONSTANTS[key] = torch.tensor(values, dtype=torch.float32, device=device)
+    return _CONSTANTS[key]
 
 
 class LocalHealth:
@@ -46,25 +56,15 @@ class LocalHealth:
         self.grad_norms.append((params, norms))
 
     def row(self) -> torch.Tensor:
-        """The health row for the exchange (see ``exchange.pack_row``)."""
-        zero = torch.zeros((), dtype=torch.int32, device=self.device)
+        """The health row for the exchange (see ``exchange.pack_row``): no host sync."""
+        zero = _constant((0.0,), self.device).reshape(())
+        batch = (torch.linalg.vector_norm(torch.stack(self.batch_norms)) if self.batch_norms
+                 else zero)
+        loss = self.loss_sum / self.loss_count if self.loss_sum is not None else zero
         norms = [n.to(self.device) for _, n in self.grad_norms]
-        all_norms = torch.cat(norms) if norms else None
-        return pack_row(
-            batch=checks.nonfinite_flag(torch.stack(self.batch_norms)) if self.batch_norms
-            else zero,
-            loss=checks.nonfinite_flag(self.loss_sum) if self.loss_sum is not None else zero,
-            grad=checks.nonfinite_flag(all_norms) if all_norms is not None else zero,
-            injected=self.injected,
-            loss_value=(
-                self.loss_sum / self.loss_count if self.loss_sum is not None
-                else torch.zeros((), device=self.device)
-            ),
-            grad_norm=checks.total_norm([all_norms]) if all_norms is not None else zero,
-            has_loss=self.loss_sum is not None,
-            has_grad=all_norms is not None,
-            quarantined=self.quarantined,
-        )
+        grad = torch.linalg.vector_norm(torch.cat(norms)) if norms else zero
+        host = (self.injected, self.loss_sum is not None, bool(norms), self.quarantined)
+        return pack_row(batch, loss, grad, _constant(tuple(map(float, host)), self.device))
 
     def nonfinite_parameters(self, names: dict[int, str]) -> list[str]:
         """Names of the parameters whose local gradient norm was non-finite: one host copy of

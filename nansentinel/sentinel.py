@@ -421,8 +421,9 @@ class Sentinel:
             )
 
     def _comm_hook(self, state, bucket):  # type: ignore[no-untyped-def]
-        """DDP comm hook: check the bucket on this rank, then all-reduce exactly as DDP's
-        default does (sum, divided by world size); the last bucket launches the exchange.
+        """DDP comm hook: check the bucket on this rank, then average it across ranks as DDP's
+        default does (NCCL: one AVG all-reduce; gloo: scale by 1/world, then sum); the last
+        bucket launches the exchange.
 
         Deliberately unannotated: DDP inspects the annotations and rejects the string forms
         that ``from __future__ import annotations`` produces."""
@@ -434,8 +435,11 @@ class Sentinel:
             self.local.injected = True
         self.local.add_grads(list(bucket.parameters()), checks.grad_norms(grads))
         buffer = bucket.buffer()
-        buffer.div_(self.world_size)
-        work = dist.all_reduce(buffer, group=self.exchange.group, async_op=True)
+        if self.exchange.supports_avg:
+            work = dist.all_reduce(buffer, dist.ReduceOp.AVG, self.exchange.group, async_op=True)
+        else:  # gloo has no AVG: scale first, as DDP's own path does
+            buffer.mul_(1.0 / self.world_size)
+            work = dist.all_reduce(buffer, group=self.exchange.group, async_op=True)
         step, identities, exchange = self.step_index, self.identities, self.exchange
 
         def reduced(fut: torch.futures.Future) -> torch.Tensor:

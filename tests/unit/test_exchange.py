@@ -1,0 +1,55 @@
+"""The health row and the cluster view, with no process group: the same code as N ranks."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from nansentinel.exchange import FIELDS, HealthExchange, pack_row, unpack_view
+from nansentinel.local import LocalHealth
+from nansentinel.result import RankIdentity
+
+CPU = torch.device("cpu")
+
+
+def ident(rank: int, host: str = "h") -> RankIdentity:
+    return RankIdentity(rank, rank, 2, host, "cpu")
+
+
+def test_row_flags_each_kind_from_its_value() -> None:
+    t = torch.tensor
+    host = t([1.0, 1.0, 1.0, 0.0])
+    row = pack_row(t(3.0), t(math.nan), t(math.inf), host)
+    assert row.shape == (FIELDS,) and row.dtype == torch.float32
+    view = unpack_view(4, row.tolist() + pack_row(t(1.0), t(2.0), t(0.5), host).tolist(),
+                       [ident(0), ident(1, "g")])
+    bad, good = view.ranks
+    assert bad.kinds == ("loss", "grad") and bad.injected and math.isnan(bad.loss or 0)
+    assert good.healthy and good.loss == 2.0 and good.grad_norm == 0.5
+    assert view.step == 4 and view.hosts == ["g", "h"] and [r.rank for r in view.bad()] == [0]
+
+
+def test_local_health_accumulates_micro_batches_and_packs_without_a_group() -> None:
+    local = LocalHealth(CPU)
+    local.add_batch({"x": torch.ones(2)}, [torch.tensor(1.0)])
+    local.add_batch({"x": torch.ones(2)}, [torch.tensor(math.nan)])  # second micro-batch
+    local.add_loss(torch.tensor(1.0))
+    local.add_loss(torch.tensor(3.0))
+    p = torch.nn.Parameter(torch.zeros(2))
+    local.add_grads([p], torch.tensor([3.0]))
+    local.add_grads([p], torch.tensor([4.0]))
+    exchange = HealthExchange(None, CPU, timeout=5)
+    assert exchange.world_size == 1 and not exchange.launched
+    exchange.launch(0, local.row())
+    assert exchange.launched and exchange.settled()
+    (mine,) = exchange.wait([ident(0)]).ranks
+    assert mine.kinds == ("batch",) and mine.loss == 2.0 and mine.grad_norm == 5.0
+    assert local.nonfinite_parameters({id(p): "w"}) == []
+
+
+def test_a_rank_without_loss_or_grads_reports_none() -> None:
+    exchange = HealthExchange(None, CPU, timeout=5)
+    exchange.launch(0, LocalHealth(CPU).row())
+    (mine,) = exchange.wait([ident(0)]).ranks
+    assert mine.healthy and mine.loss is None and mine.grad_norm is None
