@@ -27,7 +27,7 @@ PARTS = (
     ("comm hook, all buckets (in backward)", "nansentinel.sentinel:Sentinel._comm_hook"),
     ("  checks.grad_norms", "nansentinel.checks:grad_norms"),
     ("  _launch: pack row + start exchange", "nansentinel.sentinel:Sentinel._launch"),
-    ("    pack_row", "nansentinel.sentinel:pack_row"),
+    ("    LocalHealth.row (pack the row)", "nansentinel.local:LocalHealth.row"),
     ("    exchange.launch", "nansentinel.exchange:HealthExchange.launch"),
     ("  dist.all_reduce calls (buckets + health vector)", "torch.distributed:all_reduce"),
     ("  watchdog arm (all callers)", "nansentinel.watchdog:Watchdog.arm"),
