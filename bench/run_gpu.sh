@@ -5,7 +5,7 @@
 #
 # Installs nothing unless it must: the checkout is put on PYTHONPATH, and only when
 # `import nansentinel` still fails is `pip install -e .` tried (torch must already be there).
-# Each run is bounded by `timeout`, so the whole script ends within about 6 minutes; logs and
+# Each run is bounded by `timeout`, so the whole script ends within about 7 minutes; logs and
 # JSON are written as it goes, so a run cut short still leaves what it measured.
 set -uo pipefail
 
@@ -34,6 +34,9 @@ timeout 240 python bench/gpu_checks.py --steps 40 --json "$RESULTS/gpu_large.jso
 # 2. The CPU benchmark's model: short steps, where the sentinel's host-side cost shows most.
 timeout 100 python bench/gpu_checks.py --cpu-size --steps 100 --json "$RESULTS/gpu_small.json" \
     2>&1 | tee "$RESULTS/gpu_small.log" || status=$?
+
+# 3. Host syncs per step added by the sentinel (the promise: at most one, at the decision).
+timeout 60 python bench/gpu_syncs.py 2>&1 | tee "$RESULTS/gpu_syncs.log" || status=$?
 
 echo "run_gpu.sh: done (exit $status); results in $RESULTS"
 exit "$status"

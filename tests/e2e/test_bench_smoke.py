@@ -102,3 +102,13 @@ def test_gpu_checks_says_clearly_that_it_needs_a_gpu() -> None:
     assert proc.returncode == 2
     assert "no CUDA device" in proc.stderr and "measured nothing" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the no-CUDA message is what is tested")
+def test_gpu_syncs_says_clearly_that_it_needs_a_gpu() -> None:
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "gpu_syncs.py")],
+        cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=50,
+    )
+    assert proc.returncode == 2 and "needs a CUDA device" in proc.stderr
+    assert "Traceback" not in proc.stderr
