@@ -267,12 +267,15 @@ def test_excluded_host_leaves_and_the_others_resume(
     assert (out / f"hook-{bad}.txt").read_text() == f"{bad}|{reason}"
     assert [p.name for p in out.glob("hook-*")] == [f"hook-{bad}.txt"]
     done = [json.loads(p.read_text()) for p in out.glob("done-*.json")]
-    # Two hosts x two ranks, restarted once, resumed from the checkpoint taken after step 5
-    # (steps 5 and 6 were skipped, step 7 excluded the host).
+    # Two hosts x two ranks, resumed from the checkpoint taken after step 5 (steps 5 and 6
+    # were skipped, step 7 excluded the host). A survivor's agent counts a restart when it
+    # sees its own workers fail first; when it first sees the other survivor waiting in the
+    # rendezvous it restarts for the membership change, which torchrun does not count.
     assert sorted(d["rank"] for d in done) == [0, 1, 2, 3]
     assert {d["hostname"] for d in done} == {n for n in names if n != bad}
-    assert all(d["world_size"] == 4 and d["restart_count"] == 1 and d["start"] == 6
+    assert all(d["world_size"] == 4 and d["restart_count"] in (0, 1) and d["start"] == 6
                for d in done), done
+    assert any(d["restart_count"] == 1 for d in done), done
 
     assert excluded_main(["--exclusion-file", str(excl)]) == EXIT_OK
     listing = capsys.readouterr().out
