@@ -30,11 +30,13 @@ from nansentinel.result import KINDS, ExchangeTimeoutError, RankIdentity
 log = logging.getLogger("nansentinel")
 
 # Layout of one rank's row in the health vector.
-# Three non-finite flags, then the two values they were taken from (loss, gradient norm),
-# then four host-known flags: the order lets a row be built from three pieces (see pack_row).
-(F_BATCH, F_LOSS, F_GRAD, F_LOSS_VALUE, F_GRAD_NORM, F_INJECTED, F_HAS_LOSS, F_HAS_GRAD,
- F_QUARANTINED) = range(9)
-FIELDS = 9
+# Three values whose finiteness is the check (batch norm, loss, gradient norm), then four
+# host-known flags. No flag is computed on the device: a NaN or Inf survives the element-wise
+# sum in its own slot (x + 0 = x), so the host reads finiteness after the one sync.
+F_BATCH_NORM, F_LOSS_VALUE, F_GRAD_NORM, F_INJECTED, F_HAS_LOSS, F_HAS_GRAD, F_QUARANTINED = (
+    range(7)
+)
+FIELDS = 7
 _STORE_PREFIX = "nansentinel/arrived"
 
 
@@ -92,17 +94,14 @@ def pack_row(
     grad_norm: torch.Tensor,
     host_flags: torch.Tensor,
 ) -> torch.Tensor:
-    """One rank's health row (layout ``F_*``) as an fp32 vector, in a handful of kernels.
+    """One rank's health row (layout ``F_*``) as an fp32 vector: two kernels.
 
     ``batch_norm``, ``loss_value`` and ``grad_norm`` are 0-d fp32 tensors on one device (zero
-    when absent): a NaN or Inf in any of them is that kind's flag, taken here in one
-    ``isfinite`` for all three. ``host_flags`` holds ``injected, has_loss, has_grad,
-    quarantined`` on the same device (the caller caches those few constant tensors, since a
-    host-to-device copy per step would synchronise the stream).
+    when absent). ``host_flags`` holds ``injected, has_loss, has_grad, quarantined`` on the same
+    device (the caller caches those few constant tensors, since a host-to-device copy per step
+    would synchronise the stream).
     """
-    values = torch.stack([batch_norm, loss_value, grad_norm])
-    flags = (~torch.isfinite(values)).to(torch.float32)
-    return torch.cat([flags, values[1:], host_flags])
+    return torch.cat([torch.stack([batch_norm, loss_value, grad_norm]), host_flags])
 
 
 def unpack_view(step: int, values: list[float], identities: list[RankIdentity]) -> ClusterView:
@@ -110,7 +109,10 @@ def unpack_view(step: int, values: list[float], identities: list[RankIdentity]) 
     ranks = []
     for r, ident in enumerate(identities):
         row = values[r * FIELDS : (r + 1) * FIELDS]
-        kinds = tuple(k for k, f in zip(KINDS, (F_BATCH, F_LOSS, F_GRAD), strict=True) if row[f])
+        checked = (F_BATCH_NORM, F_LOSS_VALUE, F_GRAD_NORM)
+        kinds = tuple(
+            k for k, f in zip(KINDS, checked, strict=True) if not math.isfinite(row[f])
+        )
         ranks.append(
             RankHealth(
                 identity=ident,

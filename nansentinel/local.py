@@ -2,9 +2,7 @@
 
 The training loop's checks add to it (several times under gradient accumulation: norms are
 collected, losses averaged). The last gradient bucket, or ``step()``, packs it into the row
-that the exchange sums across ranks, and only then are the flags taken, once per step.
-Nothing here synchronises with the host, except :meth:`LocalHealth.nonfinite_parameters`,
-which runs only after a detection.
+that the exchange sums across ranks. Nothing here synchronises with the host.
 """
 
 from __future__ import annotations
@@ -28,7 +26,7 @@ def _constant(values: tuple[float, ...], device: torch.device) -> torch.Tensor:
 
 
 class LocalHealth:
-    """Batch norms, loss and per-parameter gradient norms of this rank for one step."""
+    """Batch norms, loss and gradient norms of this rank for one step."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
@@ -37,8 +35,8 @@ class LocalHealth:
         self.loss_count = 0
         self.batch: Any = None
         """The last batch checked (kept by reference, for the report and the replay)."""
-        self.grad_norms: list[tuple[list[torch.Tensor], torch.Tensor]] = []
-        """(parameters, their gradient norms) per bucket or dtype group."""
+        self.grad_norms: list[torch.Tensor] = []
+        """One 0-d gradient norm per DDP bucket or (device, dtype) group of parameters."""
         self.injected = False
         self.quarantined = False
 
@@ -52,25 +50,25 @@ class LocalHealth:
         self.loss_sum = value if self.loss_sum is None else self.loss_sum + value
         self.loss_count += 1
 
-    def add_grads(self, params: list[torch.Tensor], norms: torch.Tensor) -> None:
-        self.grad_norms.append((params, norms))
+    def add_grads(self, norm: torch.Tensor) -> None:
+        self.grad_norms.append(norm)
 
     def row(self) -> torch.Tensor:
         """The health row for the exchange (see ``exchange.pack_row``): no host sync."""
         zero = _constant((0.0,), self.device).reshape(())
-        batch = (torch.linalg.vector_norm(torch.stack(self.batch_norms)) if self.batch_norms
-                 else zero)
-        loss = self.loss_sum / self.loss_count if self.loss_sum is not None else zero
-        norms = [n.to(self.device) for _, n in self.grad_norms]
-        grad = torch.linalg.vector_norm(torch.cat(norms)) if norms else zero
-        host = (self.injected, self.loss_sum is not None, bool(norms), self.quarantined)
+        batch = _combined(self.batch_norms, zero)
+        loss = zero
+        if self.loss_sum is not None:
+            loss = self.loss_sum if self.loss_count == 1 else self.loss_sum / self.loss_count
+        grad = _combined([n.to(self.device) for n in self.grad_norms], zero)
+        host = (self.injected, self.loss_sum is not None, bool(self.grad_norms), self.quarantined)
         return pack_row(batch, loss, grad, _constant(tuple(map(float, host)), self.device))
 
-    def nonfinite_parameters(self, names: dict[int, str]) -> list[str]:
-        """Names of the parameters whose local gradient norm was non-finite: one host copy of
-        norms computed anyway, and only after a detection."""
-        found = []
-        for params, norms in self.grad_norms:
-            bad = (~torch.isfinite(norms)).nonzero().flatten().tolist()
-            found.extend(names.get(id(params[i]), f"<unnamed {i}>") for i in bad)
-        return found
+
+def _combined(norms: list[torch.Tensor], zero: torch.Tensor) -> torch.Tensor:
+    """One L2 norm from several (NaN and Inf propagate); no kernel for zero or one."""
+    if not norms:
+        return zero
+    if len(norms) == 1:
+        return norms[0]
+    return torch.linalg.vector_norm(torch.stack(norms))

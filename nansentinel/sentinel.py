@@ -225,7 +225,8 @@ class Sentinel:
         if params and self.injector.poison("grad", self.step_index, params[0].grad):
             self.local.injected = True
         for group in checks.by_device_and_dtype(params):
-            self.local.add_grads(group, checks.grad_norms([p.grad for p in group]))  # type: ignore[misc]
+            norms = checks.grad_norms([p.grad for p in group])  # type: ignore[misc]
+            self.local.add_grads(torch.linalg.vector_norm(norms))
         self._launch()
         self._seconds += time.perf_counter() - started
 
@@ -252,6 +253,12 @@ class Sentinel:
             r for r in view.bad(("batch", "loss") if self.scaler is not None else KINDS)
             if not r.quarantined
         ]
+        # Name the parameters now, before the gradients are discarded: after the all-reduce
+        # a NaN sits where any rank had one, so this rank's scan shows its own (and, with
+        # several poisoned ranks, theirs too). Only after a detection.
+        poisoned = None
+        if any(r.rank == self.rank and "grad" in r.kinds for r in blamed):
+            poisoned = self._nonfinite_parameters()
         verdict, replays = None, []
         if blamed or spikes:
             self._arm()
@@ -291,7 +298,7 @@ class Sentinel:
             self.quarantine.update(r["fingerprint"] for r in replays if r.get("fingerprint"))
         result = self._result(view, decision, spikes, verdict, rolled_back_to)
         if decision.bad or spikes or decision.action == ROLLBACK:
-            result = self._incident(view, decision, result, spikes, replays)
+            result = self._incident(view, decision, result, spikes, replays, poisoned)
         self._seconds += time.perf_counter() - started - not_ours
         if self.metrics is not None:
             self.metrics.observe_step(result, self._seconds)
@@ -429,12 +436,12 @@ class Sentinel:
         that ``from __future__ import annotations`` produces."""
         started = time.perf_counter()
         self._arm()
-        grads = bucket.gradients()
-        first = not self.local.grad_norms
-        if first and self.injector.poison("grad", self.step_index, bucket.buffer()):
-            self.local.injected = True
-        self.local.add_grads(list(bucket.parameters()), checks.grad_norms(grads))
         buffer = bucket.buffer()
+        first = not self.local.grad_norms
+        if first and self.injector.poison("grad", self.step_index, buffer):
+            self.local.injected = True
+        # One norm over the flat bucket: one read of contiguous memory, one kernel.
+        self.local.add_grads(checks.tensor_norm(buffer))
         if self.exchange.supports_avg:
             work = dist.all_reduce(buffer, dist.ReduceOp.AVG, self.exchange.group, async_op=True)
         else:  # gloo has no AVG: scale first, as DDP's own path does
@@ -488,7 +495,7 @@ class Sentinel:
 
     def _incident(
         self, view: ClusterView, decision: Decision, result: StepResult, spikes: Spikes,
-        replays: list[dict[str, Any]],
+        replays: list[dict[str, Any]], poisoned: list[str] | None,
     ) -> StepResult:
         """After a detection (or a spike, or a rollback): the poisoned ranks name their
         parameters and save their batch, every rank shares that detail (one gather, only now),
@@ -499,8 +506,8 @@ class Sentinel:
         mine = view.ranks[self.rank]
         batch = self.local.batch
         if self.rank in decision.bad_ranks:
-            if "grad" in mine.kinds:
-                detail["parameters"] = self.local.nonfinite_parameters(self._names)
+            if poisoned:
+                detail["parameters"] = poisoned
             if batch is not None:
                 try:
                     path = report.save_batch(base / f"{stem}-rank{self.rank}-batch.pt", batch)
@@ -539,6 +546,17 @@ class Sentinel:
                 f"; batch saved to {batch_path}" if batch_path else "",
             )
         return result
+
+    def _nonfinite_parameters(self) -> list[str]:
+        """Names of the parameters whose gradient holds a non-finite value: one fused norm per
+        (device, dtype) group and one host copy — paid only after a detection."""
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        names = []
+        for group in checks.by_device_and_dtype(params):
+            norms = checks.grad_norms([p.grad for p in group])  # type: ignore[misc]
+            for i in (~torch.isfinite(norms)).nonzero().flatten().tolist():
+                names.append(self._names.get(id(group[i]), f"<unnamed {i}>"))
+        return names
 
     def _raise(self, decision: Decision, result: StepResult) -> None:
         message = incident.describe_abort(decision, result)
