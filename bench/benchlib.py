@@ -462,9 +462,11 @@ def check_cost(
     timer: Callable[[Callable[[], object]], float],
     reps: int,
 ) -> dict[str, float]:
-    """Median seconds of ``checks.grad_norms`` over ``grads`` against a plain ``torch.sum`` over
-    one flat tensor of the same bytes ("one read"), and against ``isfinite().all()`` (the blog
-    recipe's check) over the same flat tensor. The three are interleaved rep by rep.
+    """Median seconds of the sentinel's gradient checks against a plain ``torch.sum`` over one
+    flat tensor of the same bytes ("one read"), and against ``isfinite().all()`` (the blog
+    recipe's check) over the same flat tensor, interleaved rep by rep. The checks: under DDP,
+    ``checks.tensor_norm`` over the flat bucket (what the comm hook runs); without DDP,
+    ``checks.grad_norms`` over the separate gradient tensors.
 
     ``timer(fn)`` returns the seconds one call of ``fn`` took (host clock with syncs on CPU,
     CUDA events on a GPU).
@@ -472,6 +474,7 @@ def check_cost(
     numel = sum(g.numel() for g in grads)
     flat = torch.randn(numel, dtype=grads[0].dtype, device=grads[0].device)
     cases: dict[str, Callable[[], object]] = {
+        "bucket_norm": lambda: checks.tensor_norm(flat),
         "grad_norms": lambda: checks.grad_norms(grads),
         "sum_one_read": lambda: torch.sum(flat),
         "isfinite_all": lambda: torch.isfinite(flat).all(),
@@ -487,6 +490,8 @@ def check_cost(
     return {
         "tensors": len(grads),
         "bytes": numel * flat.element_size(),
+        "bucket_norm_ms": med["bucket_norm"] * 1e3,
+        "bucket_norm_vs_one_read": med["bucket_norm"] / med["sum_one_read"],
         "grad_norms_ms": med["grad_norms"] * 1e3,
         "sum_one_read_ms": med["sum_one_read"] * 1e3,
         "isfinite_all_ms": med["isfinite_all"] * 1e3,
@@ -497,11 +502,13 @@ def check_cost(
 
 def check_cost_line(cost: dict[str, float]) -> str:
     return (
-        f"check cost: checks.grad_norms over {cost['tensors']} gradient tensors "
-        f"({cost['bytes'] / 2**20:.1f} MiB) took {cost['grad_norms_ms']:.3f} ms, one read "
-        f"(torch.sum over a flat tensor of the same bytes) {cost['sum_one_read_ms']:.3f} ms: "
-        f"{cost['grad_norms_vs_one_read']:.2f}x one read "
-        f"(isfinite().all() over the same bytes: {cost['isfinite_vs_one_read']:.2f}x)"
+        f"check cost over {cost['bytes'] / 2**20:.1f} MiB of gradients: the DDP bucket check "
+        f"(checks.tensor_norm, flat) {cost['bucket_norm_ms']:.3f} ms = "
+        f"{cost['bucket_norm_vs_one_read']:.2f}x one read (torch.sum over the same bytes, "
+        f"{cost['sum_one_read_ms']:.3f} ms); without DDP, checks.grad_norms over "
+        f"{cost['tensors']} tensors {cost['grad_norms_ms']:.3f} ms = "
+        f"{cost['grad_norms_vs_one_read']:.2f}x; isfinite().all(): "
+        f"{cost['isfinite_vs_one_read']:.2f}x"
     )
 
 

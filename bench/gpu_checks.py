@@ -7,7 +7,8 @@ DDP model per variant. It times, all on the GPU:
 - the training step of every variant (``benchlib``), alternating in a balanced order, with
   ``torch.cuda.synchronize()`` around each step, so a step's time is the wall time the user
   pays, host stalls included;
-- ``checks.grad_norms`` over the model's gradients against one read of the same bytes
+- the gradient checks (``checks.tensor_norm`` over a flat bucket, as the DDP comm hook runs
+  it; ``checks.grad_norms`` per tensor, without DDP) against one read of the same bytes
   (``torch.sum`` over a flat tensor) and against ``isfinite().all()``, with CUDA events;
 - the batch check and the loss check alone: GPU time (CUDA events) and host time per call
   (how long the Python call takes to return, which is what a GPU-bound loop pays);
@@ -252,9 +253,9 @@ def _time_checks(
     with torch.no_grad():
         loss = benchlib.compute_loss(model, batch)
     cases: dict[str, Callable[[], object]] = {
-        "checks.batch_flag (batch check)": lambda: checks.batch_flag(batch, device),
-        "checks.loss_value (loss check)": lambda: checks.loss_value(loss),
-        "checks.grad_norms (all gradients)": lambda: checks.grad_norms(grads),
+        "checks.batch_norms (batch check)": lambda: checks.batch_norms(batch, device),
+        "checks.loss_scalar (loss check)": lambda: checks.loss_scalar(loss),
+        "checks.grad_norms (all gradients, no DDP)": lambda: checks.grad_norms(grads),
     }
     small = {}
     for name, fn in cases.items():

@@ -25,7 +25,7 @@ PARTS = (
     ("check_batch", "nansentinel.sentinel:Sentinel.check_batch"),
     ("check_loss", "nansentinel.sentinel:Sentinel.check_loss"),
     ("comm hook, all buckets (in backward)", "nansentinel.sentinel:Sentinel._comm_hook"),
-    ("  checks.grad_norms", "nansentinel.checks:grad_norms"),
+    ("  checks.tensor_norm (buckets; batch tensors too)", "nansentinel.checks:tensor_norm"),
     ("  _launch: pack row + start exchange", "nansentinel.sentinel:Sentinel._launch"),
     ("    LocalHealth.row (pack the row)", "nansentinel.local:LocalHealth.row"),
     ("    exchange.launch", "nansentinel.exchange:HealthExchange.launch"),
