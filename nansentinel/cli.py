@@ -11,7 +11,14 @@ import argparse
 import os
 import sys
 
-from nansentinel.config import ENV_INJECT, ENV_METRICS_PORT, ENV_POLICY, ENV_REPORT_DIR
+from nansentinel.config import (
+    ENV_INJECT,
+    ENV_METRICS_PORT,
+    ENV_POLICY,
+    ENV_REPORT_DIR,
+    ConfigError,
+    SentinelConfig,
+)
 
 USAGE = """usage: nansentinel {run,demo,excluded} ...
 
@@ -51,37 +58,35 @@ def demo(argv: list[str]) -> int:
     p.add_argument("--steps", type=int, default=20, help="training steps (default 20)")
     p.add_argument("--inject", default=os.environ.get(ENV_INJECT, DEFAULT_INJECT),
                    help=f"fault spec (default {DEFAULT_INJECT!r}; '' for none)")
-    p.add_argument("--policy", default=os.environ.get(ENV_POLICY, "skip"), help="skip or abort")
+    p.add_argument("--policy", default=os.environ.get(ENV_POLICY, "skip"),
+                   help="skip, abort or rollback")
     p.add_argument("--report-dir", default=os.environ.get(ENV_REPORT_DIR, "nansentinel_reports"))
-    p.add_argument("--metrics-port", type=int, default=int(os.environ.get(ENV_METRICS_PORT, 0)),
+    p.add_argument("--metrics-port", type=int, default=os.environ.get(ENV_METRICS_PORT, "0"),
                    help="base port of the per-rank exporters (default 0: off)")
     p.add_argument("--sleep", type=float, default=0.0,
                    help="pause after each step, seconds (to watch the metrics live)")
     args = p.parse_args(argv)
-    env = {
-        ENV_POLICY: args.policy,
-        ENV_REPORT_DIR: args.report_dir,
-        ENV_METRICS_PORT: str(args.metrics_port),
-    }
+    env = {ENV_POLICY: args.policy}
     if args.inject:
         env[ENV_INJECT] = args.inject
     else:
         os.environ.pop(ENV_INJECT, None)
+    try:  # a bad value is one clear line here, not a traceback from every worker
+        SentinelConfig.from_env({**os.environ, **env})
+    except ConfigError as exc:
+        print(f"nansentinel demo: error: {exc}", file=sys.stderr)
+        return 2
     os.environ.update(env)
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.run import main as torchrun
+    from nansentinel.launcher import main as run
 
     print(
         f"nansentinel demo: {args.nproc} CPU ranks, {args.steps} steps, policy {args.policy}, "
         f"injecting {args.inject or 'nothing'}; reports in {args.report_dir}",
         flush=True,
     )
-    try:
-        torchrun(["--standalone", f"--nproc-per-node={args.nproc}", "--monitor-interval=0.5",
-                  "-m", "nansentinel.demo", "--steps", str(args.steps),
-                  "--sleep", str(args.sleep)])
-    except ChildFailedError as exc:
-        print(f"nansentinel demo: workers failed: {exc.get_first_failure()[1].message}",
-              file=sys.stderr)
-        return 1
-    return 0
+    # Through `nansentinel run`, as users launch: its summary and exit codes apply.
+    return run([
+        f"--report-dir={args.report_dir}", f"--metrics-port={args.metrics_port}",
+        "--standalone", f"--nproc-per-node={args.nproc}", "--monitor-interval=0.5",
+        "-m", "nansentinel.demo", "--steps", str(args.steps), "--sleep", str(args.sleep),
+    ])

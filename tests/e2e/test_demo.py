@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from nansentinel.exitcodes import EXIT_CONFIG, EXIT_NONFINITE_ABORT
+
 pytestmark = pytest.mark.e2e
 
 
@@ -42,9 +44,17 @@ def test_abort_exits_non_zero_within_seconds_with_the_report_written(tmp_path: P
                 "--inject", "kind=loss,rank=1,step=3,value=inf")
     elapsed = time.monotonic() - started
     out = proc.stdout + proc.stderr
-    assert proc.returncode != 0, out
+    assert proc.returncode == EXIT_NONFINITE_ABORT, out  # through `nansentinel run`
     assert "NonFiniteError" in out and "aborting at step 3" in out and "rank(s) 1" in out, out
     assert "step   4" not in out  # no rank went on
     report = json.loads(next((tmp_path / "r").glob("incident-*step00000003.json")).read_text())
     assert report["outcome"] == "aborted" and report["bad_ranks"] == [1]
     assert elapsed < 60, f"abort took {elapsed:.1f} s"
+
+
+@pytest.mark.timeout(60)
+def test_a_bad_value_is_one_clear_line(tmp_path: Path) -> None:
+    proc = demo(tmp_path, "--policy", "explode")
+    assert proc.returncode == EXIT_CONFIG
+    assert "policy='explode' is not a known policy" in proc.stderr
+    assert "Traceback" not in proc.stderr + proc.stdout
