@@ -58,3 +58,25 @@ def test_a_bad_value_is_one_clear_line(tmp_path: Path) -> None:
     assert proc.returncode == EXIT_CONFIG
     assert "policy='explode' is not a known policy" in proc.stderr
     assert "Traceback" not in proc.stderr + proc.stdout
+
+
+@pytest.mark.timeout(90)
+def test_demo_checkpoints_and_resumes_where_it_left_off(tmp_path: Path) -> None:
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("NANSENTINEL_")},
+           "NANSENTINEL_METRICS_PORT": "0", "NANSENTINEL_REPORT_DIR": str(tmp_path / "r")}
+
+    def run(steps: int) -> str:
+        proc = subprocess.run(
+            [sys.executable, "-m", "nansentinel.demo", "--checkpoint-dir", str(tmp_path / "ck"),
+             "--checkpoint-every", "3", "--steps", str(steps)],
+            capture_output=True, text=True, timeout=60, env=env, cwd=tmp_path,
+            stdin=subprocess.DEVNULL,
+        )
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        return proc.stdout
+
+    first = run(6)
+    assert "step   5 applied" in first and "resumed" not in first
+    second = run(8)
+    assert "at step 6" in second.splitlines()[0] and "step   6 applied" in second
+    assert "step   5" not in second
