@@ -16,6 +16,8 @@ from typing import Any, Protocol
 
 import torch
 
+from nansentinel.report import to_cpu
+
 
 class SnapshotStore(Protocol):
     """Where last-good state goes: host memory by default, or the user's own checkpoints."""
@@ -49,9 +51,11 @@ class MemorySnapshots:
         return self._step
 
     def save(self, step: int) -> None:
+        # One copy each, straight to host memory (a deepcopy first would duplicate the
+        # optimizer state on the device before moving it).
         state = {
-            "model": _to_cpu(self.module.state_dict()),
-            "optimizer": _to_cpu(copy.deepcopy(self.optimizer.state_dict())),
+            "model": to_cpu(self.module.state_dict(), copy=True),
+            "optimizer": to_cpu(self.optimizer.state_dict(), copy=True),
         }
         if self.scaler is not None:
             state["scaler"] = self.scaler.state_dict()
@@ -61,7 +65,8 @@ class MemorySnapshots:
         if self._state is None or self._step is None:
             raise RuntimeError("no snapshot to roll back to")
         self.module.load_state_dict(self._state["model"])
-        # load_state_dict keeps our copy intact: the optimizer casts into fresh tensors.
+        # A copy: load_state_dict keeps tensors that need no cast (CPU state for CPU params),
+        # and the optimizer's in-place updates would then reach the snapshot.
         self.optimizer.load_state_dict(copy.deepcopy(self._state["optimizer"]))
         if self.scaler is not None and "scaler" in self._state:
             self.scaler.load_state_dict(self._state["scaler"])
@@ -125,13 +130,3 @@ class Cooldown:
         self.steps_left -= 1
         if self.steps_left <= 0:
             self.factor = 1.0
-
-
-def _to_cpu(obj: Any) -> Any:
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().to("cpu", copy=True)
-    if isinstance(obj, dict):
-        return {k: _to_cpu(v) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [_to_cpu(v) for v in obj]
-    return obj

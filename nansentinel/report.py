@@ -12,6 +12,7 @@ import os
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -52,7 +53,7 @@ def save_batch(path: Path, batch: object) -> Path:
     """Save the offending batch with ``torch.save`` (tensors moved to CPU) for a replay."""
 
     def dump(tmp: Path) -> None:
-        torch.save(_to_cpu(batch), tmp)
+        torch.save(to_cpu(batch), tmp)
 
     return write_new(path, dump)
 
@@ -63,12 +64,17 @@ def incident_stem(job_id: str | None, step: int) -> str:
     return f"incident-{job}-step{step:08d}"
 
 
-def _to_cpu(obj: object) -> object:
+def to_cpu(obj: Any, *, copy: bool = False) -> Any:
+    """``obj`` with every tensor (in any nesting of dicts, lists, tuples) moved to host memory.
+
+    ``copy=True`` copies tensors that are already on the CPU too, for a snapshot that later
+    in-place updates must not reach; containers are rebuilt either way.
+    """
     if isinstance(obj, torch.Tensor):
-        return obj.detach().cpu()
+        return obj.detach().to("cpu", copy=copy)
     if isinstance(obj, dict):
-        return {k: _to_cpu(v) for k, v in obj.items()}
+        return {k: to_cpu(v, copy=copy) for k, v in obj.items()}
     if isinstance(obj, list | tuple):
-        items = [_to_cpu(v) for v in obj]
-        return type(obj)(items) if not hasattr(obj, "_fields") else type(obj)(*items)
+        items = [to_cpu(v, copy=copy) for v in obj]
+        return type(obj)(*items) if hasattr(obj, "_fields") else type(obj)(items)
     return obj
