@@ -101,6 +101,18 @@ def by_device_and_dtype(params: Sequence[torch.Tensor]) -> list[list[torch.Tenso
     return list(groups.values())
 
 
+def param_grad_norms(
+    params: Sequence[torch.Tensor],
+) -> list[tuple[list[torch.Tensor], torch.Tensor]]:
+    """``(group, per-parameter gradient norms)`` for each (device, dtype) group of the
+    parameters that have a gradient: one fused norm per group."""
+    with_grad = [p for p in params if p.grad is not None]
+    return [
+        (group, grad_norms([p.grad for p in group]))  # type: ignore[misc]
+        for group in by_device_and_dtype(with_grad)
+    ]
+
+
 def _to(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     if t.device == device:
         return t

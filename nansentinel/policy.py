@@ -107,6 +107,14 @@ def blamed_hosts(view: ClusterView, decision: Decision, verdict: str | None = No
     return sorted(bad)
 
 
+def blamed(view: ClusterView, *, amp: bool = False) -> tuple[RankHealth, ...]:
+    """The ranks a step blames. Under AMP, non-finite gradients alone are GradScaler's fp16
+    overflow, not a fault; a batch quarantined earlier (verdict data) is skipped, not blamed a
+    second time."""
+    kinds = ("batch", "loss") if amp else KINDS
+    return tuple(r for r in view.bad(kinds) if not r.quarantined)
+
+
 def decide(
     view: ClusterView,
     history: History,
@@ -129,9 +137,7 @@ def decide(
         verdict: the replay verdict, when a replay ran.
         snapshot_step: the step of the snapshot a rollback would restore (None: none yet).
     """
-    blame_kinds = ("batch", "loss") if amp else KINDS
-    # A batch quarantined earlier (verdict data) is skipped, not blamed a second time.
-    bad = tuple(r for r in view.bad(blame_kinds) if not r.quarantined)
+    bad = blamed(view, amp=amp)
     overflow = amp and bool(view.bad(("grad",)))
     if bad:
         return _nonfinite(view, bad, history, config, overflow, verdict, snapshot_step)

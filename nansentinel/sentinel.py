@@ -43,12 +43,12 @@ from nansentinel.policy import (
     ROLLBACK,
     Decision,
     History,
+    blamed,
     decide,
 )
 from nansentinel.recovery import Cooldown, MemorySnapshots, SnapshotStore, UserSnapshots
 from nansentinel.replay import ReplayFn, blame, fingerprint
 from nansentinel.result import (
-    KINDS,
     HostExcludedError,
     NonFiniteError,
     RankIdentity,
@@ -221,11 +221,10 @@ class Sentinel:
         """
         started = time.perf_counter()
         self._require_open("check_grads")
-        params = [p for p in self.model.parameters() if p.grad is not None]
-        if params and self.injector.poison("grad", self.step_index, params[0].grad):
+        first = next((p for p in self.model.parameters() if p.grad is not None), None)
+        if first is not None and self.injector.poison("grad", self.step_index, first.grad):
             self.local.injected = True
-        for group in checks.by_device_and_dtype(params):
-            norms = checks.grad_norms([p.grad for p in group])  # type: ignore[misc]
+        for _, norms in checks.param_grad_norms(list(self.model.parameters())):
             self.local.add_grads(torch.linalg.vector_norm(norms))
         self._launch()
         self._seconds += time.perf_counter() - started
@@ -249,21 +248,18 @@ class Sentinel:
         current = {s: view.values(s) for s in SIGNALS}
         spikes = self.spikes.judge(current)
         self.spikes.record(current, spikes)
-        blamed = [
-            r for r in view.bad(("batch", "loss") if self.scaler is not None else KINDS)
-            if not r.quarantined
-        ]
+        bad = blamed(view, amp=self.scaler is not None)
         # Name the parameters now, before the gradients are discarded: after the all-reduce
         # a NaN sits where any rank had one, so this rank's scan shows its own (and, with
         # several poisoned ranks, theirs too). Only after a detection.
         poisoned = None
-        if any(r.rank == self.rank and "grad" in r.kinds for r in blamed):
+        if any(r.rank == self.rank and "grad" in r.kinds for r in bad):
             poisoned = self._nonfinite_parameters()
         verdict, replays = None, []
-        if blamed or spikes:
+        if bad or spikes:
             self._arm()
             verdict, replays = blame(
-                view, blamed, spikes, exchange=self.exchange, module=self.module,
+                view, list(bad), spikes, exchange=self.exchange, module=self.module,
                 batch=self.local.batch, fn=self.replay_fn if self.config.replay else None,
                 anomaly=self.config.replay_anomaly,
             )
@@ -550,10 +546,8 @@ class Sentinel:
     def _nonfinite_parameters(self) -> list[str]:
         """Names of the parameters whose gradient holds a non-finite value: one fused norm per
         (device, dtype) group and one host copy — paid only after a detection."""
-        params = [p for p in self.model.parameters() if p.grad is not None]
         names = []
-        for group in checks.by_device_and_dtype(params):
-            norms = checks.grad_norms([p.grad for p in group])  # type: ignore[misc]
+        for group, norms in checks.param_grad_norms(list(self.model.parameters())):
             for i in (~torch.isfinite(norms)).nonzero().flatten().tolist():
                 names.append(self._names.get(id(group[i]), f"<unnamed {i}>"))
         return names
