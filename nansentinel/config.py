@@ -95,7 +95,17 @@ KNOWN_ENV = frozenset(env for env, _ in _ENV_FIELDS.values())
 
 
 class ConfigError(ValueError):
-    """A configuration value is wrong; the message names the field or variable."""
+    """A configuration value is wrong; the message names the field or variable.
+
+    ``field`` is the field at fault: given, or read from the message, which by convention
+    starts with ``field=value``. :meth:`SentinelConfig.from_env` uses it to name the
+    environment variable a bad value came from.
+    """
+
+    def __init__(self, message: str, field: str | None = None) -> None:
+        super().__init__(message)
+        prefix = message.split("=", 1)[0]
+        self.field = field or (prefix if prefix.isidentifier() else None)
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)
@@ -217,7 +227,8 @@ class SentinelConfig:
         if (self.metrics_certfile is None) != (self.metrics_keyfile is None):
             raise ConfigError(
                 "metrics_certfile and metrics_keyfile must be given together "
-                f"(certfile={self.metrics_certfile!r}, keyfile={self.metrics_keyfile!r})"
+                f"(certfile={self.metrics_certfile!r}, keyfile={self.metrics_keyfile!r})",
+                field="metrics_certfile" if self.metrics_certfile else "metrics_keyfile",
             )
         _require_int("host_strikes", self.host_strikes, minimum=1)
         _require_int("strike_window", self.strike_window, minimum=1)
@@ -302,12 +313,9 @@ class SentinelConfig:
             return cls(**values)
         except ConfigError as exc:
             # Say where a bad value came from when it came from the environment.
-            sources = [
-                var for name, (var, _) in _ENV_FIELDS.items()
-                if name in values and name not in overrides and name in str(exc)
-            ]
-            if sources:
-                raise ConfigError(f"{exc} (from environment variable {sources[0]})") from None
+            if exc.field in _ENV_FIELDS and exc.field in values and exc.field not in overrides:
+                var = _ENV_FIELDS[exc.field][0]
+                raise ConfigError(f"{exc} (from environment variable {var})", exc.field) from None
             raise
 
 

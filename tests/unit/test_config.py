@@ -65,3 +65,11 @@ def test_hostname_resolution_order() -> None:
     assert resolve_hostname(None, {})  # the machine's hostname
     cfg = SentinelConfig.from_env({"NANSENTINEL_HOSTNAME": "node7"})
     assert resolve_hostname(cfg.hostname, {"NODE_NAME": "b"}) == "node7"
+
+
+def test_the_variable_named_is_the_one_at_fault_not_one_the_message_mentions() -> None:
+    env = {"NANSENTINEL_SPIKE_WARMUP": "50", "NANSENTINEL_SPIKE_WINDOW": "40"}
+    with pytest.raises(ConfigError) as info:
+        SentinelConfig.from_env(env)
+    assert info.value.field == "spike_warmup"
+    assert str(info.value).endswith("(from environment variable NANSENTINEL_SPIKE_WARMUP)")
