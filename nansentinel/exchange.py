@@ -316,8 +316,13 @@ class HealthExchange:
 
 
 def diagnosis_grace(timeout: float) -> float:
-    """Seconds the live ranks give each other to check in after a failed collective."""
-    return max(1.0, min(10.0, timeout / 2))
+    """Seconds the live ranks give each other to check in after a failed collective.
+
+    It must cover the spread between the moments live ranks notice a peer's death (gloo:
+    one rank at once, another seconds later; measured up to ~3 s here), which does not shrink
+    with a short ``exchange_timeout``: at least 5 s, and up to 10 s for long timeouts.
+    """
+    return min(10.0, max(5.0, timeout / 2))
 
 
 def nan_to_none(x: float | None) -> float | str | None:
