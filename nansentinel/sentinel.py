@@ -145,6 +145,8 @@ class Sentinel:
         else:
             self.snapshots = None  # no rollback possible: no copies made
         self.cooldown = Cooldown()
+        self._after_step: tuple[Any, ClusterView, dict[str, Any]] | None = None
+        self._post_hook: Any = None
         self.quarantine: set[str] = set()
         self._reset()
         if is_ddp:
@@ -229,14 +231,25 @@ class Sentinel:
         self._launch()
         self._seconds += time.perf_counter() - started
 
-    def step(self) -> StepResult:
+    def step(self, *, optimizer_step: bool = True) -> StepResult:
         """Decide this step with every rank and act on it.
 
         Applies the optimizer (or GradScaler) step only when every rank is healthy; otherwise
         discards the gradients on every rank, rolls every rank back to the last-good snapshot,
         or raises :class:`NonFiniteError` on every rank when the policy aborts (or
         :class:`HostExcludedError` when a host is excluded).
+
+        Args:
+            optimizer_step: ``False`` when the caller steps the optimizer itself right after
+                (a framework such as Lightning or the Hugging Face Trainer). On apply the
+                sentinel then only scales the LR for a rollback cooldown; the cooldown is undone
+                and the snapshot kept from an optimizer step post-hook, after the caller's
+                update. On a skip or rollback every gradient is set to ``None``, so the
+                caller's step leaves weights and optimizer state exactly as they are.
         """
+        if self._after_step is not None:  # the caller did not step (its GradScaler skipped)
+            self.cooldown.undo(self.optimizer, self._after_step[0])
+            self._after_step = None
         if not self.exchange.launched:
             self.check_grads()
         started = time.perf_counter()
@@ -273,7 +286,11 @@ class Sentinel:
             view, decision, self.config, verdict=verdict, snapshot_step=snapshot_step
         )
         rolled_back_to = None
-        if decision.action in (APPLY, OVERFLOW):
+        if decision.action in (APPLY, OVERFLOW) and not optimizer_step:
+            self._after_step = (self.cooldown.apply(self.optimizer), view, current)
+            if self._post_hook is None:  # once: a hook cannot remove itself while it runs
+                self._post_hook = self.optimizer.register_step_post_hook(self._callers_step)
+        elif decision.action in (APPLY, OVERFLOW):
             opt_started = time.perf_counter()
             saved_lr = self.cooldown.apply(self.optimizer)
             if self.scaler is not None:
@@ -303,6 +320,15 @@ class Sentinel:
         if decision.action in (ABORT, EXCLUDE):
             self._raise(decision, result)
         return result
+
+    def _callers_step(self, *_: Any) -> None:
+        """Optimizer step post-hook for ``step(optimizer_step=False)``: undo the cooldown and
+        keep the snapshot after the caller's own update, as :meth:`step` does after its own."""
+        pending, self._after_step = self._after_step, None
+        if pending is not None:
+            saved_lr, view, current = pending
+            self.cooldown.undo(self.optimizer, saved_lr)
+            self._maybe_snapshot(view, current)
 
     def _maybe_snapshot(self, view: ClusterView, current: dict[str, list[float | None]]) -> None:
         """Keep the state after a healthy, quiet step as the last good one, every N steps."""
