@@ -8,17 +8,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
 import lightning.pytorch as pl
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from faults import fault, parse_faults  # noqa: E402
-
-from nansentinel.lightning import SentinelCallback  # noqa: E402
+from nansentinel.lightning import SentinelCallback
+from tests.frameworks.faults import fault, parse_faults
 
 
 class Net(pl.LightningModule):
