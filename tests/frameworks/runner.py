@@ -34,6 +34,7 @@ def run(argv: list[str], out: Path, *, timeout: float, env: dict[str, str] | Non
         "NANSENTINEL_REPORT_DIR": str(out / "reports"),
         "MASTER_PORT": str(free_port()),
         "OMP_NUM_THREADS": "1",
+        "NANSENTINEL_METRICS_PORT": "0",  # no fixed port shared with other runs on this host
         **(env or {}),
     }
     proc = subprocess.Popen(argv, cwd=out, env=full, stdout=subprocess.PIPE,
