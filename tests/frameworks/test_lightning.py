@@ -73,3 +73,23 @@ def test_lightning_single_device_bf16_skips(tmp_path: Path) -> None:
     assert sorted(res["skipped"]) == ["1"] and res["skipped"]["1"]["kinds"] == ["grad"]
     assert res["unchanged"] == {str(s): s == 1 for s in range(4)}
     runner.assert_same_finite_weights([res])
+
+
+@pytest.mark.timeout(300)
+def test_lightning_ddp_rolls_back_every_rank_to_the_last_good_step(tmp_path: Path) -> None:
+    proc = runner.run(
+        runner.python(WORKER, str(tmp_path), "--devices=2", "--steps=5", "--accumulate=1",
+                      "--faults=3:1:grad"),
+        tmp_path, timeout=240,
+        env={"NANSENTINEL_POLICY": "rollback", "NANSENTINEL_SNAPSHOT_EVERY": "1",
+             "NANSENTINEL_ROLLBACK_SKIP_BATCHES": "0"},
+    )
+    assert proc.returncode == 0, proc.stdout[-6000:]
+    results = runner.ranks(tmp_path, 2, proc)
+    for res in results:
+        assert sorted(res["skipped"]) == ["3"], res["skipped"]
+        step3 = res["skipped"]["3"]
+        assert step3["outcome"] == "rolled_back" and step3["rolled_back_to"] == 2
+        assert step3["bad_ranks"] == [1]
+        assert res["global_step"] == 5
+    runner.assert_same_finite_weights(results)
