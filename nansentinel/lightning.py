@@ -79,6 +79,7 @@ class SentinelCallback(pl.Callback):
                 f"nansentinel: SentinelCallback supports one optimizer, the LightningModule "
                 f"configured {len(trainer.optimizers)} (rank {trainer.global_rank})"
             )
+        self._close()  # a second fit() on the same callback starts afresh
         scaler = getattr(trainer.precision_plugin, "scaler", None)
         self.sentinel = Sentinel(
             trainer.strategy.model, trainer.optimizers[0], scaler=scaler,

@@ -70,6 +70,7 @@ class SentinelCallback(TrainerCallback):
         self._marked: Any = None
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self.close()  # a second train() on the same callback starts afresh
         model, optimizer = kwargs.get("model"), kwargs.get("optimizer")
         if model is None or optimizer is None:
             raise SentinelUsageError(
