@@ -104,7 +104,8 @@ def main() -> None:
         "scheduler_steps": sched.last_epoch,
         "skipped": {
             str(s): {"bad_ranks": r.bad_ranks, "kinds": r.kinds, "outcome": r.outcome,
-                     "report_path": r.report_path, "rolled_back_to": r.rolled_back_to}
+                     "report_path": r.report_path, "rolled_back_to": r.rolled_back_to,
+                     "verdict": r.verdict}
             for s, r in sentinel.skipped.items()
         },
         "sentinel_steps": sentinel.sentinel.step_index if sentinel.sentinel else None,

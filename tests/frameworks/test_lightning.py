@@ -33,6 +33,8 @@ def test_lightning_ddp_skips_model_made_faults_on_both_ranks(tmp_path: Path) -> 
         assert "loss" in res["skipped"]["2"]["kinds"]
         assert res["skipped"]["4"]["bad_ranks"] == [1]
         assert res["skipped"]["4"]["kinds"] == ["grad"]
+        # Replayed through the framework's own step: the fault follows the rank, not the data.
+        assert res["skipped"]["2"]["verdict"] == res["skipped"]["4"]["verdict"] == "host"
         # Skipped steps leave weights and momentum exactly as they were; others change them.
         assert res["unchanged"] == {str(s): s in (2, 4) for s in range(6)}
         # As when Lightning's own GradScaler skips: global_step and the step-interval

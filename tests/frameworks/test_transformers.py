@@ -33,6 +33,8 @@ def test_hf_trainer_ddp_skips_model_made_faults_on_both_ranks(tmp_path: Path) ->
         assert "loss" in res["skipped"]["2"]["kinds"]
         assert res["skipped"]["4"]["bad_ranks"] == [1]
         assert res["skipped"]["4"]["kinds"] == ["grad"]
+        # Replayed through the framework's own step: the fault follows the rank, not the data.
+        assert res["skipped"]["2"]["verdict"] == res["skipped"]["4"]["verdict"] == "host"
         # Weights and AdamW state (exp_avg, exp_avg_sq, step) untouched on a skipped step.
         assert res["unchanged"] == {str(s): s in (2, 4) for s in range(6)}
         # As when Accelerate's GradScaler skips: global_step advances, the scheduler does not.
