@@ -27,7 +27,7 @@ Faults = dict[tuple[int, int], str]
 class _PoisonGrad(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
-        return x.view_as(x)
+        return x.clone()
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
@@ -175,3 +175,9 @@ def refused(rank: int, world: int, *, setup: str) -> str:
     except nansentinel.SentinelUsageError as exc:
         return str(exc)
     return "no error"
+
+
+def one_process(rank: int, world: int, *, report_dir: str) -> dict[str, Any]:
+    """FSDP2 on a world of one: FSDP reduces nothing (no reduce-scatter is called), so the
+    sentinel checks the local gradients at ``step()``."""
+    return train_fsdp(rank, world, steps=3, faults={(1, 0): "backward"}, report_dir=report_dir)
