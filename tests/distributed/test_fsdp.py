@@ -101,6 +101,20 @@ def test_rollback_restores_the_local_shards_on_every_rank(runs: list[dict[str, A
 
 
 @pytest.mark.timeout(300)
+def test_gradient_accumulation_checks_the_accumulated_gradients(
+    runs: list[dict[str, Any]],
+) -> None:
+    """A backward-only poison in a micro-batch without gradient sync is caught when the
+    accumulated gradients are finally reduce-scattered."""
+    outs = [r["accumulate"] for r in runs]
+    for out in outs:
+        assert [x["outcome"] for x in out["records"]] == ["applied", "skipped", "applied"]
+        assert out["records"][1]["bad_ranks"] == [2]
+        assert out["records"][1]["kinds"] == ["grad"]
+    _same_everywhere(outs)
+
+
+@pytest.mark.timeout(300)
 def test_unsupported_fsdp_setups_are_refused_at_construction(
     runs: list[dict[str, Any]],
 ) -> None:
