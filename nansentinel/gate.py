@@ -135,8 +135,10 @@ class Pending:
     reads them even when the user has already zeroed (set to None) the gradients."""
 
     def values(self) -> list[float]:
-        """The summed vector as host floats (waits for the copy: the one sync, now cheap)."""
-        if self.event is not None:
+        """The summed vector as host floats. Waits for the copy only if it has not landed
+        yet (the event is asked first, which is no sync); it was queued right after the last
+        gradient all-reduce, so by the next sentinel call it has usually landed."""
+        if self.event is not None and not self.event.query():
             self.event.synchronize()
         return self.host.tolist()
 

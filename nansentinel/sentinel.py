@@ -269,7 +269,7 @@ class Sentinel:
         opt_started = time.perf_counter()
         gate.step(found_inf)
         opt_seconds = time.perf_counter() - opt_started
-        self.cooldown.undo(self.optimizer, saved_lr)
+        self.cooldown.restore(self.optimizer, saved_lr)  # counted at the decision, if applied
         grads = held_grads(self._params)
         seconds = self._seconds + time.perf_counter() - started - opt_seconds
         pending = Pending(step, self.local, seconds, host, event, grads)
@@ -350,6 +350,8 @@ class Sentinel:
                     self.optimizer.step()
                 self.cooldown.undo(self.optimizer, saved_lr)
                 not_ours = time.perf_counter() - opt_started
+            else:
+                self.cooldown.count()
             self._maybe_snapshot(view, current)
         else:
             if pending is None:
