@@ -25,6 +25,7 @@ PARTS = (
     ("check_batch", "nansentinel.sentinel:Sentinel.check_batch"),
     ("check_loss", "nansentinel.sentinel:Sentinel.check_loss"),
     ("comm hook, all buckets (in backward)", "nansentinel.gradpaths.ddp:_comm_hook"),
+    ("FSDP2 reduce-scatter checks (in backward)", "nansentinel.gradpaths.fsdp:FSDPPath.check"),
     ("  checks.tensor_norm (buckets; batch tensors too)", "nansentinel.checks:tensor_norm"),
     ("  launch_exchange: pack row + start exchange",
      "nansentinel.sentinel:Sentinel.launch_exchange"),

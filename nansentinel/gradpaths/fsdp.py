@@ -195,8 +195,10 @@ class FSDPPath:
             self.sink.before_reduction(local_grads)
         norm = checks.tensor_norm(local_grads)
         if local_grads.is_cuda:
-            # Made on the reduce-scatter stream, read on the default stream at step().
-            norm.record_stream(torch.cuda.current_stream(local_grads.device))
+            # Made on FSDP's reduce-scatter stream (the current stream here), read on the
+            # default stream at step(), which FSDP's end of backward orders after the
+            # reduce-scatters: tell the allocator, so the memory is not reused too early.
+            norm.record_stream(torch.cuda.default_stream(local_grads.device))
         self.norms.append((index, norm))
         self.sink.add_grad_norm(norm)
         self.sink.spent(time.perf_counter() - started)

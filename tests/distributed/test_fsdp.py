@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from tests.distributed.harness import run_ranks, values
-from tests.distributed.workers_fsdp import scenarios
+from tests.distributed.workers_fsdp import one_process, scenarios
 
 WORLD = 4
 BAD = {0: [1], 2: [3], 4: [0, 2], 5: [3]}
@@ -101,6 +101,20 @@ def test_rollback_restores_the_local_shards_on_every_rank(runs: list[dict[str, A
 
 
 @pytest.mark.timeout(300)
+def test_gradient_accumulation_checks_the_accumulated_gradients(
+    runs: list[dict[str, Any]],
+) -> None:
+    """A backward-only poison in a micro-batch without gradient sync is caught when the
+    accumulated gradients are finally reduce-scattered."""
+    outs = [r["accumulate"] for r in runs]
+    for out in outs:
+        assert [x["outcome"] for x in out["records"]] == ["applied", "skipped", "applied"]
+        assert out["records"][1]["bad_ranks"] == [2]
+        assert out["records"][1]["kinds"] == ["grad"]
+    _same_everywhere(outs)
+
+
+@pytest.mark.timeout(300)
 def test_unsupported_fsdp_setups_are_refused_at_construction(
     runs: list[dict[str, Any]],
 ) -> None:
@@ -109,3 +123,13 @@ def test_unsupported_fsdp_setups_are_refused_at_construction(
     assert "fully_shard(model) on the root" in refused["unsharded-root"]
     assert "2 parameter groups" in refused["placement-fn"]
     assert "'<root>'" in refused["placement-fn"]
+
+
+@pytest.mark.timeout(120)
+def test_world_of_one_checks_the_local_gradients_at_step(tmp_path: Path) -> None:
+    out = values(run_ranks(one_process, 1, tmp_path, report_dir=str(tmp_path / "r"),
+                           timeout=90))[0]
+    assert out["error"] is None and out["path"] == "fsdp"
+    assert [r["outcome"] for r in out["records"]] == ["applied", "skipped", "applied"]
+    assert sorted(out["records"][1]["parameters"][0]) == ["embed.weight", "pos"]
+    assert torch.isfinite(out["weights"]).all()

@@ -27,7 +27,7 @@ Faults = dict[tuple[int, int], str]
 class _PoisonGrad(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
-        return x.view_as(x)
+        return x.clone()
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
@@ -68,9 +68,11 @@ def full_weights(model: nn.Module) -> torch.Tensor:
 
 
 def train_fsdp(rank: int, world: int, *, steps: int, report_dir: str, hsdp: bool = False,
-               faults: Faults | None = None, sentinel: bool = True, **overrides: Any,
-               ) -> dict[str, Any]:
-    """Train the sharded model; return each step's result and the full final weights."""
+               faults: Faults | None = None, sentinel: bool = True, accumulate: int = 1,
+               **overrides: Any) -> dict[str, Any]:
+    """Train the sharded model; return each step's result and the full final weights.
+
+    ``accumulate``: micro-batches per step, all but the last without gradient sync."""
     faults = faults or {}
     model = build(world, hsdp)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
@@ -81,23 +83,28 @@ def train_fsdp(rank: int, world: int, *, steps: int, report_dir: str, hsdp: bool
     try:
         for step in range(steps):
             kind = faults.get((step, rank))
-            batch = synthetic_batch(rank, step)
-            if kind == "batch":
-                batch["scale"][0, 0, 0] = math.nan
-            if watcher is not None:
-                watcher.check_batch(batch)
-            model.poison = kind == "backward"
-            logits = model(batch["tokens"], batch["scale"])
-            loss = loss_fn(logits.reshape(-1, VOCAB), batch["targets"].reshape(-1))
-            if kind == "loss":
-                loss = loss * math.nan
+            for micro in range(accumulate):
+                # Micro-batches before the last accumulate unsharded gradients without a
+                # reduce-scatter; the fault sits in the first one.
+                model.set_requires_gradient_sync(micro == accumulate - 1)
+                batch = synthetic_batch(rank, step * accumulate + micro)
+                hit = kind if micro == 0 else None
+                if hit == "batch":
+                    batch["scale"][0, 0, 0] = math.nan
+                if watcher is not None:
+                    watcher.check_batch(batch)
+                model.poison = hit == "backward"
+                logits = model(batch["tokens"], batch["scale"])
+                loss = loss_fn(logits.reshape(-1, VOCAB), batch["targets"].reshape(-1))
+                if hit == "loss":
+                    loss = loss * math.nan
+                if watcher is not None:
+                    watcher.check_loss(loss / accumulate)
+                (loss / accumulate).backward()
             if watcher is None:
-                loss.backward()
                 opt.step()
                 opt.zero_grad()
                 continue
-            watcher.check_loss(loss)
-            loss.backward()
             r = watcher.step()
             opt.zero_grad(set_to_none=True)
             records.append({
@@ -146,6 +153,8 @@ def scenarios(rank: int, world: int, *, report_dir: str) -> dict[str, Any]:
                                   policy="rollback", snapshot_every=100,
                                   report_dir=f"{report_dir}/rollback")
     runs["one-step"] = train_fsdp(rank, world, steps=1, sentinel=False, report_dir=report_dir)
+    runs["accumulate"] = train_fsdp(rank, world, steps=3, accumulate=2, hsdp=True,
+                                    faults={(1, 2): "backward"}, report_dir=report_dir)
     runs["refused"] = {s: refused(rank, world, setup=s)
                        for s in ("replicate-only", "unsharded-root", "placement-fn")}
     return runs
@@ -175,3 +184,9 @@ def refused(rank: int, world: int, *, setup: str) -> str:
     except nansentinel.SentinelUsageError as exc:
         return str(exc)
     return "no error"
+
+
+def one_process(rank: int, world: int, *, report_dir: str) -> dict[str, Any]:
+    """FSDP2 on a world of one: FSDP reduces nothing (no reduce-scatter is called), so the
+    sentinel checks the local gradients at ``step()``."""
+    return train_fsdp(rank, world, steps=3, faults={(1, 0): "backward"}, report_dir=report_dir)
