@@ -23,6 +23,19 @@ The variants are the ways people guard a training step against NaN/Inf:
     module checking its outputs the same way.
 ``anomaly``
     ``torch.autograd.set_detect_anomaly(True)`` around forward and backward.
+
+For the breakdown of the sentinel's cost on a GPU (not in the default set):
+
+``sync``
+    plain DDP plus one ``torch.cuda.synchronize()`` before ``optimizer.step()``: what the one
+    blocking read of a host gate costs by itself (a no-op on CPU).
+``pyhook_sync``
+    ``pyhook`` and ``sync`` together.
+``sentinel_host``
+    nansentinel forced onto the host gate (``gate="host"``): with a fused optimizer, the
+    difference to ``sentinel`` is what skipping on the device saves.
+``sentinel_nochecks``
+    nansentinel without ``check_batch``/``check_loss``: the gradient path and the decision.
 """
 
 from __future__ import annotations
@@ -46,14 +59,20 @@ import nansentinel
 from nansentinel import checks
 
 BASELINE = "baseline"
-VARIANTS = ("baseline", "sentinel", "pyhook", "hooks", "anomaly")
-DEFAULT_VARIANTS = VARIANTS
+DEFAULT_VARIANTS = ("baseline", "sentinel", "pyhook", "hooks", "anomaly")
+VARIANTS = (*DEFAULT_VARIANTS, "sync", "pyhook_sync", "sentinel_host", "sentinel_nochecks")
+#: ``--optimizer`` choices: torch's default AdamW implementation, or forced foreach / fused.
+OPTIMIZERS = ("adamw", "foreach", "fused")
 LABELS = {
     "baseline": "baseline (plain DDP)",
     "sentinel": "nansentinel",
     "pyhook": "DDP + Python allreduce comm hook (diagnostic floor)",
     "hooks": "blog recipe: per-param grad hooks + forward hooks",
     "anomaly": "set_detect_anomaly(True)",
+    "sync": "DDP + one cuda.synchronize() before optimizer.step()",
+    "pyhook_sync": "DDP + Python comm hook + one synchronize()",
+    "sentinel_host": "nansentinel, host gate forced",
+    "sentinel_nochecks": "nansentinel without check_batch/check_loss",
 }
 #: The issue's targets for the sentinel (median step-time ratio, peak-memory ratio).
 TIME_TARGET = 1.01
@@ -73,6 +92,8 @@ class ModelConfig:
     seq: int = 64
     batch: int = 8
     vocab: int = 1024
+    autocast: bool = False
+    """Forward under ``torch.autocast(dtype=bfloat16)`` (weights and gradients stay fp32)."""
 
 
 #: For the smoke test: a step takes about a millisecond, the numbers mean nothing.
@@ -90,9 +111,13 @@ class BenchModel(nn.Module):
         )
         self.encoder = nn.TransformerEncoder(layer, cfg.layers, enable_nested_tensor=False)
         self.head = nn.Linear(cfg.d_model, cfg.vocab)
+        self.autocast = cfg.autocast
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(self.encoder(self.proj(x)))
+        if not self.autocast:
+            return self.head(self.encoder(self.proj(x)))
+        with torch.autocast(x.device.type, dtype=torch.bfloat16):
+            return self.head(self.encoder(self.proj(x))).float()
 
 
 def make_batch(
@@ -136,30 +161,65 @@ class Variant:
 class SentinelVariant(Variant):
     name = "sentinel"
 
-    def __init__(self, model: DDP, optimizer: torch.optim.Optimizer, report_dir: str) -> None:
+    def __init__(
+        self, model: DDP, optimizer: torch.optim.Optimizer, report_dir: str, *,
+        gate: str = "auto", checks: bool = True,
+    ) -> None:
         super().__init__(model, optimizer)
         # env={}: a stray NANSENTINEL_INJECT or port in the caller's shell must not change what
         # is measured. No metrics exporter, as in the documented benchmark usage.
         self.sentinel = nansentinel.Sentinel(
-            model, optimizer, metrics_port=0, report_dir=report_dir, env={}
+            model, optimizer, metrics_port=0, report_dir=report_dir, env={}, gate=gate
         )
+        self.checks = checks
+        self._last: Any = None
 
     def step(self, batch: dict[str, torch.Tensor]) -> None:
-        self.sentinel.check_batch(batch)
+        if self.checks:
+            self.sentinel.check_batch(batch)  # also decides a step pending on the device gate
+        self._verify_last()
         loss = compute_loss(self.model, batch)
-        self.sentinel.check_loss(loss)
+        if self.checks:
+            self.sentinel.check_loss(loss)
         loss.backward()
-        result = self.sentinel.step()
+        # Not read here: reading the result would decide it now, a host sync by choice.
+        self._last = self.sentinel.step()
         self.optimizer.zero_grad()
-        if not result.applied:
-            raise RuntimeError(f"the sentinel skipped a healthy benchmark step: {result}")
+
+    def _verify_last(self) -> None:
+        last, self._last = self._last, None
+        if last is not None and not last.applied:
+            raise RuntimeError(f"the sentinel skipped a healthy benchmark step: {last}")
 
     def close(self) -> None:
         self.sentinel.close()
+        self._verify_last()
+
+
+class SyncVariant(Variant):
+    """The cost of one blocking host read before the optimizer, and nothing else."""
+
+    name = "sync"
+
+    def step(self, batch: dict[str, torch.Tensor]) -> None:
+        loss = compute_loss(self.model, batch)
+        loss.backward()
+        if loss.is_cuda:
+            torch.cuda.synchronize()
+        self.optimizer.step()
+        self.optimizer.zero_grad()
 
 
 class PyHookVariant(Variant):
     name = "pyhook"
+
+    def __init__(self, model: DDP, optimizer: torch.optim.Optimizer) -> None:
+        super().__init__(model, optimizer)
+        model.register_comm_hook(model.process_group, allreduce_hook)
+
+
+class PyHookSyncVariant(SyncVariant):
+    name = "pyhook_sync"
 
     def __init__(self, model: DDP, optimizer: torch.optim.Optimizer) -> None:
         super().__init__(model, optimizer)
@@ -231,34 +291,49 @@ def build_variant(
     report_dir: str,
     seed: int = 0,
     fsdp: bool = False,
+    optimizer: str = "adamw",
+    bucket_cap_mb: float | None = None,
 ) -> Variant:
     """A fresh DDP (or, with ``fsdp``, FSDP2) model — same seed, hence the same initial weights
-    for every variant — and an AdamW optimizer, wrapped in the named variant. Needs an
-    initialised process group."""
+    for every variant — and an AdamW optimizer (``optimizer``: torch's default, ``foreach`` or
+    ``fused``), wrapped in the named variant. Needs an initialised process group."""
     torch.manual_seed(seed)
     module = BenchModel(cfg).to(device)
     model: nn.Module
     if fsdp:
-        if name == "pyhook":
-            raise ValueError("the pyhook variant is a DDP comm hook; it has no FSDP2 form")
+        if name in ("pyhook", "pyhook_sync"):
+            raise ValueError(f"the {name} variant is a DDP comm hook; it has no FSDP2 form")
         model = shard(module, device)
     else:
         device_ids = [device.index] if device.type == "cuda" else None
         # init_sync=False: the seed already makes the weights identical on every rank, and the
         # initial broadcast's buffers can be freed on a gloo thread, where the CPU memory
         # profiler does not see the free (the peak then came out a random 14 MB high).
-        model = DDP(module, device_ids=device_ids, init_sync=False)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        extra = {} if bucket_cap_mb is None else {"bucket_cap_mb": bucket_cap_mb}
+        model = DDP(module, device_ids=device_ids, init_sync=False, **extra)
+    if optimizer not in OPTIMIZERS:
+        raise ValueError(f"unknown optimizer {optimizer!r}; expected one of {OPTIMIZERS}")
+    impl = {"foreach": {"foreach": True}, "fused": {"fused": True}}.get(optimizer, {})
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, **impl)
     if name == BASELINE:
-        return Variant(model, optimizer)
-    if name == "sentinel":
-        return SentinelVariant(model, optimizer, report_dir)
+        return Variant(model, opt)
+    if name in ("sentinel", "sentinel_host", "sentinel_nochecks"):
+        variant = SentinelVariant(
+            model, opt, report_dir, gate="host" if name == "sentinel_host" else "auto",
+            checks=name != "sentinel_nochecks",
+        )
+        variant.name = name
+        return variant
+    if name == "sync":
+        return SyncVariant(model, opt)
+    if name == "pyhook_sync":
+        return PyHookSyncVariant(model, opt)
     if name == "pyhook":
-        return PyHookVariant(model, optimizer)
+        return PyHookVariant(model, opt)
     if name == "hooks":
-        return BlogHooksVariant(model, optimizer)
+        return BlogHooksVariant(model, opt)
     if name == "anomaly":
-        return AnomalyVariant(model, optimizer)
+        return AnomalyVariant(model, opt)
     raise ValueError(f"unknown variant {name!r}; expected one of {', '.join(VARIANTS)}")
 
 

@@ -23,6 +23,12 @@ Usage (on a GPU machine; ``bench/run_gpu.sh`` is the prepared run)::
 
     python bench/gpu_checks.py --steps 60 --json $OUT/gpu.json
     python bench/gpu_checks.py --cpu-size      # the CPU benchmark's model: host-bound steps
+    python bench/gpu_checks.py --large --optimizer fused --burst 4 \
+        --variants baseline,sentinel,sync,pyhook,pyhook_sync,sentinel_nochecks
+
+``--burst N`` runs N steps of a variant back to back between two synchronisations, so the host
+can run ahead of the GPU as in real training (a deferred decision is then off the critical path);
+``--memory-fresh`` measures each variant's peak memory in a process of its own.
 
 Exits with status 2 and a message when no CUDA device (or no NCCL) is available.
 """
@@ -56,6 +62,10 @@ from nansentinel import checks
 GPU_MODEL = benchlib.ModelConfig(
     d_model=1024, nhead=16, ff=4096, layers=8, seq=512, batch=16, vocab=8192
 )
+#: The issue's ~0.6 B model: d_model 2048, 12 layers, ff 8192, seq 1024, batch 8, bf16 autocast.
+LARGE_MODEL = benchlib.ModelConfig(
+    d_model=2048, nhead=16, ff=8192, layers=12, seq=1024, batch=8, vocab=8192, autocast=True
+)
 EXIT_NO_GPU = 2
 
 
@@ -80,6 +90,20 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="use the CPU benchmark's 3.7 M-parameter model (short, host-bound steps)",
     )
     size.add_argument("--tiny", action="store_true", help="a toy model (numbers meaningless)")
+    size.add_argument(
+        "--large", action="store_true", help="~0.6 B parameters under bf16 autocast"
+    )
+    p.add_argument(
+        "--optimizer", choices=benchlib.OPTIMIZERS, default="adamw",
+        help="AdamW implementation: torch's default, foreach or fused (default: adamw)",
+    )
+    p.add_argument("--bucket-cap-mb", type=float, help="DDP bucket size (default: DDP's 25)")
+    p.add_argument("--burst", type=int, default=1, help="steps per variant between syncs")
+    p.add_argument(
+        "--memory-fresh", action="store_true",
+        help="measure each variant's peak memory in a fresh process",
+    )
+    p.add_argument("--memory-only", help=argparse.SUPPRESS)  # one variant's peak, as JSON
     p.add_argument("--memory-steps", type=int, default=3, help="steps per variant (0: skip)")
     p.add_argument("--check-reps", type=int, default=100, help="micro-benchmark repetitions")
     p.add_argument("--timeout", type=float, default=120.0, help="NCCL/store timeout (s)")
@@ -104,7 +128,10 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return EXIT_NO_GPU
-    cfg = benchlib.TINY if args.tiny else benchlib.ModelConfig() if args.cpu_size else GPU_MODEL
+    cfg = (
+        benchlib.TINY if args.tiny else benchlib.ModelConfig() if args.cpu_size
+        else LARGE_MODEL if args.large else GPU_MODEL
+    )
     variants = benchlib.parse_variants(args.variants)
     device = _device()
     torch.cuda.set_device(device)
@@ -116,6 +143,14 @@ def main(argv: list[str] | None = None) -> int:
         "nccl", store=store, rank=0, world_size=1, timeout=timeout, device_id=device
     )
     started = time.perf_counter()
+    if args.memory_only:
+        try:
+            with tempfile.TemporaryDirectory(prefix="nansentinel-gpu-") as tmp:
+                peak = _peak_memory(args.memory_only, cfg, device, args.memory_steps, tmp, args)
+            print(json.dumps({"variant": args.memory_only, "peak_bytes": peak}))
+        finally:
+            dist.destroy_process_group()
+        return 0
     try:
         with tempfile.TemporaryDirectory(prefix="nansentinel-gpu-") as tmp:
             say(f"timing {len(variants)} variants x {args.steps} rounds on {_gpu_name()} ...")
@@ -124,9 +159,15 @@ def main(argv: list[str] | None = None) -> int:
             cost, small = _time_checks(cfg, device, args.check_reps)
             _free()
             memory: dict[str, float] = {}
-            if args.memory_steps > 0:
+            if args.memory_steps > 0 and args.memory_fresh:
+                say("peak memory per variant, each in a fresh process ...")
+                memory = {v: _fresh_peak_memory(v, argv) for v in variants}
+            elif args.memory_steps > 0:
                 say("peak memory per variant ...")
-                memory = {v: _peak_memory(v, cfg, device, args.memory_steps, tmp) for v in variants}
+                memory = {
+                    v: _peak_memory(v, cfg, device, args.memory_steps, tmp, args)
+                    for v in variants
+                }
     finally:
         dist.destroy_process_group()
     report: dict[str, Any] = {
@@ -134,6 +175,10 @@ def main(argv: list[str] | None = None) -> int:
         "command": " ".join([sys.executable, *sys.argv]),
         "gpu": _gpu_name(),
         "model": dataclasses.asdict(cfg),
+        "optimizer": args.optimizer,
+        "bucket_cap_mb": args.bucket_cap_mb,
+        "burst": args.burst,
+        "memory_fresh": args.memory_fresh,
         "parameters": params,
         "steps": args.steps,
         "warmup": args.warmup,
@@ -165,7 +210,9 @@ def render(report: dict[str, Any]) -> str:
     lines = [
         f"nansentinel overhead — {report['gpu']}, NCCL world size 1, "
         f"{report['parameters'] / 1e6:.1f} M params (d_model {m['d_model']}, {m['layers']} "
-        f"layers, batch {m['batch']} x seq {m['seq']}), {report['steps']} rounds, torch "
+        f"layers, batch {m['batch']} x seq {m['seq']}{', bf16 autocast' if m['autocast'] else ''}"
+        f"), {report['optimizer']} AdamW, bucket_cap_mb {report['bucket_cap_mb'] or 25}, "
+        f"burst {report['burst']}, {report['steps']} rounds, torch "
         f"{report['torch']}, CUDA {report['cuda']}, NCCL {report['nccl']}",
         f"nansentinel: {report['nansentinel']}",
         "",
@@ -193,12 +240,14 @@ def _time_steps(
     args: argparse.Namespace,
     tmp: str,
 ) -> tuple[dict[str, list[float]], int, dict[str, float]]:
-    variants = [benchlib.build_variant(n, cfg, device, report_dir=tmp) for n in names]
+    variants = [_build(n, cfg, device, tmp, args) for n in names]
     params = sum(p.numel() for p in variants[0].model.parameters())
 
     def batches(step: int) -> dict[str, torch.Tensor]:
         return benchlib.make_batch(cfg, 0, step, device)
 
+    if args.burst > 1:
+        variants = [Burst(v, args.burst) for v in variants]  # type: ignore[misc]
     benchlib.run_rounds(variants, batches, args.warmup, torch.cuda.synchronize)
     # Wall time only: the host's CPU time would include spinning in cudaDeviceSynchronize.
     times = benchlib.run_rounds(
@@ -266,15 +315,55 @@ def _time_checks(
     return cost, small
 
 
+class Burst:
+    """A variant run ``n`` steps back to back per round (one sync per round, not per step)."""
+
+    def __init__(self, inner: benchlib.Variant, n: int) -> None:
+        self.inner, self.n, self.name = inner, n, inner.name
+        self.model = inner.model
+
+    def step(self, batch: dict[str, torch.Tensor]) -> None:
+        for _ in range(self.n):
+            self.inner.step(batch)
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+def _build(
+    name: str, cfg: benchlib.ModelConfig, device: torch.device, tmp: str,
+    args: argparse.Namespace,
+) -> benchlib.Variant:
+    return benchlib.build_variant(
+        name, cfg, device, report_dir=tmp, optimizer=args.optimizer,
+        bucket_cap_mb=args.bucket_cap_mb,
+    )
+
+
+def _fresh_peak_memory(name: str, argv: list[str] | None) -> float:
+    """One variant's peak in a process of its own: nothing another variant left behind (a
+    cycle through DDP's C++ reducer that gc cannot break, NCCL's stashed tensors, allocator
+    state) can raise or lower it."""
+    import subprocess
+
+    args = [a for a in (sys.argv[1:] if argv is None else argv) if a != "--memory-fresh"]
+    out = subprocess.run(
+        [sys.executable, __file__, *args, "--memory-only", name], check=True,
+        capture_output=True, text=True, timeout=300,
+    ).stdout
+    return float(json.loads(out.strip().splitlines()[-1])["peak_bytes"])
+
+
 def _peak_memory(
-    name: str, cfg: benchlib.ModelConfig, device: torch.device, steps: int, tmp: str
+    name: str, cfg: benchlib.ModelConfig, device: torch.device, steps: int, tmp: str,
+    args: argparse.Namespace,
 ) -> float:
     """Peak bytes allocated by one variant alone, from before its model exists: weights,
     gradients, DDP buckets, AdamW state, activations, and any copy a guard makes."""
     _free()
     before = torch.cuda.memory_allocated(device)
     torch.cuda.reset_peak_memory_stats(device)
-    variant = benchlib.build_variant(name, cfg, device, report_dir=tmp)
+    variant = _build(name, cfg, device, tmp, args)
     for step in range(steps):
         variant.step(benchlib.make_batch(cfg, 0, step, device))
     torch.cuda.synchronize()

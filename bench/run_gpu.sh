@@ -5,7 +5,8 @@
 #
 # Installs nothing unless it must: the checkout is put on PYTHONPATH, and only when
 # `import nansentinel` still fails is `pip install -e .` tried (torch must already be there).
-# Each run is bounded by `timeout`, so the whole script ends within about 7 minutes; logs and
+# Each run is bounded by `timeout` (all together at most 11 minutes; RUN_ONLY="big_fused syncs"
+# runs only the named parts, to split it over two commands); logs and
 # JSON are written as it goes, so a run cut short still leaves what it measured.
 set -uo pipefail
 
@@ -28,15 +29,38 @@ fi
 } | tee "$RESULTS/gpu_env.txt"
 
 status=0
-# 1. A GPU-sized model (~110 M parameters): is the sentinel within 1% when the GPU is busy?
-timeout 240 python bench/gpu_checks.py --steps 40 --json "$RESULTS/gpu_large.json" \
-    2>&1 | tee "$RESULTS/gpu_large.log" || status=$?
-# 2. The CPU benchmark's model: short steps, where the sentinel's host-side cost shows most.
-timeout 100 python bench/gpu_checks.py --cpu-size --steps 100 --json "$RESULTS/gpu_small.json" \
-    2>&1 | tee "$RESULTS/gpu_small.log" || status=$?
+run() {  # run NAME SECONDS ARGS...: one bounded gpu_checks run, log and JSON under $RESULTS
+    local name=$1 secs=$2; shift 2
+    if [[ -n "${RUN_ONLY:-}" && " $RUN_ONLY " != *" $name "* ]]; then return; fi
+    echo "== $name: gpu_checks.py $*"
+    timeout "$secs" python bench/gpu_checks.py "$@" --json "$RESULTS/$name.json" \
+        2>&1 | tee "$RESULTS/$name.log" || status=$?
+}
+# 1. ~110 M parameters, fp32: the foreach pair and the fused pair, each with the cost of one
+#    blocking read before the optimizer (sync) beside it.
+run large_foreach 90 --optimizer foreach --steps 40 --memory-steps 0 --check-reps 20 \
+    --variants baseline,sentinel,sync,pyhook
+run large_fused 90 --optimizer fused --steps 40 --memory-steps 0 --check-reps 20 \
+    --variants baseline,sentinel,sentinel_host,sync
+# 2. ~0.6 B parameters, bf16 autocast (the model), fused: the breakdown, six variants
+#    alive at once (~12 GB each); burst 2 lets the host run ahead as real training does.
+run big_fused 150 --large --optimizer fused --steps 24 --warmup 3 --burst 2 \
+    --memory-steps 0 --check-reps 10 \
+    --variants baseline,sentinel,sync,pyhook,pyhook_sync,sentinel_nochecks
+run big_foreach 90 --large --optimizer foreach --steps 16 --warmup 3 --burst 2 \
+    --memory-steps 0 --check-reps 10 --variants baseline,sentinel,sync
+# 3. What bucket_cap_mb does to the comm hook's cost (fewer, larger buckets: less Python).
+run big_fused_bucket100 75 --large --optimizer fused --bucket-cap-mb 100 --steps 16 --warmup 3 \
+    --burst 2 --memory-steps 0 --check-reps 10 --variants baseline,sentinel,pyhook
+# 4. The CPU benchmark's model (host-bound), with peak memory both ways: in one process after
+#    the timing (as before: 1.177 for every non-baseline variant) and each in a fresh process.
+run small_fused 60 --cpu-size --optimizer fused --steps 60 --check-reps 20 \
+    --variants baseline,sentinel,pyhook
+run small_memory_fresh 60 --cpu-size --optimizer fused --steps 4 --warmup 1 --check-reps 5 \
+    --memory-fresh --variants baseline,sentinel,pyhook
 
-# 3. Host syncs per step added by the sentinel (the promise: at most one, at the decision).
-timeout 60 python bench/gpu_syncs.py 2>&1 | tee "$RESULTS/gpu_syncs.log" || status=$?
+# 5. Host syncs per healthy step added by the sentinel (fused: 0; foreach: at most 1).
+[[ -n "${RUN_ONLY:-}" && " $RUN_ONLY " != *" syncs "* ]] || timeout 45 python bench/gpu_syncs.py 2>&1 | tee "$RESULTS/gpu_syncs.log" || status=$?
 
 echo "run_gpu.sh: done (exit $status); results in $RESULTS"
 exit "$status"

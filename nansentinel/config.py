@@ -50,11 +50,13 @@ ENV_ROLLBACK_SKIP_BATCHES = "NANSENTINEL_ROLLBACK_SKIP_BATCHES"
 ENV_MAX_ROLLBACKS = "NANSENTINEL_MAX_ROLLBACKS"
 ENV_REPLAY = "NANSENTINEL_REPLAY"
 ENV_REPLAY_ANOMALY = "NANSENTINEL_REPLAY_ANOMALY"
+ENV_GATE = "NANSENTINEL_GATE"
 #: Kubernetes downward API convention (DCGM's exporter reads the same variable).
 ENV_NODE_NAME = "NODE_NAME"
 
 POLICIES = ("skip", "abort", "rollback")
 SPIKE_ACTIONS = ("warn", "skip", "rollback")
+GATES = ("auto", "device", "host")
 DEFAULT_METRICS_PORT = 9410
 DEFAULT_REPORT_DIR = "nansentinel_reports"
 
@@ -89,6 +91,7 @@ _ENV_FIELDS: dict[str, tuple[str, str]] = {
     "max_rollbacks": (ENV_MAX_ROLLBACKS, "int"),
     "replay": (ENV_REPLAY, "bool"),
     "replay_anomaly": (ENV_REPLAY_ANOMALY, "bool"),
+    "gate": (ENV_GATE, "str"),
 }
 #: Every NANSENTINEL_* variable this package reads; anything else is probably a typo.
 KNOWN_ENV = frozenset(env for env, _ in _ENV_FIELDS.values())
@@ -212,6 +215,17 @@ class SentinelConfig:
     replay_anomaly: bool = False
     """Run the replay under ``torch.autograd.set_detect_anomaly`` to name the operation."""
 
+    gate: str = "host"
+    """Where a poisoned step is skipped: ``host`` (one host read of the cluster view, then step
+    or not), ``device`` (a fused optimizer skips on the device and the host decides when the
+    result is read, at the latest at the next sentinel call: no host sync before
+    ``optimizer.step()``), or ``auto`` (``device`` on CUDA when the optimizer is fused, else
+    ``host``). ``host`` is the default because a deferred decision runs its collectives (the
+    incident's gather, replay, the abort's barrier) where a rank first reads the result: a loop
+    that reads it on some ranks only and then runs a collective of its own would interleave the
+    two differently on different ranks. Opt in when every rank reads results at the same
+    points (or only through the sentinel's next call)."""
+
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
             raise ConfigError(
@@ -269,6 +283,10 @@ class SentinelConfig:
         for name in ("replay", "replay_anomaly"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name}={getattr(self, name)!r} must be True or False")
+        if self.gate not in GATES:
+            raise ConfigError(
+                f"gate={self.gate!r} is not a gate; expected one of {', '.join(GATES)}"
+            )
         if self.inject is not None:
             from nansentinel.inject import parse_inject  # local: inject imports config
 

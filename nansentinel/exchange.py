@@ -193,6 +193,30 @@ class HealthExchange:
                 raise self.diagnose(step, identities, None)
         return unpack_view(step, vector.tolist(), identities)
 
+    def take(self, identities: list[RankIdentity]) -> tuple[int, torch.Tensor]:
+        """This step's summed vector, still where it was summed, without reading it.
+
+        On NCCL the current CUDA stream waits for the collective and the host does not (no
+        timeout is passed: with one, NCCL would block the host; the watchdog bounds a hang).
+        Elsewhere (gloo, one process) the host waits, bounded by the timeout, as in
+        :meth:`wait`: there is no device to overlap with.
+        """
+        if self._vector is None:
+            raise RuntimeError("HealthExchange.take() before launch()")
+        vector, work, step = self._vector, self._work, self._step
+        self._vector, self._work = None, None
+        if work is not None:
+            if vector.device.type == "cuda":
+                work.wait()
+            else:
+                try:
+                    done = work.wait(timeout=datetime.timedelta(seconds=self.timeout))
+                except RuntimeError as exc:
+                    raise self.diagnose(step, identities, exc) from exc
+                if done is False:
+                    raise self.diagnose(step, identities, None)
+        return step, vector
+
     def barrier(self) -> None:
         """A tiny collective used after an incident, so that rank 0's report is on disk
         before any rank raises and torchrun tears the job down."""

@@ -139,10 +139,23 @@ class Cooldown:
         return saved
 
     def undo(self, optimizer: torch.optim.Optimizer, saved: list[float] | None) -> None:
+        """Restore the LRs :meth:`apply` scaled and count one applied step of the cooldown."""
+        if saved is None:
+            return
+        self.restore(optimizer, saved)
+        self.count()
+
+    def restore(self, optimizer: torch.optim.Optimizer, saved: list[float] | None) -> None:
+        """Restore the LRs only: the device gate does not know yet whether the step applied."""
         if saved is None:
             return
         for group, lr in zip(optimizer.param_groups, saved, strict=True):
             group["lr"] = lr
+
+    def count(self) -> None:
+        """One applied step of the cooldown has passed."""
+        if self.steps_left <= 0:
+            return
         self.steps_left -= 1
         if self.steps_left <= 0:
             self.factor = 1.0

@@ -29,7 +29,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 from nansentinel import checks, gradpaths, incident, stop
 from nansentinel.config import SentinelConfig, resolve_hostname
-from nansentinel.exchange import ClusterView, HealthExchange, diagnosis_grace
+from nansentinel.exchange import ClusterView, HealthExchange, diagnosis_grace, unpack_view
+from nansentinel.gate import DeviceGate, Pending, PendingResult, device_gate_refusal, held_grads
 from nansentinel.inject import Injector, parse_inject
 from nansentinel.local import LocalHealth
 from nansentinel.policy import (
@@ -147,6 +148,10 @@ class Sentinel:
         self.incidents = incident.IncidentWriter(cfg, self.identity, self.exchange, self.job_id)
         #: Where the gradients are checked before their reduction: ``ddp``, ``fsdp``, ``local``.
         self.gradients: gradpaths.GradPath = gradpaths.attach(model, self)
+        self._params = params
+        self._pending: tuple[Pending, PendingResult] | None = None
+        #: Set when poisoned steps are skipped on the device (see gate.py); None: host gate.
+        self.device_gate = self._choose_gate(optimizer, scaler)
         self._reset()
         if self.gradients.name == "fsdp" and replay is not None and cfg.replay:
             log.info(
@@ -159,7 +164,7 @@ class Sentinel:
             # itself raises in the training thread first.
             deadline = cfg.exchange_timeout + diagnosis_grace(cfg.exchange_timeout)
             self.watchdog = Watchdog(
-                deadline + 2.0, self._on_timeout, settled=self.exchange.settled
+                deadline + 2.0, self._on_timeout, settled=self._settled
             )
         self.metrics = None
         if cfg.metrics_port:
@@ -174,6 +179,7 @@ class Sentinel:
         is harmless and checks nothing. Returns ``batch`` (with a drill fault written into it
         when one is due). Call it before ``backward``.
         """
+        self._resolve()
         started = time.perf_counter()
         self._require_open("check_batch")
         first = next(checks.float_tensors(batch), None)
@@ -189,6 +195,7 @@ class Sentinel:
         """Check the loss (a tensor or a number; a non-scalar loss is checked element-wise and
         its mean recorded). Call it before ``backward`` so the result can travel with the
         gradient all-reduce."""
+        self._resolve()
         started = time.perf_counter()
         self._require_open("check_loss")
         if isinstance(loss, int | float) and not isinstance(loss, bool):
@@ -217,6 +224,7 @@ class Sentinel:
         and *before* your own all-reduce, or blame is lost. ``step()`` calls it when nothing
         else did.
         """
+        self._resolve()
         self._require_open("check_grads")
         self.gradients.check_now()
         self.launch_exchange()
@@ -235,19 +243,86 @@ class Sentinel:
                 sentinel then only scales the LR for a rollback cooldown; the cooldown is undone
                 and the snapshot kept from an optimizer step post-hook, after the caller's
                 update. On a skip or rollback every gradient is set to ``None``, so the
-                caller's step leaves weights and optimizer state exactly as they are.
+                caller's step leaves weights and optimizer state exactly as they are. Such a
+                step always takes the host gate.
+
+        With the device gate (``gate="device"``: a fused optimizer on CUDA, see ``gate.py``)
+        the optimizer step is launched at once, skipped on the device when any rank is
+        poisoned, and a :class:`~nansentinel.gate.PendingResult` is returned: its fields are
+        decided on first read, else at the next sentinel call (where an abort is then raised).
         """
+        self._resolve()
         if self._after_step is not None:  # the caller did not step (its GradScaler skipped)
             self.cooldown.undo(self.optimizer, self._after_step[0])
             self._after_step = None
         if not self.exchange.launched:
             self.check_grads()
+        if optimizer_step and self.device_gate is not None and self.device_gate.ready():
+            return self._gate_on_device()
         started = time.perf_counter()
         view = self.exchange.wait(self.identities)
         self._disarm()
-        # Waiting for the exchange is waiting for the gradient all-reduce beside it, and the
-        # optimizer step is the user's: neither is the sentinel's own cost.
-        not_ours = time.perf_counter() - started
+        # Waiting for the exchange is waiting for the gradient all-reduce beside it: not ours.
+        seconds = self._seconds - (time.perf_counter() - started)
+        result, decision = self._judge(
+            view, self.local, seconds, started, optimizer_step=optimizer_step
+        )
+        self._reset()
+        self.step_index += 1
+        self._stop_if(decision, result)
+        return result
+
+    def _gate_on_device(self) -> StepResult:
+        """Launch the optimizer step gated by a device-side found_inf; decide later."""
+        started = time.perf_counter()
+        gate = self.device_gate
+        assert gate is not None
+        step, vector = self.exchange.take(self.identities)
+        skip = self.history.skip_batches > 0  # known on the host: no need to look
+        found_inf = gate.found_inf(vector, skip)
+        host, event = gate.to_host(vector)  # queued before the optimizer, so it lands early
+        saved_lr = self.cooldown.apply(self.optimizer)
+        opt_started = time.perf_counter()
+        gate.step(found_inf)
+        opt_seconds = time.perf_counter() - opt_started
+        self.cooldown.restore(self.optimizer, saved_lr)  # counted at the decision, if applied
+        grads = held_grads(self._params)
+        seconds = self._seconds + time.perf_counter() - started - opt_seconds
+        pending = Pending(step, self.local, seconds, host, event, grads)
+        self._reset()
+        self.step_index += 1
+        result = PendingResult(self._resolve)
+        self._pending = (pending, result)
+        return result  # type: ignore[return-value]
+
+    def _resolve(self) -> None:
+        """Decide the step gated on the device, if one is pending (raises its abort)."""
+        if self._pending is None:
+            return
+        pending, result = self._pending
+        self._pending = None
+        started = time.perf_counter()
+        with self._guarded():
+            values = pending.values()
+        # Waiting for the copy is waiting for the gradient all-reduce: not ours.
+        seconds = pending.seconds - (time.perf_counter() - started)
+        if self.exchange.launched:  # resolved at the next step(): its collectives are armed
+            self._arm()
+        view = unpack_view(pending.step, values, self.identities)
+        try:
+            decided, decision = self._judge(view, pending.local, seconds, started, pending)
+            result.set(decided)
+            self._stop_if(decision, decided)
+        except BaseException as exc:
+            result.set(exc)
+            raise
+
+    def _judge(
+        self, view: ClusterView, local: LocalHealth, seconds: float, started: float,
+        pending: Pending | None = None, *, optimizer_step: bool = True,
+    ) -> tuple[StepResult, Decision]:
+        """Decide one step from its cluster view and act on it (report, metrics, optimizer
+        or rollback). ``pending``: the optimizer step already ran gated on the device."""
         current = {s: view.values(s) for s in SIGNALS}
         spikes = self.spikes.judge(current)
         self.spikes.record(current, spikes)
@@ -257,14 +332,16 @@ class Sentinel:
         naming: dict[str, Any] = {}
         if any("grad" in r.kinds for r in bad):
             poisoned = any(r.rank == self.rank and "grad" in r.kinds for r in bad)
-            naming = self.gradients.naming_detail(poisoned)
+            restored = pending.grads_restored() if pending else contextlib.nullcontext()
+            with restored:
+                naming = self.gradients.naming_detail(poisoned)
         verdict, replays = None, []
         if bad or spikes:
             replay_fn = self.replay_fn if self.config.replay else None
             with self._guarded():
                 verdict, replays = blame(
                     view, list(bad), spikes, exchange=self.exchange, module=self.module,
-                    batch=self.local.batch,
+                    batch=local.batch,
                     fn=replay_fn if self.gradients.name != "fsdp" else None,
                     anomaly=self.config.replay_anomaly,
                 )
@@ -277,24 +354,32 @@ class Sentinel:
             view, decision, self.config, verdict=verdict, snapshot_step=snapshot_step
         )
         rolled_back_to = None
+        not_ours = 0.0
         if decision.action in (APPLY, OVERFLOW) and not optimizer_step:
+            # The caller steps the optimizer right after: the cooldown is undone and the
+            # snapshot taken from the optimizer's post-hook (_callers_step).
             self._after_step = (self.cooldown.apply(self.optimizer), view, current)
             if self._post_hook is None:  # once: a hook cannot remove itself while it runs
                 self._post_hook = self.optimizer.register_step_post_hook(self._callers_step)
         elif decision.action in (APPLY, OVERFLOW):
-            opt_started = time.perf_counter()
-            saved_lr = self.cooldown.apply(self.optimizer)
-            if self.scaler is not None:
-                self.scaler.step(self.optimizer)
-                self.scaler.update()
+            if pending is None:  # the host gate; the device gate has stepped already
+                opt_started = time.perf_counter()
+                saved_lr = self.cooldown.apply(self.optimizer)
+                if self.scaler is not None:
+                    self.scaler.step(self.optimizer)
+                    self.scaler.update()
+                else:
+                    self.optimizer.step()
+                self.cooldown.undo(self.optimizer, saved_lr)
+                not_ours = time.perf_counter() - opt_started
             else:
-                self.optimizer.step()
-            self.cooldown.undo(self.optimizer, saved_lr)
-            not_ours += time.perf_counter() - opt_started
+                self.cooldown.count()
             self._maybe_snapshot(view, current)
         else:
-            # Discard the poisoned gradients on every rank: weights never take them.
-            self.optimizer.zero_grad(set_to_none=True)
+            if pending is None:
+                # Discard the poisoned gradients on every rank: weights never take them. (The
+                # device gate skipped them already; by now they may be the next step's.)
+                self.optimizer.zero_grad(set_to_none=True)
             if decision.action == ROLLBACK and self.snapshots is not None:
                 rolled_back_to = self.snapshots.load()
                 self.cooldown.start(self.config.rollback_lr_factor, self.config.rollback_lr_steps)
@@ -304,21 +389,21 @@ class Sentinel:
         if decision.bad or spikes or decision.action == ROLLBACK:
             result = self.incidents.write(
                 view, decision, result, spikes, replays=replays, naming=naming,
-                resolve=self.gradients.parameters, batch=self.local.batch,
+                resolve=self.gradients.parameters, batch=local.batch,
                 guarded=self._guarded,
             )
-        self._seconds += time.perf_counter() - started - not_ours
+        seconds += time.perf_counter() - started - not_ours
         if self.metrics is not None:
-            self.metrics.observe_step(result, self._seconds)
-        self._reset()
-        self.step_index += 1
+            self.metrics.observe_step(result, seconds)
+        return result, decision
+
+    def _stop_if(self, decision: Decision, result: StepResult) -> None:
         if decision.action in (ABORT, EXCLUDE):
             stop.stop(
                 decision, result, incident.describe_abort(decision, result), config=self.config,
                 identity=self.identity, exchange=self.exchange, job_id=self.job_id,
                 guarded=self._guarded, lingering=self.metrics is not None,
             )
-        return result
 
     def _callers_step(self, *_: Any) -> None:
         """Optimizer step post-hook for ``step(optimizer_step=False)``: undo the cooldown and
@@ -341,7 +426,9 @@ class Sentinel:
 
     def state_dict(self) -> dict[str, Any]:
         """Step counter, policy history, spike references, cooldown and quarantine, to be saved
-        with the training checkpoint so that a restarted job carries on where it left off."""
+        with the training checkpoint so that a restarted job carries on where it left off.
+        A step still pending on the device gate is decided first."""
+        self._resolve()
         return {
             "step": self.step_index,
             **self.history.state_dict(),
@@ -361,8 +448,15 @@ class Sentinel:
         self.quarantine = set(state.get("quarantine", []))
 
     def close(self) -> None:
-        """Stop the metrics server and the watchdog (the gradient path stays: DDP cannot
-        unregister a comm hook)."""
+        """Decide a step still pending on the device gate (its report and metrics are
+        written; call it on every rank), then stop the metrics server and the watchdog (the
+        gradient path stays: DDP cannot unregister a comm hook)."""
+        try:
+            self._resolve()
+        finally:
+            self._shut()
+
+    def _shut(self) -> None:
         if self.metrics is not None:
             self.metrics.close()
             self.metrics = None
@@ -373,8 +467,12 @@ class Sentinel:
     def __enter__(self) -> Sentinel:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, exc_type: object, *rest: object) -> None:
+        if exc_type is None:
+            self.close()
+        else:  # the loop failed: no collective now, the other ranks may be gone
+            self._pending = None
+            self._shut()
 
     # --- what the gradient paths report to (gradpaths.GradientSink) -------------------------
 
@@ -401,6 +499,28 @@ class Sentinel:
         self._seconds += seconds
 
     # --- internals ---------------------------------------------------------------------------
+
+    def _choose_gate(self, optimizer: torch.optim.Optimizer, scaler: Any) -> DeviceGate | None:
+        """The device gate where ``config.gate`` and the run allow it; said once at start."""
+        mode = self.config.gate
+        if mode == "host" or (mode == "auto" and self.device.type != "cuda"):
+            return None
+        refusal = device_gate_refusal(
+            optimizer, scaler=scaler, config=self.config, path=self.gradients.name
+        )
+        if refusal is None:
+            return DeviceGate(optimizer, self.device)
+        if self.rank == 0:
+            log.info(
+                "nansentinel: host gate (one host sync before every optimizer step): %s",
+                refusal,
+            )
+        return None
+
+    def _settled(self) -> bool:
+        """The armed collectives have completed (the watchdog asks before it fires)."""
+        pending = self._pending
+        return self.exchange.settled() or (pending is not None and pending[0].settled())
 
     def _reset(self) -> None:
         self.local = LocalHealth(self.device)

@@ -66,6 +66,11 @@ class DDPPath:
 def _comm_hook(state, bucket):  # type: ignore[no-untyped-def]
     """Check the bucket on this rank, then average it across ranks as DDP's default does.
 
+    The ``then`` callback stays on every backend: DDP's Python hook interface accepts only a
+    future whose value is a Python object (a raw ``work.get_future()`` fails DDP's internal
+    assert ``result.isPyObject()``, checked on torch 2.13), so the callback costs nothing a
+    Python hook could avoid, and it turns a dead peer into an error naming the missing rank.
+
     Deliberately unannotated: DDP inspects the annotations and rejects the string forms that
     ``from __future__ import annotations`` produces."""
     started = time.perf_counter()

@@ -14,18 +14,19 @@ from nansentinel.demo import VOCAB, TinyTransformer, synthetic_batch
 
 
 def train(rank: int, world: int, *, steps: int, report_dir: str, ddp: bool = True,
-          manual_reduce: bool = False, accumulate: int = 1, **overrides: Any) -> dict[str, Any]:
+          manual_reduce: bool = False, accumulate: int = 1, fused: bool = False,
+          **overrides: Any) -> dict[str, Any]:
     """Train the demo model; return each step's result and the final weights.
 
     ``manual_reduce``: no DDP; the loop all-reduces gradients itself after check_grads(),
     as a user with their own reducer would. ``accumulate``: micro-batches per step, the
-    first ones under DDP's no_sync().
+    first ones under DDP's no_sync(). ``fused``: fused AdamW (the device gate can take it).
     """
     torch.manual_seed(0)
     model: nn.Module = TinyTransformer()
     if ddp:
         model = DDP(model)
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, fused=fused or None)
     sentinel = nansentinel.Sentinel(model, opt, report_dir=report_dir, **overrides)
     loss_fn = nn.CrossEntropyLoss()
     records = []
@@ -61,7 +62,8 @@ def train(rank: int, world: int, *, steps: int, report_dir: str, ddp: bool = Tru
     module = model.module if isinstance(model, DDP) else model
     weights = torch.cat([p.detach().reshape(-1) for p in module.parameters()])
     return {"records": records, "weights": weights, "error": error,
-            "hostname": sentinel.identity.hostname}
+            "hostname": sentinel.identity.hostname,
+            "gate": "host" if sentinel.device_gate is None else "device"}
 
 
 def late_loss_check(rank: int, world: int, *, report_dir: str) -> str:

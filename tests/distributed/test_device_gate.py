@@ -1,0 +1,104 @@
+"""The device gate on gloo ranks: a fused optimizer skips a poisoned step on the device, and the
+skip is an exact no-op (weights, moments, step counters bit-identical) on every rank, with the
+same results, reports and aborts as the host gate."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from tests.distributed.harness import run_ranks, values
+from tests.distributed.test_fault_matrix import MATRIX, STEPS, _check_matrix
+from tests.distributed.workers import train
+from tests.distributed.workers_gate import OPTIMIZERS, gated
+
+WORLD = 2
+# A skipped first step (fused SGD with momentum would leave garbage buffers), then two more.
+FAULTS = "kind=grad,rank=1,step=0,value=nan;kind=loss,rank=0,step=3,value=nan;" \
+         "kind=batch,rank=1,step=4,value=inf"
+SKIPPED = {0, 3, 4}
+
+
+def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> list[str]:
+    """Names whose tensors differ bit for bit (or exist on one side only)."""
+    diff = sorted(set(a) ^ set(b))
+    diff += [k for k in sorted(set(a) & set(b)) if not torch.equal(a[k], b[k])]
+    return diff
+
+
+def _comparable(rec: dict[str, Any]) -> dict[str, Any]:
+    return {k: (repr(v) if isinstance(v, float) and not math.isfinite(v) else v)
+            for k, v in rec.items()}
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("optimizer", sorted(OPTIMIZERS))
+def test_device_skip_is_an_exact_noop(tmp_path: Path, optimizer: str) -> None:
+    common = dict(optimizer=optimizer, steps=6, inject=FAULTS, timeout=150)
+    dev = values(run_ranks(gated, WORLD, tmp_path, gate="device",
+                           report_dir=str(tmp_path / "dev"), **common))
+    host = values(run_ranks(gated, WORLD, tmp_path, gate="host",
+                            report_dir=str(tmp_path / "host"), **common))
+    for rank, (d, h) in enumerate(zip(dev, host, strict=True)):
+        assert d["error"] is None and h["error"] is None, (d["error"], h["error"])
+        assert h["gates"] == ["host"] * 6
+        # Fused SGD with momentum joins the device gate once its buffers exist: after its
+        # first applied step (step 1, since step 0 is skipped).
+        hosts = 2 if optimizer == "sgd_momentum" else 0
+        assert d["gates"] == ["host"] * hosts + ["device"] * (6 - hosts), d["gates"]
+        assert [r["applied"] for r in d["records"]] == [s not in SKIPPED for s in range(6)]
+        # Same results, field for field, as the host gate.
+        assert [_comparable(r) for r in d["records"]] == [_comparable(r) for r in h["records"]]
+        for s in SKIPPED - {0}:
+            assert not _same(d["before"][s], d["after"][s]), (rank, s)
+        w0 = {k: v for k, v in d["after"][0].items() if k.startswith("w/")}
+        assert not _same({k: v for k, v in d["before"][0].items() if k.startswith("w/")}, w0)
+        # The whole trajectory is the host gate's, bit for bit: the skipped first step left
+        # nothing behind that a later step could read.
+        assert not _same(d["final"], h["final"]), (rank, _same(d["final"], h["final"]))
+        for s in range(6):
+            if s not in SKIPPED:
+                assert _same(d["before"][s], d["after"][s]), f"step {s} did not apply"
+    assert not _same(dev[0]["final"], dev[1]["final"])
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("read_late", [True, False])
+def test_device_gate_abort_on_every_rank_naming_the_step(tmp_path: Path,
+                                                         read_late: bool) -> None:
+    """Unread, the step is decided at the next sentinel call: the abort is raised there, on
+    every rank, naming the step it judged; read at once, it is raised by the read."""
+    outs = values(run_ranks(gated, WORLD, tmp_path, optimizer="adamw", steps=5,
+                            gate="device", policy="abort", read_late=read_late,
+                            inject="kind=loss,rank=1,step=2,value=nan",
+                            report_dir=str(tmp_path / "r"), timeout=120))
+    for out in outs:
+        err = out["error"]
+        assert err and err["type"] == "NonFiniteError" and err["step"] == 2, err
+        assert err["where"] == ("check_batch 3" if read_late else "step 2"), err
+        for word in ("step 2", "rank(s) 1", out["hostname"], "loss"):
+            assert word in err["message"], err["message"]
+        assert [r["applied"] if r else None for r in out["records"]] == [True, True, None]
+        assert not _same(out["before"][2], out["after"][2])
+    assert outs[0]["error"]["report_path"] and Path(outs[0]["error"]["report_path"]).exists()
+    assert not _same(outs[0]["final"], outs[1]["final"])
+
+
+@pytest.mark.timeout(240)
+def test_fault_matrix_with_the_device_gate(tmp_path: Path) -> None:
+    """The 4-rank fault matrix, unchanged, with fused AdamW on the device gate: blame,
+    parameter naming and reports as with the host gate."""
+    outs = values(run_ranks(train, 4, tmp_path, steps=STEPS, fused=True, gate="device",
+                            inject=";".join(f"kind={k},rank={r},step={s},value={v}"
+                                            for k, v, r, s in MATRIX),
+                            report_dir=str(tmp_path / "reports"), timeout=200))
+    _check_matrix(outs, MATRIX)
+    assert all(o["gate"] == "device" for o in outs)
+    rec13 = outs[0]["records"][13]
+    assert rec13["parameters"] and list(rec13["parameters"]) == [3]
+    reports = sorted((tmp_path / "reports").glob("incident-*.json"))
+    assert len([p for p in reports if "-rank" not in p.name]) == len(MATRIX)

@@ -1,0 +1,140 @@
+"""The device gate in one process: which runs it takes, its found_inf, the deferred result."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+
+import nansentinel
+from nansentinel.config import ConfigError, SentinelConfig
+from nansentinel.exchange import F_LOSS_VALUE, F_QUARANTINED, FIELDS
+from nansentinel.gate import DeviceGate, PendingResult, device_gate_refusal
+
+
+def make(tmp_path: Path, *, fused: bool = True, **kw: object):  # type: ignore[no-untyped-def]
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1, fused=fused or None)
+    kw.setdefault("metrics_port", 0)
+    sentinel = nansentinel.Sentinel(model, opt, report_dir=str(tmp_path / "r"), env={}, **kw)
+    return model, opt, sentinel
+
+
+def one_step(model, sentinel, x=None):  # type: ignore[no-untyped-def]
+    x = torch.randn(8, 4) if x is None else x
+    batch = sentinel.check_batch({"x": x})
+    loss = (model(batch["x"]) ** 2).mean()
+    sentinel.check_loss(loss)
+    loss.backward()
+    return sentinel.step()
+
+
+def test_gate_config_is_validated_and_read_from_env() -> None:
+    assert SentinelConfig.from_env({}).gate == "host"  # the device gate is opt-in
+    assert SentinelConfig.from_env({"NANSENTINEL_GATE": "auto"}).gate == "auto"
+    with pytest.raises(ConfigError, match="NANSENTINEL_GATE"):
+        SentinelConfig.from_env({"NANSENTINEL_GATE": "gpu"})
+    with pytest.raises(ConfigError, match=r"gate=.gpu.*auto, device, host"):
+        SentinelConfig(gate="gpu")
+
+
+def test_auto_keeps_the_host_gate_on_cpu_and_device_takes_a_fused_optimizer(
+    tmp_path: Path,
+) -> None:
+    assert make(tmp_path)[2].device_gate is None  # auto on CPU: nothing to overlap with
+    assert make(tmp_path, gate="device")[2].device_gate is not None
+    assert make(tmp_path, gate="host")[2].device_gate is None
+
+
+def test_refusals_say_why(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.INFO, logger="nansentinel"):
+        _, _opt, s = make(tmp_path, fused=False, gate="device")
+    assert s.device_gate is None and "use fused=True" in caplog.text
+    cfg = SentinelConfig(gate="device")
+    fused = torch.optim.AdamW([torch.nn.Parameter(torch.ones(2))], fused=True)
+    assert device_gate_refusal(fused, scaler=None, config=cfg, path="ddp") is None
+    assert "GradScaler" in str(device_gate_refusal(fused, scaler=object(), config=cfg, path="ddp"))
+    spiky = SentinelConfig(gate="device", loss_spike_action="skip")
+    assert "spike" in str(device_gate_refusal(fused, scaler=None, config=spiky, path="ddp"))
+    assert "FSDP2" in str(device_gate_refusal(fused, scaler=None, config=cfg, path="fsdp"))
+
+
+def test_found_inf_follows_the_view() -> None:
+    p = torch.nn.Parameter(torch.ones(3))
+    gate = DeviceGate(torch.optim.Adam([p], fused=True), torch.device("cpu"))
+    vector = torch.zeros(2 * FIELDS)
+    assert gate.found_inf(vector, skip=False).item() == 0.0
+    assert gate.found_inf(vector, skip=True).item() == 1.0
+    for field, value in ((F_LOSS_VALUE, float("nan")), (2, float("-inf")), (F_QUARANTINED, 1.0)):
+        v = vector.clone()
+        v[FIELDS + field] = value
+        found = gate.found_inf(v, skip=False)
+        assert found.dtype == torch.float32 and found.shape == () and found.item() == 1.0
+
+
+def test_fused_sgd_with_momentum_joins_once_its_buffers_exist() -> None:
+    p = torch.nn.Parameter(torch.ones(3))
+    opt = torch.optim.SGD([p], lr=0.1, momentum=0.9, fused=True)
+    gate = DeviceGate(opt, torch.device("cpu"))
+    p.grad = torch.ones(3)
+    assert not gate.ready()  # a skipped first step would leave empty_like buffers
+    opt.step()
+    assert gate.ready()
+    assert DeviceGate(torch.optim.SGD([p], lr=0.1, fused=True), torch.device("cpu")).ready()
+
+
+def test_result_is_decided_on_first_read_or_at_the_next_call(tmp_path: Path) -> None:
+    model, opt, s = make(tmp_path, gate="device")
+    r0 = one_step(model, s)
+    assert isinstance(r0, PendingResult) and not r0.resolved
+    assert r0.applied and r0.outcome == "applied" and r0.resolved  # the read decided it
+    r1 = one_step(model, s)
+    opt.zero_grad(set_to_none=True)
+    assert not r1.resolved
+    s.check_batch({"x": torch.ones(2)})  # the next sentinel call decides it
+    assert r1.resolved and r1.step == 1 and r1.resolve() == r1
+    assert "applied" in repr(r1)
+
+
+def test_poisoned_step_is_skipped_on_the_device_and_named_at_resolution(
+    tmp_path: Path,
+) -> None:
+    model, opt, s = make(tmp_path, gate="device")
+    one_step(model, s).resolve()
+    opt.zero_grad(set_to_none=True)
+    weights = [p.detach().clone() for p in model.parameters()]
+    moments = {k: v.clone() for k, v in opt.state[next(iter(model.parameters()))].items()}
+    x = torch.randn(8, 4)
+    x[0, 0] = float("nan")
+    r = one_step(model, s, x)
+    opt.zero_grad(set_to_none=True)  # the user drops the grads before the result is read
+    assert all(torch.equal(a, b) for a, b in zip(weights, model.parameters(), strict=True))
+    state = opt.state[next(iter(model.parameters()))]
+    assert all(torch.equal(v, state[k]) for k, v in moments.items())
+    assert not r.applied and r.outcome == "skipped" and r.kinds == ["batch", "loss", "grad"]
+    # The parameter naming read the gradients as they were at step(), though zeroed since.
+    assert r.parameters == {0: ["0.weight", "0.bias", "2.weight", "2.bias"]}
+    assert r.report_path and Path(r.report_path).exists()
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_abort_is_raised_at_the_next_call_and_by_every_later_read(tmp_path: Path) -> None:
+    model, _opt, s = make(tmp_path, gate="device", policy="abort")
+    r = one_step(model, s, torch.full((8, 4), float("inf")))
+    with pytest.raises(nansentinel.NonFiniteError, match="step 0") as caught:
+        s.check_batch({"x": torch.ones(2)})
+    assert caught.value.result.step == 0
+    with pytest.raises(nansentinel.NonFiniteError):
+        _ = r.applied
+
+
+def test_state_dict_and_close_decide_a_pending_step(tmp_path: Path) -> None:
+    model, _opt, s = make(tmp_path, gate="device")
+    r = one_step(model, s)
+    assert s.state_dict()["step"] == 1 and r.resolved
+    r2 = one_step(model, s)
+    s.close()
+    assert r2.resolved and r2.applied
