@@ -503,8 +503,12 @@ def summarize(
     return out
 
 
-def markdown_table(summary: dict[str, dict[str, float]]) -> str:
-    """The table; a last column of CPU-time ratios when they were measured."""
+def markdown_table(
+    summary: dict[str, dict[str, float]], labels: dict[str, str] | None = None
+) -> str:
+    """The table; a last column of CPU-time ratios when they were measured. ``labels``
+    overrides :data:`LABELS` (e.g. the FSDP2 baseline)."""
+    labels = {**LABELS, **(labels or {})}
     with_cpu = all("cpu_ratio_median" in s for s in summary.values())
     lines = [
         "| variant | median step ms | median ratio vs baseline | p10–p90 ratio "
@@ -515,7 +519,7 @@ def markdown_table(summary: dict[str, dict[str, float]]) -> str:
     for name, s in summary.items():
         mem = "n/a" if math.isnan(s["memory_ratio"]) else f"{s['memory_ratio']:.3f}"
         line = (
-            f"| {LABELS.get(name, name)} | {s['median_ms']:.1f} | {s['ratio_median']:.3f} "
+            f"| {labels.get(name, name)} | {s['median_ms']:.1f} | {s['ratio_median']:.3f} "
             f"| {s['ratio_p10']:.3f}–{s['ratio_p90']:.3f} "
             f"| {s['ratio_ci95_low']:.3f}–{s['ratio_ci95_high']:.3f} | {mem} |"
         )

@@ -254,7 +254,11 @@ def render(report: dict[str, Any]) -> str:
         f"nansentinel: {report['nansentinel']}"
         + (f" ({report['note']})" if report["note"] else ""),
         "",
-        benchlib.markdown_table(report["summary"]),
+        benchlib.markdown_table(
+            report["summary"],
+            {"baseline": "baseline (plain FSDP2 fully_shard)"} if "FSDP2" in report["benchmark"]
+            else None,
+        ),
         "",
     ]
     lines += [f"- {v}" for v in benchlib.verdict(report["summary"])]
