@@ -50,6 +50,7 @@ ENV_ROLLBACK_SKIP_BATCHES = "NANSENTINEL_ROLLBACK_SKIP_BATCHES"
 ENV_MAX_ROLLBACKS = "NANSENTINEL_MAX_ROLLBACKS"
 ENV_REPLAY = "NANSENTINEL_REPLAY"
 ENV_REPLAY_ANOMALY = "NANSENTINEL_REPLAY_ANOMALY"
+ENV_SAVE_BATCHES = "NANSENTINEL_SAVE_BATCHES"
 #: Kubernetes downward API convention (DCGM's exporter reads the same variable).
 ENV_NODE_NAME = "NODE_NAME"
 
@@ -89,6 +90,7 @@ _ENV_FIELDS: dict[str, tuple[str, str]] = {
     "max_rollbacks": (ENV_MAX_ROLLBACKS, "int"),
     "replay": (ENV_REPLAY, "bool"),
     "replay_anomaly": (ENV_REPLAY_ANOMALY, "bool"),
+    "save_batches": (ENV_SAVE_BATCHES, "bool"),
 }
 #: Every NANSENTINEL_* variable this package reads; anything else is probably a typo.
 KNOWN_ENV = frozenset(env for env, _ in _ENV_FIELDS.values())
@@ -212,6 +214,11 @@ class SentinelConfig:
     replay_anomaly: bool = False
     """Run the replay under ``torch.autograd.set_detect_anomaly`` to name the operation."""
 
+    save_batches: bool = True
+    """Save the poisoned rank's batch next to the incident report (``torch.save``) so the
+    incident can be reproduced. The batch is the user's training data: files are created
+    0600 in 0700 directories; False keeps it off disk (the report says so)."""
+
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
             raise ConfigError(
@@ -266,7 +273,7 @@ class SentinelConfig:
         _require_int("rollback_lr_steps", self.rollback_lr_steps, minimum=0)
         _require_int("rollback_skip_batches", self.rollback_skip_batches, minimum=0)
         _require_int("max_rollbacks", self.max_rollbacks, minimum=1)
-        for name in ("replay", "replay_anomaly"):
+        for name in ("replay", "replay_anomaly", "save_batches"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name}={getattr(self, name)!r} must be True or False")
         if self.inject is not None:

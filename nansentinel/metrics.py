@@ -46,6 +46,9 @@ PREFIX = "nansentinel"
 #: ``result.OUTCOMES`` (a unit test keeps it so); an unknown outcome is a bug in the caller.
 STEP_OUTCOMES = ("applied", "skipped", "overflow", "aborted", "excluded", "rolled_back")
 
+#: Values of the ``file`` label of ``nansentinel_report_failures_total``.
+REPORT_FILES = ("report", "batch")
+
 #: ``check_seconds`` buckets: the sentinel's own time per step spans ~10 µs (a flag read on a
 #: small model) to ~1 s (a detection that writes an incident report).
 CHECK_SECONDS_BUCKETS = (
@@ -238,6 +241,14 @@ class SentinelMetrics:
             buckets=CHECK_SECONDS_BUCKETS,
             registry=r,
         )
+        failures = Counter(
+            f"{PREFIX}_report_failures",
+            "Incident files this rank could not write (a full or read-only disk); training "
+            "went on without them.",
+            ["file"],
+            registry=r,
+        )
+        self._report_failures = {f: failures.labels(file=f) for f in REPORT_FILES}
         info = Info(f"{PREFIX}_rank", "Where this rank runs; join key with DCGM.", registry=r)
         info.info(
             {
@@ -309,6 +320,13 @@ class SentinelMetrics:
                 self._host_blamed.labels(hostname=host).inc()
             for host in result.excluded_hosts:
                 self._host_excluded.labels(hostname=host).set(1)
+
+    def observe_report_failure(self, file: str) -> None:
+        """Count an incident file (``report`` or ``batch``) that could not be written."""
+        counter = self._report_failures.get(file)
+        if counter is None:
+            raise ValueError(f"report failure of {file!r}: expected one of {REPORT_FILES}")
+        counter.inc()
 
     def serve(
         self, addr: str, port: int, certfile: str | None = None, keyfile: str | None = None

@@ -32,6 +32,7 @@ from nansentinel.exchange import (
     ClusterView,
     HealthExchange,
     diagnosis_grace,
+    late_after,
 )
 from nansentinel.inject import Injector, parse_inject
 from nansentinel.local import LocalHealth
@@ -162,7 +163,8 @@ class Sentinel:
             # itself raises in the training thread first.
             deadline = self.config.exchange_timeout + diagnosis_grace(self.config.exchange_timeout)
             self.watchdog = Watchdog(
-                deadline + 2.0, self._on_timeout, settled=self.exchange.settled
+                deadline + 2.0, self._on_timeout, settled=self.exchange.settled,
+                on_late=self.exchange.check_in, late_after=late_after(self.config.exchange_timeout),
             )
         self.metrics = None
         if self.config.metrics_port:
@@ -443,15 +445,7 @@ class Sentinel:
         else:  # gloo has no AVG: scale first, as DDP's own path does
             buffer.mul_(1.0 / self.world_size)
             work = dist.all_reduce(buffer, group=self.exchange.group, async_op=True)
-        step, identities, exchange = self.step_index, self.identities, self.exchange
-
-        def reduced(fut: torch.futures.Future) -> torch.Tensor:
-            try:
-                return fut.value()[0]
-            except RuntimeError as exc:  # a peer died: say which one, not just "reset by peer"
-                raise exchange.diagnose(step, identities, exc) from exc
-
-        future = work.get_future().then(reduced)
+        future = self.exchange.diagnosed(work.get_future(), self.step_index, self.identities)
         if bucket.is_last():
             self._launch()
         self._seconds += time.perf_counter() - started
@@ -501,15 +495,19 @@ class Sentinel:
         detail: dict[str, Any] = {}
         mine = view.ranks[self.rank]
         batch = self.local.batch
+        failed = self.metrics.observe_report_failure if self.metrics is not None else None
         if self.rank in decision.bad_ranks:
             if poisoned:
                 detail["parameters"] = poisoned
-            if batch is not None:
-                try:
-                    path = report.save_batch(base / f"{stem}-rank{self.rank}-batch.pt", batch)
-                    detail["batch_path"] = str(path)
-                except (OSError, RuntimeError) as exc:
-                    detail["batch_error"] = f"{type(exc).__name__}: {exc}"
+            if batch is not None and not self.config.save_batches:
+                detail["batch_not_saved"] = "save_batches=False"
+            elif batch is not None:
+                path, error = report.attempt(
+                    "batch", lambda: report.save_batch(base / f"{stem}-rank{self.rank}-batch.pt",
+                                                       batch),
+                    rank=self.rank, step=view.step, failed=failed,
+                )
+                detail.update({"batch_path": str(path)} if path else {"batch_error": error})
         self._arm()
         details: list[dict[str, Any]] = self.exchange.gather_json(detail)  # type: ignore[assignment]
         self._disarm()
@@ -523,11 +521,10 @@ class Sentinel:
                 view, decision, result, spikes, details, message, job_id=self.job_id,
                 policy=self.config.policy, world_size=self.world_size,
             )
-            try:
-                path = report.write_json(base / f"{stem}.json", payload)
+            path, _ = report.attempt("report", lambda: report.write_json(base / f"{stem}.json",
+                                     payload), rank=self.rank, step=view.step, failed=failed)
+            if path is not None:
                 result = dataclasses.replace(result, report_path=str(path))
-            except OSError as exc:
-                log.error("nansentinel: could not write the incident report in %s: %s", base, exc)
             log.log(
                 logging.ERROR if decision.action in (ABORT, EXCLUDE) else logging.WARNING,
                 "%s%s", message, f"; report: {result.report_path}" if result.report_path else "",
