@@ -79,6 +79,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import hashlib
 import os
 import signal
 import sys
@@ -352,8 +353,18 @@ def _make_run_dir(report_dir: str | None, hostname: str) -> tuple[Path, bool]:
         return Path(given), False
     base = Path(report_dir) / "runs" if report_dir else Path(tempfile.gettempdir())
     base.mkdir(parents=True, exist_ok=True)
-    safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in hostname)
-    return Path(tempfile.mkdtemp(prefix=f"nansentinel-run-{safe}-", dir=base)), True
+    return Path(tempfile.mkdtemp(prefix=f"nansentinel-run-{file_safe(hostname)}-", dir=base)), True
+
+
+def file_safe(name: str, limit: int = 64) -> str:
+    """``name`` as a short ASCII file-name part: a host name is data from the environment and
+    may hold ``/``, newlines or thousands of characters. A long or altered name keeps a
+    hash suffix, so two hosts never share a directory."""
+    safe = "".join(c if c.isascii() and (c.isalnum() or c in "-_.") else "_" for c in name)
+    if safe == name and len(name) <= limit:
+        return name
+    digest = hashlib.sha1(name.encode("utf-8", "surrogatepass")).hexdigest()[:8]
+    return f"{safe[:limit]}-{digest}"
 
 
 def _remove_empty_tree(path: Path) -> None:

@@ -60,11 +60,10 @@ def test_full_disk_training_goes_on_and_failures_are_counted(
         first = one_step(model, s, nan_batch())  # written while there is room
         kept = {p: p.read_bytes() for p in (disk / "reports").iterdir()}
         assert first.report_path and len(kept) == 2  # the report and the batch
-        with contextlib.suppress(OSError):  # fill the disk to the last byte
-            with open(disk / "filler", "wb") as fh:
-                while True:
-                    fh.write(b"\0" * 4096)
-                    fh.flush()
+        with contextlib.suppress(OSError), open(disk / "filler", "wb") as fh:  # fill it up
+            while True:
+                fh.write(b"\0" * 4096)
+                fh.flush()
         caplog.clear()
         with caplog.at_level(logging.ERROR, logger="nansentinel"):
             outcomes = [one_step(model, s, nan_batch() if i % 2 == 0 else None).outcome

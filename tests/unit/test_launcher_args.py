@@ -344,3 +344,12 @@ def test_kubernetes_job_wires_node_name_metrics_ports_and_exit_codes() -> None:
               for r in job["spec"]["podFailurePolicy"]["rules"]}
     assert policy == {exitcodes.EXIT_CONFIG: "FailJob", exitcodes.EXIT_HOST_EXCLUDED: "Ignore"}
     assert pod["spec"]["restartPolicy"] == "Never"
+
+
+def test_host_names_become_short_distinct_file_names() -> None:
+    assert launcher.file_safe("node-1.cluster") == "node-1.cluster"
+    long_a, long_b = "a" * 300 + "1", "a" * 300 + "2"
+    assert len(launcher.file_safe(long_a)) < 80
+    assert launcher.file_safe(long_a) != launcher.file_safe(long_b)
+    hostile = launcher.file_safe("evil/$(x)\nnœud")
+    assert "/" not in hostile and "\n" not in hostile and hostile.isascii()
