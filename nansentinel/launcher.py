@@ -269,6 +269,10 @@ def main(argv: list[str] | None = None) -> int:
             launch_config, cmd, cmd_args = torchrun.config_from_args(args)
         except (AssertionError, ValueError, RuntimeError) as exc:
             return _config_error(f"torchrun options: {exc}")
+        if launch_config.rdzv_backend == "static" and launch_config.max_nodes > 1:
+            if created:
+                _remove_empty_tree(run_dir)
+            return _config_error(STATIC_REFUSED)
         guard = ExclusionGuard(hostname, run_dir, store, job_id)
         guarded = install_guard(launch_config, guard)
         if guarded and launch_config.max_nodes > launch_config.min_nodes:
@@ -278,6 +282,14 @@ def main(argv: list[str] | None = None) -> int:
     if code == EXIT_OK and created:
         _remove_empty_tree(run_dir)
     return code
+
+
+#: Why several nodes under static rendezvous are refused (an exclusion could not be kept).
+STATIC_REFUSED = (
+    "--rdzv-backend=static with several nodes cannot keep an excluded host out: the static "
+    "rendezvous has no rounds to leave, so a restart would bring the faulty host back. Use "
+    "--rdzv-backend=c10d (with --nnodes=MIN:MAX to continue without it)."
+)
 
 
 def _torchrun_parser(ours: argparse.ArgumentParser, theirs: list[str]) -> Any:

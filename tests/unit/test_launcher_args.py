@@ -353,3 +353,49 @@ def test_host_names_become_short_distinct_file_names() -> None:
     assert launcher.file_safe(long_a) != launcher.file_safe(long_b)
     hostile = launcher.file_safe("evil/$(x)\nnœud")
     assert "/" not in hostile and "\n" not in hostile and hostile.isascii()
+
+
+def test_static_rendezvous_on_several_nodes_is_refused_at_start(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code = main(["--report-dir", str(tmp_path / "r"), "--nnodes=2", "--rdzv-backend=static",
+                 "--node-rank=0", "--master-addr=127.0.0.1", "--master-port=29999",
+                 "--nproc-per-node=1", "train.py"])
+    assert code == exitcodes.EXIT_CONFIG
+    err = capsys.readouterr().err
+    assert "--rdzv-backend=static with several nodes cannot keep an excluded host out" in err
+    assert not list((tmp_path / "r").rglob("nansentinel-run-*"))  # nothing left behind
+
+
+def test_the_store_host_is_recognised_and_its_exclusion_ends_the_job(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import socket
+
+    from torch.distributed.elastic.rendezvous import RendezvousParameters
+
+    from nansentinel.exclusion import ExclusionRecord
+    from nansentinel.rendezvous import ExclusionGuard, GuardedRendezvousHandler, serves_store
+
+    def params(endpoint: str, **conf: object) -> RendezvousParameters:
+        return RendezvousParameters("c10d", endpoint, "job", 1, 2, **conf)
+
+    assert serves_store(params(f"{socket.gethostname()}:29400"))
+    assert serves_store(params("127.0.0.1:29400"))
+    assert not serves_store(params("203.0.113.9:29400"))  # another machine (TEST-NET-3)
+    assert serves_store(params("203.0.113.9:29400", is_host=True))
+
+    class Inner:
+        def __init__(self) -> None:
+            self.calls: list[str] = []
+
+        def shutdown(self) -> bool:
+            self.calls.append("shutdown")
+            return True
+
+    guard = ExclusionGuard("node1", tmp_path, None, "job")
+    guard.excluded = ExclusionRecord(host="node1", reason="r", step=3)
+    inner = Inner()
+    assert GuardedRendezvousHandler(inner, guard, store_host=True).shutdown()
+    assert inner.calls == ["shutdown"]  # closed for everyone, not left quietly
+    assert "runs the rendezvous store" in capsys.readouterr().err
