@@ -331,3 +331,55 @@ def test_a_hostile_host_name_reaches_the_hook_as_text(
     assert ExclusionStore(shared / "excluded.jsonl").excluded_hosts() == {HOSTILE}
     leftovers = {p.name for root in (tmp_path, REPO) for p in root.glob("pwned*")}
     assert not leftovers  # nothing from the name ran, wherever the hook's cwd was
+
+
+_STORE_SERVER = (
+    "import datetime, sys, time, torch.distributed as d; "
+    "s = d.TCPStore('0.0.0.0', int(sys.argv[1]), is_master=True, wait_for_workers=False, "
+    "timeout=datetime.timedelta(minutes=5)); time.sleep(300)"
+)
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("store_apart", [False, True], ids=["store-on-bad-host", "store-apart"])
+def test_the_store_hosts_exclusion_ends_the_job_unless_the_store_runs_apart(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, store_apart: bool
+) -> None:
+    """The bad host is the first training host. When it also serves the rendezvous store, its
+    exclusion ends the job: exit 4 there, exit 3 with a clear line on the others. With the
+    store on a fourth host that trains nothing (as the README shows), the others go on."""
+    _netns_or_skip(monkeypatch)
+    out = tmp_path / "out"
+    out.mkdir()
+    shared = tmp_path / "shared"
+    with NetnsCluster(4 if store_apart else 3, tmp_path / "cluster") as cluster:
+        trainers = cluster.hosts[1:] if store_apart else cluster.hosts
+        bad = trainers[0]
+        port = random.randrange(20000, 60000)
+        store = cluster.hosts[0]
+        if store_apart:
+            cluster.start(store, [sys.executable, "-c", _STORE_SERVER, str(port)],
+                          env=_netns_env(), log_name="store")
+        base = [sys.executable, "-m", "nansentinel", "run",
+                f"--exclusion-file={shared}/excluded.jsonl", f"--report-dir={shared}/reports",
+                "--metrics-port=0", "--host-strikes=3", "--exchange-timeout=30",
+                "--nnodes=2:3", "--nproc-per-node=2", "--max-restarts=2", "--rdzv-id=store",
+                "--rdzv-backend=c10d", f"--rdzv-endpoint={store.ip}:{port}",
+                "--monitor-interval=0.5",
+                "--rdzv-conf=join_timeout=30,last_call_timeout=3,keep_alive_interval=5,"
+                "keep_alive_max_attempt=12",
+                str(WORKERS / "sentinel_worker.py"), str(out), "--steps=12", "--full-world=6"]
+        env = {**_netns_env(), "NANSENTINEL_INJECT": f"kind=grad,host={bad.name},steps=5-7"}
+        procs = [cluster.start(h, base, env=env) for h in trainers]
+        codes = dict(zip([h.name for h in trainers], cluster.wait(procs, timeout=150),
+                         strict=True))
+        logs = {h.name: cluster.log(h.name)[-4000:] for h in trainers}
+    others = [h.name for h in trainers if h is not bad]
+    if store_apart:
+        assert codes == {bad.name: EXIT_HOST_EXCLUDED, **dict.fromkeys(others, EXIT_OK)}, logs
+        return
+    assert codes == {bad.name: EXIT_HOST_EXCLUDED, **dict.fromkeys(others, EXIT_NONFINITE_ABORT)
+                     }, logs
+    assert "runs the rendezvous store" in logs[bad.name]
+    for name in others:
+        assert f"after host(s) {bad.name} were excluded" in logs[name], logs[name]
