@@ -18,11 +18,13 @@ training step pays nothing for it.
 
 from __future__ import annotations
 
+import atexit
 import errno
 import logging
 import math
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -361,6 +363,7 @@ class SentinelMetrics:
             ) from exc
         self._server, self._thread = server, thread
         self._port = int(server.server_address[1])
+        _SERVING.add(self)  # closed at exit, before the interpreter stops its thread
         log.info(
             "rank %d: metrics on %s://%s:%d/metrics",
             self.identity.rank,
@@ -380,9 +383,21 @@ class SentinelMetrics:
         server, thread = self._server, self._thread
         self._server = self._thread = None
         self._port = None
+        _SERVING.discard(self)
         if server is None:
             return
         server.shutdown()
         server.server_close()
         if thread is not None:
             thread.join(timeout=5)
+
+
+#: Exporters still serving; shut down at interpreter exit, so that no request thread is
+#: inside the registry's collectors (psutil, torch.cuda) while the interpreter finalizes.
+_SERVING: weakref.WeakSet[SentinelMetrics] = weakref.WeakSet()
+
+
+@atexit.register
+def _close_all() -> None:
+    for metrics in list(_SERVING):
+        metrics.close()

@@ -19,9 +19,14 @@ Arming and disarming are two attribute writes: the normal step pays nothing else
 
 from __future__ import annotations
 
+import atexit
 import threading
 import time
+import weakref
 from collections.abc import Callable
+
+#: Watchdogs not yet closed; closed at interpreter exit (see :func:`_close_all`).
+_LIVE: weakref.WeakSet[Watchdog] = weakref.WeakSet()
 
 
 class Watchdog:
@@ -64,8 +69,10 @@ class Watchdog:
         self._late_done: int | None = None
         self._stop = threading.Event()
         self.expired: int | None = None
+        self._late_thread: threading.Thread | None = None
         self._thread = threading.Thread(target=self._run, name="nansentinel-watchdog", daemon=True)
         self._thread.start()
+        _LIVE.add(self)
 
     def arm(self, step: int) -> None:
         """Start the deadline for ``step`` unless it is already running."""
@@ -77,8 +84,12 @@ class Watchdog:
         self._armed = None
 
     def close(self) -> None:
+        """Stop the thread (and wait, bounded, for a check-in in flight); safe to call twice."""
         self._stop.set()
-        self._thread.join(timeout=5)
+        _LIVE.discard(self)
+        for thread in (self._thread, self._late_thread):
+            if thread is not None and thread is not threading.current_thread():
+                thread.join(timeout=5)
 
     def _run(self) -> None:
         while not self._stop.wait(self.poll):
@@ -89,10 +100,11 @@ class Watchdog:
             if self.on_late is not None and now > armed[2] and self._late_done != armed[0]:
                 self._late_done = armed[0]
                 # Its own thread: a store that does not answer must not delay the expiry.
-                threading.Thread(
+                self._late_thread = threading.Thread(
                     target=self.on_late, args=(armed[0],), name="nansentinel-check-in",
                     daemon=True,
-                ).start()
+                )
+                self._late_thread.start()
             if now > armed[1]:
                 if self.settled():
                     self._armed = None
@@ -100,3 +112,16 @@ class Watchdog:
                 self.expired = armed[0]
                 self.on_expire(armed[0])
                 return
+
+
+@atexit.register
+def _close_all() -> None:
+    """Stop every watchdog before the interpreter finalizes.
+
+    A daemon thread still running at finalization is stopped wherever it stands; inside a
+    call into torch (a store write that released the GIL) that ends the process with
+    "terminate called without an active exception", which torchrun counts as a failed
+    worker. A script that just returns, without ``Sentinel.close()``, must exit 0.
+    """
+    for dog in list(_LIVE):
+        dog.close()
