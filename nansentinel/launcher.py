@@ -30,8 +30,10 @@ a variable already in the environment, and a variable you exported is passed on 
 ``--strike-window STEPS``     -> ``NANSENTINEL_STRIKE_WINDOW``
 ``--exchange-timeout SEC``    -> ``NANSENTINEL_EXCHANGE_TIMEOUT``
 ``--job-id ID``               -> ``NANSENTINEL_JOB_ID`` (default: torchrun's ``--rdzv-id``)
-``--on-exclude CMD``          shell command run on the excluded host before its launcher
-                              exits; ``{host}`` and ``{reason}`` are replaced, shell-quoted
+``--on-exclude CMD``          command run on the excluded host before its launcher exits,
+                              without a shell: split into arguments, then ``{host}`` and
+                              ``{reason}`` replaced inside each (also in the environment as
+                              ``NANSENTINEL_EXCLUDED_HOST``, ``NANSENTINEL_EXCLUSION_REASON``)
 
 The launcher also sets ``NANSENTINEL_RUN_DIR`` (unless you did): a directory it creates for
 this run (under the report directory, else the system temporary directory) where each rank
@@ -62,11 +64,12 @@ that is already in the exclusion file runs the hook and exits 4 without joining.
 
 Limits. Continuing without a host needs an elastic range (``--nnodes=MIN:MAX`` with MIN
 below the current node count) and ``--max-restarts`` >= 1; otherwise the job stops with
-exit code 3 on the healthy hosts. With ``--rdzv-backend=static`` the wrapper is not
-installed (the static backend has no rounds to leave); an excluded host is then refused at
-its next start. The host running the c10d rendezvous store (``--rdzv-endpoint``) cannot
-leave without ending the rendezvous for everyone: put the endpoint on a host you trust, or
-use etcd. When ``--nnodes`` is a range this launcher sets
+exit code 3 on the healthy hosts. ``--rdzv-backend=static`` has no rounds to leave, so with
+more than one node it is refused at start (exit 2). The host running the c10d rendezvous
+store (``--rdzv-endpoint``) cannot leave without ending the rendezvous for everyone: if it is
+excluded, its launcher says so and closes the rendezvous (exit 4), and the other launchers
+end with exit 3 naming it; run the store on a host that trains nothing (README).
+When ``--nnodes`` is a range this launcher sets
 ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` (unless you set it): by default torchrun's agent
 of group rank 0 also hosts the workers' store, and agents keep that address across rounds,
 so after the excluded host was group rank 0 the survivors' workers would wait for a store
