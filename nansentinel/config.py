@@ -104,10 +104,14 @@ class ConfigError(ValueError):
     environment variable a bad value came from.
     """
 
-    def __init__(self, message: str, field: str | None = None) -> None:
+    def __init__(
+        self, message: str, field: str | None = None, related: tuple[str, ...] = ()
+    ) -> None:
         super().__init__(message)
         prefix = message.split("=", 1)[0]
         self.field = field or (prefix if prefix.isidentifier() else None)
+        #: Other fields the message is about (a bound between two fields).
+        self.related = related
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)
@@ -236,6 +240,7 @@ class SentinelConfig:
                 "metrics_certfile and metrics_keyfile must be given together "
                 f"(certfile={self.metrics_certfile!r}, keyfile={self.metrics_keyfile!r})",
                 field="metrics_certfile" if self.metrics_certfile else "metrics_keyfile",
+                related=("metrics_certfile", "metrics_keyfile"),
             )
         _require_int("host_strikes", self.host_strikes, minimum=1)
         _require_int("strike_window", self.strike_window, minimum=1)
@@ -263,7 +268,9 @@ class SentinelConfig:
         _require_int("spike_warmup", self.spike_warmup, minimum=3)
         if self.spike_warmup > self.spike_window:
             raise ConfigError(
-                f"spike_warmup={self.spike_warmup} must not exceed spike_window={self.spike_window}"
+                f"spike_warmup={self.spike_warmup} must not exceed "
+                f"spike_window={self.spike_window}",
+                related=("spike_window",),
             )
         _require_int("snapshot_every", self.snapshot_every, minimum=1)
         if not (isinstance(self.rollback_lr_factor, int | float) and not isinstance(
@@ -320,9 +327,16 @@ class SentinelConfig:
             return cls(**values)
         except ConfigError as exc:
             # Say where a bad value came from when it came from the environment.
-            if exc.field in _ENV_FIELDS and exc.field in values and exc.field not in overrides:
-                var = _ENV_FIELDS[exc.field][0]
-                raise ConfigError(f"{exc} (from environment variable {var})", exc.field) from None
+            # The field at fault if its value came from the environment; else, for a bound
+            # between two fields, the other one's variable.
+            from_env = [
+                _ENV_FIELDS[f][0] for f in (exc.field, *exc.related)
+                if f in _ENV_FIELDS and f in values and f not in overrides
+            ]
+            if from_env:
+                raise ConfigError(
+                    f"{exc} (from environment variable {from_env[0]})", exc.field, exc.related
+                ) from None
             raise
 
 
