@@ -8,7 +8,9 @@ same loops and summarise them the same way. Nothing here starts processes or pic
 The variants are the ways people guard a training step against NaN/Inf:
 
 ``baseline``
-    plain DDP: forward, backward, ``optimizer.step()``, ``zero_grad()``.
+    plain DDP: forward, backward, ``optimizer.step()``, ``zero_grad()``. With ``fsdp=True``
+    every variant's model is FSDP2-sharded instead (``fully_shard`` on each encoder layer, then
+    the root, over all ranks) and the baseline is plain ``fully_shard``.
 ``sentinel``
     the same loop with nansentinel's three calls (``check_batch``, ``check_loss``, ``step``).
 ``pyhook``
@@ -117,7 +119,7 @@ class Variant:
 
     name = BASELINE
 
-    def __init__(self, model: DDP, optimizer: torch.optim.Optimizer) -> None:
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
         self.model = model
         self.optimizer = optimizer
 
@@ -172,7 +174,7 @@ class BlogHooksVariant(Variant):
 
     def __init__(self, model: DDP, optimizer: torch.optim.Optimizer) -> None:
         super().__init__(model, optimizer)
-        inner = model.module
+        inner = unwrap(model)
         self._handles = [
             p.register_hook(_grad_hook(n)) for n, p in inner.named_parameters() if p.requires_grad
         ]
@@ -228,16 +230,24 @@ def build_variant(
     *,
     report_dir: str,
     seed: int = 0,
+    fsdp: bool = False,
 ) -> Variant:
-    """A fresh DDP model (same seed, hence the same initial weights for every variant) and an
-    AdamW optimizer, wrapped in the named variant. Needs an initialised process group."""
+    """A fresh DDP (or, with ``fsdp``, FSDP2) model — same seed, hence the same initial weights
+    for every variant — and an AdamW optimizer, wrapped in the named variant. Needs an
+    initialised process group."""
     torch.manual_seed(seed)
     module = BenchModel(cfg).to(device)
-    device_ids = [device.index] if device.type == "cuda" else None
-    # init_sync=False: the seed already makes the weights identical on every rank, and the
-    # initial broadcast's buffers can be freed on a gloo thread, where the CPU memory profiler
-    # does not see the free (the peak then came out a random 14 MB high on some ranks).
-    model = DDP(module, device_ids=device_ids, init_sync=False)
+    model: nn.Module
+    if fsdp:
+        if name == "pyhook":
+            raise ValueError("the pyhook variant is a DDP comm hook; it has no FSDP2 form")
+        model = shard(module, device)
+    else:
+        device_ids = [device.index] if device.type == "cuda" else None
+        # init_sync=False: the seed already makes the weights identical on every rank, and the
+        # initial broadcast's buffers can be freed on a gloo thread, where the CPU memory
+        # profiler does not see the free (the peak then came out a random 14 MB high).
+        model = DDP(module, device_ids=device_ids, init_sync=False)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     if name == BASELINE:
         return Variant(model, optimizer)
@@ -250,6 +260,28 @@ def build_variant(
     if name == "anomaly":
         return AnomalyVariant(model, optimizer)
     raise ValueError(f"unknown variant {name!r}; expected one of {', '.join(VARIANTS)}")
+
+
+def shard(module: nn.Module, device: torch.device) -> nn.Module:
+    """FSDP2 as torchtitan applies it: each encoder layer its own group, then the root."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    for layer in module.encoder.layers:  # type: ignore[union-attr]
+        fully_shard(layer, mesh=mesh)
+    return fully_shard(module, mesh=mesh)
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The user's module: DDP's ``.module``; an FSDP2 model is its own."""
+    return model.module if isinstance(model, DDP) else model
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of ``t`` (a DTensor's local shard)."""
+    return t.to_local() if hasattr(t, "to_local") else t
 
 
 def parse_variants(text: str) -> list[str]:

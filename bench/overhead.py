@@ -66,6 +66,7 @@ class Spec:
     memory_steps: int = 3
     memory_fresh: bool = False
     phase: str = "timing"
+    fsdp: bool = False
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -96,6 +97,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument(
         "--tiny", action="store_true", help="a toy model for smoke tests (numbers meaningless)"
+    )
+    p.add_argument(
+        "--fsdp",
+        action="store_true",
+        help="FSDP2 instead of DDP: every variant's model is fully_shard-ed (each layer, then "
+        "the root); the baseline is plain fully_shard (default variants: baseline,sentinel)",
     )
     for field in dataclasses.fields(benchlib.ModelConfig):
         p.add_argument(
@@ -155,6 +162,8 @@ def main(argv: list[str] | None = None) -> int:
     base = benchlib.TINY if args.tiny else benchlib.ModelConfig()
     sizes = {f.name: getattr(args, f.name) for f in dataclasses.fields(benchlib.ModelConfig)}
     cfg = dataclasses.replace(base, **{k: v for k, v in sizes.items() if v is not None})
+    if args.fsdp and args.variants == ",".join(benchlib.DEFAULT_VARIANTS):
+        args.variants = "baseline,sentinel"
     variants = tuple(benchlib.parse_variants(args.variants))
     started = time.perf_counter()
     load_before = os.getloadavg()
@@ -172,6 +181,7 @@ def main(argv: list[str] | None = None) -> int:
             profile=args.profile,
             memory_steps=args.memory_steps,
             memory_fresh=args.memory_fresh,
+            fsdp=args.fsdp,
         )
         say(
             f"timing: {len(variants)} variants x {args.steps} rounds (+{args.warmup} warm-up) "
@@ -196,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
 
     summary = benchlib.summarize(times, memory, cpu_times)
     report: dict[str, Any] = {
-        "benchmark": "nansentinel overhead, CPU gloo",
+        "benchmark": "nansentinel overhead, CPU gloo" + (", FSDP2" if args.fsdp else ", DDP"),
         "command": " ".join([sys.executable, *sys.argv]),
         "world_size": WORLD_SIZE,
         "threads_per_rank": args.threads,
@@ -236,7 +246,7 @@ def render(report: dict[str, Any]) -> str:
     """The markdown report: setup line, table, verdicts, check cost, and the profile if any."""
     m = report["model"]
     lines = [
-        f"nansentinel overhead — CPU gloo, {report['world_size']} ranks x "
+        f"{report['benchmark']}, {report['world_size']} ranks x "
         f"{report['threads_per_rank']} thread(s), {report['parameters'] / 1e6:.2f} M params "
         f"(d_model {m['d_model']}, {m['layers']} layers, batch {m['batch']} x seq {m['seq']}), "
         f"{report['steps']} rounds, torch {report['torch']}, load average "
@@ -364,7 +374,7 @@ def _timing_worker(rank: int, spec: Spec) -> None:
             timer.install()
         report_dir = str(Path(spec.out_dir) / "reports")
         variants = [
-            benchlib.build_variant(v, spec.model, device, report_dir=report_dir)
+            benchlib.build_variant(v, spec.model, device, report_dir=report_dir, fsdp=spec.fsdp)
             for v in spec.variants
         ]
         if timer is not None:
@@ -384,10 +394,13 @@ def _timing_worker(rank: int, spec: Spec) -> None:
         rounds = benchlib.run_rounds(
             variants, batch_of, spec.steps, nosync, first_round=spec.warmup
         )
-        base = variants[0].model.module.state_dict()
+        # This rank's weights (its shards under FSDP2).
+        first = benchlib.unwrap(variants[0].model).state_dict()
+        base = {k: benchlib.local(p) for k, p in first.items()}
         diff = {
             v.name: max(
-                (p - base[k]).abs().max().item() for k, p in v.model.module.state_dict().items()
+                (benchlib.local(p) - base[k]).abs().max().item()
+                for k, p in benchlib.unwrap(v.model).state_dict().items()
             )
             for v in variants[1:]
         }
@@ -448,11 +461,13 @@ def measure_memory(name: str, rank: int, spec: Spec) -> dict[str, Any]:
     report_dir = str(Path(spec.out_dir) / "reports")
     activities = [torch.profiler.ProfilerActivity.CPU]
     with torch.profiler.profile(activities=activities, profile_memory=True) as prof:
-        variant = benchlib.build_variant(name, spec.model, device, report_dir=report_dir)
+        variant = benchlib.build_variant(
+            name, spec.model, device, report_dir=report_dir, fsdp=spec.fsdp
+        )
         for step in range(spec.memory_steps):
             variant.step(benchlib.make_batch(spec.model, rank, step, device))
     peak, sizes = _memory_events(prof)
-    params = list(variant.model.parameters())
+    params = [benchlib.local(p) for p in variant.model.parameters()]
     variant.close()
     del variant, prof
     gc.collect()

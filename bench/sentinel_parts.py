@@ -24,9 +24,11 @@ WAIT = "  exchange.wait (incl. the wait for the collective)"
 PARTS = (
     ("check_batch", "nansentinel.sentinel:Sentinel.check_batch"),
     ("check_loss", "nansentinel.sentinel:Sentinel.check_loss"),
-    ("comm hook, all buckets (in backward)", "nansentinel.sentinel:Sentinel._comm_hook"),
+    ("comm hook, all buckets (in backward)", "nansentinel.gradpaths.ddp:_comm_hook"),
+    ("FSDP2 reduce-scatter checks (in backward)", "nansentinel.gradpaths.fsdp:FSDPPath.check"),
     ("  checks.tensor_norm (buckets; batch tensors too)", "nansentinel.checks:tensor_norm"),
-    ("  _launch: pack row + start exchange", "nansentinel.sentinel:Sentinel._launch"),
+    ("  launch_exchange: pack row + start exchange",
+     "nansentinel.sentinel:Sentinel.launch_exchange"),
     ("    LocalHealth.row (pack the row)", "nansentinel.local:LocalHealth.row"),
     ("    exchange.launch", "nansentinel.exchange:HealthExchange.launch"),
     ("  dist.all_reduce calls (buckets + health vector)", "torch.distributed:all_reduce"),

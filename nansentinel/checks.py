@@ -91,26 +91,16 @@ def grad_norms(grads: Sequence[torch.Tensor]) -> torch.Tensor:
     return torch.stack(torch._foreach_norm(list(grads), 2, **kw)).to(torch.float32)
 
 
-def by_device_and_dtype(params: Sequence[torch.Tensor]) -> list[list[torch.Tensor]]:
-    """Group parameters by (device, dtype) of their gradients, keeping order within a group,
-    so that each group is one fused norm (DDP buckets are already grouped this way)."""
-    groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
-    for p in params:
-        assert p.grad is not None
-        groups.setdefault((p.grad.device, p.grad.dtype), []).append(p)
-    return list(groups.values())
+def grouped_norms(tensors: Sequence[torch.Tensor]) -> list[tuple[list[int], torch.Tensor]]:
+    """Per-tensor L2 norms of ``tensors``, one fused kernel per (device, dtype) group.
 
-
-def param_grad_norms(
-    params: Sequence[torch.Tensor],
-) -> list[tuple[list[torch.Tensor], torch.Tensor]]:
-    """``(group, per-parameter gradient norms)`` for each (device, dtype) group of the
-    parameters that have a gradient: one fused norm per group."""
-    with_grad = [p for p in params if p.grad is not None]
-    return [
-        (group, grad_norms([p.grad for p in group]))  # type: ignore[misc]
-        for group in by_device_and_dtype(with_grad)
-    ]
+    Returns ``(indices, norms)`` per group: ``norms[j]`` is the norm of ``tensors[indices[j]]``,
+    so a caller can name the tensor behind a non-finite norm (only after a detection).
+    """
+    groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+    for i, t in enumerate(tensors):
+        groups.setdefault((t.device, t.dtype), []).append(i)
+    return [(idx, grad_norms([tensors[i] for i in idx])) for idx in groups.values()]
 
 
 def _to(t: torch.Tensor, device: torch.device) -> torch.Tensor:

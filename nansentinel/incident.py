@@ -1,18 +1,29 @@
-"""What an incident says: the log line, the exception message and the report's content.
+"""Incidents: what one says (the log line, the exception message, the report's content) and
+how it is recorded (:class:`IncidentWriter`).
 
-Pure functions of the decision and the cluster view, so that every message names the same
-step, ranks, hosts and kinds, and can be tested without a training loop.
+The messages are pure functions of the decision and the cluster view, so that every message
+names the same step, ranks, hosts and kinds, and can be tested without a training loop. The
+writer is the side effect: one gather of the ranks' details after a detection, the poisoned
+ranks' batches and rank 0's report on disk (atomically, never over an existing file).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import time
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
-from nansentinel.exchange import ClusterView, RankHealth, nan_to_none
-from nansentinel.policy import Decision
-from nansentinel.result import StepResult
+from nansentinel import report
+from nansentinel.config import SentinelConfig
+from nansentinel.exchange import ClusterView, HealthExchange, RankHealth, nan_to_none
+from nansentinel.policy import ABORT, EXCLUDE, Decision
+from nansentinel.result import RankIdentity, StepResult
 from nansentinel.spikes import CLUSTER, Spikes
+
+log = logging.getLogger("nansentinel")
 
 _NEXT = {
     "skipped": "step skipped on every rank, gradients discarded",
@@ -133,3 +144,84 @@ def payload(
         "poisoned": [rank_entry(r) for r in decision.bad],
         "ranks": [rank_entry(r) for r in view.ranks],
     }
+
+
+class IncidentWriter:
+    """Records incidents for one rank: after a detection (or a spike, or a rollback) the
+    poisoned ranks save their batch, every rank shares its detail in one gather (only now,
+    never on a healthy step), rank 0 writes the report and every rank logs its part."""
+
+    def __init__(
+        self, config: SentinelConfig, identity: RankIdentity, exchange: HealthExchange,
+        job_id: str | None,
+    ) -> None:
+        self.config = config
+        self.identity = identity
+        self.exchange = exchange
+        self.job_id = job_id
+        #: Told about each incident file that could not be written (the metrics counter).
+        self.failed: Callable[[str], None] | None = None
+
+    def write(
+        self,
+        view: ClusterView,
+        decision: Decision,
+        result: StepResult,
+        spikes: Spikes,
+        *,
+        replays: list[dict[str, Any]],
+        naming: dict[str, Any],
+        resolve: Callable[[list[dict[str, Any]]], dict[int, list[str]]],
+        batch: Any,
+        guarded: Callable[[], Any],
+    ) -> StepResult:
+        """Record one incident; returns ``result`` with ``parameters`` and ``report_path``.
+
+        ``naming`` is this rank's share of the parameter naming (the gradient path's
+        ``naming_detail``) and ``resolve`` turns every rank's share into rank -> names.
+        """
+        rank = self.identity.rank
+        stem = report.incident_stem(self.job_id, view.step)
+        base = Path(self.config.report_dir)
+        detail: dict[str, Any] = dict(naming)
+        if rank in decision.bad_ranks and batch is not None and not self.config.save_batches:
+            detail["batch_not_saved"] = "save_batches=False"
+        elif rank in decision.bad_ranks and batch is not None:
+            path, error = report.attempt(
+                "batch", lambda: report.save_batch(base / f"{stem}-rank{rank}-batch.pt", batch),
+                rank=rank, step=view.step, failed=self.failed,
+            )
+            detail.update({"batch_path": str(path)} if path else {"batch_error": error})
+        with guarded():
+            details: list[dict[str, Any]] = self.exchange.gather_json(detail)  # type: ignore[assignment]
+        parameters = resolve(details)
+        result = dataclasses.replace(result, parameters=parameters)
+        for d, r in zip(details, replays or [{}] * len(details), strict=True):
+            d.update(r)
+        message = describe(view, decision, result, spikes)
+        if rank == 0:
+            content = payload(
+                view, decision, result, spikes, details, message, job_id=self.job_id,
+                policy=self.config.policy, world_size=self.exchange.world_size,
+            )
+            path, _ = report.attempt(
+                "report", lambda: report.write_json(base / f"{stem}.json", content),
+                rank=rank, step=view.step, failed=self.failed,
+            )
+            if path is not None:
+                result = dataclasses.replace(result, report_path=str(path))
+            log.log(
+                logging.ERROR if decision.action in (ABORT, EXCLUDE) else logging.WARNING,
+                "%s%s", message, f"; report: {result.report_path}" if result.report_path else "",
+            )
+        if rank in decision.bad_ranks:
+            mine = view.ranks[rank]
+            ident = self.identity
+            params, batch_path = parameters.get(rank), details[rank].get("batch_path")
+            log.warning(
+                "nansentinel: rank %d on host %s (local rank %d, %s): non-finite %s at step %d%s%s",
+                rank, ident.hostname, ident.local_rank, ident.device, ", ".join(mine.kinds),
+                view.step, f"; parameters: {first(params, 8)}" if params else "",
+                f"; batch saved to {batch_path}" if batch_path else "",
+            )
+        return result

@@ -8,6 +8,7 @@ collective: no rank can step the optimizer while another skips or rolls back.
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 from nansentinel.config import SentinelConfig
 from nansentinel.exchange import ClusterView, RankHealth
@@ -63,6 +64,27 @@ class History:
     """Snapshot step -> rollbacks to it."""
     skip_batches: int = 0
     """Batches still to discard after a rollback."""
+
+    def state_dict(self) -> dict[str, Any]:
+        """What a checkpoint keeps of the history (JSON-able; keys as saved since 0.1)."""
+        return {
+            "consecutive_skips": self.consecutive_skips,
+            "strikes": {host: list(s) for host, s in self.strikes.items()},
+            "excluded": list(self.excluded),
+            "rollbacks": dict(self.rollbacks),
+            "skip_batches": self.skip_batches,
+        }
+
+    @classmethod
+    def from_state_dict(cls, state: dict[str, Any]) -> History:
+        """The history :meth:`state_dict` saved (missing keys: a fresh history's values)."""
+        return cls(
+            consecutive_skips=int(state.get("consecutive_skips", 0)),
+            strikes={h: [int(s) for s in v] for h, v in state.get("strikes", {}).items()},
+            excluded=list(state.get("excluded", [])),
+            rollbacks={int(k): int(v) for k, v in state.get("rollbacks", {}).items()},
+            skip_batches=int(state.get("skip_batches", 0)),
+        )
 
     def record(
         self,

@@ -113,6 +113,22 @@ class Cooldown:
         self.factor = (self.factor if self.steps_left > 0 else 1.0) * factor
         self.steps_left = steps
 
+    def state_dict(self) -> dict[str, Any]:
+        return {"factor": self.factor, "steps_left": self.steps_left}
+
+    def load_state_dict(self, state: dict[str, Any] | list[Any] | tuple[Any, ...]) -> None:
+        """Restore :meth:`state_dict` (or the ``[factor, steps_left]`` pair older checkpoints
+        hold)."""
+        if isinstance(state, dict):
+            self.factor, self.steps_left = float(state["factor"]), int(state["steps_left"])
+        else:
+            self.factor, self.steps_left = float(state[0]), int(state[1])
+
+    @property
+    def lr_factor(self) -> float:
+        """The factor in force now (1 outside a cooldown)."""
+        return self.factor if self.steps_left > 0 else 1.0
+
     def apply(self, optimizer: torch.optim.Optimizer) -> list[float] | None:
         """Scale every group's LR; return the previous values for :meth:`undo`."""
         if self.steps_left <= 0:

@@ -4,8 +4,9 @@
 
     check_batch ─┐
     check_loss ──┤ local flags, kept on the device
-    backward ────┤ DDP comm hook: each bucket's norm before its all-reduce;
-                 │ the last bucket launches the health exchange
+    backward ────┤ the gradient path (gradpaths/, chosen once): each DDP bucket or FSDP group
+                 │ is checked before its reduction; the health exchange leaves with the last
+                 │ DDP bucket, or at step() (FSDP, local gradients)
     step() ──────┘ wait for the cluster view (the one host sync) → decide → act
 
 Everything expensive (naming parameters, saving the batch, writing the report) runs only after
@@ -15,18 +16,18 @@ travels beside the gradients.
 
 from __future__ import annotations
 
-import dataclasses
+import contextlib
 import logging
 import os
 import time
-from pathlib import Path
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from nansentinel import checks, incident, report
+from nansentinel import checks, gradpaths, incident, stop
 from nansentinel.config import SentinelConfig, resolve_hostname
 from nansentinel.exchange import (
     ClusterView,
@@ -50,8 +51,7 @@ from nansentinel.policy import (
 from nansentinel.recovery import Cooldown, MemorySnapshots, SnapshotStore, UserSnapshots
 from nansentinel.replay import ReplayFn, blame, fingerprint
 from nansentinel.result import (
-    HostExcludedError,
-    NonFiniteError,
+    ExchangeTimeoutError,
     RankIdentity,
     SentinelUsageError,
     StepResult,
@@ -71,9 +71,11 @@ class Sentinel:
     """Watches one rank's batch, loss and gradients; decides each step with every other rank.
 
     Args:
-        model: the module being trained, plain or wrapped in ``DistributedDataParallel``.
-            With DDP a communication hook is registered (construct the sentinel before the
-            first backward, and do not register another comm hook).
+        model: the module being trained: plain, wrapped in ``DistributedDataParallel``, or an
+            FSDP2 (``fully_shard``) root module, 1-D or HSDP. With DDP a communication hook is
+            registered, with FSDP2 a custom reduce-scatter on every FSDP module (construct the
+            sentinel before the first backward, and register no other comm hook / custom
+            reduce-scatter).
         optimizer: stepped by :meth:`step` only when every rank is healthy.
         scaler: a ``torch.amp.GradScaler``; :meth:`step` then calls ``scaler.step`` and
             ``scaler.update``, and non-finite gradients alone count as fp16 overflow.
@@ -83,6 +85,7 @@ class Sentinel:
         replay: ``fn(module, batch) -> loss``, the forward and loss of one step on the
             unwrapped module; with it, a detection is replayed to tell data, host and
             transient faults apart and to find the first non-finite module and parameter.
+            Off under FSDP2 (a replay's forward would all-gather on two ranks alone).
         snapshots: ``(save, load)`` — the user's own checkpoint pair for rollbacks
             (``save(step)``; ``load() -> step``) — or a ``SnapshotStore``; default: host memory.
         env: environment to read ``NANSENTINEL_*`` from (default ``os.environ``).
@@ -102,7 +105,7 @@ class Sentinel:
         snapshots: tuple[Any, Any] | SnapshotStore | None = None,
         **overrides: Any,
     ) -> None:
-        self.config = SentinelConfig.from_env(env, **overrides)
+        self.config = cfg = SentinelConfig.from_env(env, **overrides)
         self.model = model
         self.optimizer = optimizer
         self.scaler = scaler
@@ -110,28 +113,25 @@ class Sentinel:
         if group is None and is_ddp:
             group = model.process_group
         params = list(model.parameters())
-        self.device = params[0].device if params else torch.device("cpu")
-        self.exchange = HealthExchange(group, self.device, self.config.exchange_timeout)
+        self.device = _local_device(params[0]) if params else torch.device("cpu")
+        self.exchange = HealthExchange(group, self.device, cfg.exchange_timeout)
         self.rank = self.exchange.rank
         self.world_size = self.exchange.world_size
         environ = os.environ if env is None else env
         self.identity = _identity(
-            self.rank, self.world_size, resolve_hostname(self.config.hostname, environ),
+            self.rank, self.world_size, resolve_hostname(cfg.hostname, environ),
             int(environ.get("LOCAL_RANK", "0") or 0), self.device,
         )
         # Gathered once, so that every later detection can name host, local rank and device.
         gathered = self.exchange.gather_json(_identity_json(self.identity))
         self.identities = [RankIdentity(**d) for d in gathered]  # type: ignore[arg-type]
-        self.job_id = self.config.job_id or environ.get("TORCHELASTIC_RUN_ID")
-        faults = parse_inject(self.config.inject) if self.config.inject else []
+        self.job_id = cfg.job_id or environ.get("TORCHELASTIC_RUN_ID")
+        faults = parse_inject(cfg.inject) if cfg.inject else []
         self.injector = Injector(faults, self.rank, self.identity.hostname)
-        prefix = "module." if is_ddp else ""
-        self._names = {id(p): n.removeprefix(prefix) for n, p in model.named_parameters()}
         self.history = History()
         self.step_index = 0
         self.module = model.module if is_ddp else model
         self.replay_fn = replay
-        cfg = self.config
         self.spikes = SpikeDetector(
             self.world_size, window=cfg.spike_window, warmup=cfg.spike_warmup,
             ratio=cfg.spike_ratio, zscore=cfg.spike_zscore,
@@ -146,29 +146,31 @@ class Sentinel:
         else:
             self.snapshots = None  # no rollback possible: no copies made
         self.cooldown = Cooldown()
+        self._after_step: tuple[Any, ClusterView, dict[str, Any]] | None = None
+        self._post_hook: Any = None
         self.quarantine: set[str] = set()
+        self.incidents = incident.IncidentWriter(cfg, self.identity, self.exchange, self.job_id)
+        #: Where the gradients are checked before their reduction: ``ddp``, ``fsdp``, ``local``.
+        self.gradients: gradpaths.GradPath = gradpaths.attach(model, self)
         self._reset()
-        if is_ddp:
-            try:
-                model.register_comm_hook(None, self._comm_hook)
-            except RuntimeError as exc:
-                raise SentinelUsageError(
-                    f"nansentinel: cannot register its DDP communication hook on rank "
-                    f"{self.rank} ({self.identity.hostname}): {exc}. Construct the Sentinel "
-                    "before the first backward and do not register another comm hook."
-                ) from exc
+        if self.gradients.name == "fsdp" and replay is not None and cfg.replay:
+            log.info(
+                "nansentinel: replay is off under FSDP2 (its forward all-gathers, so two ranks "
+                "cannot replay alone); detections get verdict None"
+            )
         self.watchdog: Watchdog | None = None
         if self.world_size > 1:
             # Later than the exchange's own timeout, so that a wait() that can time out by
             # itself raises in the training thread first.
-            deadline = self.config.exchange_timeout + diagnosis_grace(self.config.exchange_timeout)
+            deadline = cfg.exchange_timeout + diagnosis_grace(cfg.exchange_timeout)
             self.watchdog = Watchdog(
                 deadline + 2.0, self._on_timeout, settled=self.exchange.settled,
                 on_late=self.exchange.check_in, late_after=late_after(self.config.exchange_timeout),
             )
         self.metrics = None
-        if self.config.metrics_port:
+        if cfg.metrics_port:
             self.metrics = _start_metrics(self, registry)
+            self.incidents.failed = self.metrics.observe_report_failure
 
     # --- the three calls of a training loop -------------------------------------------------
 
@@ -217,28 +219,34 @@ class Sentinel:
     def check_grads(self) -> None:
         """Check this rank's local gradients now and start the health exchange.
 
-        DDP users never call this (the comm hook does it). Call it yourself only if you reduce
-        gradients by hand: after ``backward`` and *before* your own all-reduce, or blame is lost.
-        ``step()`` calls it when nothing else did.
+        DDP and FSDP2 users never call this (their gradient path does it before each
+        reduction). Call it yourself only if you reduce gradients by hand: after ``backward``
+        and *before* your own all-reduce, or blame is lost. ``step()`` calls it when nothing
+        else did.
         """
-        started = time.perf_counter()
         self._require_open("check_grads")
-        first = next((p for p in self.model.parameters() if p.grad is not None), None)
-        if first is not None and self.injector.poison("grad", self.step_index, first.grad):
-            self.local.injected = True
-        for _, norms in checks.param_grad_norms(list(self.model.parameters())):
-            self.local.add_grads(torch.linalg.vector_norm(norms))
-        self._launch()
-        self._seconds += time.perf_counter() - started
+        self.gradients.check_now()
+        self.launch_exchange()
 
-    def step(self) -> StepResult:
+    def step(self, *, optimizer_step: bool = True) -> StepResult:
         """Decide this step with every rank and act on it.
 
         Applies the optimizer (or GradScaler) step only when every rank is healthy; otherwise
         discards the gradients on every rank, rolls every rank back to the last-good snapshot,
         or raises :class:`NonFiniteError` on every rank when the policy aborts (or
         :class:`HostExcludedError` when a host is excluded).
+
+        Args:
+            optimizer_step: ``False`` when the caller steps the optimizer itself right after
+                (a framework such as Lightning or the Hugging Face Trainer). On apply the
+                sentinel then only scales the LR for a rollback cooldown; the cooldown is undone
+                and the snapshot kept from an optimizer step post-hook, after the caller's
+                update. On a skip or rollback every gradient is set to ``None``, so the
+                caller's step leaves weights and optimizer state exactly as they are.
         """
+        if self._after_step is not None:  # the caller did not step (its GradScaler skipped)
+            self.cooldown.undo(self.optimizer, self._after_step[0])
+            self._after_step = None
         if not self.exchange.launched:
             self.check_grads()
         started = time.perf_counter()
@@ -250,32 +258,37 @@ class Sentinel:
         current = {s: view.values(s) for s in SIGNALS}
         spikes = self.spikes.judge(current)
         self.spikes.record(current, spikes)
-        bad = blamed(view, amp=self.scaler is not None)
-        # Name the parameters now, before the gradients are discarded: after the all-reduce
-        # a NaN sits where any rank had one, so this rank's scan shows its own (and, with
-        # several poisoned ranks, theirs too). Only after a detection.
-        poisoned = None
-        if any(r.rank == self.rank and "grad" in r.kinds for r in bad):
-            poisoned = self._nonfinite_parameters()
+        amp = self.scaler is not None
+        bad = blamed(view, amp=amp)
+        # Share of the parameter naming, taken now, before the gradients are discarded.
+        naming: dict[str, Any] = {}
+        if any("grad" in r.kinds for r in bad):
+            poisoned = any(r.rank == self.rank and "grad" in r.kinds for r in bad)
+            naming = self.gradients.naming_detail(poisoned)
         verdict, replays = None, []
         if bad or spikes:
-            self._arm()
-            verdict, replays = blame(
-                view, list(bad), spikes, exchange=self.exchange, module=self.module,
-                batch=self.local.batch, fn=self.replay_fn if self.config.replay else None,
-                anomaly=self.config.replay_anomaly,
-            )
-            self._disarm()
+            replay_fn = self.replay_fn if self.config.replay else None
+            with self._guarded():
+                verdict, replays = blame(
+                    view, list(bad), spikes, exchange=self.exchange, module=self.module,
+                    batch=self.local.batch,
+                    fn=replay_fn if self.gradients.name != "fsdp" else None,
+                    anomaly=self.config.replay_anomaly,
+                )
         snapshot_step = self.snapshots.step if self.snapshots is not None else None
         decision = decide(
-            view, self.history, self.config, amp=self.scaler is not None, spikes=spikes,
-            verdict=verdict, snapshot_step=snapshot_step,
+            view, self.history, self.config, amp=amp, spikes=spikes, verdict=verdict,
+            snapshot_step=snapshot_step,
         )
         self.history.record(
             view, decision, self.config, verdict=verdict, snapshot_step=snapshot_step
         )
         rolled_back_to = None
-        if decision.action in (APPLY, OVERFLOW):
+        if decision.action in (APPLY, OVERFLOW) and not optimizer_step:
+            self._after_step = (self.cooldown.apply(self.optimizer), view, current)
+            if self._post_hook is None:  # once: a hook cannot remove itself while it runs
+                self._post_hook = self.optimizer.register_step_post_hook(self._callers_step)
+        elif decision.action in (APPLY, OVERFLOW):
             opt_started = time.perf_counter()
             saved_lr = self.cooldown.apply(self.optimizer)
             if self.scaler is not None:
@@ -296,15 +309,32 @@ class Sentinel:
             self.quarantine.update(r["fingerprint"] for r in replays if r.get("fingerprint"))
         result = self._result(view, decision, spikes, verdict, rolled_back_to)
         if decision.bad or spikes or decision.action == ROLLBACK:
-            result = self._incident(view, decision, result, spikes, replays, poisoned)
+            result = self.incidents.write(
+                view, decision, result, spikes, replays=replays, naming=naming,
+                resolve=self.gradients.parameters, batch=self.local.batch,
+                guarded=self._guarded,
+            )
         self._seconds += time.perf_counter() - started - not_ours
         if self.metrics is not None:
             self.metrics.observe_step(result, self._seconds)
         self._reset()
         self.step_index += 1
         if decision.action in (ABORT, EXCLUDE):
-            self._raise(decision, result)
+            stop.stop(
+                decision, result, incident.describe_abort(decision, result), config=self.config,
+                identity=self.identity, exchange=self.exchange, job_id=self.job_id,
+                guarded=self._guarded, lingering=self.metrics is not None,
+            )
         return result
+
+    def _callers_step(self, *_: Any) -> None:
+        """Optimizer step post-hook for ``step(optimizer_step=False)``: undo the cooldown and
+        keep the snapshot after the caller's own update, as :meth:`step` does after its own."""
+        pending, self._after_step = self._after_step, None
+        if pending is not None:
+            saved_lr, view, current = pending
+            self.cooldown.undo(self.optimizer, saved_lr)
+            self._maybe_snapshot(view, current)
 
     def _maybe_snapshot(self, view: ClusterView, current: dict[str, list[float | None]]) -> None:
         """Keep the state after a healthy, quiet step as the last good one, every N steps."""
@@ -319,38 +349,27 @@ class Sentinel:
     def state_dict(self) -> dict[str, Any]:
         """Step counter, policy history, spike references, cooldown and quarantine, to be saved
         with the training checkpoint so that a restarted job carries on where it left off."""
-        h = self.history
         return {
             "step": self.step_index,
-            "consecutive_skips": h.consecutive_skips,
-            "strikes": {host: list(s) for host, s in h.strikes.items()},
-            "excluded": list(h.excluded),
-            "rollbacks": dict(h.rollbacks),
-            "skip_batches": h.skip_batches,
+            **self.history.state_dict(),
             "spikes": self.spikes.state_dict(),
-            "cooldown": [self.cooldown.factor, self.cooldown.steps_left],
+            "cooldown": self.cooldown.state_dict(),
             "quarantine": sorted(self.quarantine),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what :meth:`state_dict` saved."""
         self.step_index = int(state["step"])
-        self.history = History(
-            consecutive_skips=int(state.get("consecutive_skips", 0)),
-            strikes={h: [int(s) for s in v] for h, v in state.get("strikes", {}).items()},
-            excluded=list(state.get("excluded", [])),
-            rollbacks={int(k): int(v) for k, v in state.get("rollbacks", {}).items()},
-            skip_batches=int(state.get("skip_batches", 0)),
-        )
+        self.history = History.from_state_dict(state)
         if "spikes" in state:
             self.spikes.load_state_dict(state["spikes"])
         if "cooldown" in state:
-            self.cooldown.factor, self.cooldown.steps_left = state["cooldown"]
+            self.cooldown.load_state_dict(state["cooldown"])
         self.quarantine = set(state.get("quarantine", []))
 
     def close(self) -> None:
-        """Stop the metrics server and the watchdog (the DDP hook stays: DDP cannot
-        unregister one)."""
+        """Stop the metrics server and the watchdog (the gradient path stays: DDP cannot
+        unregister a comm hook)."""
         if self.metrics is not None:
             self.metrics.close()
             self.metrics = None
@@ -364,11 +383,36 @@ class Sentinel:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    # --- what the gradient paths report to (gradpaths.GradientSink) -------------------------
+
+    def before_reduction(self, local_grads: torch.Tensor) -> None:
+        """The step's first local gradients are about to be reduced: arm the watchdog on the
+        step's collectives and write a due grad drill into them (before the reduction, as a
+        real fault would be)."""
+        self._arm()
+        if self.injector.poison("grad", self.step_index, local_grads):
+            self.local.injected = True
+
+    def add_grad_norm(self, norm: torch.Tensor) -> None:
+        self.local.add_grads(norm)
+
+    def launch_exchange(self) -> None:
+        """Pack this rank's health row and start summing it across ranks (asynchronous)."""
+        self._arm()
+        self.exchange.launch(self.step_index, self.local.row())
+
+    def collective_failed(self, step: int, cause: BaseException | None) -> ExchangeTimeoutError:
+        return self.exchange.diagnose(step, self.identities, cause)
+
+    def spent(self, seconds: float) -> None:
+        self._seconds += seconds
+
     # --- internals ---------------------------------------------------------------------------
 
     def _reset(self) -> None:
         self.local = LocalHealth(self.device)
         self._seconds = 0.0
+        self.gradients.reset()
 
     def _arm(self) -> None:
         if self.watchdog is not None:
@@ -378,44 +422,21 @@ class Sentinel:
         if self.watchdog is not None:
             self.watchdog.disarm()
 
+    @contextlib.contextmanager
+    def _guarded(self) -> Iterator[None]:
+        """The watchdog armed around a collective outside the step's own (replay, gather,
+        barrier), so that a rank that dies there is named too."""
+        self._arm()
+        try:
+            yield
+        finally:
+            self._disarm()
+
     def _on_timeout(self, step: int) -> None:
-        """Watchdog thread: the step's collectives are stuck (a rank froze or died where no
-        Python timeout reaches). Name the missing ranks, leave a verdict for the launcher and
-        end the process, as NCCL's watchdog does; torchrun restarts or ends the job."""
-        error = self.exchange.diagnose(step, self.identities, None)
-        log.error("%s", error)
-        self._write_verdict(step, "exchange_timeout", str(error), missing=error.missing)
-        for handler in logging.getLogger().handlers + log.handlers:
-            handler.flush()
-        if self.rank == 0:
-            # Without torchrun's agent store, rank 0 hosts the rendezvous store: linger so the
-            # other live ranks can finish their own diagnosis before it goes away.
-            time.sleep(diagnosis_grace(self.config.exchange_timeout))
-        from nansentinel.exitcodes import EXIT_EXCHANGE_TIMEOUT
-
-        os._exit(EXIT_EXCHANGE_TIMEOUT)
-
-    def _write_verdict(self, step: int, outcome: str, message: str, **extra: Any) -> None:
-        """Leave this rank's verdict where ``nansentinel run`` looks for it (if launched so)."""
-        if not self.config.run_dir:
-            return
-        from nansentinel.verdicts import write_verdict
-
-        payload = {
-            "rank": self.rank,
-            "local_rank": self.identity.local_rank,
-            "hostname": self.identity.hostname,
-            "step": step,
-            "outcome": outcome,
-            "message": message,
-            "bad_ranks": [],
-            "bad_hosts": [],
-            "kinds": [],
-            "excluded_host": None,
-            "report_path": None,
-        }
-        payload.update(extra)
-        write_verdict(self.config.run_dir, self.rank, payload)
+        stop.on_timeout(
+            step, config=self.config, identity=self.identity, exchange=self.exchange,
+            identities=self.identities,
+        )
 
     def _require_open(self, what: str) -> None:
         if self.exchange.launched:
@@ -424,36 +445,6 @@ class Sentinel:
                 "after this step's health exchange already left with the gradients; call "
                 "check_batch/check_loss before loss.backward(), then step()"
             )
-
-    def _comm_hook(self, state, bucket):  # type: ignore[no-untyped-def]
-        """DDP comm hook: check the bucket on this rank, then average it across ranks as DDP's
-        default does (NCCL: one AVG all-reduce; gloo: scale by 1/world, then sum); the last
-        bucket launches the exchange.
-
-        Deliberately unannotated: DDP inspects the annotations and rejects the string forms
-        that ``from __future__ import annotations`` produces."""
-        started = time.perf_counter()
-        self._arm()
-        buffer = bucket.buffer()
-        first = not self.local.grad_norms
-        if first and self.injector.poison("grad", self.step_index, buffer):
-            self.local.injected = True
-        # One norm over the flat bucket: one read of contiguous memory, one kernel.
-        self.local.add_grads(checks.tensor_norm(buffer))
-        if self.exchange.supports_avg:
-            work = dist.all_reduce(buffer, dist.ReduceOp.AVG, self.exchange.group, async_op=True)
-        else:  # gloo has no AVG: scale first, as DDP's own path does
-            buffer.mul_(1.0 / self.world_size)
-            work = dist.all_reduce(buffer, group=self.exchange.group, async_op=True)
-        future = self.exchange.diagnosed(work.get_future(), self.step_index, self.identities)
-        if bucket.is_last():
-            self._launch()
-        self._seconds += time.perf_counter() - started
-        return future
-
-    def _launch(self) -> None:
-        self._arm()
-        self.exchange.launch(self.step_index, self.local.row())
 
     def _result(
         self, view: ClusterView, decision: Decision, spikes: Spikes, verdict: str | None,
@@ -479,113 +470,14 @@ class Sentinel:
             local_spikes=spikes.of_rank(self.rank),
             quarantined=view.quarantined,
             rolled_back_to=rolled_back_to,
-            lr_factor=self.cooldown.factor if self.cooldown.steps_left > 0 else 1.0,
+            lr_factor=self.cooldown.lr_factor,
             reason=decision.reason,
         )
 
-    def _incident(
-        self, view: ClusterView, decision: Decision, result: StepResult, spikes: Spikes,
-        replays: list[dict[str, Any]], poisoned: list[str] | None,
-    ) -> StepResult:
-        """After a detection (or a spike, or a rollback): the poisoned ranks name their
-        parameters and save their batch, every rank shares that detail (one gather, only now),
-        rank 0 writes the report."""
-        stem = report.incident_stem(self.job_id, view.step)
-        base = Path(self.config.report_dir)
-        detail: dict[str, Any] = {}
-        mine = view.ranks[self.rank]
-        batch = self.local.batch
-        failed = self.metrics.observe_report_failure if self.metrics is not None else None
-        if self.rank in decision.bad_ranks:
-            if poisoned:
-                detail["parameters"] = poisoned
-            if batch is not None and not self.config.save_batches:
-                detail["batch_not_saved"] = "save_batches=False"
-            elif batch is not None:
-                path, error = report.attempt(
-                    "batch", lambda: report.save_batch(base / f"{stem}-rank{self.rank}-batch.pt",
-                                                       batch),
-                    rank=self.rank, step=view.step, failed=failed,
-                )
-                detail.update({"batch_path": str(path)} if path else {"batch_error": error})
-        self._arm()
-        details: list[dict[str, Any]] = self.exchange.gather_json(detail)  # type: ignore[assignment]
-        self._disarm()
-        parameters = {r: d["parameters"] for r, d in enumerate(details) if d.get("parameters")}
-        result = dataclasses.replace(result, parameters=parameters)
-        for d, r in zip(details, replays or [{}] * len(details), strict=True):
-            d.update(r)
-        message = incident.describe(view, decision, result, spikes)
-        if self.rank == 0:
-            payload = incident.payload(
-                view, decision, result, spikes, details, message, job_id=self.job_id,
-                policy=self.config.policy, world_size=self.world_size,
-            )
-            path, _ = report.attempt("report", lambda: report.write_json(base / f"{stem}.json",
-                                     payload), rank=self.rank, step=view.step, failed=failed)
-            if path is not None:
-                result = dataclasses.replace(result, report_path=str(path))
-            log.log(
-                logging.ERROR if decision.action in (ABORT, EXCLUDE) else logging.WARNING,
-                "%s%s", message, f"; report: {result.report_path}" if result.report_path else "",
-            )
-        if self.rank in decision.bad_ranks:
-            params, batch_path = detail.get("parameters"), detail.get("batch_path")
-            log.warning(
-                "nansentinel: rank %d on host %s (local rank %d, %s): non-finite %s at step %d%s%s",
-                self.rank, self.identity.hostname, self.identity.local_rank, self.identity.device,
-                ", ".join(mine.kinds), view.step,
-                f"; parameters: {incident.first(params, 8)}" if params else "",
-                f"; batch saved to {batch_path}" if batch_path else "",
-            )
-        return result
 
-    def _nonfinite_parameters(self) -> list[str]:
-        """Names of the parameters whose gradient holds a non-finite value: one fused norm per
-        (device, dtype) group and one host copy — paid only after a detection."""
-        names = []
-        for group, norms in checks.param_grad_norms(list(self.model.parameters())):
-            for i in (~torch.isfinite(norms)).nonzero().flatten().tolist():
-                names.append(self._names.get(id(group[i]), f"<unnamed {i}>"))
-        return names
-
-    def _raise(self, decision: Decision, result: StepResult) -> None:
-        message = incident.describe_abort(decision, result)
-        if self.config.exclusion_file and decision.exclude_host and self.rank == 0:
-            from nansentinel.exclusion import ExclusionRecord, ExclusionStore
-
-            ExclusionStore(self.config.exclusion_file).add(
-                ExclusionRecord(
-                    host=decision.exclude_host,
-                    reason=decision.reason,
-                    step=result.step,
-                    evidence={
-                        "bad_ranks": result.bad_ranks,
-                        "kinds": result.kinds,
-                        "strikes": decision.strikes,
-                        "report_path": result.report_path,
-                    },
-                    time=time.time(),
-                    job_id=self.job_id,
-                )
-            )
-        self._write_verdict(
-            result.step, result.outcome, message, bad_ranks=result.bad_ranks,
-            bad_hosts=result.bad_hosts, kinds=result.kinds,
-            excluded_host=decision.exclude_host, report_path=result.report_path,
-        )
-        # Rank 0's report and the exclusion record are on disk before anyone raises.
-        self._arm()
-        self.exchange.barrier()
-        self._disarm()
-        if self.metrics is not None and self.config.metrics_linger > 0:
-            log.info(
-                "nansentinel: rank %d keeps its exporter up %g s for the final scrape",
-                self.rank, self.config.metrics_linger,
-            )
-            time.sleep(self.config.metrics_linger)
-        error = HostExcludedError if decision.action == EXCLUDE else NonFiniteError
-        raise error(message, result)
+def _local_device(param: torch.Tensor) -> torch.device:
+    """Where this rank's share of ``param`` lives (a DTensor's local shard's device)."""
+    return param.to_local().device if hasattr(param, "to_local") else param.device
 
 
 def _identity(

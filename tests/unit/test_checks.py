@@ -57,10 +57,8 @@ def test_grad_norms_per_tensor_and_grouping_by_dtype() -> None:
     assert math.isnan(checks.grad_norms(grads)[1])
     half = [torch.full((4096,), 60000.0, dtype=torch.float16)]  # fp32 accumulation: no overflow
     assert math.isfinite(float(checks.grad_norms(half)[0]))
-    params = [torch.nn.Parameter(torch.zeros(2)), torch.nn.Parameter(torch.zeros(2).half()),
-              torch.nn.Parameter(torch.zeros(3))]
-    for p in params:
-        p.grad = torch.ones_like(p)
-    groups = checks.by_device_and_dtype(params)
-    assert [[id(p) for p in g] for g in groups] == [[id(params[0]), id(params[2])],
-                                                    [id(params[1])]]
+    mixed = [torch.ones(2), torch.ones(2).half(), torch.full((3,), math.nan)]
+    groups = checks.grouped_norms(mixed)
+    assert [idx for idx, _ in groups] == [[0, 2], [1]]
+    assert groups[0][1][0].item() == pytest.approx(math.sqrt(2))
+    assert math.isnan(groups[0][1][1].item())

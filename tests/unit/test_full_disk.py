@@ -17,6 +17,7 @@ import torch
 from prometheus_client import CollectorRegistry
 
 import nansentinel
+from tests.distributed.harness import free_port
 from tests.unit.test_sentinel import one_step
 
 
@@ -38,8 +39,9 @@ def make(report_dir: Path, registry: CollectorRegistry, **kw: object
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    kw.setdefault("metrics_port", 0)
     s = nansentinel.Sentinel(model, opt, report_dir=str(report_dir), env={}, registry=registry,
-                             metrics_port=0, **kw)
+                             metrics_addr="127.0.0.1", **kw)
     return model, s
 
 
@@ -55,8 +57,8 @@ def test_full_disk_training_goes_on_and_failures_are_counted(
 ) -> None:
     registry = CollectorRegistry()
     with small_tmpfs(tmp_path / "disk", "64k") as disk:
-        model, s = make(disk / "reports", registry)
-        s.metrics = _metrics(s, registry)
+        # The exporter on, as in production: its counter is what the failures reach.
+        model, s = make(disk / "reports", registry, metrics_port=free_port())
         first = one_step(model, s, nan_batch())  # written while there is room
         kept = {p: p.read_bytes() for p in (disk / "reports").iterdir()}
         assert first.report_path and len(kept) == 2  # the report and the batch
@@ -90,9 +92,3 @@ def test_save_batches_false_keeps_the_batch_off_disk(tmp_path: Path) -> None:
     assert "batch_path" not in rep["poisoned"][0]
     assert [p.suffix for p in (tmp_path / "r").iterdir()] == [".json"]
     s.close()
-
-
-def _metrics(s: nansentinel.Sentinel, registry: CollectorRegistry):  # type: ignore[no-untyped-def]
-    from nansentinel.metrics import SentinelMetrics
-
-    return SentinelMetrics(s.identity, registry=registry)

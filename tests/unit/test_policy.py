@@ -65,3 +65,15 @@ def test_strikes_within_window_exclude_a_host_but_never_the_only_one() -> None:
     d = decide(v, h2, cfg)
     h2.record(v, d, cfg)
     assert h2.strikes == {}
+
+
+def test_history_saves_its_own_state_under_the_checkpoint_keys() -> None:
+    h = History(consecutive_skips=2, strikes={"node3": [4, 9]}, excluded=["node7"],
+                rollbacks={10: 1}, skip_batches=3)
+    state = h.state_dict()
+    assert set(state) == {"consecutive_skips", "strikes", "excluded", "rollbacks",
+                          "skip_batches"}
+    # JSON-style keys (a checkpoint written as JSON turns int keys into strings) load too.
+    state["rollbacks"] = {"10": 1}
+    assert History.from_state_dict(state) == h
+    assert History.from_state_dict({}) == History()

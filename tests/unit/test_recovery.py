@@ -53,3 +53,15 @@ def test_cooldown_scales_around_the_step_and_composes_with_a_scheduler() -> None
     cool.start(0.5, steps=5)
     cool.start(0.5, steps=5)  # a second rollback during the cooldown compounds
     assert cool.factor == 0.25
+
+
+def test_cooldown_saves_its_own_state_and_loads_older_pairs() -> None:
+    c = Cooldown()
+    c.start(0.5, 3)
+    restored = Cooldown()
+    restored.load_state_dict(c.state_dict())
+    assert (restored.factor, restored.steps_left, restored.lr_factor) == (0.5, 3, 0.5)
+    older = Cooldown()
+    older.load_state_dict([0.25, 7])  # what checkpoints before 0.2 hold
+    assert (older.factor, older.steps_left) == (0.25, 7)
+    assert Cooldown().lr_factor == 1.0

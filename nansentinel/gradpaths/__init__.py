@@ -1,0 +1,87 @@
+"""Where this rank's gradients are checked: always on the local gradients, before they are
+reduced across ranks, because after the reduction a NaN from one rank is on every rank.
+
+One path is chosen once, at construction, from the model the user hands the Sentinel:
+
+- ``ddp``: a ``DistributedDataParallel`` model. Its communication hook checks each flat bucket,
+  then averages it as DDP's default does; the last bucket launches the health exchange.
+- ``fsdp``: an FSDP2 (``fully_shard``) model, 1-D or HSDP. A custom reduce-scatter checks each
+  FSDP group's flat, padded, unsharded gradient buffer, then runs FSDP's own reduce-scatter
+  unchanged; the exchange leaves at ``step()``.
+- ``local``: anything else (one process, or users who reduce gradients by hand and call
+  ``check_grads()`` before their reduction): one fused norm per (device, dtype) group of the
+  local ``.grad`` tensors.
+
+Each path talks to the sentinel through the few methods of :class:`GradientSink`, so it can be
+read (and replaced) without the rest of the step.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import torch
+
+from nansentinel.result import ExchangeTimeoutError
+
+
+class GradientSink(Protocol):
+    """What a gradient path reports to (the Sentinel)."""
+
+    @property
+    def step_index(self) -> int: ...
+
+    def before_reduction(self, local_grads: torch.Tensor) -> None:
+        """``local_grads`` is about to be reduced: arm the watchdog, fire a due grad drill."""
+
+    def add_grad_norm(self, norm: torch.Tensor) -> None:
+        """Record one 0-d gradient norm of this rank (on the device; no host sync)."""
+
+    def launch_exchange(self) -> None:
+        """Start the health exchange now (the last reduction of the step has been launched)."""
+
+    def collective_failed(self, step: int, cause: BaseException | None) -> ExchangeTimeoutError:
+        """The error that names the missing ranks after a collective of ``step`` failed."""
+
+    def spent(self, seconds: float) -> None:
+        """Add ``seconds`` of the sentinel's own work to this step's cost."""
+
+
+class GradPath(Protocol):
+    """One way of checking the local gradients before their reduction."""
+
+    #: ``ddp``, ``fsdp`` or ``local``.
+    name: str
+
+    def check_now(self) -> None:
+        """Check the local gradients now, at ``check_grads()`` (or at ``step()`` when no
+        reduction checked them this step: no backward, or every micro-batch under ``no_sync``)."""
+
+    def naming_detail(self, poisoned: bool) -> dict[str, Any]:
+        """After a gradient fault, on every rank, before the gradients are discarded: what this
+        rank contributes to naming the parameters (JSON-able; shared in the incident's gather).
+        ``poisoned``: this rank's own gradients were non-finite."""
+
+    def parameters(self, details: list[dict[str, Any]]) -> dict[int, list[str]]:
+        """Poisoned rank -> fully-qualified names of its parameters whose local gradients were
+        non-finite before the reduction, from every rank's gathered detail."""
+
+    def reset(self) -> None:
+        """Forget this step's per-parameter records (called after every decision)."""
+
+
+def attach(model: torch.nn.Module, sink: GradientSink) -> GradPath:
+    """Choose and install the gradient path for ``model`` (once, at construction)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    if isinstance(model, DistributedDataParallel):
+        from nansentinel.gradpaths.ddp import DDPPath
+
+        return DDPPath(model, sink)
+    from nansentinel.gradpaths import fsdp
+
+    if fsdp.is_fsdp(model):
+        return fsdp.FSDPPath(model, sink)
+    from nansentinel.gradpaths.local_grads import LocalGradPath
+
+    return LocalGradPath(model, sink)

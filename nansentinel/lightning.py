@@ -1,0 +1,157 @@
+"""PyTorch Lightning: the sentinel as one callback.
+
+::
+
+    from nansentinel.lightning import SentinelCallback
+    trainer = L.Trainer(strategy="ddp", devices=8, num_nodes=4, callbacks=[SentinelCallback()])
+
+Lightning runs the loop, wraps the model in DDP and steps the optimizer itself, so the three
+calls go into its hooks (the order is Lightning 2.6's automatic optimization):
+
+- ``on_train_start`` — after ``strategy.setup`` has wrapped the model: the :class:`Sentinel` is
+  built on ``trainer.strategy.model`` (the DDP module, or the LightningModule on one device),
+  which registers its DDP comm hook before the first backward. Lightning's own
+  ``ddp_comm_hook`` argument is honoured on CUDA only; this path works on every device.
+- ``on_train_batch_start`` — ``check_batch`` (once per micro-batch under accumulation).
+- ``on_before_backward`` — ``check_loss``; the backward then runs the comm hook, which checks
+  each bucket before its all-reduce (no comm hook under ``no_sync`` micro-batches: the last one
+  carries the whole accumulated gradient).
+- ``on_before_optimizer_step`` — ``step(optimizer_step=False)``, inside Lightning's closure,
+  after backward and before gradient clipping and the optimizer's update. A skip sets every
+  gradient to None, so the update that follows changes neither weights nor optimizer state.
+
+On a skipped step Lightning does what it does when its own GradScaler skips: ``global_step``
+advances, step-interval LR schedulers step, and the accumulation window ends (its gradients
+are discarded). An abort raises :class:`~nansentinel.result.NonFiniteError` out of
+``trainer.fit`` on every rank.
+
+Importing this module imports Lightning; importing ``nansentinel`` does not.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+
+from nansentinel.config import SentinelConfig
+from nansentinel.result import SentinelUsageError, StepResult
+from nansentinel.sentinel import Sentinel
+
+
+class SentinelCallback(pl.Callback):
+    """Checks every rank's batch, loss and gradients before the all-reduce; skips, rolls back
+    or aborts the step cluster-wide.
+
+    Args:
+        **overrides: fields of :class:`~nansentinel.config.SentinelConfig` (keyword > env >
+            default), checked here so that a typo fails before the job starts. With
+            ``replay=True`` (the default) a detection is replayed through the
+            LightningModule's own ``training_step``.
+
+    Attributes:
+        sentinel: the :class:`Sentinel`, once training has started.
+        last: the :class:`StepResult` of the latest optimizer step.
+        skipped: ``{step: result}`` of every step that was not applied (skip or rollback).
+    """
+
+    def __init__(self, **overrides: Any) -> None:
+        SentinelConfig.from_env(None, **overrides)  # fail now, not on every rank at fit start
+        self.overrides = overrides
+        self.sentinel: Sentinel | None = None
+        self.last: StepResult | None = None
+        self.skipped: dict[int, StepResult] = {}
+        self._state: dict[str, Any] | None = None
+
+    # --- Lightning hooks, in the order they run ----------------------------------------------
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if not pl_module.automatic_optimization:
+            raise SentinelUsageError(
+                "nansentinel: SentinelCallback needs automatic optimization; with manual "
+                "optimization call sentinel.check_batch/check_loss/step yourself "
+                f"(rank {trainer.global_rank})"
+            )
+        if len(trainer.optimizers) != 1:
+            raise SentinelUsageError(
+                f"nansentinel: SentinelCallback supports one optimizer, the LightningModule "
+                f"configured {len(trainer.optimizers)} (rank {trainer.global_rank})"
+            )
+        self._close()  # a second fit() on the same callback starts afresh
+        scaler = getattr(trainer.precision_plugin, "scaler", None)
+        self.sentinel = Sentinel(
+            trainer.strategy.model, trainer.optimizers[0], scaler=scaler,
+            replay=_replay_training_step, **self.overrides,
+        )
+        if self._state is not None:
+            self.sentinel.load_state_dict(self._state)
+            self._state = None
+
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        self._require().check_batch(batch)
+
+    def on_before_backward(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor
+    ) -> None:
+        self._require().check_loss(loss)
+
+    def on_before_optimizer_step(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any
+    ) -> None:
+        result = self._require().step(optimizer_step=False)
+        self.last = result
+        if not result.applied:
+            self.skipped[result.step] = result
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._close()
+
+    def on_exception(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
+    ) -> None:
+        self._close()
+
+    # --- checkpoints: the sentinel's counters travel with Lightning's ------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        if self.sentinel is not None:
+            return self.sentinel.state_dict()
+        return dict(self._state or {})
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        # Lightning restores callbacks before on_train_start builds the sentinel.
+        if self.sentinel is not None:
+            self.sentinel.load_state_dict(state_dict)
+        else:
+            self._state = dict(state_dict) if state_dict else None
+
+    # --- internals ---------------------------------------------------------------------------
+
+    def _require(self) -> Sentinel:
+        if self.sentinel is None:
+            raise SentinelUsageError(
+                "nansentinel: SentinelCallback saw a training batch before on_train_start "
+                "built the sentinel; is the callback passed to Trainer(callbacks=[...])?"
+            )
+        return self.sentinel
+
+    def _close(self) -> None:
+        if self.sentinel is not None:
+            self.sentinel.close()
+
+
+def _replay_training_step(module: torch.nn.Module, batch: Any) -> torch.Tensor:
+    """Replay function built from the LightningModule's own ``training_step``."""
+    output = module.training_step(batch, 0)  # type: ignore[operator]
+    if isinstance(output, Mapping):
+        output = output.get("loss")
+    if not isinstance(output, torch.Tensor):
+        raise SentinelUsageError(
+            "nansentinel: training_step returned no loss tensor during the replay; "
+            "pass replay=False to SentinelCallback"
+        )
+    return output

@@ -1,0 +1,192 @@
+"""FSDP2 / HSDP training loops run on gloo ranks by the FSDP tests (importable by spawned ranks).
+
+Faults are the test's own, made by the model and the data rather than by NANSENTINEL_INJECT:
+``batch`` writes NaN into the batch's float input (so the forward, loss and gradients turn
+non-finite), ``loss`` multiplies the loss by NaN, and ``backward`` passes the forward through a
+function that is the identity forward and writes NaN into the gradient in backward (forward and
+loss stay finite: only a check of the local gradients before the reduce-scatter can see it).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+
+import nansentinel
+from nansentinel.demo import VOCAB, TinyTransformer, synthetic_batch
+
+#: (step, rank) -> kind of fault, set per step by the loop.
+Faults = dict[tuple[int, int], str]
+
+
+class _PoisonGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        grad = grad.clone()
+        grad.view(-1)[0] = math.nan
+        return grad
+
+
+class PoisonableTransformer(TinyTransformer):
+    """The demo model with a switch that poisons the gradient of the embedding output."""
+
+    poison = False
+
+    def forward(self, tokens: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        h = self.embed(tokens) * scale + self.pos
+        if self.poison:
+            h = _PoisonGrad.apply(h)
+        return self.head(self.encoder(h))
+
+
+def build(world: int, hsdp: bool) -> nn.Module:
+    """The model, sharded like torchtitan does: each encoder layer, then the root."""
+    torch.manual_seed(0)
+    model = PoisonableTransformer()
+    if hsdp:
+        mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
+    else:
+        mesh = init_device_mesh("cpu", (world,))
+    for layer in model.encoder.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def full_weights(model: nn.Module) -> torch.Tensor:
+    """Every parameter gathered whole (a collective: every rank calls it)."""
+    return torch.cat([p.full_tensor().detach().reshape(-1) for p in model.parameters()])
+
+
+def train_fsdp(rank: int, world: int, *, steps: int, report_dir: str, hsdp: bool = False,
+               faults: Faults | None = None, sentinel: bool = True, accumulate: int = 1,
+               **overrides: Any) -> dict[str, Any]:
+    """Train the sharded model; return each step's result and the full final weights.
+
+    ``accumulate``: micro-batches per step, all but the last without gradient sync."""
+    faults = faults or {}
+    model = build(world, hsdp)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    watcher = (nansentinel.Sentinel(model, opt, report_dir=report_dir, **overrides)
+               if sentinel else None)
+    loss_fn = nn.CrossEntropyLoss()
+    records, error = [], None
+    try:
+        for step in range(steps):
+            kind = faults.get((step, rank))
+            for micro in range(accumulate):
+                # Micro-batches before the last accumulate unsharded gradients without a
+                # reduce-scatter; the fault sits in the first one.
+                model.set_requires_gradient_sync(micro == accumulate - 1)
+                batch = synthetic_batch(rank, step * accumulate + micro)
+                hit = kind if micro == 0 else None
+                if hit == "batch":
+                    batch["scale"][0, 0, 0] = math.nan
+                if watcher is not None:
+                    watcher.check_batch(batch)
+                model.poison = hit == "backward"
+                logits = model(batch["tokens"], batch["scale"])
+                loss = loss_fn(logits.reshape(-1, VOCAB), batch["targets"].reshape(-1))
+                if hit == "loss":
+                    loss = loss * math.nan
+                if watcher is not None:
+                    watcher.check_loss(loss / accumulate)
+                (loss / accumulate).backward()
+            if watcher is None:
+                opt.step()
+                opt.zero_grad()
+                continue
+            r = watcher.step()
+            opt.zero_grad(set_to_none=True)
+            records.append({
+                "step": r.step, "applied": r.applied, "outcome": r.outcome,
+                "bad_ranks": r.bad_ranks, "kinds": r.kinds, "local_kinds": r.local_kinds,
+                "parameters": r.parameters, "report_path": r.report_path,
+                "rolled_back_to": r.rolled_back_to, "verdict": r.verdict,
+                "local_grad_norm": r.local_grad_norm,
+            })
+    except nansentinel.NonFiniteError as exc:
+        error = {"type": type(exc).__name__, "message": str(exc), "step": exc.result.step,
+                 "report_path": exc.result.report_path}
+    finally:
+        if watcher is not None:
+            watcher.close()
+    return {"records": records, "weights": full_weights(model), "error": error,
+            "path": watcher.gradients.name if watcher is not None else None}
+
+
+#: Faults of the matrix: a backward-only poison at step 0, a batch fault, two ranks at once (a
+#: loss and a backward-only poison), healthy steps between them; and a fire drill at step 5.
+MATRIX: Faults = {(0, 1): "backward", (2, 3): "batch", (4, 0): "loss", (4, 2): "backward"}
+DRILL = "kind=grad,rank=3,step=5"
+
+
+def scenarios(rank: int, world: int, *, report_dir: str) -> dict[str, Any]:
+    """Every FSDP scenario of the tests in one process group (spawning ranks is the slow part
+    on a small CI machine): the fault matrix on a 1-D mesh and on a 2x2 HSDP mesh, healthy
+    runs with and without the sentinel, an abort, a rollback and its reference, and the
+    refused setups."""
+    runs: dict[str, Any] = {}
+    for mesh, hsdp in (("fsdp", False), ("hsdp", True)):
+        runs[f"matrix-{mesh}"] = train_fsdp(
+            rank, world, steps=7, faults=MATRIX, hsdp=hsdp, inject=DRILL,
+            report_dir=f"{report_dir}/matrix-{mesh}",
+        )
+        for watched in (False, True):
+            runs[f"healthy-{mesh}-{'watched' if watched else 'plain'}"] = train_fsdp(
+                rank, world, steps=4, hsdp=hsdp, sentinel=watched, report_dir=report_dir,
+            )
+    runs["abort"] = train_fsdp(rank, world, steps=4, faults={(2, 3): "backward"},
+                               policy="abort", report_dir=f"{report_dir}/abort")
+    # A snapshot after step 0 only; the rollback at step 3 must bring back exactly the
+    # weights (and optimizer state) of one plain step.
+    runs["rollback"] = train_fsdp(rank, world, steps=4, faults={(3, 1): "backward"},
+                                  policy="rollback", snapshot_every=100,
+                                  report_dir=f"{report_dir}/rollback")
+    runs["one-step"] = train_fsdp(rank, world, steps=1, sentinel=False, report_dir=report_dir)
+    runs["accumulate"] = train_fsdp(rank, world, steps=3, accumulate=2, hsdp=True,
+                                    faults={(1, 2): "backward"}, report_dir=report_dir)
+    runs["refused"] = {s: refused(rank, world, setup=s)
+                       for s in ("replicate-only", "unsharded-root", "placement-fn")}
+    return runs
+
+
+def refused(rank: int, world: int, *, setup: str) -> str:
+    """Build an unsupported FSDP setup and return the Sentinel's error message."""
+    torch.manual_seed(0)
+    model = TinyTransformer()
+    if setup == "replicate-only":
+        mesh = init_device_mesh("cpu", (world, 1), mesh_dim_names=("replicate", "shard"))
+        fully_shard(model, mesh=mesh)
+    elif setup == "unsharded-root":
+        for layer in model.encoder.layers:
+            fully_shard(layer, mesh=init_device_mesh("cpu", (world,)))
+    elif setup == "placement-fn":
+        mesh = init_device_mesh("cpu", (world,))
+        from torch.distributed.fsdp import FSDPModule  # noqa: F401 - import check only
+
+        fully_shard(model.head, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        state = model._get_fsdp_state()  # a second param group, as shard_placement_fn makes
+        state._fsdp_param_groups.append(state._fsdp_param_groups[0])
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    try:
+        nansentinel.Sentinel(model, opt)
+    except nansentinel.SentinelUsageError as exc:
+        return str(exc)
+    return "no error"
+
+
+def one_process(rank: int, world: int, *, report_dir: str) -> dict[str, Any]:
+    """FSDP2 on a world of one: FSDP reduces nothing (no reduce-scatter is called), so the
+    sentinel checks the local gradients at ``step()``."""
+    return train_fsdp(rank, world, steps=3, faults={(1, 0): "backward"}, report_dir=report_dir)

@@ -1,0 +1,37 @@
+"""Faults the model makes itself, for the framework tests (no injector involved)."""
+
+from __future__ import annotations
+
+import torch
+
+
+class PoisonGrad(torch.autograd.Function):
+    """Identity forward; NaN in the gradient on the way back: a backward-only fault that the
+    loss cannot show, visible only in this rank's gradients before the all-reduce."""
+
+    @staticmethod
+    def forward(ctx, x):  # type: ignore[no-untyped-def]
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[no-untyped-def]
+        return torch.full_like(grad, float("nan"))
+
+
+def fault(h: torch.Tensor, kind: str | None) -> torch.Tensor:
+    """``log0``: a forward ``log(0)`` (-inf in the activations and the loss); ``grad``: the
+    backward-only poison; None: unchanged."""
+    if kind == "log0":
+        return h + torch.log(torch.zeros_like(h[..., :1]))
+    if kind == "grad":
+        return PoisonGrad.apply(h)
+    return h
+
+
+def parse_faults(spec: str) -> dict[tuple[int, int], str]:
+    """``"2:0:log0,4:1:grad"`` → ``{(step, rank): kind}``."""
+    out = {}
+    for part in filter(None, spec.split(",")):
+        step, rank, kind = part.split(":")
+        out[(int(step), int(rank))] = kind
+    return out

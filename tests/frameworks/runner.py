@@ -1,0 +1,90 @@
+"""Run a framework worker script in its own processes, bounded in time, and read what each
+rank wrote. Every process of the run is killed when it overruns: nothing is left behind."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[1]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run(argv: list[str], out: Path, *, timeout: float, env: dict[str, str] | None = None
+        ) -> subprocess.CompletedProcess[str]:
+    """Run ``argv`` in a new session (so that a timeout kills the launcher's children too),
+    with this checkout first on the path and reports under ``out/reports``."""
+    out.mkdir(parents=True, exist_ok=True)
+    full = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+        "NANSENTINEL_REPORT_DIR": str(out / "reports"),
+        "MASTER_PORT": str(free_port()),
+        "OMP_NUM_THREADS": "1",
+        "NANSENTINEL_METRICS_PORT": "0",  # no fixed port shared with other runs on this host
+        **(env or {}),
+    }
+    proc = subprocess.Popen(argv, cwd=out, env=full, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        stdout, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        stdout, _ = proc.communicate()
+        raise AssertionError(f"{argv} overran {timeout} s; output:\n{stdout[-6000:]}") from None
+    return subprocess.CompletedProcess(argv, proc.returncode, stdout, "")
+
+
+def python(script: str, *args: str) -> list[str]:
+    return [sys.executable, str(HERE / script), *args]
+
+
+def torchrun(script: str, *args: str, nproc: int = 2) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone",
+            f"--nproc-per-node={nproc}", str(HERE / script), *args]
+
+
+def nansentinel_run(script: str, *args: str, nproc: int = 2) -> list[str]:
+    return [sys.executable, "-m", "nansentinel", "run", "--standalone",
+            f"--nproc-per-node={nproc}", "--monitor-interval=0.2", str(HERE / script), *args]
+
+
+def ranks(out: Path, world: int, proc: subprocess.CompletedProcess[str]) -> list[dict[str, Any]]:
+    """Each rank's JSON, in rank order; a missing one fails with the run's output."""
+    found = []
+    for r in range(world):
+        path = out / f"rank{r}.json"
+        assert path.exists(), f"rank {r} wrote nothing (exit {proc.returncode}):\n" \
+            f"{proc.stdout[-6000:]}"
+        found.append(json.loads(path.read_text()))
+    return found
+
+
+def assert_same_finite_weights(results: list[dict[str, Any]]) -> None:
+    first = results[0]["weights"]
+    for res in results:
+        flat = [v for t in res["weights"] for v in t]
+        assert flat and all(math.isfinite(v) for v in flat), f"rank {res['rank']}: non-finite"
+        assert res["weights"] == first, f"rank {res['rank']}'s weights differ from rank 0's"
+
+
+def assert_report_names(path: str | None, rank: int, kind: str) -> dict[str, Any]:
+    """The incident report exists and blames ``rank`` for ``kind`` (and no other rank)."""
+    assert path and Path(path).exists(), f"no report at {path}"
+    report = json.loads(Path(path).read_text())
+    assert report["bad_ranks"] == [rank], report["bad_ranks"]
+    assert kind in report["ranks"][rank]["kinds"], report["ranks"][rank]
+    return report
