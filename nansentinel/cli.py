@@ -77,6 +77,9 @@ def demo(argv: list[str]) -> int:
         print(f"nansentinel demo: error: {exc}", file=sys.stderr)
         return 2
     os.environ.update(env)
+    # One thread per CPU rank: the ranks share the machine, and torchrun otherwise prints its
+    # OMP_NUM_THREADS banner to a first-time user. A value you exported is kept.
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
     from nansentinel.launcher import main as run
 
     print(

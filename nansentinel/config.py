@@ -51,6 +51,7 @@ ENV_MAX_ROLLBACKS = "NANSENTINEL_MAX_ROLLBACKS"
 ENV_REPLAY = "NANSENTINEL_REPLAY"
 ENV_REPLAY_ANOMALY = "NANSENTINEL_REPLAY_ANOMALY"
 ENV_GATE = "NANSENTINEL_GATE"
+ENV_SAVE_BATCHES = "NANSENTINEL_SAVE_BATCHES"
 #: Kubernetes downward API convention (DCGM's exporter reads the same variable).
 ENV_NODE_NAME = "NODE_NAME"
 
@@ -92,6 +93,7 @@ _ENV_FIELDS: dict[str, tuple[str, str]] = {
     "replay": (ENV_REPLAY, "bool"),
     "replay_anomaly": (ENV_REPLAY_ANOMALY, "bool"),
     "gate": (ENV_GATE, "str"),
+    "save_batches": (ENV_SAVE_BATCHES, "bool"),
 }
 #: Every NANSENTINEL_* variable this package reads; anything else is probably a typo.
 KNOWN_ENV = frozenset(env for env, _ in _ENV_FIELDS.values())
@@ -105,10 +107,14 @@ class ConfigError(ValueError):
     environment variable a bad value came from.
     """
 
-    def __init__(self, message: str, field: str | None = None) -> None:
+    def __init__(
+        self, message: str, field: str | None = None, related: tuple[str, ...] = ()
+    ) -> None:
         super().__init__(message)
         prefix = message.split("=", 1)[0]
         self.field = field or (prefix if prefix.isidentifier() else None)
+        #: Other fields the message is about (a bound between two fields).
+        self.related = related
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)
@@ -226,6 +232,11 @@ class SentinelConfig:
     two differently on different ranks. Opt in when every rank reads results at the same
     points (or only through the sentinel's next call)."""
 
+    save_batches: bool = True
+    """Save the poisoned rank's batch next to the incident report (``torch.save``) so the
+    incident can be reproduced. The batch is the user's training data: files are created
+    0600 in 0700 directories; False keeps it off disk (the report says so)."""
+
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
             raise ConfigError(
@@ -243,6 +254,7 @@ class SentinelConfig:
                 "metrics_certfile and metrics_keyfile must be given together "
                 f"(certfile={self.metrics_certfile!r}, keyfile={self.metrics_keyfile!r})",
                 field="metrics_certfile" if self.metrics_certfile else "metrics_keyfile",
+                related=("metrics_certfile", "metrics_keyfile"),
             )
         _require_int("host_strikes", self.host_strikes, minimum=1)
         _require_int("strike_window", self.strike_window, minimum=1)
@@ -270,7 +282,9 @@ class SentinelConfig:
         _require_int("spike_warmup", self.spike_warmup, minimum=3)
         if self.spike_warmup > self.spike_window:
             raise ConfigError(
-                f"spike_warmup={self.spike_warmup} must not exceed spike_window={self.spike_window}"
+                f"spike_warmup={self.spike_warmup} must not exceed "
+                f"spike_window={self.spike_window}",
+                related=("spike_window",),
             )
         _require_int("snapshot_every", self.snapshot_every, minimum=1)
         if not (isinstance(self.rollback_lr_factor, int | float) and not isinstance(
@@ -280,7 +294,7 @@ class SentinelConfig:
         _require_int("rollback_lr_steps", self.rollback_lr_steps, minimum=0)
         _require_int("rollback_skip_batches", self.rollback_skip_batches, minimum=0)
         _require_int("max_rollbacks", self.max_rollbacks, minimum=1)
-        for name in ("replay", "replay_anomaly"):
+        for name in ("replay", "replay_anomaly", "save_batches"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name}={getattr(self, name)!r} must be True or False")
         if self.gate not in GATES:
@@ -331,9 +345,16 @@ class SentinelConfig:
             return cls(**values)
         except ConfigError as exc:
             # Say where a bad value came from when it came from the environment.
-            if exc.field in _ENV_FIELDS and exc.field in values and exc.field not in overrides:
-                var = _ENV_FIELDS[exc.field][0]
-                raise ConfigError(f"{exc} (from environment variable {var})", exc.field) from None
+            # The field at fault if its value came from the environment; else, for a bound
+            # between two fields, the other one's variable.
+            from_env = [
+                _ENV_FIELDS[f][0] for f in (exc.field, *exc.related)
+                if f in _ENV_FIELDS and f in values and f not in overrides
+            ]
+            if from_env:
+                raise ConfigError(
+                    f"{exc} (from environment variable {from_env[0]})", exc.field, exc.related
+                ) from None
             raise
 
 

@@ -89,6 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     # replay=: after a detection, the batch is replayed to tell data, host and transient apart.
     sentinel = nansentinel.Sentinel(model, optimizer, replay=step_loss)
     start = _resume(args, model, optimizer, sentinel)
+    results: list[nansentinel.StepResult] = []
     try:
         for step in range(start, args.steps):
             batch = sentinel.check_batch(synthetic_batch(rank, step))
@@ -96,6 +97,7 @@ def main(argv: list[str] | None = None) -> int:
             sentinel.check_loss(loss)
             loss.backward()
             result = sentinel.step()
+            results.append(result)
             optimizer.zero_grad(set_to_none=True)
             if rank == 0:
                 bad = (f" bad ranks {result.bad_ranks} hosts {result.bad_hosts} kinds "
@@ -110,8 +112,11 @@ def main(argv: list[str] | None = None) -> int:
             if args.sleep:
                 time.sleep(args.sleep)
         weights = _module(model).state_dict()
-        if not all(torch.isfinite(t).all() for t in weights.values()):
-            raise RuntimeError(f"rank {rank}: weights are not finite after training")
+        checked = weights_check(weights, distributed)
+        if rank == 0:
+            print(summary(results, checked, sentinel.identities), flush=True)
+        if checked != "ok":
+            raise RuntimeError(f"rank {rank}: after training, the weights are {checked}")
         if rank == 0 and args.out:
             write_new(Path(args.out), lambda tmp: torch.save(weights, tmp))
     finally:
@@ -119,6 +124,50 @@ def main(argv: list[str] | None = None) -> int:
         if distributed:
             dist.destroy_process_group()
     return 0
+
+
+def weights_check(weights: dict[str, torch.Tensor], distributed: bool) -> str:
+    """``ok`` when every rank's weights are finite and equal to rank 0's, bit for bit;
+    otherwise what is wrong. Checked, not assumed: rank 0's weights are broadcast and each
+    rank compares, then one all-reduce tells every rank the worst answer."""
+    flat = torch.cat([t.detach().reshape(-1).float() for t in weights.values()])
+    problems = torch.zeros(2)  # [ranks with non-finite weights, ranks that differ]
+    problems[0] = float(not bool(torch.isfinite(flat).all()))
+    if distributed:
+        reference = flat.clone()
+        dist.broadcast(reference, src=0)
+        problems[1] = float(not torch.equal(reference, flat))
+        dist.all_reduce(problems)
+    if problems[0]:
+        return f"not finite on {int(problems[0])} rank(s)"
+    if problems[1]:
+        return f"different from rank 0's on {int(problems[1])} rank(s)"
+    return "ok"
+
+
+def summary(
+    results: list[nansentinel.StepResult], checked: str, ranks: list[nansentinel.RankIdentity]
+) -> str:
+    """The demo's closing lines: steps by outcome, each incident, and the weights check."""
+    outcomes: dict[str, int] = {}
+    for r in results:
+        outcomes[r.outcome] = outcomes.get(r.outcome, 0) + 1
+    counted = ", ".join(f"{n} {outcome.replace('_', ' ')}" for outcome, n in outcomes.items())
+    lines = [f"summary: {len(results)} steps: {counted or 'none run'}"]
+    for r in results:
+        if not (r.bad_ranks or r.spikes):
+            continue
+        where = ", ".join(f"rank {rank} on host {ranks[rank].hostname}" for rank in r.bad_ranks)
+        lines.append(
+            f"  incident at step {r.step}: {where or 'spike'}; non-finite {', '.join(r.kinds)}"
+            f"; verdict {r.verdict or 'none'}; step {r.outcome.replace('_', ' ')}"
+            + (f"; report {r.report_path}" if r.report_path else "")
+        )
+    lines.append(
+        f"  weights: finite and identical on all {len(ranks)} rank(s) (checked)" if checked == "ok"
+        else f"  weights: {checked}"
+    )
+    return "\n".join(lines)
 
 
 def _module(model: nn.Module) -> nn.Module:
@@ -149,7 +198,8 @@ def _resume(args: argparse.Namespace, model: nn.Module, optimizer: torch.optim.O
             sentinel: nansentinel.Sentinel) -> int:
     if not args.checkpoint_dir or not _checkpoint_path(args).exists():
         return 0
-    state = torch.load(_checkpoint_path(args), weights_only=False)
+    # Plain data only (tensors, dicts, numbers, strings): nothing in a file is executed.
+    state = torch.load(_checkpoint_path(args), weights_only=True)
     _module(model).load_state_dict(state["model"])
     optimizer.load_state_dict(state["optimizer"])
     sentinel.load_state_dict(state["sentinel"])

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import io
 import json
 import logging
 import math
@@ -153,6 +154,8 @@ class HealthExchange:
         self._work: dist.Work | None = None
         self._step = -1
         self._diagnosed: tuple[int, ExchangeTimeoutError] | None = None
+        self._checked_in: str | None = None
+        self._checkin_lock = threading.Lock()
         self._lock = threading.Lock()
         # Check-in keys must not collide with an earlier attempt of the same job.
         self._attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
@@ -255,11 +258,30 @@ class HealthExchange:
                 self._diagnosed = (step, self._diagnose(step, identities, cause))
             return self._diagnosed[1]
 
-    def send_object(self, obj: object, src: int, dst: int) -> object | None:
-        """Move one picklable object (e.g. a batch) from rank ``src`` to rank ``dst``; other
-        ranks do nothing. Used only by the replay after a detection."""
-        import io
+    def diagnosed(
+        self, future: torch.futures.Future, step: int, identities: list[RankIdentity]
+    ) -> torch.futures.Future:
+        """``future`` (a gradient bucket's all-reduce) with a failure turned into the one
+        diagnosis of ``step``: DDP then reports, from ``backward()``, the same message naming
+        the missing ranks and hosts as the exchange wait and the watchdog do."""
 
+        def reduced(fut: torch.futures.Future) -> torch.Tensor:
+            try:
+                return fut.value()[0]
+            except RuntimeError as exc:  # a peer died: say which one, not just "reset by peer"
+                raise self.diagnose(step, identities, exc) from exc
+
+        return future.then(reduced)
+
+    def send_object(self, obj: object, src: int, dst: int) -> object | None:
+        """Move one batch-like object from rank ``src`` to rank ``dst``; other ranks do nothing.
+        Used only by the replay after a detection.
+
+        What travels is :func:`plain` of ``obj`` (tensors, strings, numbers, and dicts, lists
+        and tuples of them), and the receiver loads it with ``weights_only=True``: a rank never
+        executes what another rank sends. Bytes that are not such data are refused (logged,
+        None returned), so the replay is skipped rather than anything run.
+        """
         if not (self.distributed and self.world_size > 1) or src == dst:
             return obj if self.rank == dst else None
         if self.rank not in (src, dst):
@@ -268,18 +290,32 @@ class HealthExchange:
         peer = dist.get_global_rank(self.group, other) if self.group is not None else other
         if self.rank == src:
             buf = io.BytesIO()
-            torch.save(obj, buf)
-            data = torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)
-            size = torch.tensor([data.numel()], dtype=torch.int64)
-            dist.send(size.to(self.comm_device), peer, group=self.group)
-            dist.send(data.to(self.comm_device), peer, group=self.group)
+            torch.save(plain(obj)[0], buf)
+            self._send_bytes(buf.getvalue(), peer)
             return None
+        payload = self._recv_bytes(peer)
+        try:
+            return torch.load(io.BytesIO(payload), weights_only=True)
+        except Exception as exc:  # UnpicklingError and whatever a hostile payload raises
+            log.warning(
+                "nansentinel: rank %d refused the batch rank %d sent for replay (not plain data: "
+                "%s: %s); the replay is skipped", self.rank, src, type(exc).__name__,
+                str(exc).splitlines()[0] if str(exc) else "",
+            )
+            return None
+
+    def _send_bytes(self, data: bytes, peer: int) -> None:
+        tensor = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        size = torch.tensor([tensor.numel()], dtype=torch.int64)
+        dist.send(size.to(self.comm_device), peer, group=self.group)
+        dist.send(tensor.to(self.comm_device), peer, group=self.group)
+
+    def _recv_bytes(self, peer: int) -> bytes:
         size = torch.zeros(1, dtype=torch.int64, device=self.comm_device)
         dist.recv(size, peer, group=self.group)
         data = torch.empty(int(size), dtype=torch.uint8, device=self.comm_device)
         dist.recv(data, peer, group=self.group)
-        payload = bytes(data.cpu().contiguous().untyped_storage())
-        return torch.load(io.BytesIO(payload), weights_only=False)
+        return bytes(data.cpu().contiguous().untyped_storage())
 
     def sum_floats(self, values: list[float]) -> list[float]:
         """Element-wise sum of a short float list across ranks (identity alone)."""
@@ -312,20 +348,41 @@ class HealthExchange:
             missing or [],
         )
 
-    def _missing_ranks(self, step: int) -> list[int] | None:
-        """After a timeout, find the ranks that are not stuck with us in the same exchange.
+    def check_in(self, step: int) -> None:
+        """Say at the rendezvous store that this rank is alive in ``step``.
 
-        Every live rank that times out checks in at the rendezvous store; ranks that have not
-        checked in within a short grace period are dead or frozen. This costs nothing on the
-        normal step: the store is touched only after a timeout. None: no store to ask.
+        Called by the diagnosis and, for a step that is merely slow, by the watchdog thread
+        (see watchdog.py): a live rank blocked in C++ behind a live peer must not be named as
+        missing because it noticed the failure late. Keeps one key per rank: the previous
+        step's key is removed. A store that is gone is logged, not raised.
         """
+        store = _default_store()
+        if store is None:
+            return
+        key = f"{_STORE_PREFIX}/{self._attempt}/{step}/{self.rank}"
         try:
-            store = dist.distributed_c10d._get_default_store()
-        except (RuntimeError, ValueError, AttributeError):
+            store.set(key, "1")
+            with self._checkin_lock:  # not self._lock: diagnose() holds that while it calls here
+                previous, self._checked_in = self._checked_in, key
+            if previous is not None and previous != key:
+                store.delete_key(previous)
+        except RuntimeError as exc:  # the store itself may be gone with rank 0
+            log.debug("nansentinel: check-in for step %d failed: %s", step, exc)
+
+    def _missing_ranks(self, step: int) -> list[int] | None:
+        """After a failure, find the ranks that are not alive with us in the same step.
+
+        Every live rank checks in at the rendezvous store: the one that diagnoses, at once;
+        one still blocked in a collective, from its watchdog thread once the step is late.
+        Ranks that have not checked in within the grace period are dead or frozen. This costs
+        nothing on the normal step. None: no store to ask.
+        """
+        store = _default_store()
+        if store is None:
             return None
         prefix = f"{_STORE_PREFIX}/{self._attempt}/{step}"
+        self.check_in(step)
         try:
-            store.set(f"{prefix}/{self.rank}", "1")
             grace = diagnosis_grace(self.timeout)
             keys = [f"{prefix}/{r}" for r in range(self.world_size)]
             try:
@@ -339,14 +396,77 @@ class HealthExchange:
             return None
 
 
+def _default_store() -> dist.Store | None:
+    """The default process group's store (torchrun's agent store, or the init_method's)."""
+    try:
+        return dist.distributed_c10d._get_default_store()
+    except (RuntimeError, ValueError, AttributeError):
+        return None
+
+
 def diagnosis_grace(timeout: float) -> float:
     """Seconds the live ranks give each other to check in after a failed collective.
 
-    It must cover the spread between the moments live ranks notice a peer's death (gloo:
-    one rank at once, another seconds later; measured up to ~3 s here), which does not shrink
-    with a short ``exchange_timeout``: at least 5 s, and up to 10 s for long timeouts.
+    It must cover :func:`late_after` (when a live rank blocked in a collective checks in from
+    its watchdog thread), the watchdog's poll, and the spread between the moments live ranks
+    entered the step: at least 5 s, and up to 10 s for long timeouts.
     """
     return min(10.0, max(5.0, timeout / 2))
+
+
+def late_after(timeout: float) -> float:
+    """Seconds a step may stay unfinished before the watchdog checks its rank in as alive.
+
+    Half the diagnosis grace (2.5 to 5 s): early enough that a peer's diagnosis, which waits
+    the whole grace after its own failure, sees the check-in; late enough that a healthy step
+    almost never pays the one store write.
+    """
+    return diagnosis_grace(timeout) / 2
+
+
+#: Leaf types that travel between ranks and load with ``torch.load(weights_only=True)``.
+_PLAIN_LEAVES = (torch.Tensor, str, bytes, int, float, bool, type(None))
+
+
+def plain(obj: object, where: str = "batch") -> tuple[object, list[str]]:
+    """``obj`` reduced to plain data (tensors, strings, numbers, None, and dicts with string
+    or integer keys, lists and tuples of them), and the places of what was left out.
+
+    Anything else (a user's class, a named tuple's type) would need unpickling code on the
+    receiving rank: it is dropped (a dict entry removed, a list item replaced by None) and its
+    place and type named, so the report can say what the replay ran without.
+    """
+    dropped: list[str] = []
+
+    def walk(x: object, path: str) -> object:
+        if isinstance(x, _PLAIN_LEAVES):
+            return x
+        if type(x) is dict:
+            out = {}
+            for k, v in x.items():
+                sub = f"{path}[{k!r}]"
+                if not isinstance(k, str | int) or isinstance(k, bool):
+                    dropped.append(f"{sub} (key of type {type(k).__name__})")
+                    continue
+                value = walk(v, sub)
+                if value is not _DROPPED:
+                    out[k] = value
+            return out
+        if type(x) in (list, tuple):
+            items = [walk(v, f"{path}[{i}]") for i, v in enumerate(x)]  # type: ignore[attr-defined]
+            return type(x)(None if v is _DROPPED else v for v in items)
+        if isinstance(x, tuple) and hasattr(x, "_fields"):  # a named tuple: values kept
+            dropped.append(f"{path} (the {type(x).__name__} type; sent as a plain tuple)")
+            return tuple(None if v is _DROPPED else v for v in (walk(v, f"{path}.{f}")
+                         for f, v in zip(x._fields, x, strict=True)))
+        dropped.append(f"{path} ({type(x).__module__}.{type(x).__qualname__})")
+        return _DROPPED
+
+    out = walk(obj, where)
+    return (None if out is _DROPPED else out), dropped
+
+
+_DROPPED = object()
 
 
 def nan_to_none(x: float | None) -> float | str | None:

@@ -159,6 +159,8 @@ class IncidentWriter:
         self.identity = identity
         self.exchange = exchange
         self.job_id = job_id
+        #: Told about each incident file that could not be written (the metrics counter).
+        self.failed: Callable[[str], None] | None = None
 
     def write(
         self,
@@ -182,12 +184,14 @@ class IncidentWriter:
         stem = report.incident_stem(self.job_id, view.step)
         base = Path(self.config.report_dir)
         detail: dict[str, Any] = dict(naming)
-        if rank in decision.bad_ranks and batch is not None:
-            try:
-                path = report.save_batch(base / f"{stem}-rank{rank}-batch.pt", batch)
-                detail["batch_path"] = str(path)
-            except (OSError, RuntimeError) as exc:
-                detail["batch_error"] = f"{type(exc).__name__}: {exc}"
+        if rank in decision.bad_ranks and batch is not None and not self.config.save_batches:
+            detail["batch_not_saved"] = "save_batches=False"
+        elif rank in decision.bad_ranks and batch is not None:
+            path, error = report.attempt(
+                "batch", lambda: report.save_batch(base / f"{stem}-rank{rank}-batch.pt", batch),
+                rank=rank, step=view.step, failed=self.failed,
+            )
+            detail.update({"batch_path": str(path)} if path else {"batch_error": error})
         with guarded():
             details: list[dict[str, Any]] = self.exchange.gather_json(detail)  # type: ignore[assignment]
         parameters = resolve(details)
@@ -200,11 +204,12 @@ class IncidentWriter:
                 view, decision, result, spikes, details, message, job_id=self.job_id,
                 policy=self.config.policy, world_size=self.exchange.world_size,
             )
-            try:
-                path = report.write_json(base / f"{stem}.json", content)
+            path, _ = report.attempt(
+                "report", lambda: report.write_json(base / f"{stem}.json", content),
+                rank=rank, step=view.step, failed=self.failed,
+            )
+            if path is not None:
                 result = dataclasses.replace(result, report_path=str(path))
-            except OSError as exc:
-                log.error("nansentinel: could not write the incident report in %s: %s", base, exc)
             log.log(
                 logging.ERROR if decision.action in (ABORT, EXCLUDE) else logging.WARNING,
                 "%s%s", message, f"; report: {result.report_path}" if result.report_path else "",

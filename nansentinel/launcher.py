@@ -30,8 +30,10 @@ a variable already in the environment, and a variable you exported is passed on 
 ``--strike-window STEPS``     -> ``NANSENTINEL_STRIKE_WINDOW``
 ``--exchange-timeout SEC``    -> ``NANSENTINEL_EXCHANGE_TIMEOUT``
 ``--job-id ID``               -> ``NANSENTINEL_JOB_ID`` (default: torchrun's ``--rdzv-id``)
-``--on-exclude CMD``          shell command run on the excluded host before its launcher
-                              exits; ``{host}`` and ``{reason}`` are replaced, shell-quoted
+``--on-exclude CMD``          command run on the excluded host before its launcher exits,
+                              without a shell: split into arguments, then ``{host}`` and
+                              ``{reason}`` replaced inside each (also in the environment as
+                              ``NANSENTINEL_EXCLUDED_HOST``, ``NANSENTINEL_EXCLUSION_REASON``)
 
 The launcher also sets ``NANSENTINEL_RUN_DIR`` (unless you did): a directory it creates for
 this run (under the report directory, else the system temporary directory) where each rank
@@ -62,11 +64,12 @@ that is already in the exclusion file runs the hook and exits 4 without joining.
 
 Limits. Continuing without a host needs an elastic range (``--nnodes=MIN:MAX`` with MIN
 below the current node count) and ``--max-restarts`` >= 1; otherwise the job stops with
-exit code 3 on the healthy hosts. With ``--rdzv-backend=static`` the wrapper is not
-installed (the static backend has no rounds to leave); an excluded host is then refused at
-its next start. The host running the c10d rendezvous store (``--rdzv-endpoint``) cannot
-leave without ending the rendezvous for everyone: put the endpoint on a host you trust, or
-use etcd. When ``--nnodes`` is a range this launcher sets
+exit code 3 on the healthy hosts. ``--rdzv-backend=static`` has no rounds to leave, so with
+more than one node it is refused at start (exit 2). The host running the c10d rendezvous
+store (``--rdzv-endpoint``) cannot leave without ending the rendezvous for everyone: if it is
+excluded, its launcher says so and closes the rendezvous (exit 4), and the other launchers
+end with exit 3 naming it; run the store on a host that trains nothing (README).
+When ``--nnodes`` is a range this launcher sets
 ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` (unless you set it): by default torchrun's agent
 of group rank 0 also hosts the workers' store, and agents keep that address across rounds,
 so after the excluded host was group rank 0 the survivors' workers would wait for a store
@@ -79,6 +82,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import hashlib
 import os
 import signal
 import sys
@@ -268,6 +272,10 @@ def main(argv: list[str] | None = None) -> int:
             launch_config, cmd, cmd_args = torchrun.config_from_args(args)
         except (AssertionError, ValueError, RuntimeError) as exc:
             return _config_error(f"torchrun options: {exc}")
+        if launch_config.rdzv_backend == "static" and launch_config.max_nodes > 1:
+            if created:
+                _remove_empty_tree(run_dir)
+            return _config_error(STATIC_REFUSED)
         guard = ExclusionGuard(hostname, run_dir, store, job_id)
         guarded = install_guard(launch_config, guard)
         if guarded and launch_config.max_nodes > launch_config.min_nodes:
@@ -277,6 +285,14 @@ def main(argv: list[str] | None = None) -> int:
     if code == EXIT_OK and created:
         _remove_empty_tree(run_dir)
     return code
+
+
+#: Why several nodes under static rendezvous are refused (an exclusion could not be kept).
+STATIC_REFUSED = (
+    "--rdzv-backend=static with several nodes cannot keep an excluded host out: the static "
+    "rendezvous has no rounds to leave, so a restart would bring the faulty host back. Use "
+    "--rdzv-backend=c10d (with --nnodes=MIN:MAX to continue without it)."
+)
 
 
 def _torchrun_parser(ours: argparse.ArgumentParser, theirs: list[str]) -> Any:
@@ -352,8 +368,18 @@ def _make_run_dir(report_dir: str | None, hostname: str) -> tuple[Path, bool]:
         return Path(given), False
     base = Path(report_dir) / "runs" if report_dir else Path(tempfile.gettempdir())
     base.mkdir(parents=True, exist_ok=True)
-    safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in hostname)
-    return Path(tempfile.mkdtemp(prefix=f"nansentinel-run-{safe}-", dir=base)), True
+    return Path(tempfile.mkdtemp(prefix=f"nansentinel-run-{file_safe(hostname)}-", dir=base)), True
+
+
+def file_safe(name: str, limit: int = 64) -> str:
+    """``name`` as a short ASCII file-name part: a host name is data from the environment and
+    may hold ``/``, newlines or thousands of characters. A long or altered name keeps a
+    hash suffix, so two hosts never share a directory."""
+    safe = "".join(c if c.isascii() and (c.isalnum() or c in "-_.") else "_" for c in name)
+    if safe == name and len(name) <= limit:
+        return name
+    digest = hashlib.sha1(name.encode("utf-8", "surrogatepass")).hexdigest()[:8]
+    return f"{safe[:limit]}-{digest}"
 
 
 def _remove_empty_tree(path: Path) -> None:

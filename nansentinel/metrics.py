@@ -18,11 +18,13 @@ training step pays nothing for it.
 
 from __future__ import annotations
 
+import atexit
 import errno
 import logging
 import math
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -45,6 +47,9 @@ PREFIX = "nansentinel"
 #: Values of the ``outcome`` label of ``nansentinel_steps_total``. A superset of
 #: ``result.OUTCOMES`` (a unit test keeps it so); an unknown outcome is a bug in the caller.
 STEP_OUTCOMES = ("applied", "skipped", "overflow", "aborted", "excluded", "rolled_back")
+
+#: Values of the ``file`` label of ``nansentinel_report_failures_total``.
+REPORT_FILES = ("report", "batch")
 
 #: ``check_seconds`` buckets: the sentinel's own time per step spans ~10 µs (a flag read on a
 #: small model) to ~1 s (a detection that writes an incident report).
@@ -238,6 +243,14 @@ class SentinelMetrics:
             buckets=CHECK_SECONDS_BUCKETS,
             registry=r,
         )
+        failures = Counter(
+            f"{PREFIX}_report_failures",
+            "Incident files this rank could not write (a full or read-only disk); training "
+            "went on without them.",
+            ["file"],
+            registry=r,
+        )
+        self._report_failures = {f: failures.labels(file=f) for f in REPORT_FILES}
         info = Info(f"{PREFIX}_rank", "Where this rank runs; join key with DCGM.", registry=r)
         info.info(
             {
@@ -310,6 +323,13 @@ class SentinelMetrics:
             for host in result.excluded_hosts:
                 self._host_excluded.labels(hostname=host).set(1)
 
+    def observe_report_failure(self, file: str) -> None:
+        """Count an incident file (``report`` or ``batch``) that could not be written."""
+        counter = self._report_failures.get(file)
+        if counter is None:
+            raise ValueError(f"report failure of {file!r}: expected one of {REPORT_FILES}")
+        counter.inc()
+
     def serve(
         self, addr: str, port: int, certfile: str | None = None, keyfile: str | None = None
     ) -> int:
@@ -343,6 +363,7 @@ class SentinelMetrics:
             ) from exc
         self._server, self._thread = server, thread
         self._port = int(server.server_address[1])
+        _SERVING.add(self)  # closed at exit, before the interpreter stops its thread
         log.info(
             "rank %d: metrics on %s://%s:%d/metrics",
             self.identity.rank,
@@ -362,9 +383,21 @@ class SentinelMetrics:
         server, thread = self._server, self._thread
         self._server = self._thread = None
         self._port = None
+        _SERVING.discard(self)
         if server is None:
             return
         server.shutdown()
         server.server_close()
         if thread is not None:
             thread.join(timeout=5)
+
+
+#: Exporters still serving; shut down at interpreter exit, so that no request thread is
+#: inside the registry's collectors (psutil, torch.cuda) while the interpreter finalizes.
+_SERVING: weakref.WeakSet[SentinelMetrics] = weakref.WeakSet()
+
+
+@atexit.register
+def _close_all() -> None:
+    for metrics in list(_SERVING):
+        metrics.close()

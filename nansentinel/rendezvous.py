@@ -135,9 +135,11 @@ class GuardedRendezvousHandler:
     attribute of the real handler reachable (``__getattr__``).
     """
 
-    def __init__(self, inner: Any, guard: ExclusionGuard) -> None:
+    def __init__(self, inner: Any, guard: ExclusionGuard, *, store_host: bool = False) -> None:
         self._inner = inner
         self._guard = guard
+        #: This agent serves the c10d rendezvous store (``--rdzv-endpoint`` is this host).
+        self.store_host = store_host
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._inner, name)
@@ -173,6 +175,16 @@ class GuardedRendezvousHandler:
         every other agent would then fail its next round with ``RendezvousClosedError``.
         """
         if self._guard.excluded is None:
+            return bool(self._inner.shutdown())
+        if self.store_host:
+            # The store leaves with this process: the others cannot go on. Close the
+            # rendezvous so that they end now, with a clear cause, instead of timing out.
+            say(
+                f"host {self._guard.hostname} is excluded but it runs the rendezvous store "
+                "(--rdzv-endpoint): the job cannot continue without it and ends on every "
+                "host. Run the store on a host that trains nothing (see the README, "
+                "'Where to run the rendezvous store')."
+            )
             return bool(self._inner.shutdown())
         _leave_rendezvous(self._inner)
         return True
@@ -217,7 +229,25 @@ def _create_guarded_handler(params: Any) -> GuardedRendezvousHandler:
         local_addr=params.local_addr,
         **extra,
     )
-    return GuardedRendezvousHandler(rdzv_registry.get_rendezvous_handler(inner_params), guard)
+    handler = rdzv_registry.get_rendezvous_handler(inner_params)
+    return GuardedRendezvousHandler(handler, guard, store_host=serves_store(inner_params))
+
+
+def serves_store(params: Any) -> bool:
+    """Whether this agent serves the c10d rendezvous store, decided as torch's c10d backend
+    decides it (``is_host`` in ``--rdzv-conf``, else the endpoint names this machine)."""
+    if params.backend != "c10d":
+        return False
+    from torch.distributed.elastic.rendezvous.utils import (
+        _matches_machine_hostname,
+        parse_rendezvous_endpoint,
+    )
+
+    configured = params.get_as_bool("is_host")
+    if configured is not None:
+        return bool(configured)
+    host, _ = parse_rendezvous_endpoint(params.endpoint, default_port=29400)
+    return bool(_matches_machine_hostname(host))
 
 
 def install_guard(launch_config: Any, guard: ExclusionGuard) -> bool:

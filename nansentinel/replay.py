@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from nansentinel import checks
-from nansentinel.exchange import ClusterView, HealthExchange, RankHealth
+from nansentinel.exchange import ClusterView, HealthExchange, RankHealth, plain
 from nansentinel.spikes import Spikes
 
 ReplayFn = Callable[[torch.nn.Module, Any], torch.Tensor]
@@ -163,11 +163,19 @@ def blame(
         own = replay(module, batch, fn, anomaly=anomaly)
         detail = {"replay": own.to_json(), "fingerprint": fingerprint(batch)}
     if peer is not None:
-        sent = exchange.send_object(batch if exchange.rank == subject.rank else None,
-                                    subject.rank, peer)
+        outgoing = None
+        if exchange.rank == subject.rank and batch is not None:
+            # Only plain data travels (the peer loads it with weights_only=True): say what not.
+            outgoing, dropped = plain(batch)
+            if dropped:
+                detail["replay_sent_without"] = dropped
+        sent = exchange.send_object(outgoing, subject.rank, peer)
         if exchange.rank == peer and sent is not None:
             theirs = replay(module, sent, fn, anomaly=anomaly)
             detail = {"peer_replay": theirs.to_json(), "replayed_for": subject.rank}
+        elif exchange.rank == peer:
+            detail = {"peer_replay_skipped": f"no plain data came from rank {subject.rank} "
+                      "(see its replay_sent_without)", "replayed_for": subject.rank}
     flags = exchange.sum_floats([
         float(own is not None and own.error is None),
         float(own is not None and own.finite),

@@ -3,11 +3,18 @@
 Written atomically (temp file, fsync, then a hard link to the final name) so a reader never
 sees half a report, and never over an existing file: a name that is taken gets a numbered
 suffix, so re-running a job in the same directory keeps the earlier incidents.
+
+A saved batch is the user's training data, and a report names parameters and hosts: files are
+created 0600 and the directories the sentinel creates 0700 (narrower still under a stricter
+umask; a directory that already exists keeps its mode). A report that cannot be written (a
+full disk) is one log line and a counted failure, never an exception in the training loop.
 """
 
 from __future__ import annotations
 
+import io
 import json
+import logging
 import os
 import tempfile
 from collections.abc import Callable
@@ -16,13 +23,22 @@ from typing import Any
 
 import torch
 
+log = logging.getLogger("nansentinel")
+
+#: Modes of what the sentinel creates, before the umask narrows them further.
+FILE_MODE = 0o600
+DIR_MODE = 0o700
+
 
 def write_new(path: Path, write: Callable[[Path], None]) -> Path:
     """Write a file with ``write(tmp)`` and publish it at ``path`` or ``path`` with a
     ``-1``, ``-2``, … suffix, whichever is free. Returns the path written."""
-    path.parent.mkdir(parents=True, exist_ok=True)
+    make_private_dirs(path.parent)
     fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    os.close(fd)
+    try:
+        os.fchmod(fd, FILE_MODE & ~_umask())  # mkstemp's 0600, or what a stricter umask says
+    finally:
+        os.close(fd)
     tmp = Path(tmp_name)
     try:
         write(tmp)
@@ -40,6 +56,54 @@ def write_new(path: Path, write: Callable[[Path], None]) -> Path:
         tmp.unlink(missing_ok=True)
 
 
+def make_private_dirs(directory: Path) -> None:
+    """Create ``directory`` and its missing parents 0700 (less under a stricter umask)."""
+    missing = []
+    d = directory
+    while not d.exists():
+        missing.append(d)
+        if d.parent == d:
+            break
+        d = d.parent
+    for d in reversed(missing):
+        d.mkdir(mode=DIR_MODE, exist_ok=True)  # the umask applies on top; another rank may race
+
+
+def _umask() -> int:
+    """The process umask, read without changing it (Linux), else by the set-and-restore idiom."""
+    try:
+        with open("/proc/self/status") as fh:
+            for line in fh:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o077)
+    os.umask(mask)
+    return mask
+
+
+def attempt(
+    what: str, write: Callable[[], Path], *, rank: int, step: int,
+    failed: Callable[[str], None] | None = None,
+) -> tuple[Path | None, str | None]:
+    """Run ``write()`` (which writes an incident file); a failure such as a full disk is one
+    error line naming the rank, step and file, a call of ``failed(what)`` (the metrics
+    counter), and ``(None, reason)`` — never an exception: the training goes on.
+    """
+    try:
+        return write(), None
+    except (OSError, RuntimeError) as exc:  # torch.save reports a failed write as RuntimeError
+        reason = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+        log.error(
+            "nansentinel: rank %d could not write the incident %s of step %d (%s); training "
+            "goes on without it", rank, what, step, reason,
+        )
+        if failed is not None:
+            failed(what)
+        return None, reason
+
+
 def write_json(path: Path, payload: dict) -> Path:
     """Atomically write ``payload`` as JSON to a new file at ``path`` (see :func:`write_new`)."""
 
@@ -53,7 +117,11 @@ def save_batch(path: Path, batch: object) -> Path:
     """Save the offending batch with ``torch.save`` (tensors moved to CPU) for a replay."""
 
     def dump(tmp: Path) -> None:
-        torch.save(to_cpu(batch), tmp)
+        # Serialised in memory, written by Python: a full disk is then "No space left on
+        # device", not torch's "basic_ios::clear: iostream error".
+        buf = io.BytesIO()
+        torch.save(to_cpu(batch), buf)
+        tmp.write_bytes(buf.getbuffer())
 
     return write_new(path, dump)
 

@@ -29,7 +29,13 @@ from torch.nn.parallel import DistributedDataParallel
 
 from nansentinel import checks, gradpaths, incident, stop
 from nansentinel.config import SentinelConfig, resolve_hostname
-from nansentinel.exchange import ClusterView, HealthExchange, diagnosis_grace, unpack_view
+from nansentinel.exchange import (
+    ClusterView,
+    HealthExchange,
+    diagnosis_grace,
+    late_after,
+    unpack_view,
+)
 from nansentinel.gate import DeviceGate, Pending, PendingResult, device_gate_refusal, held_grads
 from nansentinel.inject import Injector, parse_inject
 from nansentinel.local import LocalHealth
@@ -47,7 +53,6 @@ from nansentinel.policy import (
 from nansentinel.recovery import Cooldown, MemorySnapshots, SnapshotStore, UserSnapshots
 from nansentinel.replay import ReplayFn, blame, fingerprint
 from nansentinel.result import (
-    ExchangeTimeoutError,
     RankIdentity,
     SentinelUsageError,
     StepResult,
@@ -164,11 +169,13 @@ class Sentinel:
             # itself raises in the training thread first.
             deadline = cfg.exchange_timeout + diagnosis_grace(cfg.exchange_timeout)
             self.watchdog = Watchdog(
-                deadline + 2.0, self._on_timeout, settled=self._settled
+                deadline + 2.0, self._on_timeout, settled=self._settled,
+                on_late=self.exchange.check_in, late_after=late_after(cfg.exchange_timeout),
             )
         self.metrics = None
         if cfg.metrics_port:
             self.metrics = _start_metrics(self, registry)
+            self.incidents.failed = self.metrics.observe_report_failure
 
     # --- the three calls of a training loop -------------------------------------------------
 
@@ -492,8 +499,8 @@ class Sentinel:
         self._arm()
         self.exchange.launch(self.step_index, self.local.row())
 
-    def collective_failed(self, step: int, cause: BaseException | None) -> ExchangeTimeoutError:
-        return self.exchange.diagnose(step, self.identities, cause)
+    def diagnosed(self, future: torch.futures.Future, step: int) -> torch.futures.Future:
+        return self.exchange.diagnosed(future, step, self.identities)
 
     def spent(self, seconds: float) -> None:
         self._seconds += seconds

@@ -19,7 +19,13 @@ from typing import Any
 
 from nansentinel.console import PROG, format_time, say
 from nansentinel.exclusion import ExclusionRecord, ExclusionStore
-from nansentinel.exitcodes import EXIT_HOST_EXCLUDED, EXIT_OK, EXIT_WORKER_FAILED, NAMES
+from nansentinel.exitcodes import (
+    EXIT_HOST_EXCLUDED,
+    EXIT_NONFINITE_ABORT,
+    EXIT_OK,
+    EXIT_WORKER_FAILED,
+    NAMES,
+)
 from nansentinel.hooks import run_hook
 from nansentinel.rendezvous import ExclusionGuard, HostExcludedExit
 from nansentinel.verdicts import outcome_from_verdicts, read_verdicts
@@ -56,6 +62,16 @@ def launch(
         say(f"received {signal.Signals(exc.sigval).name}; the workers were stopped")
         return 128 + int(exc.sigval)
     except Exception as exc:  # rendezvous, agent: say it, no dump
+        if guard.others_excluded:
+            # Typically: the excluded host ran the rendezvous store, which left with it.
+            say(
+                f"the job ended on host {guard.hostname} after host(s) "
+                f"{', '.join(sorted(guard.others_excluded))} were excluded: the rendezvous "
+                f"failed ({type(exc).__name__}: {exc}). If the excluded host ran the "
+                "rendezvous store (--rdzv-endpoint), run the store on a host that trains "
+                "nothing; see the README."
+            )
+            return EXIT_NONFINITE_ABORT
         say(f"the launcher failed on host {guard.hostname}: {type(exc).__name__}: {exc}")
         return EXIT_WORKER_FAILED
     for host in sorted(guard.others_excluded):

@@ -22,8 +22,6 @@ from typing import Any, Protocol
 
 import torch
 
-from nansentinel.result import ExchangeTimeoutError
-
 
 class GradientSink(Protocol):
     """What a gradient path reports to (the Sentinel)."""
@@ -40,8 +38,9 @@ class GradientSink(Protocol):
     def launch_exchange(self) -> None:
         """Start the health exchange now (the last reduction of the step has been launched)."""
 
-    def collective_failed(self, step: int, cause: BaseException | None) -> ExchangeTimeoutError:
-        """The error that names the missing ranks after a collective of ``step`` failed."""
+    def diagnosed(self, future: torch.futures.Future, step: int) -> torch.futures.Future:
+        """``future`` (a reduction of ``step``) with a failure turned into the step's one
+        diagnosis, the error that names the missing ranks and hosts."""
 
     def spent(self, seconds: float) -> None:
         """Add ``seconds`` of the sentinel's own work to this step's cost."""

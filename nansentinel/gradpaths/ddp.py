@@ -87,15 +87,8 @@ def _comm_hook(state, bucket):  # type: ignore[no-untyped-def]
     else:  # gloo has no AVG: scale first, as DDP's own path does
         buffer.mul_(1.0 / path.world_size)
         work = dist.all_reduce(buffer, group=path.group, async_op=True)
-    step = sink.step_index
-
-    def reduced(fut: torch.futures.Future) -> torch.Tensor:
-        try:
-            return fut.value()[0]
-        except RuntimeError as exc:  # a peer died: say which one, not just "reset by peer"
-            raise sink.collective_failed(step, exc) from exc
-
-    future = work.get_future().then(reduced)
+    # A failure (a peer died) becomes the step's one diagnosis, naming the missing ranks.
+    future = sink.diagnosed(work.get_future(), sink.step_index)
     if bucket.is_last():
         sink.launch_exchange()
     sink.spent(time.perf_counter() - started)

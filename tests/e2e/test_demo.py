@@ -35,6 +35,13 @@ def test_demo_names_the_poisoned_rank_and_finishes(tmp_path: Path) -> None:
     assert out.count(" applied ") == 7
     reports = [p for p in (tmp_path / "r").glob("incident-*.json")]
     assert len(reports) == 1 and json.loads(reports[0].read_text())["bad_ranks"] == [2]
+    # A calm first run: no numpy or OMP_NUM_THREADS noise, and a closing summary.
+    assert "Failed to initialize NumPy" not in out and "OMP_NUM_THREADS" not in out, out
+    assert "summary: 8 steps: 7 applied, 1 skipped" in out, out
+    incident = next(line for line in out.splitlines() if "incident at step 5" in line)
+    assert "rank 2 on host" in incident and "non-finite grad" in incident
+    assert "verdict " in incident and reports[0].name in incident
+    assert "weights: finite and identical on all 4 rank(s) (checked)" in out
 
 
 @pytest.mark.timeout(150)

@@ -34,6 +34,8 @@ pytestmark = pytest.mark.e2e
 REPO = Path(__file__).resolve().parents[2]
 WORKERS = Path(__file__).resolve().parent / "workers"
 HOST = "e2e-host-a"
+#: The --on-exclude hook of these tests: records its arguments, checks the environment.
+HOOK = f"{sys.executable} {WORKERS / 'hook_recorder.py'}"
 
 
 @pytest.fixture(autouse=True)
@@ -111,7 +113,7 @@ def test_verdicts_become_a_summary_and_an_exit_code(
     hook_out = tmp_path / "hook.txt"
     got = main([
         "--report-dir", str(tmp_path / "reports"),
-        f"--on-exclude=printf '%s|%s' {{host}} {{reason}} > {hook_out}",
+        f"--on-exclude={HOOK} {hook_out} {{host}} {{reason}}",
         "--standalone", "--nproc-per-node=2", "--monitor-interval=0.2",
         str(WORKERS / "verdict_worker.py"), str(out), outcome, *extra,
     ])
@@ -143,7 +145,7 @@ def test_excluded_host_is_not_restarted(tmp_path: Path, capsys: pytest.CaptureFi
     hook_out = tmp_path / "hook.txt"
     got = main([
         "--exclusion-file", str(excl),
-        f"--on-exclude=printf '%s|%s' {{host}} {{reason}} > {hook_out}",
+        f"--on-exclude={HOOK} {hook_out} {{host}} {{reason}}",
         "--standalone", "--nproc-per-node=2", "--max-restarts=2", "--monitor-interval=0.2",
         str(WORKERS / "verdict_worker.py"), str(out), "excluded", "--excluded-host", HOST,
         "--record",
@@ -168,7 +170,7 @@ def test_host_already_excluded_does_not_join(
     hook_out = tmp_path / "hook.txt"
     got = main([
         "--exclusion-file", str(excl),
-        f"--on-exclude=printf '%s|%s' {{host}} {{reason}} > {hook_out}",
+        f"--on-exclude={HOOK} {hook_out} {{host}} {{reason}}",
         "--standalone", "--nproc-per-node=2", str(WORKERS / "touch_rank.py"), str(out),
     ])
     assert got == EXIT_HOST_EXCLUDED
@@ -249,7 +251,7 @@ def test_excluded_host_leaves_and_the_others_resume(
             cluster,
             f"--exclusion-file={excl}", f"--report-dir={shared}/reports", "--metrics-port=0",
             "--host-strikes=3", "--exchange-timeout=30",
-            f"--on-exclude=printf '%s|%s' {{host}} {{reason}} > {out}/hook-{{host}}.txt",
+            f"--on-exclude={HOOK} '{out}/hook-{{host}}.txt' {{host}} {{reason}}",
             "--nnodes=2:3", "--nproc-per-node=2", "--max-restarts=2", "--rdzv-id=excl",
             "--rdzv-conf=join_timeout=30,last_call_timeout=3,keep_alive_interval=5,"
             "keep_alive_max_attempt=12",
@@ -281,3 +283,103 @@ def test_excluded_host_leaves_and_the_others_resume(
     listing = capsys.readouterr().out
     assert listing.startswith(f"{bad}  step 7") and "job excl" in listing and reason in listing
     assert ExclusionStore(excl).excluded_hosts() == {bad}
+
+
+#: A host name as hostile as an environment variable can carry: command substitution,
+#: backticks, both quotes, ``;``, a newline, non-ASCII and length. It must reach the
+#: --on-exclude hook as text and nothing else may run.
+HOSTILE = ("evil$(touch${IFS}pwned)`touch pwned2`'\"; touch pwned3\n"
+           "nœud-节点-" + "x" * 300)
+
+
+@pytest.mark.timeout(150)
+def test_a_hostile_host_name_reaches_the_hook_as_text(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Three agents; the third calls itself HOSTILE (NANSENTINEL_HOSTNAME) and its ranks get
+    non-finite gradients at steps 5-7, so the sentinel excludes it and its launcher runs the
+    hook with the name (and a reason that contains it) in the operator's usual quoting."""
+    _netns_or_skip(monkeypatch)
+    monkeypatch.chdir(tmp_path)  # the agents and the hook run here
+    out = tmp_path / "out"
+    out.mkdir()
+    shared = tmp_path / "shared"
+    hook_out = tmp_path / "hook.txt"
+    with NetnsCluster(3, tmp_path / "cluster") as cluster:
+        base = _run_argv(
+            cluster,
+            f"--exclusion-file={shared}/excluded.jsonl", f"--report-dir={shared}/reports",
+            "--metrics-port=0", "--host-strikes=3", "--exchange-timeout=30",
+            f'--on-exclude={HOOK} {hook_out} "excluded-{{host}}" "{{reason}}"',
+            "--nnodes=2:3", "--nproc-per-node=2", "--max-restarts=2", "--rdzv-id=hostile",
+            "--rdzv-conf=join_timeout=30,last_call_timeout=3,keep_alive_interval=5,"
+            "keep_alive_max_attempt=12",
+            str(WORKERS / "sentinel_worker.py"),
+        )
+        args = [str(out), "--steps=12", "--full-world=6"]
+        procs = []
+        for h in cluster.hosts:
+            env = _netns_env()
+            if h is cluster.hosts[-1]:
+                env.update(NANSENTINEL_HOSTNAME=HOSTILE, NANSENTINEL_INJECT="kind=grad,steps=5-7")
+            procs.append(cluster.start(h, [*base, *args], env=env))
+        codes = cluster.wait(procs, timeout=120)
+        logs = {h.name: cluster.log(h.name)[-4000:] for h in cluster.hosts}
+    assert codes == [EXIT_OK, EXIT_OK, EXIT_HOST_EXCLUDED], logs
+    reason = f"host {HOSTILE} blamed 3 times within 100 steps"
+    assert hook_out.read_text(encoding="utf-8") == f"excluded-{HOSTILE}|{reason}"
+    assert ExclusionStore(shared / "excluded.jsonl").excluded_hosts() == {HOSTILE}
+    leftovers = {p.name for root in (tmp_path, REPO) for p in root.glob("pwned*")}
+    assert not leftovers  # nothing from the name ran, wherever the hook's cwd was
+
+
+_STORE_SERVER = (
+    "import datetime, sys, time, torch.distributed as d; "
+    "s = d.TCPStore('0.0.0.0', int(sys.argv[1]), is_master=True, wait_for_workers=False, "
+    "timeout=datetime.timedelta(minutes=5)); time.sleep(300)"
+)
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("store_apart", [False, True], ids=["store-on-bad-host", "store-apart"])
+def test_the_store_hosts_exclusion_ends_the_job_unless_the_store_runs_apart(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, store_apart: bool
+) -> None:
+    """The bad host is the first training host. When it also serves the rendezvous store, its
+    exclusion ends the job: exit 4 there, exit 3 with a clear line on the others. With the
+    store on a fourth host that trains nothing (as the README shows), the others go on."""
+    _netns_or_skip(monkeypatch)
+    out = tmp_path / "out"
+    out.mkdir()
+    shared = tmp_path / "shared"
+    with NetnsCluster(4 if store_apart else 3, tmp_path / "cluster") as cluster:
+        trainers = cluster.hosts[1:] if store_apart else cluster.hosts
+        bad = trainers[0]
+        port = random.randrange(20000, 60000)
+        store = cluster.hosts[0]
+        if store_apart:
+            cluster.start(store, [sys.executable, "-c", _STORE_SERVER, str(port)],
+                          env=_netns_env(), log_name="store")
+        base = [sys.executable, "-m", "nansentinel", "run",
+                f"--exclusion-file={shared}/excluded.jsonl", f"--report-dir={shared}/reports",
+                "--metrics-port=0", "--host-strikes=3", "--exchange-timeout=30",
+                "--nnodes=2:3", "--nproc-per-node=2", "--max-restarts=2", "--rdzv-id=store",
+                "--rdzv-backend=c10d", f"--rdzv-endpoint={store.ip}:{port}",
+                "--monitor-interval=0.5",
+                "--rdzv-conf=join_timeout=30,last_call_timeout=3,keep_alive_interval=5,"
+                "keep_alive_max_attempt=12",
+                str(WORKERS / "sentinel_worker.py"), str(out), "--steps=12", "--full-world=6"]
+        env = {**_netns_env(), "NANSENTINEL_INJECT": f"kind=grad,host={bad.name},steps=5-7"}
+        procs = [cluster.start(h, base, env=env) for h in trainers]
+        codes = dict(zip([h.name for h in trainers], cluster.wait(procs, timeout=150),
+                         strict=True))
+        logs = {h.name: cluster.log(h.name)[-4000:] for h in trainers}
+    others = [h.name for h in trainers if h is not bad]
+    if store_apart:
+        assert codes == {bad.name: EXIT_HOST_EXCLUDED, **dict.fromkeys(others, EXIT_OK)}, logs
+        return
+    assert codes == {bad.name: EXIT_HOST_EXCLUDED, **dict.fromkeys(others, EXIT_NONFINITE_ABORT)
+                     }, logs
+    assert "runs the rendezvous store" in logs[bad.name]
+    for name in others:
+        assert f"after host(s) {bad.name} were excluded" in logs[name], logs[name]

@@ -51,3 +51,27 @@ def test_a_rank_without_loss_or_grads_reports_none() -> None:
     exchange.launch(0, LocalHealth(CPU).row())
     (mine,) = exchange.wait([ident(0)]).ranks
     assert mine.healthy and mine.loss is None and mine.grad_norm is None
+
+
+def test_plain_keeps_data_and_names_what_it_drops() -> None:
+    import collections
+
+    from nansentinel.exchange import plain
+
+    point = collections.namedtuple("point", "x y")
+
+    class Meta:
+        pass
+
+    batch = {"x": torch.ones(2), "n": [1, 2.5, None, "s", b"b", True], "m": Meta(),
+             "t": (torch.zeros(1), Meta()), "p": point(1, 2), 3: "int key", (1, 2): "tuple key"}
+    out, dropped = plain(batch)
+    assert isinstance(out, dict) and set(out) == {"x", "n", "t", "p", 3}
+    assert out["n"] == [1, 2.5, None, "s", b"b", True] and out["t"][1] is None
+    assert out["p"] == (1, 2) and type(out["p"]) is tuple
+    assert any(d.startswith("batch['m'] (") and "Meta" in d for d in dropped)
+    assert any(d.startswith("batch['t'][1]") for d in dropped)
+    assert any("point type" in d for d in dropped)
+    assert any("key of type tuple" in d for d in dropped)
+    assert plain(Meta()) == (None, [f"batch ({Meta.__module__}.{Meta.__qualname__})"])
+    assert plain({"x": torch.ones(1)})[1] == []

@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from nansentinel import exitcodes, launcher
+from nansentinel.hooks import check_hook
 from nansentinel.launcher import format_hook, main, run_hook, split_argv
 from nansentinel.verdicts import (
     archive_verdicts,
@@ -130,18 +132,66 @@ def test_standalone_is_resolved_like_torchrun_does() -> None:
     assert (args.rdzv_backend, args.rdzv_endpoint) == ("c10d", "h:1")
 
 
-def test_hook_values_are_shell_quoted(tmp_path: Path) -> None:
+HOSTILE = [
+    "evil$(touch${IFS}pwned)",
+    "`touch pwned`",
+    "a'b\"c",
+    "x; touch pwned; echo",
+    "line1\nline2",
+    "h" * 5000,
+    "nœud-ünïcode-节点",
+    "{reason}",
+]
+
+
+@pytest.mark.parametrize("value", HOSTILE)
+def test_hook_runs_without_a_shell_with_the_literal_values(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, value: str
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    out = tmp_path / "out"
+    # The operator's habit: fields inside double quotes, as in a shell command line.
+    template = (
+        f"{sys.executable} -c 'import sys, os, pathlib; pathlib.Path(sys.argv[1]).write_text("
+        f"repr([sys.argv[2:], os.environ[\"NANSENTINEL_EXCLUDED_HOST\"], "
+        f"os.environ[\"NANSENTINEL_EXCLUSION_REASON\"]]))' {out} \"excluded-{{host}}\" {{reason}}"
+    )
+    assert check_hook(template) is None
+    assert run_hook(template, value, f"why: {value}") == 0
+    expected = [[f"excluded-{value}", f"why: {value}"], value, f"why: {value}"]
+    assert out.read_text() == repr(expected)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]  # nothing else ran
+
+
+def test_hook_arguments_are_split_before_substitution() -> None:
+    assert format_hook("kubectl cordon {host}", "node-1", "r") == ["kubectl", "cordon", "node-1"]
+    assert format_hook('touch "excluded-{host}"', "a b;$(x)", "r") == ["touch", "excluded-a b;$(x)"]
+    assert format_hook("echo {{literal}} {reason}", "h", "two words") == [
+        "echo", "{literal}", "two words",
+    ]
+
+
+def test_a_shell_is_used_only_when_named(tmp_path: Path) -> None:
     out = tmp_path / "hook.txt"
-    reason = "grad NaN on 'rank 3'; $(touch pwned) `id` \"x\""
-    template = f"printf '%s|%s' {{host}} {{reason}} > {out}"
-    assert format_hook("kubectl cordon {host}", "node-1", "r") == "kubectl cordon node-1"
-    assert run_hook(template, "node 3", reason) == 0
-    assert out.read_text() == f"node 3|{reason}"
-    assert not (Path.cwd() / "pwned").exists()
+    template = f'sh -c \'printf "%s" "$NANSENTINEL_EXCLUDED_HOST" > {out}\''
+    assert run_hook(template, "evil$(touch pwned)", "r") == 0
+    assert out.read_text() == "evil$(touch pwned)"
+    assert not (tmp_path / "pwned").exists()
+
+
+def test_hook_template_problems_are_named() -> None:
+    assert "malformed" in (check_hook("echo 'unclosed {host}") or "")
+    assert "{nope}" in (check_hook("echo {nope}") or "")
+    assert "empty" in (check_hook("   ") or "")
+
+
+def test_missing_hook_program_is_reported(capsys: pytest.CaptureFixture[str]) -> None:
+    assert run_hook("/nonexistent/hook {host}", "h", "r") is None
+    assert "could not be started" in capsys.readouterr().err
 
 
 def test_failing_hook_is_reported_not_raised(capsys: pytest.CaptureFixture[str]) -> None:
-    assert run_hook("exit 7", "h", "r") == 7
+    assert run_hook("sh -c 'exit 7'", "h", "r") == 7
     assert "exited with status 7" in capsys.readouterr().err
     assert run_hook(None, "h", "r") is None
 
@@ -294,3 +344,58 @@ def test_kubernetes_job_wires_node_name_metrics_ports_and_exit_codes() -> None:
               for r in job["spec"]["podFailurePolicy"]["rules"]}
     assert policy == {exitcodes.EXIT_CONFIG: "FailJob", exitcodes.EXIT_HOST_EXCLUDED: "Ignore"}
     assert pod["spec"]["restartPolicy"] == "Never"
+
+
+def test_host_names_become_short_distinct_file_names() -> None:
+    assert launcher.file_safe("node-1.cluster") == "node-1.cluster"
+    long_a, long_b = "a" * 300 + "1", "a" * 300 + "2"
+    assert len(launcher.file_safe(long_a)) < 80
+    assert launcher.file_safe(long_a) != launcher.file_safe(long_b)
+    hostile = launcher.file_safe("evil/$(x)\nnœud")
+    assert "/" not in hostile and "\n" not in hostile and hostile.isascii()
+
+
+def test_static_rendezvous_on_several_nodes_is_refused_at_start(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code = main(["--report-dir", str(tmp_path / "r"), "--nnodes=2", "--rdzv-backend=static",
+                 "--node-rank=0", "--master-addr=127.0.0.1", "--master-port=29999",
+                 "--nproc-per-node=1", "train.py"])
+    assert code == exitcodes.EXIT_CONFIG
+    err = capsys.readouterr().err
+    assert "--rdzv-backend=static with several nodes cannot keep an excluded host out" in err
+    assert not list((tmp_path / "r").rglob("nansentinel-run-*"))  # nothing left behind
+
+
+def test_the_store_host_is_recognised_and_its_exclusion_ends_the_job(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import socket
+
+    from torch.distributed.elastic.rendezvous import RendezvousParameters
+
+    from nansentinel.exclusion import ExclusionRecord
+    from nansentinel.rendezvous import ExclusionGuard, GuardedRendezvousHandler, serves_store
+
+    def params(endpoint: str, **conf: object) -> RendezvousParameters:
+        return RendezvousParameters("c10d", endpoint, "job", 1, 2, **conf)
+
+    assert serves_store(params(f"{socket.gethostname()}:29400"))
+    assert serves_store(params("127.0.0.1:29400"))
+    assert not serves_store(params("203.0.113.9:29400"))  # another machine (TEST-NET-3)
+    assert serves_store(params("203.0.113.9:29400", is_host=True))
+
+    class Inner:
+        def __init__(self) -> None:
+            self.calls: list[str] = []
+
+        def shutdown(self) -> bool:
+            self.calls.append("shutdown")
+            return True
+
+    guard = ExclusionGuard("node1", tmp_path, None, "job")
+    guard.excluded = ExclusionRecord(host="node1", reason="r", step=3)
+    inner = Inner()
+    assert GuardedRendezvousHandler(inner, guard, store_host=True).shutdown()
+    assert inner.calls == ["shutdown"]  # closed for everyone, not left quietly
+    assert "runs the rendezvous store" in capsys.readouterr().err

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -32,3 +33,46 @@ def test_save_batch_roundtrip(tmp_path: Path) -> None:
     loaded = torch.load(path)
     assert torch.equal(loaded["x"], torch.ones(2)) and loaded["meta"] == ("a", 1)
     assert report.incident_stem("job/1", 5) == "incident-job_1-step00000005"
+
+
+def _mode(path: Path) -> int:
+    return path.stat().st_mode & 0o777
+
+
+def test_reports_are_private_to_the_user(tmp_path: Path) -> None:
+    old = os.umask(0o022)  # a common, permissive umask: the sentinel still keeps data private
+    try:
+        path = report.save_batch(tmp_path / "a" / "b" / "batch.pt", {"x": torch.ones(2)})
+        js = report.write_json(tmp_path / "a" / "b" / "incident.json", {"n": 1})
+    finally:
+        os.umask(old)
+    assert _mode(path) == 0o600 and _mode(js) == 0o600
+    assert _mode(tmp_path / "a") == 0o700 and _mode(tmp_path / "a" / "b") == 0o700
+
+
+def test_a_stricter_umask_and_an_existing_directory_are_respected(tmp_path: Path) -> None:
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o750)  # the user's own choice for an existing directory stays
+    old = os.umask(0o277)
+    try:
+        js = report.write_json(shared / "incident.json", {"n": 1})
+    finally:
+        os.umask(old)
+    assert _mode(js) == 0o400 and _mode(shared) == 0o750
+
+
+def test_a_failed_write_is_one_line_and_a_count(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    failures: list[str] = []
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    path, error = report.attempt(
+        "report", lambda: report.write_json(blocker / "x.json", {"n": 1}), rank=3, step=7,
+        failed=failures.append,
+    )
+    assert path is None and error and error.startswith(("NotADirectoryError", "FileExistsError"))
+    assert failures == ["report"]
+    (line,) = [r.getMessage() for r in caplog.records]
+    assert "rank 3" in line and "step 7" in line and "training goes on" in line

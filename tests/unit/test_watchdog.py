@@ -40,3 +40,24 @@ def test_disarmed_and_settled_steps_do_not_fire() -> None:
     time.sleep(0.3)
     assert fired == [] and settled.expired is None
     settled.close()
+
+
+def test_a_late_step_is_reported_once_before_expiry() -> None:
+    late: list[int] = []
+    fired: list[int] = []
+    # Expiry far after lateness, so a loaded machine's scheduling delays cannot reorder them.
+    dog = Watchdog(5.0, fired.append, on_late=late.append, late_after=0.1, poll=0.02)
+    dog.arm(3)
+    assert wait_for(lambda: late == [3], timeout=3.0)
+    assert fired == []  # late is not expired
+    time.sleep(0.2)
+    assert late == [3]  # once per step
+    dog.disarm()
+    dog.arm(4)
+    assert wait_for(lambda: late == [3, 4], timeout=3.0)
+    dog.disarm()
+    dog.arm(5)
+    dog.disarm()  # a step that finishes in time is never reported
+    time.sleep(0.3)
+    assert late == [3, 4] and fired == []
+    dog.close()
