@@ -65,6 +65,9 @@ def demo(argv: list[str]) -> int:
                    help="base port of the per-rank exporters (default 0: off)")
     p.add_argument("--sleep", type=float, default=0.0,
                    help="pause after each step, seconds (to watch the metrics live)")
+    p.add_argument("--fsdp", action="store_true",
+                   help="shard the model with FSDP2 instead of DDP (gradients checked before "
+                   "each reduce-scatter)")
     args = p.parse_args(argv)
     env = {ENV_POLICY: args.policy}
     if args.inject:
@@ -83,7 +86,8 @@ def demo(argv: list[str]) -> int:
     from nansentinel.launcher import main as run
 
     print(
-        f"nansentinel demo: {args.nproc} CPU ranks, {args.steps} steps, policy {args.policy}, "
+        f"nansentinel demo: {args.nproc} CPU ranks ({'FSDP2' if args.fsdp else 'DDP'}), "
+        f"{args.steps} steps, policy {args.policy}, "
         f"injecting {args.inject or 'nothing'}; reports in {args.report_dir}",
         flush=True,
     )
@@ -92,4 +96,5 @@ def demo(argv: list[str]) -> int:
         f"--report-dir={args.report_dir}", f"--metrics-port={args.metrics_port}",
         "--standalone", f"--nproc-per-node={args.nproc}", "--monitor-interval=0.5",
         "-m", "nansentinel.demo", "--steps", str(args.steps), "--sleep", str(args.sleep),
+        *(["--fsdp"] if args.fsdp else []),
     ])

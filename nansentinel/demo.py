@@ -18,6 +18,7 @@ import logging
 import os
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import torch
@@ -65,7 +66,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--checkpoint-dir", help="save a checkpoint here and resume from it")
     p.add_argument("--checkpoint-every", type=int, default=5)
     p.add_argument("--out", help="rank 0 writes the final weights here (torch.save)")
-    return p.parse_args(argv)
+    p.add_argument("--fsdp", action="store_true",
+                   help="shard the model with FSDP2 (fully_shard on each layer, then the root) "
+                   "instead of DDP")
+    args = p.parse_args(argv)
+    if args.fsdp and args.checkpoint_dir:
+        p.error("--checkpoint-dir saves rank 0's whole model; under --fsdp each rank holds a "
+                "shard, which this demo does not checkpoint (use torch.distributed.checkpoint)")
+    if args.fsdp and "WORLD_SIZE" not in os.environ:
+        p.error("--fsdp needs ranks: run it under torchrun or `nansentinel demo --fsdp`")
+    return args
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -77,7 +87,12 @@ def main(argv: list[str] | None = None) -> int:
     rank = dist.get_rank() if distributed else 0
     torch.manual_seed(0)  # identical initial weights on every rank
     model: nn.Module = TinyTransformer()
-    if distributed:
+    if distributed and args.fsdp:
+        # FSDP2 warns that the root returns a view (the head's matmul output): harmless here,
+        # nothing writes into the logits in place.
+        warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view")
+        model = _shard(model)  # the sentinel checks each group before its reduce-scatter
+    elif distributed:
         model = DDP(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     loss_fn = nn.CrossEntropyLoss()
@@ -111,7 +126,8 @@ def main(argv: list[str] | None = None) -> int:
                 _save(args, model, optimizer, sentinel, rank)
             if args.sleep:
                 time.sleep(args.sleep)
-        weights = _module(model).state_dict()
+        # Whole tensors (FSDP2 shards are gathered: a collective every rank makes).
+        weights = {k: _whole(t) for k, t in _module(model).state_dict().items()}
         checked = weights_check(weights, distributed)
         if rank == 0:
             print(summary(results, checked, sentinel.identities), flush=True)
@@ -172,6 +188,22 @@ def summary(
 
 def _module(model: nn.Module) -> nn.Module:
     return model.module if isinstance(model, DDP) else model
+
+
+def _shard(model: nn.Module) -> nn.Module:
+    """FSDP2 over every rank, as torchtitan applies it: each encoder layer, then the root."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    for layer in model.encoder.layers:  # type: ignore[union-attr]
+        fully_shard(layer, mesh=mesh)
+    return fully_shard(model, mesh=mesh)
+
+
+def _whole(t: torch.Tensor) -> torch.Tensor:
+    """A tensor as a whole: a DTensor (FSDP2 shard) gathered from every rank."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
 def _checkpoint_path(args: argparse.Namespace) -> Path:

@@ -87,3 +87,20 @@ def test_demo_checkpoints_and_resumes_where_it_left_off(tmp_path: Path) -> None:
     second = run(8)
     assert "at step 6" in second.splitlines()[0] and "step   6 applied" in second
     assert "step   5" not in second
+
+
+@pytest.mark.timeout(150)
+def test_demo_fsdp_checks_before_the_reduce_scatter(tmp_path: Path) -> None:
+    """``nansentinel demo --fsdp``: FSDP2 on 4 ranks under ``nansentinel run``; the drill
+    poisons rank 2's local gradients before their reduce-scatter and every rank names it."""
+    proc = demo(tmp_path, "--steps", "8", "--fsdp")
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out
+    assert "(FSDP2)" in out
+    assert "step   5 skipped" in out and "bad ranks [2]" in out, out
+    assert out.count(" applied ") == 7
+    assert "weights: finite and identical on all 4 rank(s) (checked)" in out, out
+    reports = [p for p in (tmp_path / "r").glob("incident-*.json")]
+    assert len(reports) == 1
+    report = json.loads(reports[0].read_text())
+    assert report["bad_ranks"] == [2] and report["poisoned"][0]["parameters"]
