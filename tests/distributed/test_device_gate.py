@@ -14,7 +14,7 @@ import torch
 from tests.distributed.harness import run_ranks, values
 from tests.distributed.test_fault_matrix import MATRIX, STEPS, _check_matrix
 from tests.distributed.workers import train
-from tests.distributed.workers_gate import OPTIMIZERS, gated
+from tests.distributed.workers_gate import OPTIMIZERS, every_optimizer, gated
 
 WORLD = 2
 # A skipped first step (fused SGD with momentum would leave garbage buffers), then two more.
@@ -35,14 +35,20 @@ def _comparable(rec: dict[str, Any]) -> dict[str, Any]:
             for k, v in rec.items()}
 
 
-@pytest.mark.timeout(240)
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, dict[str, Any]]]:
+    """Every optimizer under both gates, all in one 2-rank process group."""
+    tmp = tmp_path_factory.mktemp("gate")
+    return values(run_ranks(every_optimizer, WORLD, tmp, steps=6, inject=FAULTS,
+                            report_dir=str(tmp / "reports"), timeout=300))
+
+
+@pytest.mark.timeout(360)
 @pytest.mark.parametrize("optimizer", sorted(OPTIMIZERS))
-def test_device_skip_is_an_exact_noop(tmp_path: Path, optimizer: str) -> None:
-    common = dict(optimizer=optimizer, steps=6, inject=FAULTS, timeout=150)
-    dev = values(run_ranks(gated, WORLD, tmp_path, gate="device",
-                           report_dir=str(tmp_path / "dev"), **common))
-    host = values(run_ranks(gated, WORLD, tmp_path, gate="host",
-                            report_dir=str(tmp_path / "host"), **common))
+def test_device_skip_is_an_exact_noop(runs: list[dict[str, dict[str, Any]]],
+                                      optimizer: str) -> None:
+    dev = [r[f"{optimizer}/device"] for r in runs]
+    host = [r[f"{optimizer}/host"] for r in runs]
     for rank, (d, h) in enumerate(zip(dev, host, strict=True)):
         assert d["error"] is None and h["error"] is None, (d["error"], h["error"])
         assert h["gates"] == ["host"] * 6

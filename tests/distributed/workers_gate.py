@@ -97,3 +97,14 @@ def _fields(r: Any) -> dict[str, Any]:
         "local_grad_norm": r.local_grad_norm, "consecutive_skips": r.consecutive_skips,
         "reason": r.reason, "has_report": r.report_path is not None,
     }
+
+
+def every_optimizer(rank: int, world: int, *, steps: int, inject: str,
+                    report_dir: str) -> dict[str, dict[str, Any]]:
+    """:func:`gated` for every optimizer under both gates, in one process group (spawning
+    ranks is the slow part on a small CI machine): ``"{optimizer}/{gate}"`` -> its run."""
+    return {
+        f"{name}/{gate}": gated(rank, world, optimizer=name, steps=steps, inject=inject,
+                                gate=gate, report_dir=f"{report_dir}/{name}-{gate}")
+        for name in sorted(OPTIMIZERS) for gate in ("device", "host")
+    }

@@ -33,7 +33,7 @@ def test_a_script_that_just_returns_exits_cleanly_every_time(tmp_path: Path) -> 
         env["NANSENTINEL_METRICS_PORT"] = str(21000 + 10 * run)
         proc = subprocess.run(
             [sys.executable, "-m", "torch.distributed.run", "--standalone",
-             "--nproc-per-node=3", "--monitor-interval=0.2", str(WORKER), "5"],
+             "--nproc-per-node=2", "--monitor-interval=0.2", str(WORKER), "5"],
             capture_output=True, text=True, timeout=120, env=env, cwd=tmp_path,
             stdin=subprocess.DEVNULL,
         )
