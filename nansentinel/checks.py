@@ -61,7 +61,7 @@ def batch_norms(batch: object, device: torch.device) -> list[torch.Tensor]:
 
     Tensors on another device are reduced where they live and only their 0-d norm is moved
     (non-blocking towards an accelerator). The flag is taken later, once per step, from all
-    the norms together (``exchange.pack_row``), which keeps a check to one kernel per tensor.
+    the norms together (``view.pack_row``), which keeps a check to one kernel per tensor.
     """
     return [_to(tensor_norm(t), device) for t in float_tensors(batch)]
 

@@ -14,117 +14,21 @@ collective. The only host synchronisation of a step is :meth:`HealthExchange.wai
 
 from __future__ import annotations
 
-import dataclasses
 import datetime
-import io
-import json
 import logging
-import math
 import os
 import threading
 
 import torch
 import torch.distributed as dist
 
-from nansentinel.result import KINDS, ExchangeTimeoutError, RankIdentity
+from nansentinel.collectives import Peers
+from nansentinel.result import ExchangeTimeoutError, RankIdentity
+from nansentinel.view import FIELDS, ClusterView, unpack_view
 
 log = logging.getLogger("nansentinel")
 
-# Layout of one rank's row in the health vector.
-# Three values whose finiteness is the check (batch norm, loss, gradient norm), then four
-# host-known flags. No flag is computed on the device: a NaN or Inf survives the element-wise
-# sum in its own slot (x + 0 = x), so the host reads finiteness after the one sync.
-F_BATCH_NORM, F_LOSS_VALUE, F_GRAD_NORM, F_INJECTED, F_HAS_LOSS, F_HAS_GRAD, F_QUARANTINED = (
-    range(7)
-)
-FIELDS = 7
 _STORE_PREFIX = "nansentinel/arrived"
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class RankHealth:
-    """One rank's part of the cluster view."""
-
-    identity: RankIdentity
-    kinds: tuple[str, ...]
-    injected: bool
-    loss: float | None
-    grad_norm: float | None
-    quarantined: bool = False
-
-    @property
-    def rank(self) -> int:
-        return self.identity.rank
-
-    @property
-    def healthy(self) -> bool:
-        return not self.kinds
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class ClusterView:
-    """Every rank's health at one step; built from identical data on every rank."""
-
-    step: int
-    ranks: tuple[RankHealth, ...]
-
-    def bad(self, kinds: tuple[str, ...] = KINDS) -> list[RankHealth]:
-        """Ranks with a non-finite value of one of ``kinds``."""
-        return [r for r in self.ranks if set(r.kinds) & set(kinds)]
-
-    @property
-    def hosts(self) -> list[str]:
-        return sorted({r.identity.hostname for r in self.ranks})
-
-    @property
-    def injected(self) -> bool:
-        return any(r.injected for r in self.ranks)
-
-    @property
-    def quarantined(self) -> bool:
-        return any(r.quarantined for r in self.ranks)
-
-    def values(self, signal: str) -> list[float | None]:
-        """Every rank's ``loss`` or ``grad_norm`` (None where the rank had none)."""
-        return [getattr(r, signal) for r in self.ranks]
-
-
-def pack_row(
-    batch_norm: torch.Tensor,
-    loss_value: torch.Tensor,
-    grad_norm: torch.Tensor,
-    host_flags: torch.Tensor,
-) -> torch.Tensor:
-    """One rank's health row (layout ``F_*``) as an fp32 vector: two kernels.
-
-    ``batch_norm``, ``loss_value`` and ``grad_norm`` are 0-d fp32 tensors on one device (zero
-    when absent). ``host_flags`` holds ``injected, has_loss, has_grad, quarantined`` on the same
-    device (the caller caches those few constant tensors, since a host-to-device copy per step
-    would synchronise the stream).
-    """
-    return torch.cat([torch.stack([batch_norm, loss_value, grad_norm]), host_flags])
-
-
-def unpack_view(step: int, values: list[float], identities: list[RankIdentity]) -> ClusterView:
-    """Turn the summed vector (as host floats) into a :class:`ClusterView`."""
-    ranks = []
-    for r, ident in enumerate(identities):
-        row = values[r * FIELDS : (r + 1) * FIELDS]
-        checked = (F_BATCH_NORM, F_LOSS_VALUE, F_GRAD_NORM)
-        kinds = tuple(
-            k for k, f in zip(KINDS, checked, strict=True) if not math.isfinite(row[f])
-        )
-        ranks.append(
-            RankHealth(
-                identity=ident,
-                kinds=kinds,
-                injected=bool(row[F_INJECTED]),
-                loss=row[F_LOSS_VALUE] if row[F_HAS_LOSS] else None,
-                grad_norm=row[F_GRAD_NORM] if row[F_HAS_GRAD] else None,
-                quarantined=bool(row[F_QUARANTINED]),
-            )
-        )
-    return ClusterView(step, tuple(ranks))
 
 
 class HealthExchange:
@@ -140,16 +44,15 @@ class HealthExchange:
     def __init__(
         self, group: dist.ProcessGroup | None, device: torch.device, timeout: float
     ) -> None:
-        self.distributed = dist.is_available() and dist.is_initialized()
-        self.group = group
-        self.rank = dist.get_rank(group) if self.distributed else 0
-        self.world_size = dist.get_world_size(group) if self.distributed else 1
+        #: The process group and this rank's place in it; also the small collectives of a
+        #: detection (gathers for the report, the replay's batch), which are not the exchange.
+        self.peers = peers = Peers(group, device)
+        self.distributed, self.group = peers.distributed, group
+        self.rank, self.world_size = peers.rank, peers.world_size
         self.timeout = timeout
         self.device = device
-        nccl = self.distributed and "nccl" in str(dist.get_backend(group))
-        self.comm_device = device if nccl and device.type == "cuda" else torch.device("cpu")
-        #: The gradient averaging can use ReduceOp.AVG (NCCL) instead of scale-then-sum.
-        self.supports_avg = bool(nccl and device.type == "cuda")
+        self.comm_device = peers.comm_device
+        self.supports_avg = peers.supports_avg
         self._vector: torch.Tensor | None = None
         self._work: dist.Work | None = None
         self._step = -1
@@ -175,7 +78,7 @@ class HealthExchange:
         before, after = self.rank * FIELDS, (self.world_size - self.rank - 1) * FIELDS
         vector = torch.nn.functional.pad(row.to(self.comm_device), (before, after))
         self._vector, self._step = vector, step
-        if self.distributed and self.world_size > 1:
+        if not self.peers.alone:
             self._work = dist.all_reduce(vector, group=self.group, async_op=True)
 
     def wait(self, identities: list[RankIdentity]) -> ClusterView:
@@ -220,33 +123,6 @@ class HealthExchange:
                     raise self.diagnose(step, identities, None)
         return step, vector
 
-    def barrier(self) -> None:
-        """A tiny collective used after an incident, so that rank 0's report is on disk
-        before any rank raises and torchrun tears the job down."""
-        if self.distributed and self.world_size > 1:
-            flag = torch.zeros(1, device=self.comm_device)
-            dist.all_reduce(flag, group=self.group)
-
-    def gather_json(self, payload: object) -> list[object]:
-        """All-gather one JSON-able object per rank (used once at start and after incidents).
-
-        Built on tensors rather than ``all_gather_object`` (which needs numpy on some CPU
-        builds) so that it runs wherever the training does.
-        """
-        text = json.dumps(payload).encode()
-        if not (self.distributed and self.world_size > 1):
-            return [json.loads(text)]
-        data = torch.tensor(list(text), dtype=torch.uint8, device=self.comm_device)
-        size = torch.tensor([data.numel()], dtype=torch.int64, device=self.comm_device)
-        sizes = [torch.zeros_like(size) for _ in range(self.world_size)]
-        dist.all_gather(sizes, size, group=self.group)
-        lengths = [int(s) for s in sizes]
-        padded = torch.zeros(max(lengths), dtype=torch.uint8, device=self.comm_device)
-        padded[: data.numel()] = data
-        out = [torch.zeros_like(padded) for _ in range(self.world_size)]
-        dist.all_gather(out, padded, group=self.group)
-        return [json.loads(bytes(t[:n].tolist())) for t, n in zip(out, lengths, strict=True)]
-
     def diagnose(
         self, step: int, identities: list[RankIdentity], cause: BaseException | None
     ) -> ExchangeTimeoutError:
@@ -272,57 +148,6 @@ class HealthExchange:
                 raise self.diagnose(step, identities, exc) from exc
 
         return future.then(reduced)
-
-    def send_object(self, obj: object, src: int, dst: int) -> object | None:
-        """Move one batch-like object from rank ``src`` to rank ``dst``; other ranks do nothing.
-        Used only by the replay after a detection.
-
-        What travels is :func:`plain` of ``obj`` (tensors, strings, numbers, and dicts, lists
-        and tuples of them), and the receiver loads it with ``weights_only=True``: a rank never
-        executes what another rank sends. Bytes that are not such data are refused (logged,
-        None returned), so the replay is skipped rather than anything run.
-        """
-        if not (self.distributed and self.world_size > 1) or src == dst:
-            return obj if self.rank == dst else None
-        if self.rank not in (src, dst):
-            return None
-        other = dst if self.rank == src else src
-        peer = dist.get_global_rank(self.group, other) if self.group is not None else other
-        if self.rank == src:
-            buf = io.BytesIO()
-            torch.save(plain(obj)[0], buf)
-            self._send_bytes(buf.getvalue(), peer)
-            return None
-        payload = self._recv_bytes(peer)
-        try:
-            return torch.load(io.BytesIO(payload), weights_only=True)
-        except Exception as exc:  # UnpicklingError and whatever a hostile payload raises
-            log.warning(
-                "nansentinel: rank %d refused the batch rank %d sent for replay (not plain data: "
-                "%s: %s); the replay is skipped", self.rank, src, type(exc).__name__,
-                str(exc).splitlines()[0] if str(exc) else "",
-            )
-            return None
-
-    def _send_bytes(self, data: bytes, peer: int) -> None:
-        tensor = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-        size = torch.tensor([tensor.numel()], dtype=torch.int64)
-        dist.send(size.to(self.comm_device), peer, group=self.group)
-        dist.send(tensor.to(self.comm_device), peer, group=self.group)
-
-    def _recv_bytes(self, peer: int) -> bytes:
-        size = torch.zeros(1, dtype=torch.int64, device=self.comm_device)
-        dist.recv(size, peer, group=self.group)
-        data = torch.empty(int(size), dtype=torch.uint8, device=self.comm_device)
-        dist.recv(data, peer, group=self.group)
-        return bytes(data.cpu().contiguous().untyped_storage())
-
-    def sum_floats(self, values: list[float]) -> list[float]:
-        """Element-wise sum of a short float list across ranks (identity alone)."""
-        t = torch.tensor(values, dtype=torch.float32, device=self.comm_device)
-        if self.distributed and self.world_size > 1:
-            dist.all_reduce(t, group=self.group)
-        return t.tolist()
 
     def _diagnose(
         self, step: int, identities: list[RankIdentity], cause: BaseException | None
@@ -422,55 +247,3 @@ def late_after(timeout: float) -> float:
     almost never pays the one store write.
     """
     return diagnosis_grace(timeout) / 2
-
-
-#: Leaf types that travel between ranks and load with ``torch.load(weights_only=True)``.
-_PLAIN_LEAVES = (torch.Tensor, str, bytes, int, float, bool, type(None))
-
-
-def plain(obj: object, where: str = "batch") -> tuple[object, list[str]]:
-    """``obj`` reduced to plain data (tensors, strings, numbers, None, and dicts with string
-    or integer keys, lists and tuples of them), and the places of what was left out.
-
-    Anything else (a user's class, a named tuple's type) would need unpickling code on the
-    receiving rank: it is dropped (a dict entry removed, a list item replaced by None) and its
-    place and type named, so the report can say what the replay ran without.
-    """
-    dropped: list[str] = []
-
-    def walk(x: object, path: str) -> object:
-        if isinstance(x, _PLAIN_LEAVES):
-            return x
-        if type(x) is dict:
-            out = {}
-            for k, v in x.items():
-                sub = f"{path}[{k!r}]"
-                if not isinstance(k, str | int) or isinstance(k, bool):
-                    dropped.append(f"{sub} (key of type {type(k).__name__})")
-                    continue
-                value = walk(v, sub)
-                if value is not _DROPPED:
-                    out[k] = value
-            return out
-        if type(x) in (list, tuple):
-            items = [walk(v, f"{path}[{i}]") for i, v in enumerate(x)]  # type: ignore[attr-defined]
-            return type(x)(None if v is _DROPPED else v for v in items)
-        if isinstance(x, tuple) and hasattr(x, "_fields"):  # a named tuple: values kept
-            dropped.append(f"{path} (the {type(x).__name__} type; sent as a plain tuple)")
-            return tuple(None if v is _DROPPED else v for v in (walk(v, f"{path}.{f}")
-                         for f, v in zip(x._fields, x, strict=True)))
-        dropped.append(f"{path} ({type(x).__module__}.{type(x).__qualname__})")
-        return _DROPPED
-
-    out = walk(obj, where)
-    return (None if out is _DROPPED else out), dropped
-
-
-_DROPPED = object()
-
-
-def nan_to_none(x: float | None) -> float | str | None:
-    """JSON has no NaN/Inf; reports spell them as strings."""
-    if x is None or math.isfinite(x):
-        return x
-    return str(x)

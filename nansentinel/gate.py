@@ -29,9 +29,9 @@ from typing import Any
 
 import torch
 
-from nansentinel.exchange import F_QUARANTINED, FIELDS
 from nansentinel.local import LocalHealth
 from nansentinel.result import StepResult
+from nansentinel.view import F_QUARANTINED, FIELDS
 
 
 def device_gate_refusal(

@@ -17,20 +17,23 @@ from pathlib import Path
 from typing import Any
 
 from nansentinel import report
+from nansentinel.collectives import Peers
 from nansentinel.config import SentinelConfig
-from nansentinel.exchange import ClusterView, HealthExchange, RankHealth, nan_to_none
-from nansentinel.policy import ABORT, EXCLUDE, Decision
-from nansentinel.result import RankIdentity, StepResult
+from nansentinel.policy import Decision
+from nansentinel.result import Outcome, RankIdentity, StepResult
 from nansentinel.spikes import CLUSTER, Spikes
+from nansentinel.view import ClusterView, RankHealth
 
 log = logging.getLogger("nansentinel")
 
+#: What happens next, by outcome (an exclusion names its host instead).
 _NEXT = {
-    "skipped": "step skipped on every rank, gradients discarded",
-    "aborted": "aborting on every rank",
-    "rolled_back": "rolled back on every rank",
-    "applied": "step applied (warn only)",
-    "overflow": "step left to GradScaler",
+    Outcome.SKIPPED: "step skipped on every rank, gradients discarded",
+    Outcome.ABORTED: "aborting on every rank",
+    Outcome.ROLLED_BACK: "rolled back on every rank",
+    Outcome.APPLIED: "step applied (warn only)",
+    Outcome.OVERFLOW: "step left to GradScaler",
+    Outcome.EXCLUDED: "excluding a host",
 }
 
 
@@ -60,7 +63,7 @@ def describe(view: ClusterView, decision: Decision, result: StepResult, spikes: 
     if decision.exclude_host:
         nxt = f"excluding host {decision.exclude_host}"
     else:
-        nxt = _NEXT.get(result.outcome, result.outcome)
+        nxt = _NEXT[result.outcome]
     if result.rolled_back_to is not None:
         nxt += f" to step {result.rolled_back_to}, learning rate x{result.lr_factor:g}"
     what = "non-finite values" if decision.bad else "spike"
@@ -111,8 +114,8 @@ def payload(
             "gpu_uuid": ident.gpu_uuid,
             "kinds": list(r.kinds),
             "injected": r.injected,
-            "loss": nan_to_none(r.loss),
-            "grad_norm": nan_to_none(r.grad_norm),
+            "loss": report.json_float(r.loss),
+            "grad_norm": report.json_float(r.grad_norm),
         }
         entry.update(details[r.rank])
         return entry
@@ -152,12 +155,12 @@ class IncidentWriter:
     never on a healthy step), rank 0 writes the report and every rank logs its part."""
 
     def __init__(
-        self, config: SentinelConfig, identity: RankIdentity, exchange: HealthExchange,
+        self, config: SentinelConfig, identity: RankIdentity, peers: Peers,
         job_id: str | None,
     ) -> None:
         self.config = config
         self.identity = identity
-        self.exchange = exchange
+        self.peers = peers
         self.job_id = job_id
         #: Told about each incident file that could not be written (the metrics counter).
         self.failed: Callable[[str], None] | None = None
@@ -193,7 +196,7 @@ class IncidentWriter:
             )
             detail.update({"batch_path": str(path)} if path else {"batch_error": error})
         with guarded():
-            details: list[dict[str, Any]] = self.exchange.gather_json(detail)  # type: ignore[assignment]
+            details: list[dict[str, Any]] = self.peers.gather_json(detail)  # type: ignore[assignment]
         parameters = resolve(details)
         result = dataclasses.replace(result, parameters=parameters)
         for d, r in zip(details, replays or [{}] * len(details), strict=True):
@@ -202,7 +205,7 @@ class IncidentWriter:
         if rank == 0:
             content = payload(
                 view, decision, result, spikes, details, message, job_id=self.job_id,
-                policy=self.config.policy, world_size=self.exchange.world_size,
+                policy=self.config.policy, world_size=self.peers.world_size,
             )
             path, _ = report.attempt(
                 "report", lambda: report.write_json(base / f"{stem}.json", content),
@@ -211,7 +214,7 @@ class IncidentWriter:
             if path is not None:
                 result = dataclasses.replace(result, report_path=str(path))
             log.log(
-                logging.ERROR if decision.action in (ABORT, EXCLUDE) else logging.WARNING,
+                logging.ERROR if decision.stops else logging.WARNING,
                 "%s%s", message, f"; report: {result.report_path}" if result.report_path else "",
             )
         if rank in decision.bad_ranks:

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from nansentinel.exchange import pack_row
+from nansentinel.view import pack_row
 
 _CONSTANTS: dict[tuple[tuple[float, ...], torch.device], torch.Tensor] = {}
 
@@ -54,7 +54,7 @@ class LocalHealth:
         self.grad_norms.append(norm)
 
     def row(self) -> torch.Tensor:
-        """The health row for the exchange (see ``exchange.pack_row``): no host sync."""
+        """The health row for the exchange (see ``view.pack_row``): no host sync."""
         zero = _constant((0.0,), self.device).reshape(())
         batch = _combined(self.batch_norms, zero)
         loss = zero

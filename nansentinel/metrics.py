@@ -35,7 +35,7 @@ from prometheus_client.exposition import start_http_server
 from prometheus_client.registry import Collector
 
 from nansentinel.config import ENV_METRICS_PORT
-from nansentinel.result import KINDS, VERDICTS, RankIdentity, StepResult
+from nansentinel.result import KINDS, OUTCOMES, VERDICTS, RankIdentity, StepResult
 
 if TYPE_CHECKING:
     import torch
@@ -44,9 +44,9 @@ log = logging.getLogger("nansentinel")
 
 PREFIX = "nansentinel"
 
-#: Values of the ``outcome`` label of ``nansentinel_steps_total``. A superset of
-#: ``result.OUTCOMES`` (a unit test keeps it so); an unknown outcome is a bug in the caller.
-STEP_OUTCOMES = ("applied", "skipped", "overflow", "aborted", "excluded", "rolled_back")
+#: Values of the ``outcome`` label of ``nansentinel_steps_total``: every
+#: :class:`~nansentinel.result.Outcome`, created at start so each series exists from zero.
+STEP_OUTCOMES = OUTCOMES
 
 #: Values of the ``file`` label of ``nansentinel_report_failures_total``.
 REPORT_FILES = ("report", "batch")

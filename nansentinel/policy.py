@@ -11,9 +11,9 @@ import dataclasses
 from typing import Any
 
 from nansentinel.config import SentinelConfig
-from nansentinel.exchange import ClusterView, RankHealth
-from nansentinel.result import KINDS
+from nansentinel.result import KINDS, Outcome
 from nansentinel.spikes import Spikes
+from nansentinel.view import ClusterView, RankHealth
 
 APPLY, SKIP, OVERFLOW, ABORT, EXCLUDE, ROLLBACK = (
     "apply", "skip", "overflow", "abort", "exclude", "rollback",
@@ -21,6 +21,10 @@ APPLY, SKIP, OVERFLOW, ABORT, EXCLUDE, ROLLBACK = (
 # Why a step was not applied as is; planned skips do not count towards escalation.
 NONFINITE, SPIKE, QUARANTINE, AFTER_ROLLBACK = "nonfinite", "spike", "quarantine", "after_rollback"
 _SEVERITY = {"warn": 0, "skip": 1, "rollback": 2}
+_OUTCOME = {
+    APPLY: Outcome.APPLIED, SKIP: Outcome.SKIPPED, OVERFLOW: Outcome.OVERFLOW,
+    ABORT: Outcome.ABORTED, EXCLUDE: Outcome.EXCLUDED, ROLLBACK: Outcome.ROLLED_BACK,
+}
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -38,6 +42,21 @@ class Decision:
     exclude_host: str | None = None
     strikes: int = 0
     """Strikes against ``exclude_host`` in the window."""
+
+    @property
+    def applies(self) -> bool:
+        """The optimizer (or GradScaler) steps: nothing to skip, roll back or stop for."""
+        return self.action in (APPLY, OVERFLOW)
+
+    @property
+    def outcome(self) -> Outcome:
+        """What the step's result, report, metrics and verdict call this decision."""
+        return _OUTCOME[self.action]
+
+    @property
+    def stops(self) -> bool:
+        """Every rank raises: the run is aborted or a host is excluded."""
+        return self.action in (ABORT, EXCLUDE)
 
     @property
     def bad_ranks(self) -> list[int]:
@@ -98,7 +117,7 @@ class History:
         """Advance the history by one decided step."""
         if decision.cause in (NONFINITE, SPIKE) and decision.action != APPLY:
             self.consecutive_skips += 1
-        elif decision.action in (APPLY, OVERFLOW):
+        elif decision.applies:
             self.consecutive_skips = 0
         for host in blamed_hosts(view, decision, verdict):
             self.strikes.setdefault(host, []).append(view.step)

@@ -27,8 +27,9 @@ from typing import Any
 import torch
 
 from nansentinel import checks
-from nansentinel.exchange import ClusterView, HealthExchange, RankHealth, plain
+from nansentinel.collectives import Peers, plain
 from nansentinel.spikes import Spikes
+from nansentinel.view import ClusterView, RankHealth
 
 ReplayFn = Callable[[torch.nn.Module, Any], torch.Tensor]
 """``fn(module, batch) -> loss``: the forward and loss of one step, on the unwrapped module."""
@@ -132,7 +133,7 @@ def blame(
     blamed: list[RankHealth],
     spikes: Spikes,
     *,
-    exchange: HealthExchange,
+    peers: Peers,
     module: torch.nn.Module,
     batch: Any,
     fn: ReplayFn | None,
@@ -146,7 +147,7 @@ def blame(
     small collectives (a sum of four flags, a gather of the details) make the outcome
     common knowledge. Called on every rank, after a detection only.
     """
-    world = exchange.world_size
+    world = peers.world_size
     if world > 1 and (len(blamed) == world or spikes.everywhere(world)):
         return "divergence", []
     if not blamed or fn is None:
@@ -159,30 +160,30 @@ def blame(
     )
     own = theirs = None
     detail: dict[str, Any] = {}
-    if exchange.rank == subject.rank and batch is not None:
+    if peers.rank == subject.rank and batch is not None:
         own = replay(module, batch, fn, anomaly=anomaly)
         detail = {"replay": own.to_json(), "fingerprint": fingerprint(batch)}
     if peer is not None:
         outgoing = None
-        if exchange.rank == subject.rank and batch is not None:
+        if peers.rank == subject.rank and batch is not None:
             # Only plain data travels (the peer loads it with weights_only=True): say what not.
             outgoing, dropped = plain(batch)
             if dropped:
                 detail["replay_sent_without"] = dropped
-        sent = exchange.send_object(outgoing, subject.rank, peer)
-        if exchange.rank == peer and sent is not None:
+        sent = peers.send_object(outgoing, subject.rank, peer)
+        if peers.rank == peer and sent is not None:
             theirs = replay(module, sent, fn, anomaly=anomaly)
             detail = {"peer_replay": theirs.to_json(), "replayed_for": subject.rank}
-        elif exchange.rank == peer:
+        elif peers.rank == peer:
             detail = {"peer_replay_skipped": f"no plain data came from rank {subject.rank} "
                       "(see its replay_sent_without)", "replayed_for": subject.rank}
-    flags = exchange.sum_floats([
+    flags = peers.sum_floats([
         float(own is not None and own.error is None),
         float(own is not None and own.finite),
         float(theirs is not None and theirs.error is None),
         float(theirs is not None and theirs.finite),
     ])
-    details: list[dict[str, Any]] = exchange.gather_json(detail)  # type: ignore[assignment]
+    details: list[dict[str, Any]] = peers.gather_json(detail)  # type: ignore[assignment]
     if not flags[0]:
         return None, details
     return verdict_of(bool(flags[1]), bool(flags[3]) if flags[2] else None), details

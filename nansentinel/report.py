@@ -15,6 +15,7 @@ from __future__ import annotations
 import io
 import json
 import logging
+import math
 import os
 import tempfile
 from collections.abc import Callable
@@ -102,6 +103,14 @@ def attempt(
         if failed is not None:
             failed(what)
         return None, reason
+
+
+def json_float(x: float | None) -> float | str | None:
+    """``x`` as JSON can hold it: JSON has no NaN or Inf, so reports spell them as strings
+    (``"nan"``, ``"inf"``, ``"-inf"``); finite numbers and None pass through."""
+    if x is None or math.isfinite(x):
+        return x
+    return str(x)
 
 
 def write_json(path: Path, payload: dict) -> Path:

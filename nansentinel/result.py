@@ -7,6 +7,7 @@ these types without importing the training-loop machinery.
 from __future__ import annotations
 
 import dataclasses
+import enum
 
 #: The kinds of local check, in the order of the health vector.
 KINDS = ("batch", "loss", "grad")
@@ -14,8 +15,34 @@ KINDS = ("batch", "loss", "grad")
 #: Replay verdicts: what caused a detection (see replay.py).
 VERDICTS = ("data", "host", "transient", "divergence")
 
-#: Step outcomes; they are the ``outcome`` label of ``nansentinel_steps_total``.
-OUTCOMES = ("applied", "skipped", "overflow", "aborted", "excluded", "rolled_back")
+
+
+class Outcome(str, enum.Enum):
+    """What became of a step, the same on every rank.
+
+    A ``str`` subclass, so that JSON (reports, verdict files) and Prometheus labels carry the
+    plain words (``outcome="rolled_back"``) and a comparison with the word still holds.
+    """
+
+    APPLIED = "applied"
+    """The optimizer step ran on every rank."""
+    SKIPPED = "skipped"
+    """No rank stepped; the gradients were discarded."""
+    OVERFLOW = "overflow"
+    """fp16 overflow under GradScaler: the scaler's own step decided (it skips inf grads)."""
+    ABORTED = "aborted"
+    """Every rank raised :class:`NonFiniteError`."""
+    EXCLUDED = "excluded"
+    """Every rank raised :class:`HostExcludedError`: a host keeps poisoning the run."""
+    ROLLED_BACK = "rolled_back"
+    """Every rank restored the last good snapshot."""
+
+    def __str__(self) -> str:
+        return self.value
+
+
+#: Step outcomes, in order; they are the ``outcome`` label of ``nansentinel_steps_total``.
+OUTCOMES = tuple(o.value for o in Outcome)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -40,8 +67,8 @@ class StepResult:
     """Index of the step just decided (0-based, counts every call to ``step()``)."""
     applied: bool
     """True when ``optimizer.step()`` ran on this (and therefore every) rank."""
-    outcome: str
-    """One of :data:`OUTCOMES`."""
+    outcome: Outcome
+    """What became of the step (an :class:`Outcome`, which is also its word)."""
     bad_ranks: list[int]
     """Ranks whose own batch, loss or gradients were non-finite, sorted."""
     bad_hosts: list[str]

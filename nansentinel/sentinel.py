@@ -29,27 +29,11 @@ from torch.nn.parallel import DistributedDataParallel
 
 from nansentinel import checks, gradpaths, incident, stop
 from nansentinel.config import SentinelConfig, resolve_hostname
-from nansentinel.exchange import (
-    ClusterView,
-    HealthExchange,
-    diagnosis_grace,
-    late_after,
-    unpack_view,
-)
+from nansentinel.exchange import HealthExchange, diagnosis_grace, late_after
 from nansentinel.gate import DeviceGate, Pending, PendingResult, device_gate_refusal, held_grads
 from nansentinel.inject import Injector, parse_inject
 from nansentinel.local import LocalHealth
-from nansentinel.policy import (
-    ABORT,
-    APPLY,
-    EXCLUDE,
-    OVERFLOW,
-    ROLLBACK,
-    Decision,
-    History,
-    blamed,
-    decide,
-)
+from nansentinel.policy import ROLLBACK, Decision, History, blamed, decide
 from nansentinel.recovery import Cooldown, MemorySnapshots, SnapshotStore, UserSnapshots
 from nansentinel.replay import ReplayFn, blame, fingerprint
 from nansentinel.result import (
@@ -58,14 +42,10 @@ from nansentinel.result import (
     StepResult,
 )
 from nansentinel.spikes import SIGNALS, SpikeDetector, Spikes
+from nansentinel.view import ClusterView, unpack_view
 from nansentinel.watchdog import Watchdog
 
 log = logging.getLogger("nansentinel")
-
-_OUTCOME = {
-    APPLY: "applied", OVERFLOW: "overflow", ABORT: "aborted", EXCLUDE: "excluded",
-    ROLLBACK: "rolled_back",
-}
 
 
 class Sentinel:
@@ -124,7 +104,7 @@ class Sentinel:
             int(environ.get("LOCAL_RANK", "0") or 0), self.device,
         )
         # Gathered once, so that every later detection can name host, local rank and device.
-        gathered = self.exchange.gather_json(_identity_json(self.identity))
+        gathered = self.exchange.peers.gather_json(_identity_json(self.identity))
         self.identities = [RankIdentity(**d) for d in gathered]  # type: ignore[arg-type]
         self.job_id = cfg.job_id or environ.get("TORCHELASTIC_RUN_ID")
         faults = parse_inject(cfg.inject) if cfg.inject else []
@@ -150,7 +130,9 @@ class Sentinel:
         self._after_step: tuple[Any, ClusterView, dict[str, Any]] | None = None
         self._post_hook: Any = None
         self.quarantine: set[str] = set()
-        self.incidents = incident.IncidentWriter(cfg, self.identity, self.exchange, self.job_id)
+        self.incidents = incident.IncidentWriter(
+            cfg, self.identity, self.exchange.peers, self.job_id
+        )
         #: Where the gradients are checked before their reduction: ``ddp``, ``fsdp``, ``local``.
         self.gradients: gradpaths.GradPath = gradpaths.attach(model, self)
         self._params = params
@@ -347,7 +329,7 @@ class Sentinel:
             replay_fn = self.replay_fn if self.config.replay else None
             with self._guarded():
                 verdict, replays = blame(
-                    view, list(bad), spikes, exchange=self.exchange, module=self.module,
+                    view, list(bad), spikes, peers=self.exchange.peers, module=self.module,
                     batch=local.batch,
                     fn=replay_fn if self.gradients.name != "fsdp" else None,
                     anomaly=self.config.replay_anomaly,
@@ -362,13 +344,13 @@ class Sentinel:
         )
         rolled_back_to = None
         not_ours = 0.0
-        if decision.action in (APPLY, OVERFLOW) and not optimizer_step:
+        if decision.applies and not optimizer_step:
             # The caller steps the optimizer right after: the cooldown is undone and the
             # snapshot taken from the optimizer's post-hook (_callers_step).
             self._after_step = (self.cooldown.apply(self.optimizer), view, current)
             if self._post_hook is None:  # once: a hook cannot remove itself while it runs
                 self._post_hook = self.optimizer.register_step_post_hook(self._callers_step)
-        elif decision.action in (APPLY, OVERFLOW):
+        elif decision.applies:
             if pending is None:  # the host gate; the device gate has stepped already
                 opt_started = time.perf_counter()
                 saved_lr = self.cooldown.apply(self.optimizer)
@@ -405,7 +387,7 @@ class Sentinel:
         return result, decision
 
     def _stop_if(self, decision: Decision, result: StepResult) -> None:
-        if decision.action in (ABORT, EXCLUDE):
+        if decision.stops:
             stop.stop(
                 decision, result, incident.describe_abort(decision, result), config=self.config,
                 identity=self.identity, exchange=self.exchange, job_id=self.job_id,
@@ -573,8 +555,8 @@ class Sentinel:
         mine = view.ranks[self.rank]
         return StepResult(
             step=view.step,
-            applied=decision.action in (APPLY, OVERFLOW),
-            outcome=_OUTCOME.get(decision.action, "skipped"),
+            applied=decision.applies,
+            outcome=decision.outcome,
             bad_ranks=decision.bad_ranks,
             bad_hosts=decision.bad_hosts,
             kinds=decision.kinds,

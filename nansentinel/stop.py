@@ -95,7 +95,7 @@ def stop(
     )
     # Rank 0's report and the exclusion record are on disk before anyone raises.
     with guarded():
-        exchange.barrier()
+        exchange.peers.barrier()
     if lingering and config.metrics_linger > 0:
         log.info(
             "nansentinel: rank %d keeps its exporter up %g s for the final scrape",

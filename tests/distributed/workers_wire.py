@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from nansentinel.exchange import HealthExchange
+from nansentinel.collectives import Peers
 
 Pair = collections.namedtuple("Pair", "a b")
 
@@ -33,19 +33,19 @@ class Meta:
 
 
 def send_batch(rank: int, world: int) -> Any:
-    exchange = HealthExchange(None, torch.device("cpu"), timeout=30)
+    peers = Peers(None, torch.device("cpu"))
     batch = {"x": torch.arange(4.0), "ids": [1, 2], "meta": Meta(), "pair": Pair(1, "b"),
              "name": "ok"}
-    got = exchange.send_object(batch if rank == 0 else None, 0, 1)
+    got = peers.send_object(batch if rank == 0 else None, 0, 1)
     return got if rank == 1 else None
 
 
 def send_hostile(rank: int, world: int, *, marker: str) -> Any:
-    exchange = HealthExchange(None, torch.device("cpu"), timeout=30)
+    peers = Peers(None, torch.device("cpu"))
     if rank == 0:
         buf = io.BytesIO()
         torch.save({"x": torch.ones(1), "evil": Evil(marker)}, buf)
-        exchange._send_bytes(buf.getvalue(), 1)  # what a rank running hostile code could do
+        peers._send_bytes(buf.getvalue(), 1)  # what a rank running hostile code could do
         return None
-    got = exchange.send_object(None, 0, 1)
+    got = peers.send_object(None, 0, 1)
     return {"got": got, "marker_exists": Path(marker).exists()}

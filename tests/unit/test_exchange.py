@@ -6,9 +6,10 @@ import math
 
 import torch
 
-from nansentinel.exchange import FIELDS, HealthExchange, pack_row, unpack_view
+from nansentinel.exchange import HealthExchange
 from nansentinel.local import LocalHealth
 from nansentinel.result import RankIdentity
+from nansentinel.view import FIELDS, pack_row, unpack_view
 
 CPU = torch.device("cpu")
 
@@ -56,7 +57,7 @@ def test_a_rank_without_loss_or_grads_reports_none() -> None:
 def test_plain_keeps_data_and_names_what_it_drops() -> None:
     import collections
 
-    from nansentinel.exchange import plain
+    from nansentinel.collectives import plain
 
     point = collections.namedtuple("point", "x y")
 

@@ -10,8 +10,8 @@ import torch
 
 import nansentinel
 from nansentinel.config import ConfigError, SentinelConfig
-from nansentinel.exchange import F_LOSS_VALUE, F_QUARANTINED, FIELDS
 from nansentinel.gate import DeviceGate, PendingResult, device_gate_refusal
+from nansentinel.view import F_LOSS_VALUE, F_QUARANTINED, FIELDS
 
 
 def make(tmp_path: Path, *, fused: bool = True, **kw: object):  # type: ignore[no-untyped-def]
