@@ -15,13 +15,12 @@ its limits.
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from nansentinel.console import say
 from nansentinel.exclusion import ExclusionRecord, ExclusionStore
-from nansentinel.verdicts import OUTCOME_EXCLUDED, archive_verdicts, read_verdicts
+from nansentinel.verdicts import RankVerdict, archive_verdicts, read_verdicts
 
 #: The rendezvous backend name under which the exclusion guard is registered.
 GUARD_BACKEND = "nansentinel"
@@ -66,10 +65,7 @@ class ExclusionGuard:
     def check(self) -> ExclusionRecord | None:
         """The record that keeps this host out, or None when it may join."""
         for verdict in read_verdicts(self.run_dir).values():
-            if (
-                verdict.get("outcome") == OUTCOME_EXCLUDED
-                and verdict.get("excluded_host") == self.hostname
-            ):
+            if verdict.excludes == self.hostname:
                 return self._record_from_verdict(verdict)
         if self.store is not None:
             mine = self.store.records_for(self.hostname)
@@ -85,15 +81,14 @@ class ExclusionGuard:
             raise HostExcludedExit(record)
         if self._rounds > 0:
             for verdict in read_verdicts(self.run_dir).values():
-                host = verdict.get("excluded_host")
-                if verdict.get("outcome") == OUTCOME_EXCLUDED and host:
-                    self.others_excluded.add(str(host))
+                if verdict.excludes:
+                    self.others_excluded.add(verdict.excludes)
             archived = archive_verdicts(self.run_dir)
             if archived is not None:
                 say(f"verdicts of the failed attempt kept in {archived}")
         self._rounds += 1
 
-    def _record_from_verdict(self, verdict: Mapping[str, Any]) -> ExclusionRecord:
+    def _record_from_verdict(self, verdict: RankVerdict) -> ExclusionRecord:
         """Prefer rank 0's record (it carries the cluster's evidence); if it does not show
         up in the shared file within RECORD_WAIT_S, write one from this verdict, so a
         launcher started later on this host still refuses to join."""
@@ -106,16 +101,15 @@ class ExclusionGuard:
                 if time.monotonic() >= deadline:
                     break
                 time.sleep(0.2)
-        step = verdict.get("step")
         record = ExclusionRecord(
             host=self.hostname,
-            reason=str(verdict.get("message") or "excluded by the sentinel"),
-            step=int(step) if isinstance(step, int) else -1,
+            reason=verdict.message or "excluded by the sentinel",
+            step=verdict.step,
             evidence={
                 "source": "launcher (from this host's verdicts)",
-                "bad_ranks": verdict.get("bad_ranks"),
-                "kinds": verdict.get("kinds"),
-                "report_path": verdict.get("report_path"),
+                "bad_ranks": verdict.bad_ranks,
+                "kinds": verdict.kinds,
+                "report_path": verdict.report_path,
             },
             job_id=self.job_id,
         )

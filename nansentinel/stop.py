@@ -24,34 +24,24 @@ from nansentinel.result import (
     RankIdentity,
     StepResult,
 )
+from nansentinel.verdicts import EXCHANGE_TIMEOUT, RankVerdict, write_verdict
 
 log = logging.getLogger("nansentinel")
 
 
-def write_verdict(
+def leave_verdict(
     config: SentinelConfig, identity: RankIdentity, step: int, outcome: str, message: str,
-    **extra: Any,
+    **details: Any,
 ) -> None:
-    """Leave this rank's verdict where ``nansentinel run`` looks for it (if launched so)."""
+    """Leave this rank's verdict where ``nansentinel run`` looks for it (if launched so);
+    ``details``: the other fields of :class:`~nansentinel.verdicts.RankVerdict`."""
     if not config.run_dir:
         return
-    from nansentinel.verdicts import write_verdict as write
-
-    payload = {
-        "rank": identity.rank,
-        "local_rank": identity.local_rank,
-        "hostname": identity.hostname,
-        "step": step,
-        "outcome": outcome,
-        "message": message,
-        "bad_ranks": [],
-        "bad_hosts": [],
-        "kinds": [],
-        "excluded_host": None,
-        "report_path": None,
-    }
-    payload.update(extra)
-    write(config.run_dir, identity.rank, payload)
+    verdict = RankVerdict(
+        rank=identity.rank, outcome=str(outcome), step=step, message=message,
+        hostname=identity.hostname, local_rank=identity.local_rank, **details,
+    )
+    write_verdict(config.run_dir, verdict)
 
 
 def stop(
@@ -88,7 +78,7 @@ def stop(
                 job_id=job_id,
             )
         )
-    write_verdict(
+    leave_verdict(
         config, identity, result.step, result.outcome, message, bad_ranks=result.bad_ranks,
         bad_hosts=result.bad_hosts, kinds=result.kinds, excluded_host=decision.exclude_host,
         report_path=result.report_path,
@@ -119,7 +109,7 @@ def on_timeout(
     end the process, as NCCL's watchdog does; torchrun restarts or ends the job."""
     error = exchange.diagnose(step, identities, None)
     log.error("%s", error)
-    write_verdict(config, identity, step, "exchange_timeout", str(error), missing=error.missing)
+    leave_verdict(config, identity, step, EXCHANGE_TIMEOUT, str(error), missing=error.missing)
     for handler in logging.getLogger().handlers + log.handlers:
         handler.flush()
     if identity.rank == 0:

@@ -28,7 +28,7 @@ from nansentinel.exitcodes import (
 )
 from nansentinel.hooks import run_hook
 from nansentinel.rendezvous import ExclusionGuard, HostExcludedExit
-from nansentinel.verdicts import outcome_from_verdicts, read_verdicts
+from nansentinel.verdicts import RankVerdict, outcome_from_verdicts, read_verdicts
 
 
 def launch(
@@ -96,7 +96,7 @@ def refuse_excluded(record: ExclusionRecord, store: ExclusionStore, hook: str | 
 def print_summary(
     guard: ExclusionGuard,
     failures: Mapping[int, Any],
-    verdicts: Mapping[int, Mapping[str, Any]],
+    verdicts: Mapping[int, RankVerdict],
     code: int,
     root_cause: str,
 ) -> None:
@@ -110,7 +110,7 @@ def print_summary(
     ]
     for rank in sorted(set(failures) | set(verdicts)):
         failure, verdict = failures.get(rank), verdicts.get(rank)
-        host = (verdict or {}).get("hostname") or guard.hostname
+        host = (verdict.hostname if verdict else "") or guard.hostname
         if failure is not None:
             local = failure.local_rank
             status = (
@@ -118,16 +118,16 @@ def print_summary(
                 f"{format_time(failure.timestamp)}"
             )
         else:  # the agent restarts a failed group without reporting it; the verdict remains
-            local, status = (verdict or {}).get("local_rank", "?"), ""
+            known = verdict.local_rank if verdict else None
+            local, status = ("?" if known is None else known), ""
         lines.append(f"  rank {rank} (local_rank {local}) on host {host}{status}")
         if verdict is not None:
             lines.append(
-                f"    verdict: {verdict.get('outcome')} at step {verdict.get('step')}: "
-                f"{verdict.get('message', '')}"
+                f"    verdict: {verdict.outcome} at step {verdict.step}: {verdict.message}"
             )
             for key in ("bad_ranks", "bad_hosts", "kinds", "excluded_host", "report_path"):
-                if verdict.get(key):
-                    lines.append(f"    {key}: {verdict[key]}")
+                if getattr(verdict, key):
+                    lines.append(f"    {key}: {getattr(verdict, key)}")
         elif failure is not None and failure.message:
             lines.append(f"    error: {str(failure.message).strip().splitlines()[-1]}")
     lines += [f"Verdicts: {guard.run_dir}", bar]

@@ -7,9 +7,10 @@ So just before raising, each rank writes a small JSON verdict to
 verdicts of the last attempt to print a per-rank root-cause summary and to choose its exit
 code (see :mod:`nansentinel.exitcodes`).
 
-Payload keys (written by the sentinel): ``rank, local_rank, hostname, step, outcome``
-(``"aborted"`` | ``"excluded"`` | ``"exchange_timeout"``), ``message, bad_ranks, bad_hosts,
-kinds, excluded_host`` (or null) and ``report_path``.
+A verdict is a :class:`RankVerdict`; its JSON keys are its fields: ``rank, local_rank,
+hostname, step, outcome`` (``"aborted"`` | ``"excluded"`` | ``"exchange_timeout"``),
+``message, bad_ranks, bad_hosts, kinds, excluded_host`` (or null), ``report_path`` (or null)
+and ``missing`` (the ranks an exchange timeout names).
 
 Files are written atomically (temporary file, fsync, ``os.replace``) because a rank may be
 killed a moment later; a reader sees the old file or the new one, never half of one. The
@@ -36,17 +37,96 @@ from nansentinel.exitcodes import (
     EXIT_NONFINITE_ABORT,
     EXIT_WORKER_FAILED,
 )
+from nansentinel.result import Outcome
 
 log = logging.getLogger("nansentinel")
 
-OUTCOME_ABORTED = "aborted"
-OUTCOME_EXCLUDED = "excluded"
-OUTCOME_EXCHANGE_TIMEOUT = "exchange_timeout"
-#: The values of a verdict's ``outcome`` key.
-VERDICT_OUTCOMES = (OUTCOME_ABORTED, OUTCOME_EXCLUDED, OUTCOME_EXCHANGE_TIMEOUT)
+#: A verdict's outcome when the step's collectives failed or hung (no step was decided).
+EXCHANGE_TIMEOUT = "exchange_timeout"
+#: The values of a verdict's ``outcome``: the two ways the cluster stops, and a timeout.
+VERDICT_OUTCOMES = (Outcome.ABORTED.value, Outcome.EXCLUDED.value, EXCHANGE_TIMEOUT)
 
 VERDICTS_SUBDIR = "verdicts"
 _RANK_FILE = re.compile(r"^rank-(\d+)\.json$")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class RankVerdict:
+    """Why one rank stopped, as it tells the launcher on its host."""
+
+    rank: int
+    """Global rank of the attempt that wrote it."""
+    outcome: str
+    """One of :data:`VERDICT_OUTCOMES` (a later version may add words: they read as a plain
+    worker failure)."""
+    step: int
+    """The step the sentinel stopped at."""
+    message: str = ""
+    """The exception's message, naming step, ranks, hosts and kinds."""
+    hostname: str = ""
+    local_rank: int | None = None
+    bad_ranks: list[int] = dataclasses.field(default_factory=list)
+    bad_hosts: list[str] = dataclasses.field(default_factory=list)
+    kinds: list[str] = dataclasses.field(default_factory=list)
+    excluded_host: str | None = None
+    """The host the cluster excluded (outcome ``excluded``)."""
+    report_path: str | None = None
+    """The incident report (on the rank that wrote it)."""
+    missing: list[int] = dataclasses.field(default_factory=list)
+    """Ranks that did not answer (outcome ``exchange_timeout``)."""
+
+    @property
+    def excludes(self) -> str | None:
+        """The host this verdict excludes, or None."""
+        if self.outcome == Outcome.EXCLUDED and self.excluded_host:
+            return self.excluded_host
+        return None
+
+    def to_json(self) -> str:
+        """One line of JSON, without a newline. Values JSON cannot encode are written as
+        ``str(value)``: this runs on the failure path, just before the sentinel raises, and
+        must not replace the real error with a serialization error."""
+        return json.dumps(dataclasses.asdict(self), sort_keys=True, default=str)
+
+    @classmethod
+    def from_json(cls, text: str, rank: int | None = None) -> RankVerdict:
+        """Parse :meth:`to_json`'s output; raises ``ValueError`` naming what is wrong.
+        ``rank`` (the file's) stands in for a missing ``rank`` key. Unknown keys (from a
+        later version) are ignored."""
+        data = json.loads(text)
+        if not isinstance(data, dict):
+            raise ValueError("not a JSON object")
+        if rank is not None:
+            data.setdefault("rank", rank)
+        outcome = data.get("outcome")
+        if not isinstance(outcome, str) or not outcome:
+            raise ValueError(f"outcome={outcome!r} is not a non-empty string")
+        ints = {"rank": data.get("rank"), "step": data.get("step", -1)}
+        for key, value in ints.items():
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise ValueError(f"{key}={value!r} is not an integer")
+        local_rank = data.get("local_rank")
+        lists: dict[str, list[Any]] = {}
+        for key in ("bad_ranks", "bad_hosts", "kinds", "missing"):
+            value = data.get(key) or []
+            if not isinstance(value, list):
+                raise ValueError(f"{key}={value!r} is not a list")
+            lists[key] = value
+        return cls(
+            rank=ints["rank"],
+            outcome=outcome,
+            step=ints["step"],
+            message=str(data.get("message") or ""),
+            hostname=str(data.get("hostname") or ""),
+            local_rank=local_rank if isinstance(local_rank, int) else None,
+            excluded_host=_optional_str(data.get("excluded_host")),
+            report_path=_optional_str(data.get("report_path")),
+            **lists,
+        )
+
+
+def _optional_str(value: object) -> str | None:
+    return None if value is None or value == "" else str(value)
 
 
 def verdict_path(run_dir: str | Path, rank: int) -> Path:
@@ -54,20 +134,16 @@ def verdict_path(run_dir: str | Path, rank: int) -> Path:
     return Path(run_dir) / VERDICTS_SUBDIR / f"rank-{int(rank)}.json"
 
 
-def write_verdict(run_dir: str | Path, rank: int, payload: Mapping[str, Any]) -> Path:
-    """Atomically write ``payload`` as rank ``rank``'s verdict; returns the file's path.
-
-    Values JSON cannot encode are written as ``str(value)``: this runs on the failure path,
-    just before the sentinel raises, and must not replace the real error with a
-    serialization error.
-    """
-    path = verdict_path(run_dir, rank)
+def write_verdict(run_dir: str | Path, verdict: RankVerdict) -> Path:
+    """Atomically write ``verdict`` as its rank's verdict; returns the file's path."""
+    path = verdict_path(run_dir, verdict.rank)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".rank-{int(rank)}.", suffix=".tmp")
+    fd, tmp = tempfile.mkstemp(
+        dir=path.parent, prefix=f".rank-{int(verdict.rank)}.", suffix=".tmp"
+    )
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(dict(payload), f, default=str, sort_keys=True)
-            f.write("\n")
+            f.write(verdict.to_json() + "\n")
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -77,7 +153,7 @@ def write_verdict(run_dir: str | Path, rank: int, payload: Mapping[str, Any]) ->
     return path
 
 
-def read_verdicts(run_dir: str | Path) -> dict[int, dict[str, Any]]:
+def read_verdicts(run_dir: str | Path) -> dict[int, RankVerdict]:
     """All verdicts under ``run_dir``, by global rank; ``{}`` when there are none.
 
     An unreadable or malformed file is skipped with a warning naming it: the launcher must
@@ -86,20 +162,16 @@ def read_verdicts(run_dir: str | Path) -> dict[int, dict[str, Any]]:
     directory = Path(run_dir) / VERDICTS_SUBDIR
     if not directory.is_dir():
         return {}
-    verdicts: dict[int, dict[str, Any]] = {}
+    verdicts: dict[int, RankVerdict] = {}
     for path in sorted(directory.iterdir()):
         match = _RANK_FILE.match(path.name)
         if not match:
             continue
+        rank = int(match.group(1))
         try:
-            payload = json.loads(path.read_text(encoding="utf-8"))
+            verdicts[rank] = RankVerdict.from_json(path.read_text(encoding="utf-8"), rank)
         except (OSError, ValueError) as exc:
             log.warning("skipping unreadable verdict file %s: %s", path, exc)
-            continue
-        if not isinstance(payload, dict):
-            log.warning("skipping verdict file %s: not a JSON object", path)
-            continue
-        verdicts[int(match.group(1))] = payload
     return verdicts
 
 
@@ -137,13 +209,11 @@ class VerdictOutcome:
     """One line for the summary: what happened and what happens next."""
     excluded_host: str | None = None
     """The host the cluster excluded, when a verdict says so."""
-    verdict: dict[str, Any] | None = None
+    verdict: RankVerdict | None = None
     """The verdict the decision rests on (None when there was none)."""
 
 
-def outcome_from_verdicts(
-    verdicts: Mapping[int, Mapping[str, Any]], hostname: str
-) -> VerdictOutcome:
+def outcome_from_verdicts(verdicts: Mapping[int, RankVerdict], hostname: str) -> VerdictOutcome:
     """Map the verdicts of a failed attempt to this host's exit code.
 
     Precedence, strongest first: this host excluded (4) > the sentinel stopped the run,
@@ -152,46 +222,43 @@ def outcome_from_verdicts(
     the sentinel aborts on every rank at the same step, so a timeout next to an abort is a
     consequence of it, not the cause.
     """
-    by_outcome: dict[str, list[Mapping[str, Any]]] = {}
+    by_outcome: dict[str, list[RankVerdict]] = {}
     for rank in sorted(verdicts):
-        v = verdicts[rank]
-        by_outcome.setdefault(str(v.get("outcome")), []).append(v)
+        by_outcome.setdefault(verdicts[rank].outcome, []).append(verdicts[rank])
 
-    excluded = by_outcome.get(OUTCOME_EXCLUDED, [])
+    excluded = by_outcome.get(Outcome.EXCLUDED, [])
     for v in excluded:
-        if v.get("excluded_host") == hostname:
+        if v.excluded_host == hostname:
             return VerdictOutcome(
                 EXIT_HOST_EXCLUDED,
-                f"this host ({hostname}) was excluded by the sentinel: {v.get('message', '')}"
-                .rstrip(": "),
+                f"this host ({hostname}) was excluded by the sentinel: {v.message}".rstrip(": "),
                 excluded_host=hostname,
-                verdict=dict(v),
+                verdict=v,
             )
     if excluded:
         v = excluded[0]
-        host = v.get("excluded_host")
         return VerdictOutcome(
             EXIT_NONFINITE_ABORT,
-            f"host {host} was excluded by the sentinel and no restart is left to continue "
-            f"without it (raise --max-restarts and use --nnodes=MIN:MAX to keep going)",
-            excluded_host=str(host) if host else None,
-            verdict=dict(v),
+            f"host {v.excluded_host} was excluded by the sentinel and no restart is left to "
+            f"continue without it (raise --max-restarts and use --nnodes=MIN:MAX to keep going)",
+            excluded_host=v.excluded_host,
+            verdict=v,
         )
-    aborted = by_outcome.get(OUTCOME_ABORTED, [])
+    aborted = by_outcome.get(Outcome.ABORTED, [])
     if aborted:
         v = aborted[0]
         return VerdictOutcome(
             EXIT_NONFINITE_ABORT,
-            f"the sentinel aborted the run: {v.get('message', 'non-finite values')}",
-            verdict=dict(v),
+            f"the sentinel aborted the run: {v.message or 'non-finite values'}",
+            verdict=v,
         )
-    timeouts = by_outcome.get(OUTCOME_EXCHANGE_TIMEOUT, [])
+    timeouts = by_outcome.get(EXCHANGE_TIMEOUT, [])
     if timeouts:
         v = timeouts[0]
         return VerdictOutcome(
             EXIT_EXCHANGE_TIMEOUT,
-            f"the sentinel's health exchange timed out: {v.get('message', '')}".rstrip(": "),
-            verdict=dict(v),
+            f"the sentinel's health exchange timed out: {v.message}".rstrip(": "),
+            verdict=v,
         )
     return VerdictOutcome(
         EXIT_WORKER_FAILED, "a worker failed without a sentinel verdict (see its traceback)"

@@ -25,7 +25,7 @@ from nansentinel.exitcodes import (
     EXIT_OK,
 )
 from nansentinel.launcher import excluded_main, main
-from nansentinel.verdicts import write_verdict
+from nansentinel.verdicts import RankVerdict, write_verdict
 
 from .netns import NetnsCluster, unavailable_reason
 
@@ -83,7 +83,7 @@ def test_stale_verdicts_in_a_reused_run_dir_do_not_exclude(
     """A user-set NANSENTINEL_RUN_DIR may hold an earlier run's verdicts (this host
     excluded, since cleared by an operator); they must not keep the new run out."""
     run_dir = tmp_path / "run"
-    write_verdict(run_dir, 0, {"outcome": "excluded", "excluded_host": HOST, "step": 3})
+    write_verdict(run_dir, RankVerdict(rank=0, outcome="excluded", step=3, excluded_host=HOST))
     monkeypatch.setenv("NANSENTINEL_RUN_DIR", str(run_dir))
     out = tmp_path / "out"
     out.mkdir()

@@ -19,7 +19,7 @@ from nansentinel.launcher import (
     HostExcludedExit,
     excluded_main,
 )
-from nansentinel.verdicts import write_verdict
+from nansentinel.verdicts import RankVerdict, write_verdict
 
 
 def _record(host: str, step: int = 3, **kw: object) -> ExclusionRecord:
@@ -150,10 +150,13 @@ class _FakeDynamicHandler:
         return "job-1"
 
 
-def _verdict(host: str, excluded: str | None, outcome: str = "excluded") -> dict[str, object]:
-    return {"rank": 0, "local_rank": 0, "hostname": host, "step": 12, "outcome": outcome,
-            "message": f"{excluded} is bad", "bad_ranks": [4], "bad_hosts": [excluded],
-            "kinds": ["grad"], "excluded_host": excluded, "report_path": None}
+def _verdict(
+    host: str, excluded: str | None, outcome: str = "excluded", rank: int = 0
+) -> RankVerdict:
+    return RankVerdict(rank=rank, local_rank=0, hostname=host, step=12, outcome=outcome,
+                       message=f"{excluded} is bad", bad_ranks=[4],
+                       bad_hosts=[excluded] if excluded else [], kinds=["grad"],
+                       excluded_host=excluded)
 
 
 def test_guard_lets_a_healthy_host_rejoin_and_archives_the_old_verdicts(tmp_path: Path) -> None:
@@ -161,7 +164,7 @@ def test_guard_lets_a_healthy_host_rejoin_and_archives_the_old_verdicts(tmp_path
     guard = ExclusionGuard("node1", tmp_path, ExclusionStore(tmp_path / "x.jsonl"), "job-1")
     handler = GuardedRendezvousHandler(inner, guard)
     assert handler.next_rendezvous() == "rdzv-info"
-    write_verdict(tmp_path, 0, _verdict("node1", "node3"))  # another host was excluded
+    write_verdict(tmp_path, _verdict("node1", "node3"))  # another host was excluded
     assert handler.next_rendezvous() == "rdzv-info"
     assert inner.calls == ["next_rendezvous", "next_rendezvous"]
     assert not (tmp_path / "verdicts").exists()
@@ -185,7 +188,7 @@ def test_guard_keeps_the_excluded_host_out_and_leaves_without_closing(
     handler = GuardedRendezvousHandler(inner, guard)
     handler.next_rendezvous()
     # Rank 0's record never arrived: the guard writes one from this host's own verdict.
-    write_verdict(tmp_path / "run", 4, _verdict("node3", "node3"))
+    write_verdict(tmp_path / "run", _verdict("node3", "node3", rank=4))
     with pytest.raises(HostExcludedExit) as info:
         handler.next_rendezvous()
     assert info.value.record.host == "node3" and "node3 is bad" in info.value.record.reason

@@ -5,6 +5,7 @@ Nothing here launches a worker; the launches are in tests/e2e/test_launcher.py.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -16,6 +17,7 @@ from nansentinel import exitcodes, launcher
 from nansentinel.hooks import check_hook
 from nansentinel.launcher import format_hook, main, run_hook, split_argv
 from nansentinel.verdicts import (
+    RankVerdict,
     archive_verdicts,
     outcome_from_verdicts,
     read_verdicts,
@@ -207,11 +209,10 @@ def test_hook_timeout_is_bounded(
 # -- verdict files -> exit code ----------------------------------------------------------------
 
 
-def _verdict(rank: int, outcome: str, excluded: str | None = None) -> dict[str, object]:
-    return {"rank": rank, "local_rank": rank % 2, "hostname": f"node{rank // 2}", "step": 5,
-            "outcome": outcome, "message": f"{outcome} at step 5", "bad_ranks": [1],
-            "bad_hosts": ["node0"], "kinds": ["loss"], "excluded_host": excluded,
-            "report_path": None}
+def _verdict(rank: int, outcome: str, excluded: str | None = None) -> RankVerdict:
+    return RankVerdict(rank=rank, local_rank=rank % 2, hostname=f"node{rank // 2}", step=5,
+                       outcome=outcome, message=f"{outcome} at step 5", bad_ranks=[1],
+                       bad_hosts=["node0"], kinds=["loss"], excluded_host=excluded)
 
 
 @pytest.mark.parametrize(
@@ -234,22 +235,25 @@ def test_exit_code_from_verdict_files(
     tmp_path: Path, outcomes: dict[int, tuple[str, str | None]], host: str, code: int
 ) -> None:
     for rank, (outcome, excluded) in outcomes.items():
-        write_verdict(tmp_path, rank, _verdict(rank, outcome, excluded))
+        write_verdict(tmp_path, _verdict(rank, outcome, excluded))
     result = outcome_from_verdicts(read_verdicts(tmp_path), host)
     assert result.exit_code == code
     assert result.explanation
 
 
 def test_verdict_files_are_atomic_readable_and_archived(tmp_path: Path) -> None:
-    path = write_verdict(tmp_path, 3, {**_verdict(3, "aborted"), "odd": object()})
+    odd = dataclasses.replace(_verdict(3, "aborted"), report_path=object())  # type: ignore[arg-type]
+    path = write_verdict(tmp_path, odd)  # a value JSON cannot hold is written as its str()
     assert path == tmp_path / "verdicts" / "rank-3.json"
     (tmp_path / "verdicts" / "rank-4.json").write_text("{torn")
+    (tmp_path / "verdicts" / "rank-5.json").write_text('{"outcome": "aborted", "step": "x"}')
     (tmp_path / "verdicts" / "notes.txt").write_text("ignored")
     verdicts = read_verdicts(tmp_path)
-    assert list(verdicts) == [3] and verdicts[3]["outcome"] == "aborted"
+    assert list(verdicts) == [3] and verdicts[3].outcome == "aborted"
+    assert verdicts[3] == dataclasses.replace(odd, report_path=str(odd.report_path))
     assert [p.name for p in (tmp_path / "verdicts").iterdir() if p.name.startswith(".")] == []
     assert archive_verdicts(tmp_path) == tmp_path / "verdicts.attempt-0"
-    write_verdict(tmp_path, 0, _verdict(0, "aborted"))
+    write_verdict(tmp_path, _verdict(0, "aborted"))
     assert archive_verdicts(tmp_path) == tmp_path / "verdicts.attempt-1"
     assert read_verdicts(tmp_path) == {} and archive_verdicts(tmp_path) is None
 

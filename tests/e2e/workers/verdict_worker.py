@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 from nansentinel.exclusion import ExclusionRecord, ExclusionStore
-from nansentinel.verdicts import write_verdict
+from nansentinel.verdicts import RankVerdict, write_verdict
 
 p = argparse.ArgumentParser()
 p.add_argument("outdir", type=Path)
@@ -34,19 +34,18 @@ if args.record and rank == 0:
     ))
 write_verdict(
     os.environ["NANSENTINEL_RUN_DIR"],
-    rank,
-    {
-        "rank": rank,
-        "local_rank": int(os.environ["LOCAL_RANK"]),
-        "hostname": os.environ.get("NANSENTINEL_HOSTNAME") or socket.gethostname(),
-        "step": 7,
-        "outcome": args.outcome,
-        "message": message,
-        "bad_ranks": [1],
-        "bad_hosts": [args.excluded_host] if args.excluded_host else [],
-        "kinds": ["loss"],
-        "excluded_host": args.excluded_host,
-        "report_path": "/reports/step-7.json",
-    },
+    RankVerdict(
+        rank=rank,
+        local_rank=int(os.environ["LOCAL_RANK"]),
+        hostname=os.environ.get("NANSENTINEL_HOSTNAME") or socket.gethostname(),
+        step=7,
+        outcome=args.outcome,
+        message=message,
+        bad_ranks=[1],
+        bad_hosts=[args.excluded_host] if args.excluded_host else [],
+        kinds=["loss"],
+        excluded_host=args.excluded_host,
+        report_path="/reports/step-7.json",
+    ),
 )
 sys.exit(1)
