@@ -36,11 +36,11 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if argv else 2
     command, rest = argv[0], argv[1:]
     if command == "run":
-        from nansentinel.launcher import main as run_main
+        from nansentinel.launcher.run import main as run_main
 
         return run_main(rest)
     if command == "excluded":
-        from nansentinel.excluded import excluded_main
+        from nansentinel.launcher.excluded_command import excluded_main
 
         return excluded_main(rest)
     if command == "demo":
@@ -83,7 +83,7 @@ def demo(argv: list[str]) -> int:
     # One thread per CPU rank: the ranks share the machine, and torchrun otherwise prints its
     # OMP_NUM_THREADS banner to a first-time user. A value you exported is kept.
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    from nansentinel.launcher import main as run
+    from nansentinel.launcher.run import main as run
 
     print(
         f"nansentinel demo: {args.nproc} CPU ranks ({'FSDP2' if args.fsdp else 'DDP'}), "

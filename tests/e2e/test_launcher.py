@@ -24,7 +24,8 @@ from nansentinel.exitcodes import (
     EXIT_NONFINITE_ABORT,
     EXIT_OK,
 )
-from nansentinel.launcher import excluded_main, main
+from nansentinel.launcher.excluded_command import excluded_main
+from nansentinel.launcher.run import main
 from nansentinel.verdicts import RankVerdict, write_verdict
 
 from .netns import NetnsCluster, unavailable_reason

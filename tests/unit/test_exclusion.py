@@ -13,11 +13,11 @@ import pytest
 
 from nansentinel.exclusion import ExclusionRecord, ExclusionStore
 from nansentinel.exitcodes import EXIT_CONFIG, EXIT_OK
-from nansentinel.launcher import (
+from nansentinel.launcher.excluded_command import excluded_main
+from nansentinel.launcher.rendezvous_guard import (
     ExclusionGuard,
     GuardedRendezvousHandler,
     HostExcludedExit,
-    excluded_main,
 )
 from nansentinel.verdicts import RankVerdict, write_verdict
 

@@ -13,9 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from nansentinel import exitcodes, launcher
-from nansentinel.hooks import check_hook
-from nansentinel.launcher import format_hook, main, run_hook, split_argv
+from nansentinel import exitcodes
+from nansentinel.launcher import run as launcher
+from nansentinel.launcher.on_exclude import check_hook, format_hook, run_hook
+from nansentinel.launcher.run import main, split_argv
 from nansentinel.verdicts import (
     RankVerdict,
     archive_verdicts,
@@ -379,7 +380,11 @@ def test_the_store_host_is_recognised_and_its_exclusion_ends_the_job(
     from torch.distributed.elastic.rendezvous import RendezvousParameters
 
     from nansentinel.exclusion import ExclusionRecord
-    from nansentinel.rendezvous import ExclusionGuard, GuardedRendezvousHandler, serves_store
+    from nansentinel.launcher.rendezvous_guard import (
+        ExclusionGuard,
+        GuardedRendezvousHandler,
+        serves_store,
+    )
 
     def params(endpoint: str, **conf: object) -> RendezvousParameters:
         return RendezvousParameters("c10d", endpoint, "job", 1, 2, **conf)

@@ -94,35 +94,16 @@ from pathlib import Path
 from typing import Any
 
 from nansentinel import config as _config
-from nansentinel.console import PROG, exit_status, say
-from nansentinel.excluded import excluded_main
 from nansentinel.exclusion import ExclusionStore
 from nansentinel.exitcodes import EXIT_CONFIG, EXIT_OK
-from nansentinel.hooks import check_hook, format_hook, run_hook
-from nansentinel.rendezvous import (
+from nansentinel.launcher.agent import launch, refuse_excluded
+from nansentinel.launcher.console import PROG, exit_status, say
+from nansentinel.launcher.on_exclude import check_hook
+from nansentinel.launcher.rendezvous_guard import (
     ExclusionGuard,
-    GuardedRendezvousHandler,
-    HostExcludedExit,
     install_guard,
 )
-from nansentinel.summary import launch, refuse_excluded
 from nansentinel.verdicts import archive_verdicts
-
-# The pieces of ``nansentinel run``, each in its module: the exclusion guard around torchrun's
-# rendezvous (nansentinel.rendezvous), the --on-exclude hook (nansentinel.hooks), how a launch
-# ends (nansentinel.summary), ``nansentinel excluded`` (nansentinel.excluded). Names that
-# used to live here stay importable from here.
-__all__ = [
-    "ExclusionGuard",
-    "GuardedRendezvousHandler",
-    "HostExcludedExit",
-    "build_parser",
-    "excluded_main",
-    "format_hook",
-    "main",
-    "run_hook",
-    "split_argv",
-]
 
 _SHARE_STORE_ENV = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
 

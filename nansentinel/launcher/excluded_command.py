@@ -17,9 +17,9 @@ from collections.abc import Mapping
 from typing import Any
 
 from nansentinel import config as _config
-from nansentinel.console import exit_status, format_time
 from nansentinel.exclusion import ExclusionStore
 from nansentinel.exitcodes import EXIT_CONFIG, EXIT_OK
+from nansentinel.launcher.console import exit_status, format_time
 
 
 def excluded_main(argv: list[str] | None = None) -> int:

@@ -23,7 +23,7 @@ import shlex
 import string
 import subprocess
 
-from nansentinel.console import say
+from nansentinel.launcher.console import say
 
 #: Seconds the ``--on-exclude`` hook may run; a hung ``scontrol`` must not hang the launcher.
 HOOK_TIMEOUT_S = 120.0

@@ -17,7 +17,6 @@ import sys
 from collections.abc import Mapping
 from typing import Any
 
-from nansentinel.console import PROG, format_time, say
 from nansentinel.exclusion import ExclusionRecord, ExclusionStore
 from nansentinel.exitcodes import (
     EXIT_HOST_EXCLUDED,
@@ -26,8 +25,9 @@ from nansentinel.exitcodes import (
     EXIT_WORKER_FAILED,
     NAMES,
 )
-from nansentinel.hooks import run_hook
-from nansentinel.rendezvous import ExclusionGuard, HostExcludedExit
+from nansentinel.launcher.console import PROG, format_time, say
+from nansentinel.launcher.on_exclude import run_hook
+from nansentinel.launcher.rendezvous_guard import ExclusionGuard, HostExcludedExit
 from nansentinel.verdicts import RankVerdict, outcome_from_verdicts, read_verdicts
 
 

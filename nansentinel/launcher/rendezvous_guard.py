@@ -18,8 +18,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from nansentinel.console import say
 from nansentinel.exclusion import ExclusionRecord, ExclusionStore
+from nansentinel.launcher.console import say
 from nansentinel.verdicts import RankVerdict, archive_verdicts, read_verdicts
 
 #: The rendezvous backend name under which the exclusion guard is registered.
