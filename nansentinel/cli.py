@@ -11,14 +11,7 @@ import argparse
 import os
 import sys
 
-from nansentinel.config import (
-    ENV_INJECT,
-    ENV_METRICS_PORT,
-    ENV_POLICY,
-    ENV_REPORT_DIR,
-    ConfigError,
-    SentinelConfig,
-)
+from nansentinel.config import DEFAULT_REPORT_DIR, ConfigError, SentinelConfig, env_var
 
 USAGE = """usage: nansentinel {run,demo,excluded} ...
 
@@ -56,12 +49,13 @@ def demo(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="nansentinel demo", description=demo.__doc__)
     p.add_argument("--nproc", type=int, default=4, help="CPU ranks (default 4)")
     p.add_argument("--steps", type=int, default=20, help="training steps (default 20)")
-    p.add_argument("--inject", default=os.environ.get(ENV_INJECT, DEFAULT_INJECT),
+    p.add_argument("--inject", default=os.environ.get(env_var("inject"), DEFAULT_INJECT),
                    help=f"fault spec (default {DEFAULT_INJECT!r}; '' for none)")
-    p.add_argument("--policy", default=os.environ.get(ENV_POLICY, "skip"),
+    p.add_argument("--policy", default=os.environ.get(env_var("policy"), "skip"),
                    help="skip, abort or rollback")
-    p.add_argument("--report-dir", default=os.environ.get(ENV_REPORT_DIR, "nansentinel_reports"))
-    p.add_argument("--metrics-port", type=int, default=os.environ.get(ENV_METRICS_PORT, "0"),
+    p.add_argument("--report-dir",
+                   default=os.environ.get(env_var("report_dir"), DEFAULT_REPORT_DIR))
+    p.add_argument("--metrics-port", type=int, default=os.environ.get(env_var("metrics_port"), "0"),
                    help="base port of the per-rank exporters (default 0: off)")
     p.add_argument("--sleep", type=float, default=0.0,
                    help="pause after each step, seconds (to watch the metrics live)")
@@ -69,11 +63,11 @@ def demo(argv: list[str]) -> int:
                    help="shard the model with FSDP2 instead of DDP (gradients checked before "
                    "each reduce-scatter)")
     args = p.parse_args(argv)
-    env = {ENV_POLICY: args.policy}
+    env = {env_var("policy"): args.policy}
     if args.inject:
-        env[ENV_INJECT] = args.inject
+        env[env_var("inject")] = args.inject
     else:
-        os.environ.pop(ENV_INJECT, None)
+        os.environ.pop(env_var("inject"), None)
     try:  # a bad value is one clear line here, not a traceback from every worker
         SentinelConfig.from_env({**os.environ, **env})
     except ConfigError as exc:

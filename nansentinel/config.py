@@ -21,37 +21,9 @@ from typing import Any
 
 log = logging.getLogger("nansentinel")
 
-ENV_POLICY = "NANSENTINEL_POLICY"
-ENV_REPORT_DIR = "NANSENTINEL_REPORT_DIR"
-ENV_MAX_CONSECUTIVE_SKIPS = "NANSENTINEL_MAX_CONSECUTIVE_SKIPS"
-ENV_HOSTNAME = "NANSENTINEL_HOSTNAME"
-ENV_INJECT = "NANSENTINEL_INJECT"
-ENV_METRICS_PORT = "NANSENTINEL_METRICS_PORT"
-ENV_METRICS_ADDR = "NANSENTINEL_METRICS_ADDR"
-ENV_METRICS_CERTFILE = "NANSENTINEL_METRICS_CERTFILE"
-ENV_METRICS_KEYFILE = "NANSENTINEL_METRICS_KEYFILE"
-ENV_METRICS_LINGER = "NANSENTINEL_METRICS_LINGER"
-ENV_HOST_STRIKES = "NANSENTINEL_HOST_STRIKES"
-ENV_STRIKE_WINDOW = "NANSENTINEL_STRIKE_WINDOW"
-ENV_EXCHANGE_TIMEOUT = "NANSENTINEL_EXCHANGE_TIMEOUT"
-ENV_EXCLUSION_FILE = "NANSENTINEL_EXCLUSION_FILE"
-ENV_JOB_ID = "NANSENTINEL_JOB_ID"
-ENV_RUN_DIR = "NANSENTINEL_RUN_DIR"
-ENV_LOSS_SPIKE_ACTION = "NANSENTINEL_LOSS_SPIKE_ACTION"
-ENV_GRAD_SPIKE_ACTION = "NANSENTINEL_GRAD_SPIKE_ACTION"
-ENV_SPIKE_RATIO = "NANSENTINEL_SPIKE_RATIO"
-ENV_SPIKE_ZSCORE = "NANSENTINEL_SPIKE_ZSCORE"
-ENV_SPIKE_WINDOW = "NANSENTINEL_SPIKE_WINDOW"
-ENV_SPIKE_WARMUP = "NANSENTINEL_SPIKE_WARMUP"
-ENV_SNAPSHOT_EVERY = "NANSENTINEL_SNAPSHOT_EVERY"
-ENV_ROLLBACK_LR_FACTOR = "NANSENTINEL_ROLLBACK_LR_FACTOR"
-ENV_ROLLBACK_LR_STEPS = "NANSENTINEL_ROLLBACK_LR_STEPS"
-ENV_ROLLBACK_SKIP_BATCHES = "NANSENTINEL_ROLLBACK_SKIP_BATCHES"
-ENV_MAX_ROLLBACKS = "NANSENTINEL_MAX_ROLLBACKS"
-ENV_REPLAY = "NANSENTINEL_REPLAY"
-ENV_REPLAY_ANOMALY = "NANSENTINEL_REPLAY_ANOMALY"
-ENV_GATE = "NANSENTINEL_GATE"
-ENV_SAVE_BATCHES = "NANSENTINEL_SAVE_BATCHES"
+#: Every setting is also an environment variable: field ``metrics_port`` is
+#: ``NANSENTINEL_METRICS_PORT`` (:func:`env_var`), as torchrun derives ``PET_*`` from its options.
+ENV_PREFIX = "NANSENTINEL_"
 #: Kubernetes downward API convention (DCGM's exporter reads the same variable).
 ENV_NODE_NAME = "NODE_NAME"
 
@@ -60,44 +32,6 @@ SPIKE_ACTIONS = ("warn", "skip", "rollback")
 GATES = ("auto", "device", "host")
 DEFAULT_METRICS_PORT = 9410
 DEFAULT_REPORT_DIR = "nansentinel_reports"
-
-# Field name -> (environment variable, parser name). The parsers live below.
-_ENV_FIELDS: dict[str, tuple[str, str]] = {
-    "policy": (ENV_POLICY, "str"),
-    "report_dir": (ENV_REPORT_DIR, "str"),
-    "max_consecutive_skips": (ENV_MAX_CONSECUTIVE_SKIPS, "int"),
-    "hostname": (ENV_HOSTNAME, "str"),
-    "inject": (ENV_INJECT, "str"),
-    "metrics_port": (ENV_METRICS_PORT, "int"),
-    "metrics_addr": (ENV_METRICS_ADDR, "str"),
-    "metrics_certfile": (ENV_METRICS_CERTFILE, "str"),
-    "metrics_keyfile": (ENV_METRICS_KEYFILE, "str"),
-    "metrics_linger": (ENV_METRICS_LINGER, "float"),
-    "host_strikes": (ENV_HOST_STRIKES, "int"),
-    "strike_window": (ENV_STRIKE_WINDOW, "int"),
-    "exchange_timeout": (ENV_EXCHANGE_TIMEOUT, "float"),
-    "exclusion_file": (ENV_EXCLUSION_FILE, "str"),
-    "job_id": (ENV_JOB_ID, "str"),
-    "run_dir": (ENV_RUN_DIR, "str"),
-    "loss_spike_action": (ENV_LOSS_SPIKE_ACTION, "str"),
-    "grad_spike_action": (ENV_GRAD_SPIKE_ACTION, "str"),
-    "spike_ratio": (ENV_SPIKE_RATIO, "float"),
-    "spike_zscore": (ENV_SPIKE_ZSCORE, "float"),
-    "spike_window": (ENV_SPIKE_WINDOW, "int"),
-    "spike_warmup": (ENV_SPIKE_WARMUP, "int"),
-    "snapshot_every": (ENV_SNAPSHOT_EVERY, "int"),
-    "rollback_lr_factor": (ENV_ROLLBACK_LR_FACTOR, "float"),
-    "rollback_lr_steps": (ENV_ROLLBACK_LR_STEPS, "int"),
-    "rollback_skip_batches": (ENV_ROLLBACK_SKIP_BATCHES, "int"),
-    "max_rollbacks": (ENV_MAX_ROLLBACKS, "int"),
-    "replay": (ENV_REPLAY, "bool"),
-    "replay_anomaly": (ENV_REPLAY_ANOMALY, "bool"),
-    "gate": (ENV_GATE, "str"),
-    "save_batches": (ENV_SAVE_BATCHES, "bool"),
-}
-#: Every NANSENTINEL_* variable this package reads; anything else is probably a typo.
-KNOWN_ENV = frozenset(env for env, _ in _ENV_FIELDS.values())
-
 
 class ConfigError(ValueError):
     """A configuration value is wrong; the message names the field or variable.
@@ -335,7 +269,8 @@ class SentinelConfig:
                     _did_you_mean(key, KNOWN_ENV),
                 )
         values: dict[str, Any] = {}
-        for name, (var, kind) in _ENV_FIELDS.items():
+        for name, kind in _PARSERS.items():
+            var = env_var(name)
             raw = env.get(var)
             if raw is None or name in overrides:
                 continue
@@ -344,18 +279,44 @@ class SentinelConfig:
         try:
             return cls(**values)
         except ConfigError as exc:
-            # Say where a bad value came from when it came from the environment.
-            # The field at fault if its value came from the environment; else, for a bound
-            # between two fields, the other one's variable.
+            # Name the variable a bad value came from: the field at fault if its value came
+            # from the environment, else (a bound between two fields) the other one's.
             from_env = [
-                _ENV_FIELDS[f][0] for f in (exc.field, *exc.related)
-                if f in _ENV_FIELDS and f in values and f not in overrides
+                env_var(f) for f in (exc.field, *exc.related)
+                if f in _PARSERS and f in values and f not in overrides
             ]
             if from_env:
                 raise ConfigError(
                     f"{exc} (from environment variable {from_env[0]})", exc.field, exc.related
                 ) from None
             raise
+
+
+def _parser_of(annotation: object) -> str:
+    """How a field's environment variable is parsed, from the field's own annotation."""
+    head = str(annotation).split("|")[0].strip()
+    if head not in ("str", "int", "float", "bool"):
+        raise TypeError(f"SentinelConfig: no environment parser for a {annotation!r} field")
+    return head
+
+
+#: Field name -> parser (``str``, ``int``, ``float``, ``bool``), read from the dataclass.
+_PARSERS: dict[str, str] = {
+    f.name: _parser_of(f.type) for f in dataclasses.fields(SentinelConfig)
+}
+
+
+def env_var(field: str) -> str:
+    """The environment variable that sets config field ``field``: ``NANSENTINEL_{FIELD}``."""
+    if field not in _PARSERS:
+        raise KeyError(f"SentinelConfig has no field {field!r}{_did_you_mean(field, _PARSERS)}")
+    return ENV_PREFIX + field.upper()
+
+
+#: The names of every SentinelConfig field.
+KNOWN_FIELDS = frozenset(_PARSERS)
+#: Every NANSENTINEL_* variable this package reads; anything else is probably a typo.
+KNOWN_ENV = frozenset(env_var(name) for name in _PARSERS)
 
 
 def resolve_hostname(configured: str | None, env: Mapping[str, str] | None = None) -> str:

@@ -34,7 +34,7 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.exposition import start_http_server
 from prometheus_client.registry import Collector
 
-from nansentinel.config import ENV_METRICS_PORT
+from nansentinel.config import env_var
 from nansentinel.result import KINDS, OUTCOMES, VERDICTS, RankIdentity, StepResult
 
 if TYPE_CHECKING:
@@ -358,8 +358,8 @@ class SentinelMetrics:
             raise MetricsPortError(
                 f"rank {ident.rank} (local rank {ident.local_rank}) on host {ident.hostname}: "
                 f"binding the metrics exporter to {bind}:{port} {reason}. Each rank serves on "
-                f"{ENV_METRICS_PORT} + LOCAL_RANK; set {ENV_METRICS_PORT} to a free base port "
-                f"(or 0 to disable the exporter)."
+                f"{env_var('metrics_port')} + LOCAL_RANK; set {env_var('metrics_port')} to a free "
+                f"base port (or 0 to disable the exporter)."
             ) from exc
         self._server, self._thread = server, thread
         self._port = int(server.server_address[1])

@@ -32,8 +32,8 @@ def excluded_main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument(
         "--exclusion-file", "--exclusion_file", metavar="FILE",
-        default=os.environ.get(_config.ENV_EXCLUSION_FILE),
-        help=f"the exclusion file [env {_config.ENV_EXCLUSION_FILE}]",
+        default=os.environ.get(_config.env_var("exclusion_file")),
+        help=f"the exclusion file [env {_config.env_var('exclusion_file')}]",
     )
     parser.add_argument("--clear", metavar="HOST", action="append", default=[],
                         help="remove every record of HOST (repeatable)")
@@ -45,7 +45,7 @@ def excluded_main(argv: list[str] | None = None) -> int:
     if not args.exclusion_file:
         print(
             "nansentinel excluded: error: no exclusion file; pass --exclusion-file FILE or set "
-            f"{_config.ENV_EXCLUSION_FILE}",
+            f"{_config.env_var('exclusion_file')}",
             file=sys.stderr,
         )
         return EXIT_CONFIG

@@ -114,34 +114,39 @@ _SHARE_STORE_ENV = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
 @dataclasses.dataclass(frozen=True, slots=True)
 class _Opt:
     dest: str
+    """The option's name; when it is also a SentinelConfig field, the option sets that
+    field's ``NANSENTINEL_*`` variable for the workers."""
     flags: tuple[str, ...]
-    env: str | None
     kind: type
     metavar: str
     help: str
 
+    @property
+    def env(self) -> str | None:
+        return _config.env_var(self.dest) if self.dest in _config.KNOWN_FIELDS else None
+
 
 _OPTIONS: tuple[_Opt, ...] = (
-    _Opt("metrics_port", ("--metrics-port", "--metrics_port"), _config.ENV_METRICS_PORT, int,
-         "PORT", "base port of the per-rank Prometheus exporter (rank serves on PORT + "
-         "LOCAL_RANK; 0 disables)"),
-    _Opt("report_dir", ("--report-dir", "--report_dir"), _config.ENV_REPORT_DIR, str,
-         "DIR", "directory for incident reports; also holds this launcher's run directory"),
-    _Opt("exclusion_file", ("--exclusion-file", "--exclusion_file"),
-         _config.ENV_EXCLUSION_FILE, str, "FILE",
+    _Opt("metrics_port", ("--metrics-port", "--metrics_port"), int, "PORT",
+         "base port of the per-rank Prometheus exporter (rank serves on PORT + LOCAL_RANK; "
+         "0 disables)"),
+    _Opt("report_dir", ("--report-dir", "--report_dir"), str, "DIR",
+         "directory for incident reports; also holds this launcher's run directory"),
+    _Opt("exclusion_file", ("--exclusion-file", "--exclusion_file"), str, "FILE",
          "exclusion records (JSON lines) on a filesystem every host sees"),
-    _Opt("host_strikes", ("--host-strikes", "--host_strikes"), _config.ENV_HOST_STRIKES, int,
-         "N", "non-finite blames within the strike window that exclude a host"),
-    _Opt("strike_window", ("--strike-window", "--strike_window"), _config.ENV_STRIKE_WINDOW,
-         int, "STEPS", "window, in steps, over which host strikes count"),
-    _Opt("exchange_timeout", ("--exchange-timeout", "--exchange_timeout"),
-         _config.ENV_EXCHANGE_TIMEOUT, float, "SECONDS",
+    _Opt("host_strikes", ("--host-strikes", "--host_strikes"), int, "N",
+         "non-finite blames within the strike window that exclude a host"),
+    _Opt("strike_window", ("--strike-window", "--strike_window"), int, "STEPS",
+         "window, in steps, over which host strikes count"),
+    _Opt("exchange_timeout", ("--exchange-timeout", "--exchange_timeout"), float, "SECONDS",
          "how long a rank waits for the others at the health exchange"),
-    _Opt("job_id", ("--job-id", "--job_id"), _config.ENV_JOB_ID, str, "ID",
+    _Opt("job_id", ("--job-id", "--job_id"), str, "ID",
          "job identity in reports and exclusion records (default: torchrun's --rdzv-id)"),
-    _Opt("on_exclude", ("--on-exclude", "--on_exclude"), None, str, "CMD",
-         "shell command run on an excluded host before its launcher exits 4; {host} and "
-         "{reason} are replaced, shell-quoted (e.g. 'kubectl cordon {host}')"),
+    _Opt("on_exclude", ("--on-exclude", "--on_exclude"), str, "CMD",
+         "command run on an excluded host before its launcher exits 4, without a shell: "
+         "split into arguments, then {host} and {reason} replaced inside each (also "
+         "NANSENTINEL_EXCLUDED_HOST, NANSENTINEL_EXCLUSION_REASON in its environment; "
+         "e.g. 'kubectl cordon {host}')"),
 )
 _FLAG_TO_OPT = {flag: opt for opt in _OPTIONS for flag in opt.flags}
 
@@ -225,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
         _resolve_standalone(args)
     except (RuntimeError, ValueError) as exc:
         return _config_error(f"--nnodes={args.nnodes!r}: {exc}")
-    job_id = opts.job_id or os.environ.get(_config.ENV_JOB_ID) or args.rdzv_id
+    job_id = opts.job_id or os.environ.get(_config.env_var("job_id")) or args.rdzv_id
     env = _worker_env(opts, job_id)
     try:
         cfg = _config.SentinelConfig.from_env({**os.environ, **env})
@@ -242,12 +247,12 @@ def main(argv: list[str] | None = None) -> int:
         if mine:
             return refuse_excluded(mine[-1], store, opts.on_exclude)
 
-    explicit_reports = opts.report_dir or os.environ.get(_config.ENV_REPORT_DIR)
+    explicit_reports = opts.report_dir or os.environ.get(_config.env_var("report_dir"))
     with _restored_process_state():
         run_dir, created = _make_run_dir(explicit_reports, hostname)
         # Verdicts describe this launch only: a reused NANSENTINEL_RUN_DIR may hold old ones.
         archive_verdicts(run_dir)
-        env[_config.ENV_RUN_DIR] = str(run_dir)
+        env[_config.env_var("run_dir")] = str(run_dir)
         os.environ.update(env)
         try:
             launch_config, cmd, cmd_args = torchrun.config_from_args(args)
@@ -335,7 +340,7 @@ def _worker_env(opts: argparse.Namespace, job_id: str) -> dict[str, str]:
         if before is not None and before != str(value):
             say(f"{opt.flags[0]}={value} overrides {opt.env}={before} from the environment")
         env[opt.env] = str(value)
-    env.setdefault(_config.ENV_JOB_ID, os.environ.get(_config.ENV_JOB_ID) or job_id)
+    env.setdefault(os.environ.get(_config.env_var("job_id")) or job_id)
     return env
 
 
@@ -343,7 +348,7 @@ def _make_run_dir(report_dir: str | None, hostname: str) -> tuple[Path, bool]:
     """This launcher's run directory and whether it created it: the user's
     ``NANSENTINEL_RUN_DIR`` as is, else a fresh directory under ``report_dir/runs`` (kept
     with the incident reports) or the system temporary directory."""
-    given = os.environ.get(_config.ENV_RUN_DIR)
+    given = os.environ.get(_config.env_var("run_dir"))
     if given:
         Path(given).mkdir(parents=True, exist_ok=True)
         return Path(given), False

@@ -73,3 +73,35 @@ def test_the_variable_named_is_the_one_at_fault_not_one_the_message_mentions() -
         SentinelConfig.from_env(env)
     assert info.value.field == "spike_warmup"
     assert str(info.value).endswith("(from environment variable NANSENTINEL_SPIKE_WARMUP)")
+
+
+def test_each_field_is_its_variable_and_the_readme_table_lists_them_all() -> None:
+    """One source: the dataclass. The variable is derived from the field, and the README's
+    configuration table names exactly the fields there are, each with its variable."""
+    import dataclasses
+    import re
+    from pathlib import Path
+
+    from nansentinel.config import KNOWN_ENV, env_var
+
+    fields = {f.name for f in dataclasses.fields(SentinelConfig)}
+    assert {env_var(f) for f in fields} == KNOWN_ENV
+    assert env_var("metrics_port") == "NANSENTINEL_METRICS_PORT"
+    with pytest.raises(KeyError, match="metrics_port"):
+        env_var("metric_port")
+    # Every variable reaches its field through from_env.
+    cfg = SentinelConfig.from_env({env_var("strike_window"): "7", env_var("replay"): "0"})
+    assert cfg.strike_window == 7 and cfg.replay is False
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text(encoding="utf-8")
+    section = readme.split("## Configuration", 1)[1].split("\n## ", 1)[0]
+    rows = [line for line in section.splitlines() if line.startswith("| `")]
+    listed: dict[str, str] = {}
+    for row in rows:
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        names = re.findall(r"`([a-z_]+)`", cells[0])
+        variables = re.findall(r"`(NANSENTINEL_[A-Z_]+)`", cells[1])
+        assert len(names) == len(variables), row
+        listed.update(zip(names, variables, strict=True))
+    assert set(listed) == fields, sorted(set(listed) ^ fields)
+    assert all(var == env_var(name) for name, var in listed.items()), listed

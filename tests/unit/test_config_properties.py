@@ -7,9 +7,9 @@ from __future__ import annotations
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from nansentinel.config import _ENV_FIELDS, ENV_INJECT, ConfigError, SentinelConfig
+from nansentinel.config import KNOWN_ENV, ConfigError, SentinelConfig, env_var
 
-VARIABLES = sorted(var for var, _ in _ENV_FIELDS.values())
+VARIABLES = sorted(KNOWN_ENV)
 # Text an environment can hold (no NUL), biased towards what parsers trip on.
 TRICKY = st.sampled_from([
     "", " ", "nan", "-nan", "inf", "-inf", "1e309", "-1", "0", "0x10", "1_000", "٣", "1.5",
@@ -48,9 +48,9 @@ def test_any_value_of_any_variable_is_accepted_or_names_the_variable(var: str, r
 @given(INJECT)
 def test_any_inject_spec_is_accepted_or_names_the_variable(spec: str) -> None:
     try:
-        cfg = SentinelConfig.from_env({ENV_INJECT: spec})
+        cfg = SentinelConfig.from_env({env_var("inject"): spec})
     except ConfigError as exc:
-        assert ENV_INJECT in str(exc), (spec, str(exc))
+        assert env_var("inject") in str(exc), (spec, str(exc))
     else:
         assert cfg.inject == spec.strip()
 
