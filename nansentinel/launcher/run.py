@@ -340,7 +340,8 @@ def _worker_env(opts: argparse.Namespace, job_id: str) -> dict[str, str]:
         if before is not None and before != str(value):
             say(f"{opt.flags[0]}={value} overrides {opt.env}={before} from the environment")
         env[opt.env] = str(value)
-    env.setdefault(os.environ.get(_config.env_var("job_id")) or job_id)
+    job_var = _config.env_var("job_id")
+    env.setdefault(job_var, os.environ.get(job_var) or job_id)
     return env
 
 

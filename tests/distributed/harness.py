@@ -9,7 +9,6 @@ from __future__ import annotations
 import contextlib
 import os
 import pickle
-import socket
 import time
 import traceback
 from collections.abc import Callable
@@ -18,11 +17,7 @@ from typing import Any
 
 import torch.multiprocessing as mp
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from tests.support import free_port
 
 
 def _entry(rank: int, fn: Callable[..., Any], world: int, port: int, out: str,

@@ -24,7 +24,6 @@ import dataclasses
 import http.server
 import json
 import shutil
-import socket
 import subprocess
 import threading
 import time
@@ -34,6 +33,8 @@ import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
+
+from tests.support import free_port
 
 T = TypeVar("T")
 
@@ -61,12 +62,6 @@ def have_alertmanager() -> bool:
     """True when the Alertmanager binary is installed."""
     return Path(ALERTMANAGER_BIN).is_file()
 
-
-def free_port() -> int:
-    """A TCP port that was free on 127.0.0.1 a moment ago (the servers retry on a clash)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def wait_until(probe: Callable[[], T], timeout: float, what: str, interval: float = 0.1) -> T:

@@ -13,6 +13,7 @@ import statistics
 import threading
 import time
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -20,7 +21,6 @@ import torch
 from prometheus_client import CollectorRegistry
 
 import nansentinel
-from tests.distributed.harness import free_port
 
 pytestmark = pytest.mark.e2e
 
@@ -66,7 +66,9 @@ def _scrape(url: str, on: mp.Event, stop: mp.Event, ready: mp.Event,  # type: ig
     "x1.57 and 22 of 706 scrapes timed out (10 s): prometheus_client's threaded server shares "
     "the training process's GIL. Remove this marker when the exporter meets the bound.",
 )
-def test_64_scrapers_do_not_slow_training_and_all_succeed(tmp_path: Path) -> None:
+def test_64_scrapers_do_not_slow_training_and_all_succeed(
+    tmp_path: Path, free_port: Callable[[], int]
+) -> None:
     torch.manual_seed(0)
     torch.set_num_threads(1)
     model = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.ReLU(),

@@ -181,7 +181,7 @@ def test_guard_keeps_the_excluded_host_out_and_leaves_without_closing(
 ) -> None:
     from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _RendezvousExitOp
 
-    monkeypatch.setattr("nansentinel.rendezvous.RECORD_WAIT_S", 0.1)
+    monkeypatch.setattr("nansentinel.launcher.rendezvous_guard.RECORD_WAIT_S", 0.1)
     store = ExclusionStore(tmp_path / "x.jsonl")
     inner = _FakeDynamicHandler()
     guard = ExclusionGuard("node3", tmp_path / "run", store, "job-1")

@@ -9,7 +9,7 @@ import logging
 import math
 import os
 import subprocess
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -17,7 +17,6 @@ import torch
 from prometheus_client import CollectorRegistry
 
 import nansentinel
-from tests.distributed.harness import free_port
 from tests.unit.test_sentinel import one_step
 
 
@@ -53,7 +52,7 @@ def nan_batch() -> torch.Tensor:
 
 @pytest.mark.timeout(60)
 def test_full_disk_training_goes_on_and_failures_are_counted(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, free_port: Callable[[], int]
 ) -> None:
     registry = CollectorRegistry()
     with small_tmpfs(tmp_path / "disk", "64k") as disk:

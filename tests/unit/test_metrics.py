@@ -14,6 +14,7 @@ import subprocess
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 
 import prometheus_client
@@ -72,12 +73,6 @@ def bad_result(step: int, *, local: list[str], host: str = HOST, **kw: object) -
 
 def value(m: SentinelMetrics, name: str, **labels: str) -> float | None:
     return m.registry.get_sample_value(name, labels)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def test_private_registry_by_default() -> None:
@@ -311,7 +306,7 @@ def test_serve_scrape_and_close() -> None:
         again.close()
 
 
-def test_empty_addr_means_all_interfaces() -> None:
+def test_empty_addr_means_all_interfaces(free_port: Callable[[], int]) -> None:
     m = SentinelMetrics(identity())
     port = m.serve("", free_port())
     try:

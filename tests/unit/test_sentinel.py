@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -12,7 +13,6 @@ import torch
 from prometheus_client import CollectorRegistry
 
 import nansentinel
-from tests.distributed.harness import free_port
 
 
 def make(tmp_path: Path, **kw: object) -> tuple[torch.nn.Module, torch.optim.Optimizer,
@@ -135,7 +135,9 @@ def test_state_dict_roundtrip(tmp_path: Path) -> None:
     assert s2.step_index == 1 and s2.history.consecutive_skips == 1
 
 
-def test_metrics_exported_on_the_rank_port(tmp_path: Path) -> None:
+def test_metrics_exported_on_the_rank_port(
+    tmp_path: Path, free_port: Callable[[], int]
+) -> None:
     registry = CollectorRegistry()
     port = free_port()
     model, _opt, s = make(tmp_path, metrics_port=port, metrics_addr="127.0.0.1",
