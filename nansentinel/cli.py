@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from typing import Any
 
 from nansentinel.config import DEFAULT_REPORT_DIR, ConfigError, SentinelConfig, env_var
 
@@ -49,10 +50,11 @@ def demo(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="nansentinel demo", description=demo.__doc__)
     p.add_argument("--nproc", type=int, default=4, help="CPU ranks (default 4)")
     p.add_argument("--steps", type=int, default=20, help="training steps (default 20)")
-    p.add_argument("--inject", default=os.environ.get(env_var("inject"), DEFAULT_INJECT),
-                   help=f"fault spec (default {DEFAULT_INJECT!r}; '' for none)")
-    p.add_argument("--policy", default=os.environ.get(env_var("policy"), "skip"),
-                   help="skip, abort or rollback")
+    p.add_argument("--inject", default=None,
+                   help=f"fault spec (default: {env_var('inject')}, else {DEFAULT_INJECT!r}; "
+                   "'' for none)")
+    p.add_argument("--policy", default=None,
+                   help=f"skip, abort or rollback (default: {env_var('policy')}, else skip)")
     p.add_argument("--report-dir",
                    default=os.environ.get(env_var("report_dir"), DEFAULT_REPORT_DIR))
     p.add_argument("--metrics-port", type=int, default=os.environ.get(env_var("metrics_port"), "0"),
@@ -63,17 +65,25 @@ def demo(argv: list[str]) -> int:
                    help="shard the model with FSDP2 instead of DDP (gradients checked before "
                    "each reduce-scatter)")
     args = p.parse_args(argv)
-    env = {env_var("policy"): args.policy}
-    if args.inject:
-        env[env_var("inject")] = args.inject
+    # What the command line says overrides the environment, and an error names the option.
+    given: dict[str, Any] = {}
+    if args.policy is not None:
+        given["policy"] = args.policy
+    if args.inject is not None:
+        given["inject"] = args.inject or None
+    elif env_var("inject") not in os.environ:
+        given["inject"] = DEFAULT_INJECT
+    try:  # a bad value is one clear line here, not a traceback from every worker
+        cfg = SentinelConfig.from_env(os.environ, **given)
+    except ConfigError as exc:
+        where = f" (from --{exc.field.replace('_', '-')})" if exc.field in given else ""
+        print(f"nansentinel demo: error: {exc}{where}", file=sys.stderr)
+        return 2
+    os.environ[env_var("policy")] = cfg.policy
+    if cfg.inject:
+        os.environ[env_var("inject")] = cfg.inject
     else:
         os.environ.pop(env_var("inject"), None)
-    try:  # a bad value is one clear line here, not a traceback from every worker
-        SentinelConfig.from_env({**os.environ, **env})
-    except ConfigError as exc:
-        print(f"nansentinel demo: error: {exc}", file=sys.stderr)
-        return 2
-    os.environ.update(env)
     # One thread per CPU rank: the ranks share the machine, and torchrun otherwise prints its
     # OMP_NUM_THREADS banner to a first-time user. A value you exported is kept.
     os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -81,8 +91,8 @@ def demo(argv: list[str]) -> int:
 
     print(
         f"nansentinel demo: {args.nproc} CPU ranks ({'FSDP2' if args.fsdp else 'DDP'}), "
-        f"{args.steps} steps, policy {args.policy}, "
-        f"injecting {args.inject or 'nothing'}; reports in {args.report_dir}",
+        f"{args.steps} steps, policy {cfg.policy}, "
+        f"injecting {cfg.inject or 'nothing'}; reports in {args.report_dir}",
         flush=True,
     )
     # Through `nansentinel run`, as users launch: its summary and exit codes apply.

@@ -128,7 +128,7 @@ def print_summary(
             for key in ("bad_ranks", "bad_hosts", "kinds", "excluded_host", "report_path"):
                 if getattr(verdict, key):
                     lines.append(f"    {key}: {getattr(verdict, key)}")
-        elif failure is not None and failure.message:
+        elif failure is not None and str(failure.message or "").strip():
             lines.append(f"    error: {str(failure.message).strip().splitlines()[-1]}")
     lines += [f"Verdicts: {guard.run_dir}", bar]
     print("\n".join(lines), file=sys.stderr, flush=True)
