@@ -12,26 +12,35 @@ The metric names are a contract: the alert rules, the runbook and the Grafana da
 or free text), so a long run does not grow the series count.
 
 Cost: :meth:`SentinelMetrics.observe_step` is a handful of pre-resolved counter and gauge
-updates; host health (CPU, memory, device memory) is read by a collector at scrape time, so the
-training step pays nothing for it.
+updates. Scrapes never reach the training process: a refresher thread renders the registry
+once a second (host health -- CPU, memory, device memory -- is read then) and hands the bytes
+to a small HTTP server process beside the rank (``_metrics_server.py``), which answers every
+scrape from the latest bytes. So the rank pays one render a second, whatever the number of
+scrapers, and a scrape sees values at most a refresh interval old.
 """
 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import errno
 import logging
 import math
+import os
+import select
+import subprocess
+import sys
 import threading
 import time
 import weakref
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import psutil
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 from prometheus_client.core import GaugeMetricFamily
-from prometheus_client.exposition import start_http_server
+from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4, generate_latest
 from prometheus_client.registry import Collector
 
 from nansentinel.config import env_var
@@ -53,6 +62,12 @@ REPORT_FILES = ("report", "batch")
 
 #: ``check_seconds`` buckets: the sentinel's own time per step spans ~10 µs (a flag read on a
 #: small model) to ~1 s (a detection that writes an incident report).
+#: Seconds between two renders of the registry for the server process.
+REFRESH_SECONDS = 1.0
+#: Seconds the server process may take to bind before the exporter gives up.
+START_TIMEOUT_S = 30.0
+_SERVER_SCRIPT = Path(__file__).with_name("_metrics_server.py")
+
 CHECK_SECONDS_BUCKETS = (
     1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3,
     0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
@@ -78,7 +93,8 @@ def normalize_gpu_uuid(uuid: str) -> str:
 
 
 class HostCollector(Collector):
-    """Host and process health, read when Prometheus scrapes (zero cost per training step).
+    """Host and process health, read at each refresh of the served metrics (once a second,
+    off the training step).
 
     CPU utilisation is computed from this collector's own previous reading, not from
     ``psutil.cpu_percent``'s process-wide state, so that another caller in the training
@@ -116,7 +132,7 @@ class HostCollector(Collector):
     def collect(self) -> Iterator[GaugeMetricFamily]:
         yield GaugeMetricFamily(
             f"{PREFIX}_host_cpu_utilization_ratio",
-            "Fraction of all host CPUs busy since the previous scrape (0..1).",
+            "Fraction of all host CPUs busy since the previous refresh (about 1 s; 0..1).",
             value=self.cpu_utilization(),
         )
         yield GaugeMetricFamily(
@@ -156,6 +172,7 @@ class SentinelMetrics:
             exporting it N times would multiply every sum by N.
         device: the rank's device; device memory is exported only when it is a CUDA device.
         clock: wall clock for ``last_step_timestamp_seconds`` (injectable for tests).
+        refresh: seconds between two renders for the server process (:data:`REFRESH_SECONDS`).
     """
 
     def __init__(
@@ -166,13 +183,17 @@ class SentinelMetrics:
         cluster_view: bool | None = None,
         device: torch.device | None = None,
         clock: Callable[[], float] = time.time,
+        refresh: float = REFRESH_SECONDS,
     ) -> None:
         self.identity = identity
         self.registry: CollectorRegistry = registry if registry is not None else CollectorRegistry()
         self.cluster_view = identity.rank == 0 if cluster_view is None else cluster_view
         self._clock = clock
-        self._server = None
+        self._refresh = refresh
+        self._server: subprocess.Popen[bytes] | None = None
         self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        self._send_lock = threading.Lock()
         self._port: int | None = None
         r = self.registry
 
@@ -346,23 +367,34 @@ class SentinelMetrics:
             )
         if (certfile is None) != (keyfile is None):
             raise ValueError("certfile and keyfile must be given together for TLS")
-        # prometheus_client resolves the address with getaddrinfo, which rejects ''.
         bind = addr or "0.0.0.0"
-        try:
-            server, thread = start_http_server(
-                port, addr=bind, registry=self.registry, certfile=certfile, keyfile=keyfile
-            )
-        except OSError as exc:
+        args = [sys.executable, "-I", str(_SERVER_SCRIPT), bind, str(port)]
+        args += [CONTENT_TYPE_PLAIN_0_0_4, *((certfile, keyfile) if certfile and keyfile else ())]
+        server = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        status = _first_line(server, START_TIMEOUT_S)
+        if not status.startswith("ok "):
+            server.kill()
+            server.wait()
+            _, code, message = [*status.split(" ", 2), "", ""][:3]
             ident = self.identity
-            reason = "is already in use" if exc.errno == errno.EADDRINUSE else f"failed: {exc}"
+            reason = (
+                "is already in use" if code == str(errno.EADDRINUSE)
+                else f"failed: {message or 'the server process did not start'}"
+            )
             raise MetricsPortError(
                 f"rank {ident.rank} (local rank {ident.local_rank}) on host {ident.hostname}: "
                 f"binding the metrics exporter to {bind}:{port} {reason}. Each rank serves on "
                 f"{env_var('metrics_port')} + LOCAL_RANK; set {env_var('metrics_port')} to a free "
                 f"base port (or 0 to disable the exporter)."
-            ) from exc
-        self._server, self._thread = server, thread
-        self._port = int(server.server_address[1])
+            )
+        self._server = server
+        self._port = int(status.split()[1])
+        self._stop.clear()
+        self.flush()  # the first scrape already sees every series
+        self._thread = threading.Thread(
+            target=self._refresher, name=f"nansentinel-metrics-{self._port}", daemon=True
+        )
+        self._thread.start()
         _SERVING.add(self)  # closed at exit, before the interpreter stops its thread
         log.info(
             "rank %d: metrics on %s://%s:%d/metrics",
@@ -378,22 +410,78 @@ class SentinelMetrics:
         """The port being served, or None when not serving."""
         return self._port
 
+    def flush(self) -> None:
+        """Render the registry now and hand it to the server process (the refresher does this
+        every ``refresh`` seconds; the stop path calls it so the final state is served)."""
+        server = self._server
+        if server is None or server.stdin is None:
+            return
+        body = generate_latest(self.registry)
+        with self._send_lock:
+            try:
+                server.stdin.write(b"%d\n" % len(body) + body)
+                server.stdin.flush()
+            except (OSError, ValueError) as exc:  # the server process is gone: say so once
+                if not self._stop.is_set():
+                    log.warning(
+                        "rank %d: the metrics server process stopped (%s); no more scrapes",
+                        self.identity.rank, exc,
+                    )
+                    self._stop.set()
+
+    def _refresher(self) -> None:
+        while not self._stop.wait(self._refresh):
+            try:
+                self.flush()
+            except Exception:  # a collector failed: keep serving the last good render
+                log.exception("rank %d: rendering the metrics failed", self.identity.rank)
+
     def close(self) -> None:
-        """Stop the HTTP server (if any) and release its port; safe to call twice."""
+        """Stop the refresher and the server process (if any) and release its port; safe to
+        call twice."""
         server, thread = self._server, self._thread
+        self._stop.set()
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout=5)
         self._server = self._thread = None
         self._port = None
         _SERVING.discard(self)
         if server is None:
             return
-        server.shutdown()
-        server.server_close()
-        if thread is not None:
-            thread.join(timeout=5)
+        with self._send_lock:
+            if server.stdin is not None:
+                with contextlib.suppress(OSError):
+                    server.stdin.close()  # end of input: the server stops and exits
+        try:
+            server.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait()
+        if server.stdout is not None:
+            server.stdout.close()
 
 
-#: Exporters still serving; shut down at interpreter exit, so that no request thread is
-#: inside the registry's collectors (psutil, torch.cuda) while the interpreter finalizes.
+def _first_line(server: subprocess.Popen[bytes], timeout: float) -> str:
+    """The server process's status line (``ok PORT`` / ``error ERRNO MESSAGE``), or an
+    ``error`` of our own when it says nothing in time or exits."""
+    assert server.stdout is not None
+    fd = server.stdout.fileno()
+    deadline = time.monotonic() + timeout
+    line = b""
+    while not line.endswith(b"\n"):
+        left = deadline - time.monotonic()
+        if left <= 0 or not select.select([fd], [], [], left)[0]:
+            return f"error 0 no answer from the server process within {timeout:g} s"
+        chunk = os.read(fd, 256)
+        if not chunk:
+            return f"error 0 the server process exited with {server.wait()} before binding"
+        line += chunk
+    return line.decode(errors="replace").strip()
+
+
+#: Exporters still serving; shut down at interpreter exit, so that the refresher is not inside
+#: the registry's collectors (psutil, torch.cuda) while the interpreter finalizes, and the
+#: server process ends with its rank.
 _SERVING: weakref.WeakSet[SentinelMetrics] = weakref.WeakSet()
 
 

@@ -388,6 +388,8 @@ class Sentinel:
 
     def _stop_if(self, decision: Decision, result: StepResult) -> None:
         if decision.stops:
+            if self.metrics is not None:  # the final state is served at once, not a second late
+                self.metrics.flush()
             stop.stop(
                 decision, result, incident.describe_abort(decision, result), config=self.config,
                 identity=self.identity, exchange=self.exchange, job_id=self.job_id,

@@ -281,15 +281,25 @@ def scrape(url: str, context: ssl.SSLContext | None = None) -> str:
 
 
 def test_serve_scrape_and_close() -> None:
-    m = SentinelMetrics(identity(rank=2, local_rank=2))
+    m = SentinelMetrics(identity(rank=2, local_rank=2), refresh=0.2)
     port = m.serve("127.0.0.1", 0)
+    url = f"http://127.0.0.1:{port}/metrics"
     try:
         assert port > 0 and m.port == port
+        # Served from the start, before any step, with every series at zero.
+        assert 'nansentinel_nonfinite_total{kind="batch"} 0.0' in scrape(url)
         m.observe_step(bad_result(9, local=["batch"]), 0.001)
-        text = scrape(f"http://127.0.0.1:{port}/metrics")
-        assert 'nansentinel_nonfinite_total{kind="batch"} 1.0' in text
+        # The refresher hands the new values to the server process within its interval.
+        deadline = time.monotonic() + 5
+        while 'nansentinel_nonfinite_total{kind="batch"} 1.0' not in (text := scrape(url)):
+            assert time.monotonic() < deadline, text
+            time.sleep(0.05)
         assert 'hostname="node-a"' in text and 'rank="2"' in text
         assert "nansentinel_host_cpu_utilization_ratio" in text
+        # flush() publishes at once (the stop path uses it for the final state).
+        m.observe_step(bad_result(10, local=["batch"]), 0.001)
+        m.flush()
+        assert 'nansentinel_nonfinite_total{kind="batch"} 2.0' in scrape(url)
         with pytest.raises(RuntimeError, match="already served"):
             m.serve("127.0.0.1", 0)
     finally:
