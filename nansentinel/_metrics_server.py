@@ -10,9 +10,10 @@ with the training loop's Python. Here the rank renders its metrics once a refres
 writes the bytes into this process's stdin; scrapes are answered from the latest bytes, on
 another core if there is one, and never touch the training process.
 
-Protocol. On start the server binds and writes one line to stdout: ``ok PORT`` or
-``error ERRNO MESSAGE``. Then stdin carries frames, each ``LENGTH\\n`` followed by LENGTH bytes
-of exposition text; every scrape gets the latest frame (``/metrics`` or ``/``; anything else
+Protocol. stdin carries frames, each ``LENGTH\\n`` followed by LENGTH bytes of exposition
+text. On start the server binds, reads the first frame, and only then writes one line to
+stdout: ``ok PORT`` (so the first scrape already gets metrics) or ``error ERRNO MESSAGE``.
+Every scrape gets the latest frame (``/metrics`` or ``/``; anything else
 is 404). End of stdin -- the rank closed it or died -- stops the server and ends the process,
 so it never outlives its rank.
 """
@@ -56,22 +57,25 @@ class _Server(socketserver.ThreadingMixIn, http.server.HTTPServer):
     allow_reuse_address = True
 
 
+def _read_frame(stream: object) -> bytes | None:
+    """The next frame from the rank, or None at the end of its input."""
+    try:
+        header = stream.readline()  # type: ignore[attr-defined]
+        if not header:
+            return None
+        size = int(header)
+        body: bytes = stream.read(size)  # type: ignore[attr-defined]
+    except (OSError, ValueError):
+        return None
+    return body if len(body) == size else None
+
+
 def _read_frames(stream: object, server: _Server) -> None:
     """Replace the body with each frame from the rank; at end of input, stop serving."""
-    read_line, read = stream.readline, stream.read  # type: ignore[attr-defined]
     try:
-        while True:
-            header = read_line()
-            if not header:
-                break
-            size = int(header)
-            body = read(size)
-            if len(body) < size:
-                break
+        while (body := _read_frame(stream)) is not None:
             with _State.lock:
                 _State.body = body
-    except (OSError, ValueError):
-        pass
     finally:
         server.shutdown()
 
@@ -91,6 +95,11 @@ def main(argv: list[str]) -> int:
         sys.stdout.write(f"error {exc.errno or 0} {message}\n")
         sys.stdout.flush()
         return 1
+    first = _read_frame(sys.stdin.buffer)
+    if first is None:  # the rank is gone already
+        server.server_close()
+        return 0
+    _State.body = first
     sys.stdout.write(f"ok {server.server_address[1]}\n")
     sys.stdout.flush()
     reader = threading.Thread(

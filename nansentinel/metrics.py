@@ -371,10 +371,16 @@ class SentinelMetrics:
         args = [sys.executable, "-I", str(_SERVER_SCRIPT), bind, str(port)]
         args += [CONTENT_TYPE_PLAIN_0_0_4, *((certfile, keyfile) if certfile and keyfile else ())]
         server = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        # The first frame: the server says ok only once it can serve it. (A server that could
+        # not bind has exited: the broken pipe is answered by its status line below.)
+        self._send(server, generate_latest(self.registry))
         status = _first_line(server, START_TIMEOUT_S)
         if not status.startswith("ok "):
             server.kill()
             server.wait()
+            server.stdout.close()  # type: ignore[union-attr]
+            with contextlib.suppress(OSError):
+                server.stdin.close()  # type: ignore[union-attr]
             _, code, message = [*status.split(" ", 2), "", ""][:3]
             ident = self.identity
             reason = (
@@ -390,7 +396,6 @@ class SentinelMetrics:
         self._server = server
         self._port = int(status.split()[1])
         self._stop.clear()
-        self.flush()  # the first scrape already sees every series
         self._thread = threading.Thread(
             target=self._refresher, name=f"nansentinel-metrics-{self._port}", daemon=True
         )
@@ -411,23 +416,30 @@ class SentinelMetrics:
         return self._port
 
     def flush(self) -> None:
-        """Render the registry now and hand it to the server process (the refresher does this
-        every ``refresh`` seconds; the stop path calls it so the final state is served)."""
+        """Render the registry now and hand it to the server process, which serves it as soon
+        as its reader swaps it in (the refresher does this every ``refresh`` seconds; the stop
+        path calls it so the final state is served within moments)."""
         server = self._server
-        if server is None or server.stdin is None:
+        if server is None:
             return
-        body = generate_latest(self.registry)
+        error = self._send(server, generate_latest(self.registry))
+        if error is not None and not self._stop.is_set():  # the server process is gone
+            log.warning(
+                "rank %d: the metrics server process stopped (%s); no more scrapes",
+                self.identity.rank, error,
+            )
+            self._stop.set()
+
+    def _send(self, server: subprocess.Popen[bytes], body: bytes) -> Exception | None:
+        """Write one frame to the server process; the error if it could not take it."""
         with self._send_lock:
             try:
+                assert server.stdin is not None
                 server.stdin.write(b"%d\n" % len(body) + body)
                 server.stdin.flush()
-            except (OSError, ValueError) as exc:  # the server process is gone: say so once
-                if not self._stop.is_set():
-                    log.warning(
-                        "rank %d: the metrics server process stopped (%s); no more scrapes",
-                        self.identity.rank, exc,
-                    )
-                    self._stop.set()
+            except (OSError, ValueError) as exc:
+                return exc
+        return None
 
     def _refresher(self) -> None:
         while not self._stop.wait(self._refresh):

@@ -8,6 +8,7 @@ sentinel leaves running (watchdog, check-in thread, exporter) must be stopped by
 
 from __future__ import annotations
 
+import concurrent.futures
 import os
 import subprocess
 import sys
@@ -27,17 +28,21 @@ def test_a_script_that_just_returns_exits_cleanly_every_time(tmp_path: Path) -> 
     env = {**{k: v for k, v in os.environ.items() if not k.startswith("NANSENTINEL_")},
            "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1",
            "NANSENTINEL_REPORT_DIR": str(tmp_path / "r"), "NANSENTINEL_METRICS_ADDR": "127.0.0.1"}
-    failures = []
-    for run in range(RUNS):
+
+    def one(run: int) -> tuple[int, int, str] | None:
         # The exporter on (a free base port per run), as in production.
-        env["NANSENTINEL_METRICS_PORT"] = str(21000 + 10 * run)
         proc = subprocess.run(
             [sys.executable, "-m", "torch.distributed.run", "--standalone",
              "--nproc-per-node=2", "--monitor-interval=0.2", str(WORKER), "5"],
-            capture_output=True, text=True, timeout=120, env=env, cwd=tmp_path,
-            stdin=subprocess.DEVNULL,
+            capture_output=True, text=True, timeout=120, cwd=tmp_path, stdin=subprocess.DEVNULL,
+            env={**env, "NANSENTINEL_METRICS_PORT": str(21000 + 10 * run)},
         )
         out = proc.stdout + proc.stderr
         if proc.returncode != 0 or "terminate called" in out:
-            failures.append((run, proc.returncode, out[-2000:]))
+            return run, proc.returncode, out[-2000:]
+        return None
+
+    # Two jobs at a time: half the wall time, and exits that overlap another job's start.
+    with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
+        failures = [f for f in pool.map(one, range(RUNS)) if f is not None]
     assert not failures, f"{len(failures)}/{RUNS} runs did not exit cleanly: {failures[:2]}"

@@ -11,6 +11,7 @@ import shutil
 import socket
 import ssl
 import subprocess
+import sys
 import time
 import urllib.error
 import urllib.request
@@ -18,6 +19,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import prometheus_client
+import psutil
 import pytest
 import torch
 from prometheus_client import CollectorRegistry
@@ -296,10 +298,7 @@ def test_serve_scrape_and_close() -> None:
             time.sleep(0.05)
         assert 'hostname="node-a"' in text and 'rank="2"' in text
         assert "nansentinel_host_cpu_utilization_ratio" in text
-        # flush() publishes at once (the stop path uses it for the final state).
-        m.observe_step(bad_result(10, local=["batch"]), 0.001)
-        m.flush()
-        assert 'nansentinel_nonfinite_total{kind="batch"} 2.0' in scrape(url)
+
         with pytest.raises(RuntimeError, match="already served"):
             m.serve("127.0.0.1", 0)
     finally:
@@ -314,6 +313,23 @@ def test_serve_scrape_and_close() -> None:
         assert again.serve("127.0.0.1", port) == port
     finally:
         again.close()
+
+
+def test_flush_hands_the_values_over_without_waiting_for_the_refresher() -> None:
+    """The stop path flushes, so the final state is served within moments, not a refresh."""
+    m = SentinelMetrics(identity(), refresh=3600)
+    port = m.serve("127.0.0.1", 0)
+    url = f"http://127.0.0.1:{port}/metrics"
+    try:
+        m.observe_step(bad_result(3, local=["loss"]), 0.001)
+        assert 'nansentinel_nonfinite_total{kind="loss"} 0.0' in scrape(url)  # not yet handed
+        m.flush()
+        deadline = time.monotonic() + 5  # the server process swaps in the frame it was handed
+        while 'nansentinel_nonfinite_total{kind="loss"} 1.0' not in (text := scrape(url)):
+            assert time.monotonic() < deadline, text
+            time.sleep(0.02)
+    finally:
+        m.close()
 
 
 def test_empty_addr_means_all_interfaces(free_port: Callable[[], int]) -> None:
@@ -397,3 +413,33 @@ def test_tls(tmp_path: Path) -> None:
             scrape(f"https://127.0.0.1:{port}/metrics", ssl.create_default_context())
     finally:
         m.close()
+
+
+def test_the_server_process_ends_with_its_rank(tmp_path: Path) -> None:
+    """A rank killed outright (no atexit, no close) leaves no server process or bound port."""
+    script = tmp_path / "rank.py"
+    script.write_text(
+        "import sys, time\n"
+        "from nansentinel.metrics import SentinelMetrics\n"
+        "from nansentinel.result import RankIdentity\n"
+        "m = SentinelMetrics(RankIdentity(0, 0, 1, 'node-a', 'cpu'))\n"
+        "port = m.serve('127.0.0.1', 0)\n"
+        "print(port, m._server.pid, flush=True)\n"
+        "time.sleep(300)\n"
+    )
+    rank = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert rank.stdout is not None
+        port, pid = (int(x) for x in rank.stdout.readline().split())
+        assert "nansentinel_rank_info" in scrape(f"http://127.0.0.1:{port}/metrics")
+        rank.kill()
+        rank.wait(timeout=10)
+        deadline = time.monotonic() + 10
+        while psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+            assert time.monotonic() < deadline, "the server process outlived its rank"
+            time.sleep(0.05)
+        with pytest.raises(urllib.error.URLError):
+            scrape(f"http://127.0.0.1:{port}/metrics")
+    finally:
+        rank.kill()
+        rank.wait()
