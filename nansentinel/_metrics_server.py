@@ -55,6 +55,9 @@ class _Handler(http.server.BaseHTTPRequestHandler):
 class _Server(socketserver.ThreadingMixIn, http.server.HTTPServer):
     daemon_threads = True
     allow_reuse_address = True
+    # Scrapers synchronised on the same second (many Prometheus replicas, a federation) must
+    # not overflow the listen queue: the default of 5 makes their SYNs wait for a resend.
+    request_queue_size = 128
 
 
 def _read_frame(stream: object) -> bytes | None:

@@ -152,7 +152,10 @@ def test_excluded_host_is_not_restarted(tmp_path: Path, capsys: pytest.CaptureFi
         "--record",
     ])
     assert got == EXIT_HOST_EXCLUDED
-    assert sorted(p.name for p in out.iterdir()) == ["attempt-0-rank0", "attempt-0-rank1"]
+    # Only the first attempt ran. (Rank 1 may be stopped by the agent before it writes its
+    # marker, once rank 0 has failed: which ranks got that far is a race; no restart is not.)
+    started = sorted(p.name for p in out.iterdir())
+    assert "attempt-0-rank0" in started and set(started) <= {"attempt-0-rank0", "attempt-0-rank1"}
     assert hook_out.read_text() == f"{HOST}|non-finite loss on rank 1 at step 7 (excluded)"
     assert [r.host for r in ExclusionStore(excl).records()] == [HOST]  # rank 0's, no copy
     err = capsys.readouterr().err
