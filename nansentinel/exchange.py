@@ -86,17 +86,8 @@ class HealthExchange:
 
         This is the step's one host synchronisation.
         """
-        if self._vector is None:
-            raise RuntimeError("HealthExchange.wait() before launch()")
-        vector, work, step = self._vector, self._work, self._step
-        self._vector, self._work = None, None
-        if work is not None:
-            try:
-                done = work.wait(timeout=datetime.timedelta(seconds=self.timeout))
-            except RuntimeError as exc:
-                raise self.diagnose(step, identities, exc) from exc
-            if done is False:
-                raise self.diagnose(step, identities, None)
+        step, vector, work = self._pop("wait")
+        self._bounded_wait(step, work, identities)
         return unpack_view(step, vector.tolist(), identities)
 
     def take(self, identities: list[RankIdentity]) -> tuple[int, torch.Tensor]:
@@ -107,21 +98,33 @@ class HealthExchange:
         Elsewhere (gloo, one process) the host waits, bounded by the timeout, as in
         :meth:`wait`: there is no device to overlap with.
         """
+        step, vector, work = self._pop("take")
+        if work is not None and vector.device.type == "cuda":
+            work.wait()
+        else:
+            self._bounded_wait(step, work, identities)
+        return step, vector
+
+    def _pop(self, caller: str) -> tuple[int, torch.Tensor, dist.Work | None]:
+        """This step's launched vector and its collective, handed over once."""
         if self._vector is None:
-            raise RuntimeError("HealthExchange.take() before launch()")
+            raise RuntimeError(f"HealthExchange.{caller}() before launch()")
         vector, work, step = self._vector, self._work, self._step
         self._vector, self._work = None, None
-        if work is not None:
-            if vector.device.type == "cuda":
-                work.wait()
-            else:
-                try:
-                    done = work.wait(timeout=datetime.timedelta(seconds=self.timeout))
-                except RuntimeError as exc:
-                    raise self.diagnose(step, identities, exc) from exc
-                if done is False:
-                    raise self.diagnose(step, identities, None)
-        return step, vector
+        return step, vector, work
+
+    def _bounded_wait(
+        self, step: int, work: dist.Work | None, identities: list[RankIdentity]
+    ) -> None:
+        """Wait for ``work`` at most the timeout; a failure or a timeout is diagnosed."""
+        if work is None:
+            return
+        try:
+            done = work.wait(timeout=datetime.timedelta(seconds=self.timeout))
+        except RuntimeError as exc:
+            raise self.diagnose(step, identities, exc) from exc
+        if done is False:
+            raise self.diagnose(step, identities, None)
 
     def diagnose(
         self, step: int, identities: list[RankIdentity], cause: BaseException | None
