@@ -204,6 +204,21 @@ def _run_argv(cluster: NetnsCluster, *args: str) -> list[str]:
             args[-1]]
 
 
+def _elastic_exclusion(shared: Path, rdzv_id: str) -> list[str]:
+    """The options of the netns exclusion runs (the sentinel's, then torchrun's: put other
+    sentinel options before them): 3 agents of 2 ranks that may go on with 2, a
+    host excluded after 3 blames, and keep-alive expiry (5 s x 12 = 60 s) longer than the join
+    timeout, so the survivors finish only if the excluded agent really leaves the round, not
+    by timing it out."""
+    return [
+        f"--exclusion-file={shared}/excluded.jsonl", f"--report-dir={shared}/reports",
+        "--metrics-port=0", "--host-strikes=3", "--exchange-timeout=30",
+        "--nnodes=2:3", "--nproc-per-node=2", "--max-restarts=2", f"--rdzv-id={rdzv_id}",
+        "--rdzv-conf=join_timeout=30,last_call_timeout=3,keep_alive_interval=5,"
+        "keep_alive_max_attempt=12",
+    ]
+
+
 def _netns_env() -> dict[str, str]:
     return {"PYTHONPATH": str(REPO), "GLOO_SOCKET_IFNAME": "eth0"}
 
@@ -249,16 +264,9 @@ def test_excluded_host_leaves_and_the_others_resume(
     shared = tmp_path / "shared"
     excl = shared / "excluded.jsonl"
     with NetnsCluster(3, tmp_path / "cluster", names=names) as cluster:
-        # keep-alive expiry (5 s x 12 = 60 s) is longer than join_timeout: the survivors
-        # finish only if the excluded agent really leaves the round, not by timing it out.
         base = _run_argv(
-            cluster,
-            f"--exclusion-file={excl}", f"--report-dir={shared}/reports", "--metrics-port=0",
-            "--host-strikes=3", "--exchange-timeout=30",
-            f"--on-exclude={HOOK} '{out}/hook-{{host}}.txt' {{host}} {{reason}}",
-            "--nnodes=2:3", "--nproc-per-node=2", "--max-restarts=2", "--rdzv-id=excl",
-            "--rdzv-conf=join_timeout=30,last_call_timeout=3,keep_alive_interval=5,"
-            "keep_alive_max_attempt=12",
+            cluster, f"--on-exclude={HOOK} '{out}/hook-{{host}}.txt' {{host}} {{reason}}",
+            *_elastic_exclusion(shared, "excl"),
             str(WORKERS / "sentinel_worker.py"),
         )
         args = [str(out), "--steps=12", "--full-world=6"]
@@ -311,13 +319,8 @@ def test_a_hostile_host_name_reaches_the_hook_as_text(
     hook_out = tmp_path / "hook.txt"
     with NetnsCluster(3, tmp_path / "cluster") as cluster:
         base = _run_argv(
-            cluster,
-            f"--exclusion-file={shared}/excluded.jsonl", f"--report-dir={shared}/reports",
-            "--metrics-port=0", "--host-strikes=3", "--exchange-timeout=30",
-            f'--on-exclude={HOOK} {hook_out} "excluded-{{host}}" "{{reason}}"',
-            "--nnodes=2:3", "--nproc-per-node=2", "--max-restarts=2", "--rdzv-id=hostile",
-            "--rdzv-conf=join_timeout=30,last_call_timeout=3,keep_alive_interval=5,"
-            "keep_alive_max_attempt=12",
+            cluster, f'--on-exclude={HOOK} {hook_out} "excluded-{{host}}" "{{reason}}"',
+            *_elastic_exclusion(shared, "hostile"),
             str(WORKERS / "sentinel_worker.py"),
         )
         args = [str(out), "--steps=12", "--full-world=6"]
@@ -364,14 +367,9 @@ def test_the_store_hosts_exclusion_ends_the_job_unless_the_store_runs_apart(
         if store_apart:
             cluster.start(store, [sys.executable, "-c", _STORE_SERVER, str(port)],
                           env=_netns_env(), log_name="store")
-        base = [sys.executable, "-m", "nansentinel", "run",
-                f"--exclusion-file={shared}/excluded.jsonl", f"--report-dir={shared}/reports",
-                "--metrics-port=0", "--host-strikes=3", "--exchange-timeout=30",
-                "--nnodes=2:3", "--nproc-per-node=2", "--max-restarts=2", "--rdzv-id=store",
+        base = [sys.executable, "-m", "nansentinel", "run", *_elastic_exclusion(shared, "store"),
                 "--rdzv-backend=c10d", f"--rdzv-endpoint={store.ip}:{port}",
                 "--monitor-interval=0.5",
-                "--rdzv-conf=join_timeout=30,last_call_timeout=3,keep_alive_interval=5,"
-                "keep_alive_max_attempt=12",
                 str(WORKERS / "sentinel_worker.py"), str(out), "--steps=12", "--full-world=6"]
         env = {**_netns_env(), "NANSENTINEL_INJECT": f"kind=grad,host={bad.name},steps=5-7"}
         procs = [cluster.start(h, base, env=env) for h in trainers]

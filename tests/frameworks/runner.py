@@ -7,20 +7,15 @@ import json
 import math
 import os
 import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
+from tests.support import free_port
+
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run(argv: list[str], out: Path, *, timeout: float, env: dict[str, str] | None = None
@@ -79,6 +74,41 @@ def assert_same_finite_weights(results: list[dict[str, Any]]) -> None:
         flat = [v for t in res["weights"] for v in t]
         assert flat and all(math.isfinite(v) for v in flat), f"rank {res['rank']}: non-finite"
         assert res["weights"] == first, f"rank {res['rank']}'s weights differ from rank 0's"
+
+
+def assert_two_rank_faults_skipped(results: list[dict[str, Any]], steps: int) -> None:
+    """The fit both framework tests run: a forward log(0) on rank 0 at step 2 and a
+    backward-only NaN on rank 1 at step 4, skipped on both ranks, found by the framework's own
+    DDP comm hook, replayed to ``host``, with weights and optimizer state unchanged exactly on
+    the skipped steps, one report per fault and the same finite weights on every rank."""
+    for res in results:
+        assert res["world"] == 2
+        assert res["sentinel_model"] == "DistributedDataParallel"  # its comm hook, not local
+        assert sorted(res["skipped"]) == ["2", "4"], res["skipped"]
+        assert res["skipped"]["2"]["bad_ranks"] == [0]
+        assert "loss" in res["skipped"]["2"]["kinds"]
+        assert res["skipped"]["4"]["bad_ranks"] == [1]
+        assert res["skipped"]["4"]["kinds"] == ["grad"]
+        # Replayed through the framework's own step: the fault follows the rank, not the data.
+        assert res["skipped"]["2"]["verdict"] == res["skipped"]["4"]["verdict"] == "host"
+        # Skipped steps leave weights and optimizer state exactly as they were; others change.
+        assert res["unchanged"] == {str(s): s in (2, 4) for s in range(steps)}
+    assert_report_names(results[0]["skipped"]["2"]["report_path"], 0, "loss")
+    assert_report_names(results[0]["skipped"]["4"]["report_path"], 1, "grad")
+    assert_same_finite_weights(results)
+
+
+def assert_aborted_with_one_report(
+    proc: subprocess.CompletedProcess[str], out: Path, rank: int, kind: str
+) -> None:
+    """An abort at step 1 under ``nansentinel run``: exit 3, no rank went on to write its
+    results, and one report blaming ``rank`` for ``kind`` says ``aborted``."""
+    assert proc.returncode == 3, proc.stdout[-6000:]
+    assert not list(out.glob("rank*.json")), "training went on past the abort"
+    reports = sorted((out / "reports").glob("incident-*step00000001.json"))
+    assert len(reports) == 1, list((out / "reports").iterdir())
+    report = assert_report_names(str(reports[0]), rank, kind)
+    assert report["outcome"] == "aborted"
 
 
 def assert_report_names(path: str | None, rank: int, kind: str) -> dict[str, Any]:
