@@ -1,7 +1,7 @@
 """nansentinel: a NaN/Inf sentinel for multi-node PyTorch training.
 
 Each rank checks its own batch, loss and gradients *before* the gradient all-reduce, the ranks
-share a per-rank health vector in one small collective, and every rank takes the same decision:
+share a fixed-size health vector in one small collective, and every rank takes the same decision:
 apply the step, skip it, or abort — naming the rank and host that was poisoned.
 
     sentinel = nansentinel.Sentinel(model, optimizer)
@@ -22,6 +22,7 @@ from nansentinel.result import (
     NonFiniteError,
     Outcome,
     RankIdentity,
+    ResultPending,
     SentinelUsageError,
     StepResult,
 )
@@ -37,6 +38,7 @@ __all__ = [
     "NonFiniteError",
     "Outcome",
     "RankIdentity",
+    "ResultPending",
     "Sentinel",
     "SentinelConfig",
     "SentinelUsageError",

@@ -1,13 +1,16 @@
 """The small collectives a detection needs beside the step's exchange.
 
-After a detection (never on a healthy step) ranks share details for the report, the replay
-moves one batch between two ranks and sums its flags, and the stop path waits for everyone's
-files to be on disk. :class:`Peers` runs those on the exchange's process group; the exchange
-itself (exchange.py) keeps only the health vector of each step and its failure diagnosis.
+After a detection (never on a healthy step) the flagged ranks tell every rank their rows and
+details (only they speak: the bytes grow with the flagged ranks, not with the world), the
+replay moves one batch between two ranks and sums its flags, and the stop path waits for
+everyone's files to be on disk. :class:`Peers` runs those on the exchange's process group;
+the exchange itself (exchange.py) keeps only the health vector of each step and its failure
+diagnosis.
 """
 
 from __future__ import annotations
 
+import bisect
 import io
 import json
 import logging
@@ -50,25 +53,60 @@ class Peers:
             flag = torch.zeros(1, device=self.comm_device)
             dist.all_reduce(flag, group=self.group)
 
-    def gather_json(self, payload: object) -> list[object]:
-        """All-gather one JSON-able object per rank (used once at start and after incidents).
+    def gather_from(self, speakers: list[int], payload: object | None) -> dict[int, object]:
+        """Every rank learns one JSON-able object from each rank in ``speakers`` (sorted, the
+        same list on every rank); ``payload`` is this rank's, ignored unless it speaks.
 
-        Built on tensors rather than ``all_gather_object`` (which needs numpy on some CPU
-        builds) so that it runs wherever the training does.
+        Two sum all-reduces, whatever the world size: one of ``len(speakers)`` sizes, one of
+        the speakers' bytes, each speaker writing at its own offset of a zero buffer (a sum
+        with zeros is exact, in uint8 too). The bytes are those of the speakers alone, so a
+        detection with one bad rank costs the same at 8 ranks as at 100,000. Speakers that
+        must not be silent: a speaker whose payload is None sends ``null``.
         """
-        text = json.dumps(payload).encode()
+        if not speakers:
+            return {}
+        mine = bisect.bisect_left(speakers, self.rank)
+        speaking = mine < len(speakers) and speakers[mine] == self.rank
+        text = json.dumps(payload).encode() if speaking else b""
         if self.alone:
-            return [json.loads(text)]
-        data = torch.tensor(list(text), dtype=torch.uint8, device=self.comm_device)
-        size = torch.tensor([data.numel()], dtype=torch.int64, device=self.comm_device)
-        sizes = [torch.zeros_like(size) for _ in range(self.world_size)]
-        dist.all_gather(sizes, size, group=self.group)
-        lengths = [int(s) for s in sizes]
-        padded = torch.zeros(max(lengths), dtype=torch.uint8, device=self.comm_device)
-        padded[: data.numel()] = data
-        out = [torch.zeros_like(padded) for _ in range(self.world_size)]
-        dist.all_gather(out, padded, group=self.group)
-        return [json.loads(bytes(t[:n].tolist())) for t, n in zip(out, lengths, strict=True)]
+            return {self.rank: json.loads(text)} if speaking else {}
+        sizes = torch.zeros(len(speakers), dtype=torch.int64, device=self.comm_device)
+        if speaking:
+            sizes[mine] = len(text)
+        dist.all_reduce(sizes, group=self.group)
+        lengths = sizes.tolist()
+        offsets = [0]
+        for n in lengths:
+            offsets.append(offsets[-1] + n)
+        data = torch.zeros(offsets[-1], dtype=torch.uint8, device=self.comm_device)
+        if speaking and text:
+            data[offsets[mine]: offsets[mine + 1]] = torch.frombuffer(
+                bytearray(text), dtype=torch.uint8).to(self.comm_device)
+        dist.all_reduce(data, group=self.group)
+        raw = bytes(data.cpu().contiguous().untyped_storage()) if data.numel() else b""
+        out: dict[int, object] = {}
+        for i, rank in enumerate(speakers):
+            chunk = raw[offsets[i]: offsets[i + 1]]
+            out[rank] = json.loads(chunk) if chunk else None
+        return out
+
+    def flagged(self, flag: bool) -> list[int]:
+        """The ranks whose ``flag`` is set, on every rank: one sum all-reduce of a byte per
+        rank (a detection with several flagged ranks only; one is named by the exchange)."""
+        if self.alone:
+            return [self.rank] if flag else []
+        slots = torch.zeros(self.world_size, dtype=torch.uint8, device=self.comm_device)
+        if flag:
+            slots[self.rank] = 1
+        dist.all_reduce(slots, group=self.group)
+        return slots.nonzero().flatten().tolist()
+
+    def max_floats(self, values: list[float]) -> list[float]:
+        """Element-wise maximum of a short float list across ranks (identity alone)."""
+        t = torch.tensor(values, dtype=torch.float32, device=self.comm_device)
+        if not self.alone:
+            dist.all_reduce(t, dist.ReduceOp.MAX, group=self.group)
+        return t.tolist()
 
     def send_object(self, obj: object, src: int, dst: int) -> object | None:
         """Move one batch-like object from rank ``src`` to rank ``dst``; other ranks do nothing.

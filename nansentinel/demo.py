@@ -130,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
         weights = {k: _whole(t) for k, t in _module(model).state_dict().items()}
         checked = weights_check(weights, distributed)
         if rank == 0:
-            print(summary(results, checked, sentinel.identities), flush=True)
+            print(summary(results, checked, sentinel.world_size), flush=True)
         if checked != "ok":
             raise RuntimeError(f"rank {rank}: after training, the weights are {checked}")
         if rank == 0 and args.out:
@@ -161,9 +161,7 @@ def weights_check(weights: dict[str, torch.Tensor], distributed: bool) -> str:
     return "ok"
 
 
-def summary(
-    results: list[nansentinel.StepResult], checked: str, ranks: list[nansentinel.RankIdentity]
-) -> str:
+def summary(results: list[nansentinel.StepResult], checked: str, world_size: int) -> str:
     """The demo's closing lines: steps by outcome, each incident, and the weights check."""
     outcomes: dict[str, int] = {}
     for r in results:
@@ -173,14 +171,19 @@ def summary(
     for r in results:
         if not (r.bad_ranks or r.spikes):
             continue
-        where = ", ".join(f"rank {rank} on host {ranks[rank].hostname}" for rank in r.bad_ranks)
+        where = ""
+        if r.bad_ranks:
+            ranks, hosts = r.bad_ranks, r.bad_hosts
+            where = (f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks[:8]))}"
+                     f"{' …' if len(ranks) > 8 else ''} on host{'s' if len(hosts) > 1 else ''} "
+                     f"{', '.join(hosts[:8])}{' …' if len(hosts) > 8 else ''}")
         lines.append(
             f"  incident at step {r.step}: {where or 'spike'}; non-finite {', '.join(r.kinds)}"
             f"; verdict {r.verdict or 'none'}; step {r.outcome.replace('_', ' ')}"
             + (f"; report {r.report_path}" if r.report_path else "")
         )
     lines.append(
-        f"  weights: finite and identical on all {len(ranks)} rank(s) (checked)" if checked == "ok"
+        f"  weights: finite and identical on all {world_size} rank(s) (checked)" if checked == "ok"
         else f"  weights: {checked}"
     )
     return "\n".join(lines)

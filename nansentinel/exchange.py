@@ -1,20 +1,26 @@
-"""The exchange: each rank's health row in, the same cluster view out on every rank.
+"""The exchange: each rank's fixed-size health vector in, the same totals out on every rank.
 
-Rank ``r`` writes its row into slot ``r`` of a zero vector of ``world_size * FIELDS`` floats and
-the vector is summed across ranks. A sum is element-wise, so a NaN loss in rank 1's slot stays
-in rank 1's slot: every rank learns who is poisoned, which is what a gradient all-reduce alone
-loses. With DDP the vector is launched asynchronously from inside the last gradient bucket's
-communication hook, so it leaves together with the gradients and costs no round trip after
-backward; without DDP it is one small collective at ``step()``. With no process group (one
-process) the same code runs and the "collective" is the identity.
+Each rank packs its flags and values into ``view.SIZE`` floats (view.pack): ``TOTALS`` of them
+are summed across ranks, the rest is this rank's own row, read back with the sums in the same
+host copy. A sum of flags is a count, and a sum of the flagged ranks' indices names the rank
+when one is flagged, so a healthy step exchanges ``view.EXCHANGE_BYTES`` bytes at any world
+size and every rank reads the same numbers. With DDP the sum is launched asynchronously from
+inside the last gradient bucket's communication hook, so it leaves together with the gradients
+and costs no round trip after backward; without DDP it is one small collective at ``step()``.
+With no process group (one process) the same code runs and the "collective" is the identity.
 
-The vector is fp32 (flags as 0/1 floats): NCCL reduces no bool, and one dtype keeps it one
-collective. The only host synchronisation of a step is :meth:`HealthExchange.wait`.
+The only host synchronisation of a step is :meth:`HealthExchange.wait` (or, on the device gate,
+the later read of the copy :meth:`take` leaves on the device).
+
+When a collective fails or hangs, the live ranks check in at the rendezvous store and one of
+them (the first to diagnose) names the ranks that did not: O(world) store requests in all,
+never per rank, so a failure at 100,000 ranks does not flood the store.
 """
 
 from __future__ import annotations
 
 import datetime
+import json
 import logging
 import os
 import threading
@@ -24,15 +30,20 @@ import torch.distributed as dist
 
 from nansentinel.collectives import Peers
 from nansentinel.result import ExchangeTimeoutError, RankIdentity
-from nansentinel.view import FIELDS, ClusterView, unpack_view
+from nansentinel.view import TOTALS
 
 log = logging.getLogger("nansentinel")
 
 _STORE_PREFIX = "nansentinel/arrived"
+_IDENTITY_PREFIX = "nansentinel/identity"
+#: Keys asked at once when the diagnosing rank looks for the ranks that did not check in.
+_CHUNK = 1024
+#: Missing ranks named by host in a diagnosis (the rest are counted).
+_NAMED = 64
 
 
 class HealthExchange:
-    """Sums per-rank health rows across a process group, or passes them through alone.
+    """Sums per-rank health vectors across a process group, or passes them through alone.
 
     Args:
         group: the process group; None means the default group when one is initialised,
@@ -45,7 +56,7 @@ class HealthExchange:
         self, group: dist.ProcessGroup | None, device: torch.device, timeout: float
     ) -> None:
         #: The process group and this rank's place in it; also the small collectives of a
-        #: detection (gathers for the report, the replay's batch), which are not the exchange.
+        #: detection (the flagged ranks' rows, the replay's batch), which are not the exchange.
         self.peers = peers = Peers(group, device)
         self.distributed, self.group = peers.distributed, group
         self.rank, self.world_size = peers.rank, peers.world_size
@@ -60,8 +71,23 @@ class HealthExchange:
         self._checked_in: str | None = None
         self._checkin_lock = threading.Lock()
         self._lock = threading.Lock()
+        #: Who this rank is, for a diagnosis that names it; set by :meth:`publish`.
+        self.identity: RankIdentity | None = None
         # Check-in keys must not collide with an earlier attempt of the same job.
         self._attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+
+    def publish(self, identity: RankIdentity) -> None:
+        """Leave this rank's identity at the rendezvous store (one write; nothing is gathered),
+        so that a diagnosis can name the host of a rank that stopped answering."""
+        self.identity = identity
+        store = _default_store() if self.world_size > 1 else None
+        if store is None:
+            return
+        ident = {f: getattr(identity, f) for f in RankIdentity.__slots__}  # type: ignore[attr-defined]
+        try:
+            store.set(f"{_IDENTITY_PREFIX}/{self._attempt}/{self.rank}", json.dumps(ident))
+        except RuntimeError as exc:  # a store that takes no writes (the fake backend's)
+            log.debug("nansentinel: rank %d could not publish its identity: %s", self.rank, exc)
 
     @property
     def launched(self) -> bool:
@@ -72,25 +98,24 @@ class HealthExchange:
         work = self._work
         return self._vector is not None and (work is None or work.is_completed())
 
-    def launch(self, step: int, row: torch.Tensor) -> None:
-        """Start summing this rank's ``row`` across the group (asynchronous)."""
-        # Zeros around this rank's slot, in one op.
-        before, after = self.rank * FIELDS, (self.world_size - self.rank - 1) * FIELDS
-        vector = torch.nn.functional.pad(row.to(self.comm_device), (before, after))
+    def launch(self, step: int, vector: torch.Tensor) -> None:
+        """Start summing the totals of this rank's ``vector`` (``view.pack``) across the group
+        (asynchronous); its own part stays as it is."""
+        vector = vector.to(self.comm_device)
         self._vector, self._step = vector, step
         if not self.peers.alone:
-            self._work = dist.all_reduce(vector, group=self.group, async_op=True)
+            self._work = dist.all_reduce(vector[:TOTALS], group=self.group, async_op=True)
 
-    def wait(self, identities: list[RankIdentity]) -> ClusterView:
-        """Wait for the sum (bounded by the timeout) and return the cluster view.
+    def wait(self) -> tuple[int, list[float]]:
+        """Wait for the sum (bounded by the timeout); the step and the vector as host floats.
 
         This is the step's one host synchronisation.
         """
         step, vector, work = self._pop("wait")
-        self._bounded_wait(step, work, identities)
-        return unpack_view(step, vector.tolist(), identities)
+        self._bounded_wait(step, work)
+        return step, vector.tolist()
 
-    def take(self, identities: list[RankIdentity]) -> tuple[int, torch.Tensor]:
+    def take(self) -> tuple[int, torch.Tensor]:
         """This step's summed vector, still where it was summed, without reading it.
 
         On NCCL the current CUDA stream waits for the collective and the host does not (no
@@ -102,7 +127,7 @@ class HealthExchange:
         if work is not None and vector.device.type == "cuda":
             work.wait()
         else:
-            self._bounded_wait(step, work, identities)
+            self._bounded_wait(step, work)
         return step, vector
 
     def _pop(self, caller: str) -> tuple[int, torch.Tensor, dist.Work | None]:
@@ -113,59 +138,57 @@ class HealthExchange:
         self._vector, self._work = None, None
         return step, vector, work
 
-    def _bounded_wait(
-        self, step: int, work: dist.Work | None, identities: list[RankIdentity]
-    ) -> None:
+    def _bounded_wait(self, step: int, work: dist.Work | None) -> None:
         """Wait for ``work`` at most the timeout; a failure or a timeout is diagnosed."""
         if work is None:
             return
         try:
             done = work.wait(timeout=datetime.timedelta(seconds=self.timeout))
         except RuntimeError as exc:
-            raise self.diagnose(step, identities, exc) from exc
+            raise self.diagnose(step, exc) from exc
         if done is False:
-            raise self.diagnose(step, identities, None)
+            raise self.diagnose(step, None)
 
-    def diagnose(
-        self, step: int, identities: list[RankIdentity], cause: BaseException | None
-    ) -> ExchangeTimeoutError:
+    def diagnose(self, step: int, cause: BaseException | None) -> ExchangeTimeoutError:
         """The error for a collective of ``step`` that failed or timed out, naming the ranks
         (and hosts) that did not answer. Diagnosed once per step: DDP may report the same
         failure once per gradient bucket."""
         with self._lock:
             if self._diagnosed is None or self._diagnosed[0] != step:
-                self._diagnosed = (step, self._diagnose(step, identities, cause))
+                self._diagnosed = (step, self._diagnose(step, cause))
             return self._diagnosed[1]
 
     def diagnosed(
-        self, future: torch.futures.Future, step: int, identities: list[RankIdentity]
+        self, future: torch.futures.Future, step: int, reduced_in_place: torch.Tensor
     ) -> torch.futures.Future:
-        """``future`` (a gradient bucket's all-reduce) with a failure turned into the one
-        diagnosis of ``step``: DDP then reports, from ``backward()``, the same message naming
-        the missing ranks and hosts as the exchange wait and the watchdog do."""
+        """``future`` (a gradient bucket's all-reduce of ``reduced_in_place``) resolving to that
+        tensor, with a failure turned into the one diagnosis of ``step``: DDP then reports,
+        from ``backward()``, the same message naming the missing ranks and hosts as the
+        exchange wait and the watchdog do."""
 
         def reduced(fut: torch.futures.Future) -> torch.Tensor:
             try:
-                return fut.value()[0]
+                fut.wait()
             except RuntimeError as exc:  # a peer died: say which one, not just "reset by peer"
-                raise self.diagnose(step, identities, exc) from exc
+                raise self.diagnose(step, exc) from exc
+            return reduced_in_place
 
         return future.then(reduced)
 
-    def _diagnose(
-        self, step: int, identities: list[RankIdentity], cause: BaseException | None
-    ) -> ExchangeTimeoutError:
-        missing = self._missing_ranks(step)
-        me = identities[self.rank] if identities else None
+    def _diagnose(self, step: int, cause: BaseException | None) -> ExchangeTimeoutError:
+        found = self._missing_ranks(step)
+        me = self.identity
         where = f"rank {self.rank}" + (f" on host {me.hostname}" if me else "")
-        if missing is None:
+        missing: list[int] = []
+        if found is None:
             who = "could not tell which ranks are missing (the rendezvous store is unreachable)"
-        elif missing:
+        elif found[0]:
+            missing, hosts = found
             names = ", ".join(
-                f"rank {r} ({identities[r].hostname})" if r < len(identities) else f"rank {r}"
-                for r in missing
+                f"rank {r} ({hosts[r]})" if r in hosts else f"rank {r}" for r in missing[:_NAMED]
             )
-            who = f"no answer from {names}"
+            more = f" and {len(missing) - _NAMED} more" if len(missing) > _NAMED else ""
+            who = f"no answer from {names}{more}"
         else:
             who = "every rank checked in, so the failure is in the transport itself"
         detail = f" (cause: {cause})" if cause else ""
@@ -173,55 +196,88 @@ class HealthExchange:
             f"nansentinel: the collectives of step {step} failed or timed out after "
             f"{self.timeout:g} s on {where}; {who}. This rank stops here; torchrun restarts "
             f"or ends the job as configured{detail}",
-            missing or [],
+            missing,
         )
 
     def check_in(self, step: int) -> None:
-        """Say at the rendezvous store that this rank is alive in ``step``.
+        """Say at the rendezvous store that this rank is alive in ``step`` (once per step).
 
         Called by the diagnosis and, for a step that is merely slow, by the watchdog thread
         (see watchdog.py): a live rank blocked in C++ behind a live peer must not be named as
-        missing because it noticed the failure late. Keeps one key per rank: the previous
-        step's key is removed. A store that is gone is logged, not raised.
+        missing because it noticed the failure late. Two writes (this rank's key, and one
+        count shared by all); the rank that completes the count says so, so that nobody has
+        to look for the missing. Keeps one key per rank: the previous step's key is removed.
+        A store that is gone is logged, not raised.
         """
         store = _default_store()
         if store is None:
             return
-        key = f"{_STORE_PREFIX}/{self._attempt}/{step}/{self.rank}"
+        prefix = f"{_STORE_PREFIX}/{self._attempt}/{step}"
+        key = f"{prefix}/{self.rank}"
+        with self._checkin_lock:  # not self._lock: diagnose() holds that while it calls here
+            if self._checked_in == key:
+                return
+            previous, self._checked_in = self._checked_in, key
         try:
             store.set(key, "1")
-            with self._checkin_lock:  # not self._lock: diagnose() holds that while it calls here
-                previous, self._checked_in = self._checked_in, key
-            if previous is not None and previous != key:
+            if store.add(f"{prefix}/count", 1) >= self.world_size:
+                store.set(f"{prefix}/missing", "[]")
+            if previous is not None:
                 store.delete_key(previous)
         except RuntimeError as exc:  # the store itself may be gone with rank 0
             log.debug("nansentinel: check-in for step %d failed: %s", step, exc)
 
-    def _missing_ranks(self, step: int) -> list[int] | None:
-        """After a failure, find the ranks that are not alive with us in the same step.
+    def _missing_ranks(self, step: int) -> tuple[list[int], dict[int, str]] | None:
+        """After a failure, find the ranks that are not alive with us in the same step, and
+        their hosts.
 
         Every live rank checks in at the rendezvous store: the one that diagnoses, at once;
         one still blocked in a collective, from its watchdog thread once the step is late.
-        Ranks that have not checked in within the grace period are dead or frozen. This costs
-        nothing on the normal step. None: no store to ask.
+        When the last rank checks in, the count says so and every rank reads "nobody". If
+        the grace period passes first, the first rank that diagnosed looks for the ranks
+        without a key (a thousand keys a request, then one by one within a failed chunk),
+        reads their identities, and leaves the answer for the others, who wait for it. This
+        costs nothing on the normal step. None: no store to ask, or no answer.
         """
         store = _default_store()
         if store is None:
             return None
         prefix = f"{_STORE_PREFIX}/{self._attempt}/{step}"
         self.check_in(step)
+        grace = diagnosis_grace(self.timeout)
+        answer = f"{prefix}/missing"
         try:
-            grace = diagnosis_grace(self.timeout)
-            keys = [f"{prefix}/{r}" for r in range(self.world_size)]
+            first = store.add(f"{prefix}/diagnosing", 1) == 1
             try:
-                store.wait(keys, datetime.timedelta(seconds=grace))
-                return []
+                store.wait([answer], datetime.timedelta(seconds=grace))
             except RuntimeError:
-                pass
-            return [r for r in range(self.world_size) if not store.check([f"{prefix}/{r}"])]
+                if not first:  # the first to diagnose names them; give it time to look
+                    store.wait([answer], datetime.timedelta(seconds=grace))
+                else:
+                    store.set(answer, json.dumps(self._look_for_missing(store, prefix)))
+            found = json.loads(store.get(answer))
         except RuntimeError as exc:  # the store itself may be gone with rank 0
             log.warning("nansentinel: rendezvous store unreachable after a timeout: %s", exc)
             return None
+        if not found:
+            return [], {}
+        return [int(r) for r, _ in found], {int(r): h for r, h in found if h}
+
+    def _look_for_missing(self, store: dist.Store, prefix: str) -> list[list[object]]:
+        """[rank, hostname or ""] for every rank with no check-in key under ``prefix``."""
+        missing: list[int] = []
+        for start in range(0, self.world_size, _CHUNK):
+            ranks = range(start, min(start + _CHUNK, self.world_size))
+            if not store.check([f"{prefix}/{r}" for r in ranks]):
+                missing.extend(r for r in ranks if not store.check([f"{prefix}/{r}"]))
+        out: list[list[object]] = []
+        for i, r in enumerate(missing):
+            host = ""
+            key = f"{_IDENTITY_PREFIX}/{self._attempt}/{r}"
+            if i < _NAMED and store.check([key]):
+                host = json.loads(store.get(key)).get("hostname", "")
+            out.append([r, host])
+        return out
 
 
 def _default_store() -> dist.Store | None:

@@ -11,11 +11,11 @@ decided to skip (batches discarded after a rollback). That is exactly when the h
 skips, as long as no spike action can skip (spikes need the host's history), so the device
 and the host always agree.
 
-The vector then goes to pinned host memory behind a CUDA event; the host turns it into the
-cluster view and decides (reports, metrics, spikes, replay, strikes, rollback, abort) when the
-step's result is first read, and at the latest at the next sentinel call. Nothing else changes
-for the user: the result's fields are the same, an abort is raised on every rank no later than
-the next sentinel call and names the step it judged.
+The vector then goes to pinned host memory behind a CUDA event; the host decides (reports,
+metrics, spikes, replay, strikes, rollback, abort) at the next sentinel call, on every rank at
+the same point, because a detection's naming and report are collectives. Reading the result
+earlier never starts one (see :class:`PendingResult`). An abort is raised on every rank at the
+next sentinel call and names the step it judged.
 
 Every other optimizer keeps the host gate: one host read of the view, then step or not.
 """
@@ -31,7 +31,7 @@ import torch
 
 from nansentinel.local import LocalHealth
 from nansentinel.result import StepResult
-from nansentinel.view import F_QUARANTINED, FIELDS
+from nansentinel.view import T_BAD_BATCH, T_BAD_GRAD, T_QUARANTINED, OwnRow, Totals
 
 
 def device_gate_refusal(
@@ -91,8 +91,8 @@ class DeviceGate:
         the host already decided to ``skip``; else 0.0 (0-d fp32 on the optimizer's device)."""
         if skip:
             return self._one
-        rows = vector.view(-1, FIELDS)
-        bad = (~torch.isfinite(rows[:, :3])).sum() + rows[:, F_QUARANTINED].sum()
+        # The counts of non-finite batches, losses, gradients and quarantined batches.
+        bad = vector[T_BAD_BATCH:T_BAD_GRAD + 1].sum() + vector[T_QUARANTINED]
         return (bad > 0).to(device=self.device, dtype=torch.float32, non_blocking=True)
 
     def step(self, found_inf: torch.Tensor) -> None:
@@ -133,6 +133,8 @@ class Pending:
     grads: list[tuple[torch.Tensor, torch.Tensor | None]]
     """Every parameter with the gradient it had at ``step()``: naming a poisoned parameter
     reads them even when the user has already zeroed (set to None) the gradients."""
+    skipped: bool = False
+    """The host had decided to skip already (batches discarded after a rollback)."""
 
     def values(self) -> list[float]:
         """The summed vector as host floats. Waits for the copy only if it has not landed
@@ -144,6 +146,21 @@ class Pending:
 
     def settled(self) -> bool:
         return self.event is None or bool(self.event.query())
+
+    def early(self, name: str) -> Any:
+        """A field of :data:`EARLY_FIELDS`, from the vector alone (no collective): ``applied``
+        is what the device did, which is the decision's own."""
+        values = self.values()
+        totals, own = Totals.from_values(values), OwnRow.from_values(values)
+        if name == "step":
+            return self.step
+        if name == "applied":
+            bad = totals.bad_batch + totals.bad_loss + totals.bad_grad + totals.quarantined
+            return not (bad or self.skipped)
+        if name == "injected":
+            return totals.injected > 0
+        return {"local_kinds": list(own.kinds), "local_loss": own.loss,
+                "local_grad_norm": own.grad_norm}[name]
 
     @contextlib.contextmanager
     def grads_restored(self) -> Iterator[None]:
@@ -162,27 +179,41 @@ def held_grads(params: list[torch.Tensor]) -> list[tuple[torch.Tensor, torch.Ten
     return [(p, p.grad) for p in params]
 
 
-class PendingResult:
-    """A :class:`StepResult` whose host decision runs on first read.
+#: What a device-gated result answers before its step is decided: known without a collective.
+EARLY_FIELDS = frozenset({"step", "applied", "injected", "local_kinds", "local_loss",
+                          "local_grad_norm"})
 
-    Reading any field (``applied``, ``outcome``, ...) decides the step now, which waits for
-    the cluster view: one host sync, by the caller's choice. Unread, the decision runs at the
-    next sentinel call. :meth:`resolve` returns the plain ``StepResult``.
+
+class PendingResult:
+    """A :class:`StepResult` whose host decision runs at the next sentinel call.
+
+    Reading a field never runs a collective. The first read waits for the cluster's totals
+    (one host sync, by the caller's choice): a step that found nothing is then decided on the
+    spot, locally, and every field answers. A step that found something is named and decided
+    with every rank at the next sentinel call (``check_batch``, ``check_loss``, ``step``,
+    ``close``), where an abort is raised; before that only :data:`EARLY_FIELDS` answer (its
+    ``applied`` is exact: the device already skipped it) and the others raise
+    :class:`~nansentinel.result.ResultPending`. :meth:`resolve` returns the plain
+    ``StepResult`` once decided.
     """
 
-    __slots__ = ("_resolve", "_result")
+    __slots__ = ("_early", "_resolve", "_result")
 
-    def __init__(self, resolve: Callable[[], None]) -> None:
+    def __init__(
+        self, resolve: Callable[[], None], early: Callable[[str], Any] | None = None
+    ) -> None:
         self._resolve: Callable[[], None] | None = resolve
+        self._early = early
         self._result: StepResult | BaseException | None = None
 
     def set(self, value: StepResult | BaseException) -> None:
         self._result = value
         self._resolve = None
+        self._early = None
 
     def resolve(self) -> StepResult:
-        """Decide the step now if it is not decided yet; return its result (or raise the
-        abort the decision raised)."""
+        """The decided result (decided now if that needs no collective; raises the abort the
+        decision raised, or :class:`ResultPending` before a detection's decision)."""
         if self._result is None and self._resolve is not None:
             self._resolve()
         if isinstance(self._result, BaseException):
@@ -196,11 +227,13 @@ class PendingResult:
         return self._result is not None
 
     def __getattr__(self, name: str) -> Any:
+        if self._result is None and self._early is not None and name in EARLY_FIELDS:
+            return self._early(name)
         return getattr(self.resolve(), name)
 
     def __repr__(self) -> str:
         if self._result is None:
-            return "PendingResult(<not decided yet>)"
+            return "PendingResult(<decided at the next sentinel call>)"
         return f"PendingResult({self._result!r})"
 
     def __eq__(self, other: object) -> bool:

@@ -20,11 +20,16 @@ from nansentinel import report
 from nansentinel.collectives import Peers
 from nansentinel.config import SentinelConfig
 from nansentinel.policy import Decision
-from nansentinel.result import Outcome, RankIdentity, StepResult
+from nansentinel.result import KINDS, Outcome, RankIdentity, StepResult
 from nansentinel.spikes import CLUSTER, Spikes
 from nansentinel.view import ClusterView, RankHealth
 
 log = logging.getLogger("nansentinel")
+
+#: Ranks named in a log line or an exception message (the rest are counted).
+_LOGGED = 8
+#: Ranks listed in a report (the rest are counted; the cluster is summed up).
+REPORTED = 64
 
 #: What happens next, by outcome (an exclusion names its host instead).
 _NEXT = {
@@ -46,20 +51,26 @@ def first(names: list[str], n: int) -> str:
 def describe(view: ClusterView, decision: Decision, result: StepResult, spikes: Spikes) -> str:
     """One log line for an incident: what, where (rank, host, local rank, device), what next."""
     parts = []
-    for r in decision.bad:
+    for r in decision.bad[:_LOGGED]:
         ident = r.identity
         params = result.parameters.get(r.rank)
         parts.append(
             f"rank {r.rank} (host {ident.hostname}, local rank {ident.local_rank}, "
             f"{ident.device}): {', '.join(r.kinds)}" + (f" [{first(params, 5)}]" if params else "")
         )
+    if len(decision.bad) > _LOGGED:
+        parts.append(f"… and {len(decision.bad) - _LOGGED} more rank(s) (see the report)")
     for signal in spikes.signals():
-        for rank in spikes.ranks[signal]:
+        ranks = spikes.ranks[signal]
+        for rank in ranks[:_LOGGED]:
+            named = view.named(rank)
             where = "cluster mean" if rank == CLUSTER else (
-                f"rank {rank} (host {view.ranks[rank].identity.hostname})"
+                f"rank {rank} (host {named.identity.hostname})" if named else f"rank {rank}"
             )
             ratio = spikes.ratios[signal][rank]
             parts.append(f"{signal} spike on {where}: {ratio:.1f}x its running median")
+        if len(ranks) > _LOGGED:
+            parts.append(f"… and {len(ranks) - _LOGGED} more {signal} spike(s)")
     if decision.exclude_host:
         nxt = f"excluding host {decision.exclude_host}"
     else:
@@ -82,8 +93,8 @@ def describe_abort(decision: Decision, result: StepResult) -> str:
         return f"nansentinel: {what} at step {result.step}: {decision.reason}."
     return (
         f"nansentinel: {what} at step {result.step}: non-finite {', '.join(result.kinds)} on "
-        f"rank(s) {', '.join(map(str, result.bad_ranks))} (host(s) "
-        f"{', '.join(result.bad_hosts)}); {decision.reason}."
+        f"rank(s) {first([str(r) for r in result.bad_ranks], _LOGGED)} (host(s) "
+        f"{first(result.bad_hosts, _LOGGED)}); {decision.reason}."
         + (f" Verdict: {result.verdict}." if result.verdict else "")
         + (f" Report: {result.report_path}" if result.report_path else "")
     )
@@ -94,15 +105,20 @@ def payload(
     decision: Decision,
     result: StepResult,
     spikes: Spikes,
-    details: list[dict[str, Any]],
+    details: dict[int, dict[str, Any]],
     message: str,
     *,
     job_id: str | None,
     policy: str,
-    world_size: int,
 ) -> dict[str, Any]:
     """The incident report's JSON content (no NaN: JSON has none; non-finite numbers become
-    strings such as ``"nan"``)."""
+    strings such as ``"nan"``).
+
+    It names the blamed ranks (``poisoned``) and every rank the detection named (``ranks``,
+    by rank: the blamed and spiking ranks and the replay's peer), at most ``REPORTED`` of
+    each, and sums up the rest of the cluster in ``cluster``: never one row per rank, so a
+    report is as small at 100,000 ranks as at 8.
+    """
 
     def rank_entry(r: RankHealth) -> dict[str, Any]:
         ident = r.identity
@@ -117,12 +133,15 @@ def payload(
             "loss": report.json_float(r.loss),
             "grad_norm": report.json_float(r.grad_norm),
         }
-        entry.update(details[r.rank])
+        if r.spikes:
+            entry["spikes"] = {s: round(x, 3) for s, x in r.spikes.items()}
+        entry.update(details.get(r.rank) or {})
         return entry
 
-    replay = next((d["replay"] for d in details if "replay" in d), None)
+    replay = next((d["replay"] for d in details.values() if d and "replay" in d), None)
+    named = view.listed[:REPORTED]
     return {
-        "version": 1,
+        "version": 2,
         "message": message,
         "job_id": job_id,
         "time": time.time(),
@@ -137,22 +156,46 @@ def payload(
         "overflow": decision.overflow,
         "excluded_host": decision.exclude_host,
         "consecutive_skips": result.consecutive_skips,
-        "world_size": world_size,
+        "world_size": view.world_size,
         "verdict": result.verdict,
         "spikes": spikes.to_json(),
         "rolled_back_to": result.rolled_back_to,
         "lr_factor": result.lr_factor,
         "first_nonfinite_module": replay.get("first_module") if replay else None,
         "first_nonfinite_parameter": replay.get("first_parameter") if replay else None,
-        "poisoned": [rank_entry(r) for r in decision.bad],
-        "ranks": [rank_entry(r) for r in view.ranks],
+        "poisoned": [rank_entry(r) for r in decision.bad[:REPORTED]],
+        "ranks": {str(r.rank): rank_entry(r) for r in named},
+        "ranks_not_listed": max(0, len(view.listed) - len(named)),
+        "cluster": cluster_summary(view),
     }
+
+
+def cluster_summary(view: ClusterView) -> dict[str, Any]:
+    """The whole cluster in a few numbers: counts from the exchange's totals, and per signal
+    the mean and spread over the ranks with a finite value (min and max after a detection)."""
+    t = view.totals
+    out: dict[str, Any] = {
+        "world_size": view.world_size,
+        "nonfinite": {k: t.bad(k) for k in KINDS},
+        "blamed": t.blamed,
+        "spiking": {"loss": t.spike_loss, "grad_norm": t.spike_grad, "any": t.spike_any},
+        "quarantined": t.quarantined,
+        "injected": t.injected,
+    }
+    for signal, n in (("loss", t.loss_n), ("grad_norm", t.grad_n)):
+        entry: dict[str, Any] = {"ranks": n, "mean": t.mean(signal), "std": t.std(signal)}
+        if signal in view.extremes:
+            entry["min"], entry["max"] = view.extremes[signal]
+        out[signal] = {k: report.json_float(v) if isinstance(v, float) else v
+                       for k, v in entry.items()}
+    return out
 
 
 class IncidentWriter:
     """Records incidents for one rank: after a detection (or a spike, or a rollback) the
-    poisoned ranks save their batch, every rank shares its detail in one gather (only now,
-    never on a healthy step), rank 0 writes the report and every rank logs its part."""
+    poisoned ranks save their batch, the blamed ranks and the replay's peer share their
+    detail in one gather (only now, never on a healthy step, and only they speak), rank 0
+    writes the report and every rank logs its part."""
 
     def __init__(
         self, config: SentinelConfig, identity: RankIdentity, peers: Peers,
@@ -172,40 +215,42 @@ class IncidentWriter:
         result: StepResult,
         spikes: Spikes,
         *,
-        replays: list[dict[str, Any]],
-        naming: dict[str, Any],
-        resolve: Callable[[list[dict[str, Any]]], dict[int, list[str]]],
+        detail: dict[str, Any],
         batch: Any,
         guarded: Callable[[], Any],
-    ) -> StepResult:
-        """Record one incident; returns ``result`` with ``parameters`` and ``report_path``.
+    ) -> tuple[StepResult, dict[int, dict[str, Any]]]:
+        """Record one incident; returns ``result`` with ``parameters`` and ``report_path``,
+        and the named ranks' details (rank -> detail).
 
-        ``naming`` is this rank's share of the parameter naming (the gradient path's
-        ``naming_detail``) and ``resolve`` turns every rank's share into rank -> names.
+        ``detail`` is this rank's share (the gradient path's parameter naming, the replay's
+        findings); it travels if this rank is one of the first ``REPORTED`` blamed ranks or
+        the replay's peer, and the batch of a blamed rank is saved beside the report.
         """
         rank = self.identity.rank
         stem = report.incident_stem(self.job_id, view.step)
         base = Path(self.config.report_dir)
-        detail: dict[str, Any] = dict(naming)
-        if rank in decision.bad_ranks and batch is not None and not self.config.save_batches:
+        bad = decision.bad_ranks
+        speakers = sorted({*bad[:REPORTED], *([view.replay_peer] if view.replay_peer is not
+                                               None else [])})
+        detail = dict(detail)
+        if rank in bad and batch is not None and not self.config.save_batches:
             detail["batch_not_saved"] = "save_batches=False"
-        elif rank in decision.bad_ranks and batch is not None:
+        elif rank in bad and batch is not None:
             path, error = report.attempt(
                 "batch", lambda: report.save_batch(base / f"{stem}-rank{rank}-batch.pt", batch),
                 rank=rank, step=view.step, failed=self.failed,
             )
             detail.update({"batch_path": str(path)} if path else {"batch_error": error})
         with guarded():
-            details: list[dict[str, Any]] = self.peers.gather_json(detail)  # type: ignore[assignment]
-        parameters = resolve(details)
+            gathered = self.peers.gather_from(speakers, detail)
+        details = {r: d for r, d in gathered.items() if isinstance(d, dict)}
+        parameters = {r: d["parameters"] for r, d in details.items() if d.get("parameters")}
         result = dataclasses.replace(result, parameters=parameters)
-        for d, r in zip(details, replays or [{}] * len(details), strict=True):
-            d.update(r)
         message = describe(view, decision, result, spikes)
         if rank == 0:
             content = payload(
                 view, decision, result, spikes, details, message, job_id=self.job_id,
-                policy=self.config.policy, world_size=self.peers.world_size,
+                policy=self.config.policy,
             )
             path, _ = report.attempt(
                 "report", lambda: report.write_json(base / f"{stem}.json", content),
@@ -217,14 +262,16 @@ class IncidentWriter:
                 logging.ERROR if decision.stops else logging.WARNING,
                 "%s%s", message, f"; report: {result.report_path}" if result.report_path else "",
             )
-        if rank in decision.bad_ranks:
-            mine = view.ranks[rank]
+        if rank in bad:
+            mine = view.named(rank)
             ident = self.identity
-            params, batch_path = parameters.get(rank), details[rank].get("batch_path")
+            params = detail.get("parameters")
+            batch_path = detail.get("batch_path")
             log.warning(
                 "nansentinel: rank %d on host %s (local rank %d, %s): non-finite %s at step %d%s%s",
-                rank, ident.hostname, ident.local_rank, ident.device, ", ".join(mine.kinds),
-                view.step, f"; parameters: {first(params, 8)}" if params else "",
+                rank, ident.hostname, ident.local_rank, ident.device,
+                ", ".join(mine.kinds if mine else ()), view.step,
+                f"; parameters: {first(params, 8)}" if params else "",
                 f"; batch saved to {batch_path}" if batch_path else "",
             )
-        return result
+        return result, details

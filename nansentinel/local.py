@@ -11,8 +11,6 @@ from typing import Any
 
 import torch
 
-from nansentinel.view import pack_row
-
 _CONSTANTS: dict[tuple[tuple[float, ...], torch.device], torch.Tensor] = {}
 
 
@@ -54,7 +52,8 @@ class LocalHealth:
         self.grad_norms.append(norm)
 
     def row(self) -> torch.Tensor:
-        """The health row for the exchange (see ``view.pack_row``): no host sync."""
+        """The health row (``view.R_*``: batch norm, loss, gradient norm, then the flags
+        ``injected, has_loss, has_grad, quarantined``) as fp32 on the device: no host sync."""
         zero = _constant((0.0,), self.device).reshape(())
         batch = _combined(self.batch_norms, zero)
         loss = zero
@@ -62,7 +61,8 @@ class LocalHealth:
             loss = self.loss_sum if self.loss_count == 1 else self.loss_sum / self.loss_count
         grad = _combined([n.to(self.device) for n in self.grad_norms], zero)
         host = (self.injected, self.loss_sum is not None, bool(self.grad_norms), self.quarantined)
-        return pack_row(batch, loss, grad, _constant(tuple(map(float, host)), self.device))
+        flags = _constant(tuple(map(float, host)), self.device)
+        return torch.cat([torch.stack([batch, loss, grad]).to(torch.float32), flags])
 
 
 def _combined(norms: list[torch.Tensor], zero: torch.Tensor) -> torch.Tensor:
@@ -72,3 +72,12 @@ def _combined(norms: list[torch.Tensor], zero: torch.Tensor) -> torch.Tensor:
     if len(norms) == 1:
         return norms[0]
     return torch.linalg.vector_norm(torch.stack(norms))
+
+
+def to_device(values: list[float], device: torch.device) -> torch.Tensor:
+    """A small fp32 tensor of ``values`` on ``device`` without synchronising a CUDA stream
+    (staged through pinned memory; the copy is queued, not waited for)."""
+    host = torch.tensor(values, dtype=torch.float32)
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)

@@ -1,6 +1,7 @@
 """The decision: a pure function of the cluster view, the history and the config.
 
-Every rank holds the same view (the exchange guarantees it), the same history (built from the
+Every rank holds the same view (the exchange's totals, and after a detection the same named
+ranks), the same history (built from the
 same views) and the same config, so every rank reaches the same decision without another
 collective: no rank can step the optimizer while another skips or rolls back.
 """
@@ -143,17 +144,22 @@ def blamed_hosts(view: ClusterView, decision: Decision, verdict: str | None = No
     and excluding hosts one by one would only shrink the job.
     """
     bad = set(decision.bad_hosts)
-    if not bad or bad >= set(view.hosts) or verdict in ("data", "divergence"):
+    if not bad or view.every_host_bad or verdict in ("data", "divergence"):
         return []
     return sorted(bad)
 
 
-def blamed(view: ClusterView, *, amp: bool = False) -> tuple[RankHealth, ...]:
-    """The ranks a step blames. Under AMP, non-finite gradients alone are GradScaler's fp16
+def is_blamed(rank: RankHealth, *, amp: bool = False) -> bool:
+    """A rank the step blames. Under AMP, non-finite gradients alone are GradScaler's fp16
     overflow, not a fault; a batch quarantined earlier (verdict data) is skipped, not blamed a
-    second time."""
+    second time. (``view.pack`` computes the same flag on the device.)"""
     kinds = ("batch", "loss") if amp else KINDS
-    return tuple(r for r in view.bad(kinds) if not r.quarantined)
+    return bool(set(rank.kinds) & set(kinds)) and not rank.quarantined
+
+
+def blamed(view: ClusterView, *, amp: bool = False) -> tuple[RankHealth, ...]:
+    """The ranks a step blames (see :func:`is_blamed`), by rank."""
+    return tuple(r for r in view.flagged if is_blamed(r, amp=amp))
 
 
 def decide(
@@ -179,7 +185,7 @@ def decide(
         snapshot_step: the step of the snapshot a rollback would restore (None: none yet).
     """
     bad = blamed(view, amp=amp)
-    overflow = amp and bool(view.bad(("grad",)))
+    overflow = amp and view.totals.bad_grad > 0
     if bad:
         return _nonfinite(view, bad, history, config, overflow, verdict, snapshot_step)
     if view.quarantined:

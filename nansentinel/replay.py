@@ -4,8 +4,9 @@ Runs only after a detection, never on the normal step. The poisoned rank's batch
 with the same (unchanged: the step was not applied) weights:
 
 - on the poisoned rank again: finite now → ``transient`` (a flipped bit: hardware suspect);
-- on a healthy rank on another host: non-finite there too → ``data`` (the batch is
-  quarantined); finite there → ``host`` (a strike against the poisoned rank's host);
+- on a healthy rank on another host (the detection picks it): non-finite there too →
+  ``data`` (the batch is quarantined); finite there → ``host`` (a strike against the
+  poisoned rank's host);
 - every rank non-finite or spiking together → ``divergence`` (learning rate or model: no
   replay needed, rollback with a lower learning rate is the remedy).
 
@@ -138,26 +139,23 @@ def blame(
     batch: Any,
     fn: ReplayFn | None,
     anomaly: bool = False,
-) -> tuple[str | None, list[dict[str, Any]]]:
-    """The verdict of one step, the same on every rank, and each rank's replay detail.
+) -> tuple[str | None, dict[str, Any]]:
+    """The verdict of one step, the same on every rank, and this rank's replay detail (for
+    the incident report's gather).
 
-    ``divergence`` when every rank is bad or spiking (no replay needed). Otherwise, with a
-    replay function, the first poisoned rank replays its own batch, and a healthy peer —
-    preferably on another host — replays the same batch, sent to it point to point. Two
-    small collectives (a sum of four flags, a gather of the details) make the outcome
-    common knowledge. Called on every rank, after a detection only.
+    ``divergence`` when every rank is bad or the spike is cluster-wide (no replay needed).
+    Otherwise, with a replay function, the first blamed rank replays its own batch, and the
+    view's healthy peer (another host, where ranks are laid out host by host) replays the
+    same batch, sent to it point to point. One small collective (a sum of four flags) makes
+    the outcome common knowledge. Called on every rank, after a detection only.
     """
     world = peers.world_size
-    if world > 1 and (len(blamed) == world or spikes.everywhere(world)):
-        return "divergence", []
+    if world > 1 and (len(blamed) == world or spikes.cluster_wide):
+        return "divergence", {}
     if not blamed or fn is None:
-        return None, []
+        return None, {}
     subject = blamed[0]
-    healthy = [r for r in view.ranks if r.healthy]
-    peer = next(
-        (r.rank for r in healthy if r.identity.hostname != subject.identity.hostname),
-        healthy[0].rank if healthy else None,
-    )
+    peer = view.replay_peer
     own = theirs = None
     detail: dict[str, Any] = {}
     if peers.rank == subject.rank and batch is not None:
@@ -183,10 +181,9 @@ def blame(
         float(theirs is not None and theirs.error is None),
         float(theirs is not None and theirs.finite),
     ])
-    details: list[dict[str, Any]] = peers.gather_json(detail)  # type: ignore[assignment]
     if not flags[0]:
-        return None, details
-    return verdict_of(bool(flags[1]), bool(flags[3]) if flags[2] else None), details
+        return None, detail
+    return verdict_of(bool(flags[1]), bool(flags[3]) if flags[2] else None), detail
 
 
 def verdict_of(own_finite: bool, peer_finite: bool | None) -> str:

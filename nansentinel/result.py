@@ -141,3 +141,12 @@ class ExchangeTimeoutError(RuntimeError):
 
 class SentinelUsageError(RuntimeError):
     """The training loop called the sentinel in an order it cannot honour."""
+
+
+class ResultPending(SentinelUsageError):
+    """A field of a device-gated step's result was read before that step was decided.
+
+    A step that found something is decided at the next sentinel call on every rank (its
+    naming, replay and report are collectives, which a read must never start); until then
+    only ``step``, ``applied`` and this rank's own fields (``local_*``, ``injected``) can be
+    read."""

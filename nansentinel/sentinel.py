@@ -29,20 +29,22 @@ from torch.nn.parallel import DistributedDataParallel
 
 from nansentinel import checks, gradpaths, incident, stop
 from nansentinel.config import SentinelConfig, resolve_hostname
+from nansentinel.detection import Detector
 from nansentinel.exchange import HealthExchange, diagnosis_grace, late_after
 from nansentinel.gate import DeviceGate, Pending, PendingResult, device_gate_refusal, held_grads
 from nansentinel.inject import Injector, parse_inject
-from nansentinel.local import LocalHealth
+from nansentinel.local import LocalHealth, to_device
 from nansentinel.policy import ROLLBACK, Decision, History, blamed, decide
 from nansentinel.recovery import Cooldown, MemorySnapshots, SnapshotStore, UserSnapshots
-from nansentinel.replay import ReplayFn, blame, fingerprint
+from nansentinel.replay import ReplayFn, fingerprint
 from nansentinel.result import (
     RankIdentity,
+    ResultPending,
     SentinelUsageError,
     StepResult,
 )
-from nansentinel.spikes import SIGNALS, SpikeDetector, Spikes
-from nansentinel.view import ClusterView, unpack_view
+from nansentinel.spikes import SpikeDetector, Spikes
+from nansentinel.view import ClusterView, OwnRow, Totals, pack
 from nansentinel.watchdog import Watchdog
 
 log = logging.getLogger("nansentinel")
@@ -103,20 +105,21 @@ class Sentinel:
             self.rank, self.world_size, resolve_hostname(cfg.hostname, environ),
             int(environ.get("LOCAL_RANK", "0") or 0), self.device,
         )
-        # Gathered once, so that every later detection can name host, local rank and device.
-        gathered = self.exchange.peers.gather_json(_identity_json(self.identity))
-        self.identities = [RankIdentity(**d) for d in gathered]  # type: ignore[arg-type]
+        # Nothing is gathered at start: a detection names the flagged ranks when it happens,
+        # and a failed collective reads the missing ranks' identities from the store.
+        self.exchange.publish(self.identity)
         self.job_id = cfg.job_id or environ.get("TORCHELASTIC_RUN_ID")
         faults = parse_inject(cfg.inject) if cfg.inject else []
         self.injector = Injector(faults, self.rank, self.identity.hostname)
         self.history = History()
         self.step_index = 0
         self.module = model.module if is_ddp else model
-        self.replay_fn = replay
         self.spikes = SpikeDetector(
-            self.world_size, window=cfg.spike_window, warmup=cfg.spike_warmup,
-            ratio=cfg.spike_ratio, zscore=cfg.spike_zscore,
+            window=cfg.spike_window, warmup=cfg.spike_warmup, ratio=cfg.spike_ratio,
+            zscore=cfg.spike_zscore,
         )
+        self._thresholds = to_device(self.spikes.thresholds(), self.device)
+        self._thresholds_version = self.spikes.version
         self.snapshots: SnapshotStore | None
         if isinstance(snapshots, tuple):
             self.snapshots = UserSnapshots(*snapshots)
@@ -127,7 +130,7 @@ class Sentinel:
         else:
             self.snapshots = None  # no rollback possible: no copies made
         self.cooldown = Cooldown()
-        self._after_step: tuple[Any, ClusterView, dict[str, Any]] | None = None
+        self._after_step: tuple[Any, ClusterView] | None = None
         self._post_hook: Any = None
         self.quarantine: set[str] = set()
         self.incidents = incident.IncidentWriter(
@@ -135,6 +138,12 @@ class Sentinel:
         )
         #: Where the gradients are checked before their reduction: ``ddp``, ``fsdp``, ``local``.
         self.gradients: gradpaths.GradPath = gradpaths.attach(model, self)
+        self.detector = Detector(
+            self.exchange.peers, self.identity, amp=scaler is not None,
+            gradients=self.gradients, incidents=self.incidents, module=self.module,
+            replay=replay if cfg.replay and self.gradients.name != "fsdp" else None,
+            anomaly=cfg.replay_anomaly, guarded=self._guarded,
+        )
         self._params = params
         self._pending: tuple[Pending, PendingResult] | None = None
         #: Set when poisoned steps are skipped on the device (see gate.py); None: host gate.
@@ -249,12 +258,12 @@ class Sentinel:
         if optimizer_step and self.device_gate is not None and self.device_gate.ready():
             return self._gate_on_device()
         started = time.perf_counter()
-        view = self.exchange.wait(self.identities)
+        step, values = self.exchange.wait()
         self._disarm()
         # Waiting for the exchange is waiting for the gradient all-reduce beside it: not ours.
         seconds = self._seconds - (time.perf_counter() - started)
         result, decision = self._judge(
-            view, self.local, seconds, started, optimizer_step=optimizer_step
+            step, values, self.local, seconds, started, optimizer_step=optimizer_step
         )
         self._reset()
         self.step_index += 1
@@ -266,7 +275,7 @@ class Sentinel:
         started = time.perf_counter()
         gate = self.device_gate
         assert gate is not None
-        step, vector = self.exchange.take(self.identities)
+        step, vector = self.exchange.take()
         skip = self.history.skip_batches > 0  # known on the host: no need to look
         found_inf = gate.found_inf(vector, skip)
         host, event = gate.to_host(vector)  # queued before the optimizer, so it lands early
@@ -277,15 +286,37 @@ class Sentinel:
         self.cooldown.restore(self.optimizer, saved_lr)  # counted at the decision, if applied
         grads = held_grads(self._params)
         seconds = self._seconds + time.perf_counter() - started - opt_seconds
-        pending = Pending(step, self.local, seconds, host, event, grads)
+        pending = Pending(step, self.local, seconds, host, event, grads, skip)
         self._reset()
         self.step_index += 1
-        result = PendingResult(self._resolve)
+        result = PendingResult(self._decide_if_local, pending.early)
         self._pending = (pending, result)
         return result  # type: ignore[return-value]
 
+    def _needs_detection(self, totals: Totals) -> bool:
+        """The step flagged a rank or the cluster mean spiked: naming it takes collectives."""
+        return totals.flagged > 0 or self.spikes.cluster_spikes(totals)
+
+    def _decide_if_local(self) -> None:
+        """A read of a pending result: decide it now if that needs no collective (nothing
+        was flagged), else say when it will be decided. Never starts a collective."""
+        if self._pending is None:
+            return
+        pending, _ = self._pending
+        if self._needs_detection(Totals.from_values(pending.values())):
+            raise ResultPending(
+                f"nansentinel: step {pending.step} found a non-finite value or a spike; rank "
+                f"{self.rank} names and decides it with every other rank at its next sentinel "
+                "call (check_batch, check_loss, step or close), where an abort is raised. "
+                "Until then only step, applied (the device already skipped it), injected and "
+                "local_* can be read."
+            )
+        self._resolve()
+
     def _resolve(self) -> None:
-        """Decide the step gated on the device, if one is pending (raises its abort)."""
+        """The fixed point of the device gate: decide the step pending there, if any (raises
+        its abort). Called on every rank at its next sentinel call, so that a detection's
+        collectives run at the same point everywhere."""
         if self._pending is None:
             return
         pending, result = self._pending
@@ -297,9 +328,10 @@ class Sentinel:
         seconds = pending.seconds - (time.perf_counter() - started)
         if self.exchange.launched:  # resolved at the next step(): its collectives are armed
             self._arm()
-        view = unpack_view(pending.step, values, self.identities)
         try:
-            decided, decision = self._judge(view, pending.local, seconds, started, pending)
+            decided, decision = self._judge(
+                pending.step, values, pending.local, seconds, started, pending
+            )
             result.set(decided)
             self._stop_if(decision, decided)
         except BaseException as exc:
@@ -307,33 +339,26 @@ class Sentinel:
             raise
 
     def _judge(
-        self, view: ClusterView, local: LocalHealth, seconds: float, started: float,
-        pending: Pending | None = None, *, optimizer_step: bool = True,
+        self, step: int, values: list[float], local: LocalHealth, seconds: float,
+        started: float, pending: Pending | None = None, *, optimizer_step: bool = True,
     ) -> tuple[StepResult, Decision]:
-        """Decide one step from its cluster view and act on it (report, metrics, optimizer
-        or rollback). ``pending``: the optimizer step already ran gated on the device."""
-        current = {s: view.values(s) for s in SIGNALS}
-        spikes = self.spikes.judge(current)
-        self.spikes.record(current, spikes)
+        """Decide one step from its exchanged vector and act on it (report, metrics,
+        optimizer or rollback). ``pending``: the optimizer step already ran gated on the
+        device. A healthy step reads the totals alone; a flagged one runs the detection."""
+        totals, own = Totals.from_values(values), OwnRow.from_values(values)
+        view = ClusterView(step, self.world_size, totals)
+        if self._needs_detection(totals):
+            with self._guarded():
+                view = self.detector.view(step, totals, own, self.spikes.ratios(own))
+        spikes = self.spikes.judge(view)
+        self.spikes.record(own, totals, spikes)
+        self._send_thresholds()
         amp = self.scaler is not None
         bad = blamed(view, amp=amp)
-        # Share of the parameter naming, taken now, before the gradients are discarded.
-        naming: dict[str, Any] = {}
-        if any("grad" in r.kinds for r in bad):
-            poisoned = any(r.rank == self.rank and "grad" in r.kinds for r in bad)
-            restored = pending.grads_restored() if pending else contextlib.nullcontext()
-            with restored:
-                naming = self.gradients.naming_detail(poisoned)
-        verdict, replays = None, []
-        if bad or spikes:
-            replay_fn = self.replay_fn if self.config.replay else None
-            with self._guarded():
-                verdict, replays = blame(
-                    view, list(bad), spikes, peers=self.exchange.peers, module=self.module,
-                    batch=local.batch,
-                    fn=replay_fn if self.gradients.name != "fsdp" else None,
-                    anomaly=self.config.replay_anomaly,
-                )
+        verdict, detail = self.detector.evidence(
+            view, bad, spikes, batch=local.batch,
+            grads_restored=pending.grads_restored if pending else contextlib.nullcontext,
+        ) if bad or spikes else (None, {})
         snapshot_step = self.snapshots.step if self.snapshots is not None else None
         decision = decide(
             view, self.history, self.config, amp=amp, spikes=spikes, verdict=verdict,
@@ -347,7 +372,7 @@ class Sentinel:
         if decision.applies and not optimizer_step:
             # The caller steps the optimizer right after: the cooldown is undone and the
             # snapshot taken from the optimizer's post-hook (_callers_step).
-            self._after_step = (self.cooldown.apply(self.optimizer), view, current)
+            self._after_step = (self.cooldown.apply(self.optimizer), view)
             if self._post_hook is None:  # once: a hook cannot remove itself while it runs
                 self._post_hook = self.optimizer.register_step_post_hook(self._callers_step)
         elif decision.applies:
@@ -363,7 +388,7 @@ class Sentinel:
                 not_ours = time.perf_counter() - opt_started
             else:
                 self.cooldown.count()
-            self._maybe_snapshot(view, current)
+            self._maybe_snapshot(view)
         else:
             if pending is None:
                 # Discard the poisoned gradients on every rank: weights never take them. (The
@@ -372,19 +397,23 @@ class Sentinel:
             if decision.action == ROLLBACK and self.snapshots is not None:
                 rolled_back_to = self.snapshots.load()
                 self.cooldown.start(self.config.rollback_lr_factor, self.config.rollback_lr_steps)
-        if verdict == "data":
-            self.quarantine.update(r["fingerprint"] for r in replays if r.get("fingerprint"))
-        result = self._result(view, decision, spikes, verdict, rolled_back_to)
+        result = self._result(view, own, decision, spikes, verdict, rolled_back_to)
         if decision.bad or spikes or decision.action == ROLLBACK:
-            result = self.incidents.write(
-                view, decision, result, spikes, replays=replays, naming=naming,
-                resolve=self.gradients.parameters, batch=local.batch,
-                guarded=self._guarded,
+            result = self.detector.record(
+                view, decision, result, spikes, detail=detail, batch=local.batch,
+                quarantine=self.quarantine,
             )
         seconds += time.perf_counter() - started - not_ours
         if self.metrics is not None:
             self.metrics.observe_step(result, seconds)
         return result, decision
+
+    def _send_thresholds(self) -> None:
+        """Hand this rank's spike thresholds to the device when its references changed (every
+        tenth of a window): the next step's own verdict is taken there."""
+        if self.spikes.version != self._thresholds_version:
+            self._thresholds = to_device(self.spikes.thresholds(), self.device)
+            self._thresholds_version = self.spikes.version
 
     def _stop_if(self, decision: Decision, result: StepResult) -> None:
         if decision.stops:
@@ -401,14 +430,14 @@ class Sentinel:
         keep the snapshot after the caller's own update, as :meth:`step` does after its own."""
         pending, self._after_step = self._after_step, None
         if pending is not None:
-            saved_lr, view, current = pending
+            saved_lr, view = pending
             self.cooldown.undo(self.optimizer, saved_lr)
-            self._maybe_snapshot(view, current)
+            self._maybe_snapshot(view)
 
-    def _maybe_snapshot(self, view: ClusterView, current: dict[str, list[float | None]]) -> None:
+    def _maybe_snapshot(self, view: ClusterView) -> None:
         """Keep the state after a healthy, quiet step as the last good one, every N steps."""
         snaps = self.snapshots
-        if snaps is None or self.history.skip_batches > 0 or not self.spikes.quiet(current):
+        if snaps is None or self.history.skip_batches > 0 or not self.spikes.quiet(view.totals):
             return
         if snaps.step is None or view.step - snaps.step >= self.config.snapshot_every:
             snaps.save(view.step)
@@ -418,8 +447,19 @@ class Sentinel:
     def state_dict(self) -> dict[str, Any]:
         """Step counter, policy history, spike references, cooldown and quarantine, to be saved
         with the training checkpoint so that a restarted job carries on where it left off.
-        A step still pending on the device gate is decided first."""
-        self._resolve()
+
+        Never runs a collective, so it may be called on one rank alone. A step still pending
+        on the device gate is decided first when it found nothing; one that found something
+        is decided with every rank at the next sentinel call, so the state saved now holds
+        the history before it (its skip has happened on the device already)."""
+        try:
+            self._decide_if_local()
+        except ResultPending:
+            log.warning(
+                "nansentinel: state_dict() on rank %d while step %d's detection is pending "
+                "(decided at the next sentinel call on every rank); the saved history is the "
+                "one before it", self.rank, self.step_index - 1,
+            )
         return {
             "step": self.step_index,
             **self.history.state_dict(),
@@ -433,7 +473,8 @@ class Sentinel:
         self.step_index = int(state["step"])
         self.history = History.from_state_dict(state)
         if "spikes" in state:
-            self.spikes.load_state_dict(state["spikes"])
+            self.spikes.load_state_dict(state["spikes"], self.rank)
+            self._send_thresholds()
         if "cooldown" in state:
             self.cooldown.load_state_dict(state["cooldown"])
         self.quarantine = set(state.get("quarantine", []))
@@ -479,12 +520,15 @@ class Sentinel:
         self.local.add_grads(norm)
 
     def launch_exchange(self) -> None:
-        """Pack this rank's health row and start summing it across ranks (asynchronous)."""
+        """Pack this rank's health vector and start summing it across ranks (asynchronous)."""
         self._arm()
-        self.exchange.launch(self.step_index, self.local.row())
+        vector = pack(self.local.row(), self._thresholds, self.rank, amp=self.scaler is not None)
+        self.exchange.launch(self.step_index, vector)
 
-    def diagnosed(self, future: torch.futures.Future, step: int) -> torch.futures.Future:
-        return self.exchange.diagnosed(future, step, self.identities)
+    def diagnosed(
+        self, future: torch.futures.Future, step: int, reduced_in_place: torch.Tensor
+    ) -> torch.futures.Future:
+        return self.exchange.diagnosed(future, step, reduced_in_place)
 
     def spent(self, seconds: float) -> None:
         self._seconds += seconds
@@ -537,10 +581,7 @@ class Sentinel:
             self._disarm()
 
     def _on_timeout(self, step: int) -> None:
-        stop.on_timeout(
-            step, config=self.config, identity=self.identity, exchange=self.exchange,
-            identities=self.identities,
-        )
+        stop.on_timeout(step, config=self.config, identity=self.identity, exchange=self.exchange)
 
     def _require_open(self, what: str) -> None:
         if self.exchange.launched:
@@ -551,10 +592,9 @@ class Sentinel:
             )
 
     def _result(
-        self, view: ClusterView, decision: Decision, spikes: Spikes, verdict: str | None,
-        rolled_back_to: int | None,
+        self, view: ClusterView, mine: OwnRow, decision: Decision, spikes: Spikes,
+        verdict: str | None, rolled_back_to: int | None,
     ) -> StepResult:
-        mine = view.ranks[self.rank]
         return StepResult(
             step=view.step,
             applied=decision.applies,
@@ -593,10 +633,6 @@ def _identity(
         gpu = str(index)
         gpu_uuid = str(getattr(torch.cuda.get_device_properties(index), "uuid", ""))
     return RankIdentity(rank, local_rank, world_size, hostname, str(device), gpu, gpu_uuid)
-
-
-def _identity_json(ident: RankIdentity) -> dict[str, Any]:
-    return {f: getattr(ident, f) for f in RankIdentity.__slots__}  # type: ignore[attr-defined]
 
 
 def _start_metrics(sentinel: Sentinel, registry: Any) -> Any:

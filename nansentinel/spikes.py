@@ -1,9 +1,12 @@
 """Spike detection: see NaN coming.
 
 A NaN is usually announced: the gradient norm jumps tens of times, then the loss jumps ~10x
-over its running level, then NaN. Every rank's local loss and gradient norm are already in the
-cluster view, so each rank judges every rank (and the cluster mean) against a robust running
-reference with the same numbers — the verdicts are identical without another collective.
+over its running level, then NaN. Each rank judges its own loss and gradient norm against its
+own running reference, where the values are, and every rank judges the cluster mean (from the
+exchange's sums) against one more: four references per rank at any world size. A rank's own
+verdict is taken on the device, against thresholds this module hands it (:meth:`thresholds`),
+and travels as a flag in the exchange, so every rank learns how many ranks spiked, and which
+(after a detection), from the same numbers.
 
 A value spikes when it is at least ``ratio`` times the rolling median *and* its robust z-score
 (distance from the median in units of 1.4826 x MAD) is at least ``zscore``: the ratio alone
@@ -12,8 +15,11 @@ median (e.g. a log-likelihood) is judged by the z-score alone. Nothing is judged
 ``warmup`` values are in the window, and spikes and non-finite values never enter it, so a
 divergence cannot raise its own reference.
 
-The reference (median and MAD) is recomputed every tenth of a window, not every step: the
-per-step cost is one comparison per rank and signal (measured: ~0.03 ms per step for 4 ranks).
+A spike is *cluster-wide* (a divergence: learning rate or model) when every rank spiked, or
+when the cluster mean without the spiking ranks is not quiet either: one node's loss can spike
+while the rest looks fine, and then it is that node's.
+
+The reference (median and MAD) is recomputed every tenth of a window, not every step.
 """
 
 from __future__ import annotations
@@ -22,9 +28,12 @@ import dataclasses
 import math
 from collections import deque
 
-SIGNALS = ("loss", "grad_norm")
+from nansentinel.view import SIGNALS, ClusterView, OwnRow, Totals
+
 CLUSTER = -1
 """Pseudo-rank of the cluster mean in :class:`Spikes`."""
+
+__all__ = ["CLUSTER", "SIGNALS", "Series", "SpikeDetector", "Spikes"]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -33,6 +42,8 @@ class Spikes:
 
     ranks: dict[str, list[int]] = dataclasses.field(default_factory=dict)
     ratios: dict[str, dict[int, float]] = dataclasses.field(default_factory=dict)
+    cluster_wide: bool = False
+    """Every rank spiked, or the ranks that did not are not quiet either: a divergence."""
 
     def __bool__(self) -> bool:
         return any(self.ranks.values())
@@ -43,12 +54,6 @@ class Spikes:
     def of_rank(self, rank: int) -> list[str]:
         return [s for s in SIGNALS if rank in self.ranks.get(s, ())]
 
-    def everywhere(self, world_size: int) -> bool:
-        """Every rank spiked on some signal (or the cluster mean did while all are in it):
-        a global divergence, not one bad rank."""
-        spiking = {r for s in SIGNALS for r in self.ranks.get(s, ()) if r != CLUSTER}
-        return len(spiking) == world_size
-
     def to_json(self) -> dict[str, object]:
         return {
             s: {str(r): round(self.ratios[s][r], 3) for r in self.ranks[s]}
@@ -57,112 +62,174 @@ class Spikes:
         }
 
 
-class SpikeDetector:
-    """Rolling robust reference per rank and for the cluster mean, per signal.
+class Series:
+    """One rolling robust reference (median, spike and quiet thresholds) over a window."""
 
-    The reference (median, MAD, count) is recomputed every ``refresh`` recorded steps, not on
-    every step: it is a running level, and the per-step work is then a comparison per rank.
+    __slots__ = ("_values", "ratio", "ref", "warmup", "zscore")
+
+    def __init__(self, *, window: int, warmup: int, ratio: float, zscore: float) -> None:
+        self._values: deque[float] = deque(maxlen=window)
+        self.warmup, self.ratio, self.zscore = warmup, ratio, zscore
+        #: (median, spike threshold, quiet threshold), or None while warming up.
+        self.ref: tuple[float, float, float] | None = None
+
+    def spikes(self, x: float | None) -> bool:
+        ref = self.ref
+        return ref is not None and x is not None and math.isfinite(x) and x >= ref[1]
+
+    def quiet(self, x: float | None) -> bool:
+        """Not even half-way (geometrically) to a spike: below sqrt(ratio) x the median and
+        half the z-score; a non-finite value is never quiet."""
+        if x is None:
+            return True
+        if not math.isfinite(x):
+            return False
+        return self.ref is None or x < self.ref[2]
+
+    def ratio_of(self, x: float) -> float:
+        """``x`` over the running median (inf for a non-positive median)."""
+        median = self.ref[0] if self.ref is not None else 0.0
+        return x / median if median > 0 else math.inf
+
+    def add(self, x: float | None) -> None:
+        if x is not None and math.isfinite(x):
+            self._values.append(x)
+
+    def recompute(self) -> None:
+        if len(self._values) < self.warmup:
+            self.ref = None
+            return
+        ordered = sorted(self._values)
+        median = ordered[len(ordered) // 2]
+        mad = sorted(abs(v - median) for v in ordered)[len(ordered) // 2]
+        scale = 1.4826 * mad + 1e-12 + 1e-6 * abs(median)
+        threshold = median + self.zscore * scale
+        quiet = median + self.zscore / 2 * scale
+        if median > 0:  # a non-positive median (a log-likelihood): z-score alone
+            threshold = max(threshold, self.ratio * median)
+            quiet = max(quiet, math.sqrt(self.ratio) * median)
+        self.ref = (median, threshold, quiet)
+
+    @property
+    def values(self) -> list[float]:
+        return list(self._values)
+
+    def load(self, values: list[float]) -> None:
+        self._values.clear()
+        self._values.extend(float(v) for v in values)
+
+
+class SpikeDetector:
+    """This rank's own references and the cluster mean's, per signal.
 
     Args:
-        world_size: ranks in the view.
-        window: values kept per rank and signal.
+        window: values kept per series.
         warmup: values needed before a series is judged.
         ratio: spike when value >= ratio x median (with a positive median) ...
         zscore: ... and robust z-score >= zscore.
-        refresh: steps between recomputations of the reference (default window // 10).
+        refresh: steps between recomputations of the references (default window // 10).
     """
 
     def __init__(
-        self, world_size: int, *, window: int, warmup: int, ratio: float, zscore: float,
+        self, *, window: int, warmup: int, ratio: float, zscore: float,
         refresh: int | None = None,
     ) -> None:
-        self.world_size = world_size
-        self.window, self.warmup, self.ratio, self.zscore = window, warmup, ratio, zscore
         self.refresh = refresh or max(1, window // 10)
-        rows = world_size + 1  # the last row is the cluster mean
-        self._values = {s: [deque(maxlen=window) for _ in range(rows)] for s in SIGNALS}
-        # Per row: (median, spike threshold, quiet threshold) or None while warming up.
-        self._ref: dict[str, list[tuple[float, float, float] | None]] = {
-            s: [None] * rows for s in SIGNALS
-        }
+        kw = {"window": window, "warmup": warmup, "ratio": ratio, "zscore": zscore}
+        self.own = {s: Series(**kw) for s in SIGNALS}
+        self.cluster = {s: Series(**kw) for s in SIGNALS}
         self._recorded = 0
+        #: Bumped whenever the references change, so the device thresholds are re-sent.
+        self.version = 0
 
-    def judge(self, current: dict[str, list[float | None]]) -> Spikes:
-        """Spikes among ``current[signal][rank]`` (None: the rank has no value this step)."""
+    def thresholds(self) -> list[float]:
+        """``[spike loss, spike grad, quiet loss, quiet grad]`` of this rank's own series, for
+        the judgement on the device (``inf``: not judged yet)."""
+        refs = [self.own[s].ref for s in SIGNALS]
+        return [r[1] if r else math.inf for r in refs] + [r[2] if r else math.inf for r in refs]
+
+    def judge(self, view: ClusterView) -> Spikes:
+        """The spikes of this step: the named ranks' own verdicts (gathered with their rows)
+        and the cluster mean's, judged here from the totals."""
         ranks: dict[str, list[int]] = {}
         ratios: dict[str, dict[int, float]] = {}
+        for r in view.flagged:
+            for signal, ratio in r.spikes.items():
+                ranks.setdefault(signal, []).append(r.rank)
+                ratios.setdefault(signal, {})[r.rank] = ratio
+        totals = view.totals
+        wide = view.world_size > 0 and totals.spike_any >= view.world_size
         for signal in SIGNALS:
-            refs = self._ref[signal]
-            for row, x in enumerate(_with_mean(current.get(signal, []), self.world_size)):
-                ref = refs[row]
-                if ref is None or x is None or not math.isfinite(x) or x < ref[1]:
-                    continue
-                rank = CLUSTER if row == self.world_size else row
-                ranks.setdefault(signal, []).append(rank)
-                ratios.setdefault(signal, {})[rank] = x / ref[0] if ref[0] > 0 else math.inf
-        return Spikes(ranks, ratios)
+            series = self.cluster[signal]
+            mean = totals.mean(signal)
+            if series.spikes(mean):
+                assert mean is not None
+                ranks.setdefault(signal, []).append(CLUSTER)
+                ratios.setdefault(signal, {})[CLUSTER] = series.ratio_of(mean)
+            if ranks.get(signal) and not wide:
+                spiking = [v for r in view.flagged if signal in r.spikes
+                           and (v := r.value(signal)) is not None]
+                rest = totals.without(signal, spiking)
+                wide = rest is not None and series.ref is not None and not series.quiet(rest)
+        return Spikes(ranks, ratios, cluster_wide=bool(ranks) and wide)
 
-    def quiet(self, current: dict[str, list[float | None]]) -> bool:
-        """No value is even half-way (geometrically) to a spike: sqrt(ratio) x the median and
-        half the z-score. A rollback target must be quiet, or restoring it brings the spike
-        straight back (the gradient norm rises for steps before it crosses the threshold)."""
-        for signal in SIGNALS:
-            refs = self._ref[signal]
-            for row, x in enumerate(_with_mean(current.get(signal, []), self.world_size)):
-                ref = refs[row]
-                if x is not None and (not math.isfinite(x) or (ref is not None and x >= ref[2])):
-                    return False
-        return True
+    def cluster_spikes(self, totals: Totals) -> bool:
+        """The cluster mean spiked on some signal (a detection even if no rank did)."""
+        return any(self.cluster[s].spikes(totals.mean(s)) for s in SIGNALS)
 
-    def record(self, current: dict[str, list[float | None]], spikes: Spikes) -> None:
-        """Add this step's finite, non-spiking values to the reference windows."""
+    def quiet(self, totals: Totals) -> bool:
+        """No rank (by its own flag) and not the cluster mean is even half-way to a spike. A
+        rollback target must be quiet, or restoring it brings the spike straight back (the
+        gradient norm rises for steps before it crosses the threshold)."""
+        return totals.not_quiet == 0 and all(
+            self.cluster[s].quiet(totals.mean(s)) for s in SIGNALS
+        )
+
+    def ratios(self, own: OwnRow) -> dict[str, float]:
+        """Signal -> this rank's value over its running median, for the signals it spiked on."""
+        out = {}
+        for signal in own.spiked():
+            x = own.value(signal)
+            if x is not None:
+                out[signal] = self.own[signal].ratio_of(x)
+        return out
+
+    def record(self, own: OwnRow, totals: Totals, spikes: Spikes) -> None:
+        """Add this step's finite, non-spiking values to the references."""
+        mine = set(own.spiked())
         for signal in SIGNALS:
-            skip = {self.world_size if r == CLUSTER else r for r in spikes.ranks.get(signal, ())}
-            rows = self._values[signal]
-            for row, x in enumerate(_with_mean(current.get(signal, []), self.world_size)):
-                if x is not None and math.isfinite(x) and row not in skip:
-                    rows[row].append(x)
+            if signal not in mine:
+                self.own[signal].add(own.value(signal))
+            if CLUSTER not in spikes.ranks.get(signal, ()):
+                self.cluster[signal].add(totals.mean(signal))
         self._recorded += 1
         if self._recorded % self.refresh == 0:
             self._recompute()
 
     def _recompute(self) -> None:
-        for signal in SIGNALS:
-            refs = self._ref[signal]
-            for row, values in enumerate(self._values[signal]):
-                if len(values) < self.warmup:
-                    refs[row] = None
-                    continue
-                ordered = sorted(values)
-                median = ordered[len(ordered) // 2]
-                mad = sorted(abs(v - median) for v in ordered)[len(ordered) // 2]
-                scale = 1.4826 * mad + 1e-12 + 1e-6 * abs(median)
-                threshold = median + self.zscore * scale
-                quiet = median + self.zscore / 2 * scale
-                if median > 0:  # a non-positive median (a log-likelihood): z-score alone
-                    threshold = max(threshold, self.ratio * median)
-                    quiet = max(quiet, math.sqrt(self.ratio) * median)
-                refs[row] = (median, threshold, quiet)
+        for series in (*self.own.values(), *self.cluster.values()):
+            series.recompute()
+        self.version += 1
 
     def state_dict(self) -> dict[str, object]:
-        return {"values": {s: [list(d) for d in rows] for s, rows in self._values.items()},
-                "recorded": self._recorded}
+        return {
+            "own": {s: self.own[s].values for s in SIGNALS},
+            "cluster": {s: self.cluster[s].values for s in SIGNALS},
+            "recorded": self._recorded,
+        }
 
-    def load_state_dict(self, state: dict[str, object]) -> None:
-        values = state["values"]
-        assert isinstance(values, dict)
-        for s in SIGNALS:
-            saved = values.get(s, [])
-            if len(saved) == len(self._values[s]):
-                for d, v in zip(self._values[s], saved, strict=True):
-                    d.clear()
-                    d.extend(v)
-        self._recorded = int(state["recorded"])  # type: ignore[call-overload]
+    def load_state_dict(self, state: dict[str, object], rank: int = 0) -> None:
+        """Restore :meth:`state_dict`; a checkpoint from before 0.2 (one window per rank and
+        one for the cluster mean, ``values``) gives this rank's window and the last one."""
+        own, cluster = state.get("own"), state.get("cluster")
+        if own is None and isinstance(state.get("values"), dict):
+            legacy: dict[str, list[list[float]]] = state["values"]  # type: ignore[assignment]
+            own = {s: rows[rank] for s, rows in legacy.items() if rank < len(rows) - 1}
+            cluster = {s: rows[-1] for s, rows in legacy.items() if rows}
+        for target, saved in ((self.own, own), (self.cluster, cluster)):
+            if isinstance(saved, dict):
+                for s in SIGNALS:
+                    if s in saved:
+                        target[s].load(saved[s])
+        self._recorded = int(state.get("recorded", 0))  # type: ignore[call-overload]
         self._recompute()
-
-
-def _with_mean(values: list[float | None], world_size: int) -> list[float | None]:
-    """Per-rank values plus the mean of the finite ones (None where missing)."""
-    row = list(values[:world_size]) + [None] * (world_size - len(values[:world_size]))
-    finite = [v for v in row if v is not None and math.isfinite(v)]
-    return [*row, sum(finite) / len(finite) if finite else None]

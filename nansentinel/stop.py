@@ -102,12 +102,11 @@ def on_timeout(
     config: SentinelConfig,
     identity: RankIdentity,
     exchange: HealthExchange,
-    identities: list[RankIdentity],
 ) -> None:
     """Watchdog thread: the step's collectives are stuck (a rank froze or died where no
     Python timeout reaches). Name the missing ranks, leave a verdict for the launcher and
     end the process, as NCCL's watchdog does; torchrun restarts or ends the job."""
-    error = exchange.diagnose(step, identities, None)
+    error = exchange.diagnose(step, None)
     log.error("%s", error)
     leave_verdict(config, identity, step, EXCHANGE_TIMEOUT, str(error), missing=error.missing)
     for handler in logging.getLogger().handlers + log.handlers:

@@ -1,10 +1,17 @@
-"""The health row and the cluster view: the data the exchange carries, without the wire.
+"""The exchange's wire format and the cluster view: pure data, no collectives.
 
-Each rank packs its health into one row of ``FIELDS`` floats (:func:`pack_row`); the exchange
-sums the rows of all ranks, each in its own slot, into one vector; :func:`unpack_view` turns
-that vector, read on the host, into a :class:`ClusterView`, the same on every rank. The
-decision (policy.py), the reports and the replay read only the view, so they import this pure
-module and no collective.
+Every rank contributes the same fixed number of floats, whatever the world size: counts of
+ranks with a non-finite batch, loss or gradient norm, of ranks blamed, spiking, quarantined or
+fired on by a drill, the sums the cluster-mean signals need, and the sum of the flagged ranks'
+indices, which names the flagged rank exactly when there is one. Summed across ranks, that
+vector is the same on every rank, so every rank decides the same from it (policy.py); a
+healthy step needs nothing more. Only when something is flagged does a detection
+(detection.py) gather the flagged ranks' own rows and identities.
+
+:func:`pack` builds a rank's vector on its device (no host sync): ``TOTALS`` floats that the
+exchange sums, then ``OWN`` floats of this rank's own row that travel nowhere and are read
+back in the same host copy as the sums. Flags are computed on the device (fp32 0/1): the
+sum of a flag is a count, and NCCL reduces no bool.
 """
 
 from __future__ import annotations
@@ -16,19 +23,180 @@ import torch
 
 from nansentinel.result import KINDS, RankIdentity
 
-# Layout of one rank's row in the health vector.
-# Three values whose finiteness is the check (batch norm, loss, gradient norm), then four
-# host-known flags. No flag is computed on the device: a NaN or Inf survives the element-wise
-# sum in its own slot (x + 0 = x), so the host reads finiteness after the one sync.
-F_BATCH_NORM, F_LOSS_VALUE, F_GRAD_NORM, F_INJECTED, F_HAS_LOSS, F_HAS_GRAD, F_QUARANTINED = (
-    range(7)
-)
-FIELDS = 7
+# This rank's health row, as the checks fill it (local.py): three values whose finiteness is
+# the check, then four flags the host knows.
+R_BATCH, R_LOSS, R_GRAD, R_INJECTED, R_HAS_LOSS, R_HAS_GRAD, R_QUARANTINED = range(7)
+ROW = 7
+
+# The summed part: each rank adds its flags and values; every rank reads the totals.
+(
+    T_BAD_BATCH, T_BAD_LOSS, T_BAD_GRAD, T_BLAMED, T_FLAGGED, T_FLAGGED_RANK,
+    T_SPIKE_LOSS, T_SPIKE_GRAD, T_SPIKE_ANY, T_NOT_QUIET, T_INJECTED, T_QUARANTINED,
+    T_LOSS_N, T_LOSS_SUM, T_LOSS_SQ, T_GRAD_N, T_GRAD_SUM, T_GRAD_SQ,
+) = range(18)
+TOTALS = 18
+
+# The own part, after the totals: this rank's row and its device-side verdicts.
+O_ROW = TOTALS
+O_SPIKE_LOSS, O_SPIKE_GRAD, O_NOT_QUIET, O_FLAGGED = range(TOTALS + ROW, TOTALS + ROW + 4)
+OWN = ROW + 4
+SIZE = TOTALS + OWN
+
+#: Bytes one rank sends per step (fp32), at any world size.
+EXCHANGE_BYTES = TOTALS * 4
+
+#: The signals a spike is judged on, in the order of the thresholds.
+SIGNALS = ("loss", "grad_norm")
+
+
+def pack(
+    row: torch.Tensor, thresholds: torch.Tensor, rank: int, *, amp: bool
+) -> torch.Tensor:
+    """This rank's exchange vector (``SIZE`` fp32 on ``row``'s device), without a host sync.
+
+    Args:
+        row: the health row (``R_*`` layout, fp32).
+        thresholds: ``[spike loss, spike grad, quiet loss, quiet grad]`` of this rank's own
+            rolling references (``inf`` while a series warms up; see spikes.py).
+        rank: this rank's index, summed where the rank is flagged.
+        amp: under GradScaler a non-finite gradient alone is fp16 overflow, not blame.
+    """
+    values = row[R_BATCH:R_GRAD + 1]
+    bad = (~torch.isfinite(values)).to(torch.float32)  # batch, loss, grad
+    signal = row[R_LOSS:R_GRAD + 1]
+    has = row[R_HAS_LOSS:R_HAS_GRAD + 1]
+    finite = torch.isfinite(signal)
+    spike = (finite & (signal >= thresholds[:2])).to(torch.float32) * has
+    not_quiet = ((~finite) | (signal >= thresholds[2:])).to(torch.float32) * has
+    counted = bad[:2] if amp else bad  # no host-made tensor: a copy would sync the stream
+    blamed = counted.amax() * (1.0 - row[R_QUARANTINED])
+    spike_any = spike.amax()
+    flagged = torch.maximum(blamed, spike_any)
+    present = finite.to(torch.float32) * has
+    kept = torch.where(finite, signal, torch.zeros_like(signal)) * has
+    not_quiet_any = not_quiet.amax()
+    scalars = torch.stack([blamed, flagged, flagged * float(rank)])
+    return torch.cat([
+        bad, scalars, spike, spike_any.reshape(1), not_quiet_any.reshape(1),
+        row[R_INJECTED:R_INJECTED + 1], row[R_QUARANTINED:R_QUARANTINED + 1],
+        torch.stack([present[0], kept[0], kept[0] * kept[0],
+                     present[1], kept[1], kept[1] * kept[1]]),
+        row, spike, not_quiet_any.reshape(1), flagged.reshape(1),
+    ])
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Totals:
+    """The summed part of the exchange: counts and sums over every rank, the same on all."""
+
+    bad_batch: int = 0
+    bad_loss: int = 0
+    bad_grad: int = 0
+    blamed: int = 0
+    flagged: int = 0
+    flagged_rank: float = 0.0
+    """Sum of the flagged ranks' indices: the flagged rank itself when ``flagged == 1``."""
+    spike_loss: int = 0
+    spike_grad: int = 0
+    spike_any: int = 0
+    not_quiet: int = 0
+    injected: int = 0
+    quarantined: int = 0
+    loss_n: int = 0
+    loss_sum: float = 0.0
+    loss_sq: float = 0.0
+    grad_n: int = 0
+    grad_sum: float = 0.0
+    grad_sq: float = 0.0
+
+    @classmethod
+    def from_values(cls, values: list[float]) -> Totals:
+        v = values[:TOTALS]
+        return cls(*(round(x) if f.name in _INT_FIELDS else x
+                     for f, x in zip(_TOTAL_FIELDS, v, strict=True)))
+
+    def bad(self, kind: str) -> int:
+        """Ranks whose ``kind`` (batch, loss, grad) was non-finite."""
+        return {"batch": self.bad_batch, "loss": self.bad_loss, "grad": self.bad_grad}[kind]
+
+    @property
+    def single_flagged(self) -> int | None:
+        """The flagged rank when exactly one is (from the sum of indices), else None."""
+        return round(self.flagged_rank) if self.flagged == 1 else None
+
+    def mean(self, signal: str) -> float | None:
+        """The cluster mean of ``loss`` or ``grad_norm`` over the ranks with a finite one."""
+        n, total = (self.loss_n, self.loss_sum) if signal == "loss" else (
+            self.grad_n, self.grad_sum)
+        return total / n if n else None
+
+    def std(self, signal: str) -> float | None:
+        n, total, sq = (self.loss_n, self.loss_sum, self.loss_sq) if signal == "loss" else (
+            self.grad_n, self.grad_sum, self.grad_sq)
+        if not n:
+            return None
+        return math.sqrt(max(0.0, sq / n - (total / n) ** 2))
+
+    def without(self, signal: str, values: list[float]) -> float | None:
+        """The cluster mean of ``signal`` over the ranks other than those with ``values``."""
+        n, total = (self.loss_n, self.loss_sum) if signal == "loss" else (
+            self.grad_n, self.grad_sum)
+        finite = [v for v in values if math.isfinite(v)]
+        rest = n - len(finite)
+        return (total - sum(finite)) / rest if rest > 0 else None
+
+
+#: The totals' fields in wire order (``T_*``), and those that are counts.
+_TOTAL_FIELDS = dataclasses.fields(Totals)
+_INT_FIELDS = frozenset(f.name for f in _TOTAL_FIELDS if f.type == "int")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class OwnRow:
+    """This rank's own part of its vector, read back with the totals."""
+
+    batch_norm: float
+    loss_value: float
+    grad_norm_value: float
+    injected: bool
+    has_loss: bool
+    has_grad: bool
+    quarantined: bool
+    spike_loss: bool
+    spike_grad: bool
+    not_quiet: bool
+    flagged: bool
+
+    @classmethod
+    def from_values(cls, values: list[float]) -> OwnRow:
+        v = values[O_ROW:O_ROW + OWN]
+        return cls(v[0], v[1], v[2], *(bool(x) for x in v[3:]))
+
+    @property
+    def kinds(self) -> tuple[str, ...]:
+        checked = (self.batch_norm, self.loss_value, self.grad_norm_value)
+        return tuple(k for k, x in zip(KINDS, checked, strict=True) if not math.isfinite(x))
+
+    @property
+    def loss(self) -> float | None:
+        return self.loss_value if self.has_loss else None
+
+    @property
+    def grad_norm(self) -> float | None:
+        return self.grad_norm_value if self.has_grad else None
+
+    def value(self, signal: str) -> float | None:
+        return self.loss if signal == "loss" else self.grad_norm
+
+    def spiked(self) -> list[str]:
+        """The signals this rank's own reference saw spike (judged on the device)."""
+        return [s for s, on in zip(SIGNALS, (self.spike_loss, self.spike_grad), strict=True)
+                if on]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class RankHealth:
-    """One rank's part of the cluster view."""
+    """One named rank's part of the cluster view (a flagged rank, or the replay's peer)."""
 
     identity: RankIdentity
     kinds: tuple[str, ...]
@@ -36,6 +204,8 @@ class RankHealth:
     loss: float | None
     grad_norm: float | None
     quarantined: bool = False
+    spikes: dict[str, float] = dataclasses.field(default_factory=dict)
+    """Signal -> value / its running median, for the signals this rank spiked on."""
 
     @property
     def rank(self) -> int:
@@ -45,68 +215,51 @@ class RankHealth:
     def healthy(self) -> bool:
         return not self.kinds
 
+    def value(self, signal: str) -> float | None:
+        return self.loss if signal == "loss" else self.grad_norm
+
+    @classmethod
+    def of(cls, identity: RankIdentity, own: OwnRow, ratios: dict[str, float]) -> RankHealth:
+        return cls(identity, own.kinds, own.injected, own.loss, own.grad_norm,
+                   own.quarantined, ratios)
+
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class ClusterView:
-    """Every rank's health at one step; built from identical data on every rank."""
+    """The cluster at one step, the same on every rank: the totals, and after a detection the
+    flagged ranks by name. A healthy step's view is the totals alone (no row per rank)."""
 
     step: int
-    ranks: tuple[RankHealth, ...]
+    world_size: int
+    totals: Totals = dataclasses.field(default_factory=Totals)
+    flagged: tuple[RankHealth, ...] = ()
+    """Ranks that were blamed or spiked, by rank (gathered only after a detection)."""
+    listed: tuple[RankHealth, ...] = ()
+    """Every named rank: ``flagged`` and the replay's peer, by rank."""
+    every_host_bad: bool = False
+    """Every host had a blamed rank (a global cause: no host is struck)."""
+    extremes: dict[str, tuple[float, float]] = dataclasses.field(default_factory=dict)
+    """Signal -> (min, max) over the ranks with a finite value (after a detection)."""
+    replay_peer: int | None = None
+    """A healthy rank, preferably on another host, to replay a blamed rank's batch."""
 
     def bad(self, kinds: tuple[str, ...] = KINDS) -> list[RankHealth]:
-        """Ranks with a non-finite value of one of ``kinds``."""
-        return [r for r in self.ranks if set(r.kinds) & set(kinds)]
+        """Named ranks with a non-finite value of one of ``kinds``."""
+        return [r for r in self.flagged if set(r.kinds) & set(kinds)]
 
-    @property
-    def hosts(self) -> list[str]:
-        return sorted({r.identity.hostname for r in self.ranks})
+    def named(self, rank: int) -> RankHealth | None:
+        """The named rank ``rank`` (flagged or the replay peer), if it is named."""
+        return next((r for r in self.listed if r.rank == rank), None)
 
     @property
     def injected(self) -> bool:
-        return any(r.injected for r in self.ranks)
+        return self.totals.injected > 0
 
     @property
     def quarantined(self) -> bool:
-        return any(r.quarantined for r in self.ranks)
+        return self.totals.quarantined > 0
 
-    def values(self, signal: str) -> list[float | None]:
-        """Every rank's ``loss`` or ``grad_norm`` (None where the rank had none)."""
-        return [getattr(r, signal) for r in self.ranks]
-
-
-def pack_row(
-    batch_norm: torch.Tensor,
-    loss_value: torch.Tensor,
-    grad_norm: torch.Tensor,
-    host_flags: torch.Tensor,
-) -> torch.Tensor:
-    """One rank's health row (layout ``F_*``) as an fp32 vector: two kernels.
-
-    ``batch_norm``, ``loss_value`` and ``grad_norm`` are 0-d fp32 tensors on one device (zero
-    when absent). ``host_flags`` holds ``injected, has_loss, has_grad, quarantined`` on the same
-    device (the caller caches those few constant tensors, since a host-to-device copy per step
-    would synchronise the stream).
-    """
-    return torch.cat([torch.stack([batch_norm, loss_value, grad_norm]), host_flags])
-
-
-def unpack_view(step: int, values: list[float], identities: list[RankIdentity]) -> ClusterView:
-    """Turn the summed vector (as host floats) into a :class:`ClusterView`."""
-    ranks = []
-    for r, ident in enumerate(identities):
-        row = values[r * FIELDS : (r + 1) * FIELDS]
-        checked = (F_BATCH_NORM, F_LOSS_VALUE, F_GRAD_NORM)
-        kinds = tuple(
-            k for k, f in zip(KINDS, checked, strict=True) if not math.isfinite(row[f])
-        )
-        ranks.append(
-            RankHealth(
-                identity=ident,
-                kinds=kinds,
-                injected=bool(row[F_INJECTED]),
-                loss=row[F_LOSS_VALUE] if row[F_HAS_LOSS] else None,
-                grad_norm=row[F_GRAD_NORM] if row[F_HAS_GRAD] else None,
-                quarantined=bool(row[F_QUARANTINED]),
-            )
-        )
-    return ClusterView(step, tuple(ranks))
+    @property
+    def needs_detection(self) -> bool:
+        """Some rank was blamed or spiked: its name must be gathered."""
+        return self.totals.flagged > 0

@@ -18,9 +18,12 @@ read (and replaced) without the rest of the step.
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
+
+if TYPE_CHECKING:
+    from nansentinel.collectives import Peers
 
 
 class GradientSink(Protocol):
@@ -38,9 +41,12 @@ class GradientSink(Protocol):
     def launch_exchange(self) -> None:
         """Start the health exchange now (the last reduction of the step has been launched)."""
 
-    def diagnosed(self, future: torch.futures.Future, step: int) -> torch.futures.Future:
-        """``future`` (a reduction of ``step``) with a failure turned into the step's one
-        diagnosis, the error that names the missing ranks and hosts."""
+    def diagnosed(
+        self, future: torch.futures.Future, step: int, reduced_in_place: torch.Tensor
+    ) -> torch.futures.Future:
+        """``future`` (the in-place reduction of ``reduced_in_place`` in ``step``) resolving to
+        that tensor, with a failure turned into the step's one diagnosis, the error that
+        names the missing ranks and hosts."""
 
     def spent(self, seconds: float) -> None:
         """Add ``seconds`` of the sentinel's own work to this step's cost."""
@@ -56,14 +62,12 @@ class GradPath(Protocol):
         """Check the local gradients now, at ``check_grads()`` (or at ``step()`` when no
         reduction checked them this step: no backward, or every micro-batch under ``no_sync``)."""
 
-    def naming_detail(self, poisoned: bool) -> dict[str, Any]:
-        """After a gradient fault, on every rank, before the gradients are discarded: what this
-        rank contributes to naming the parameters (JSON-able; shared in the incident's gather).
-        ``poisoned``: this rank's own gradients were non-finite."""
-
-    def parameters(self, details: list[dict[str, Any]]) -> dict[int, list[str]]:
-        """Poisoned rank -> fully-qualified names of its parameters whose local gradients were
-        non-finite before the reduction, from every rank's gathered detail."""
+    def naming_detail(self, poisoned: bool, peers: Peers) -> dict[str, Any]:
+        """After a gradient fault, on every rank, before the gradients are discarded: this
+        rank's share of the report, with ``parameters``, the fully-qualified names of its
+        parameters whose local gradients were non-finite before the reduction, where this
+        rank was ``poisoned``. May run a collective of ``peers`` (FSDP2), the same on every
+        rank; its size does not depend on the world size."""
 
     def reset(self) -> None:
         """Forget this step's per-parameter records (called after every decision)."""

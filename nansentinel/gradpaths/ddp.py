@@ -18,7 +18,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from nansentinel import checks
 from nansentinel.gradpaths import GradientSink
-from nansentinel.gradpaths.local_grads import check_local_grads, naming_detail, parameters
+from nansentinel.gradpaths.local_grads import check_local_grads, naming_detail
 from nansentinel.result import SentinelUsageError
 
 
@@ -51,13 +51,10 @@ class DDPPath:
         ``no_sync``): check the local gradients as they are."""
         check_local_grads(self.model.parameters(), self.sink)
 
-    def naming_detail(self, poisoned: bool) -> dict[str, Any]:
+    def naming_detail(self, poisoned: bool, peers: Any) -> dict[str, Any]:
         """Scan the gradients: after the all-reduce a NaN sits wherever any rank had one, so
         this rank's scan shows its own (and, with several poisoned ranks, theirs too)."""
         return naming_detail(self.model.named_parameters(), poisoned, prefix="module.")
-
-    def parameters(self, details: list[dict[str, Any]]) -> dict[int, list[str]]:
-        return parameters(details)
 
     def reset(self) -> None:
         self.buckets = 0
@@ -88,7 +85,7 @@ def _comm_hook(state, bucket):  # type: ignore[no-untyped-def]
         buffer.mul_(1.0 / path.world_size)
         work = dist.all_reduce(buffer, group=path.group, async_op=True)
     # A failure (a peer died) becomes the step's one diagnosis, naming the missing ranks.
-    future = sink.diagnosed(work.get_future(), sink.step_index)
+    future = sink.diagnosed(work.get_future(), sink.step_index, buffer)
     if bucket.is_last():
         sink.launch_exchange()
     sink.spent(time.perf_counter() - started)

@@ -15,9 +15,10 @@ reduce-scatter, and the replicate all-reduce that follows changes nothing for bl
 Naming parameters costs nothing on the healthy step: the hook records one norm per group.
 After a detection every rank scans its reduced *sharded* gradients (a non-finite element of
 rank r's local gradient lands, reduced, in some rank's shard of the same parameter), the scans
-are shared in the incident's one gather, and each poisoned rank's parameters are those of its
-non-finite groups that some rank's scan found non-finite. With one poisoned rank this is exact;
-two poisoned ranks with faults in the same group both get that group's non-finite parameters.
+are combined in one max-reduce of a flag per parameter, and each poisoned rank's parameters
+are those of its non-finite groups that some rank's scan found non-finite. With one poisoned
+rank this is exact; two poisoned ranks with faults in the same group both get that group's
+non-finite parameters.
 
 The exchange leaves at ``step()``, one small all-reduce after backward (measured in
 bench/README.md), because the number of groups that reduce in a backward is not known up front.
@@ -211,35 +212,28 @@ class FSDPPath:
             check_local_grads(self.model.parameters(), self.sink)
             self.sink.spent(time.perf_counter() - started)
 
-    def naming_detail(self, poisoned: bool) -> dict[str, Any]:
+    def naming_detail(self, poisoned: bool, peers: Any) -> dict[str, Any]:
         """This rank's share of the naming, on every rank after a grad fault (see the module
-        docstring): the parameters whose reduced local shard holds a non-finite value and, on
-        a poisoned rank, the parameters of its groups that were non-finite before the
-        reduce-scatter (one host copy of a few norms)."""
-        shards = scan_parameters(self.model.named_parameters())
-        detail: dict[str, Any] = {"shards_nonfinite": shards}
-        if poisoned and self.norms:
+        docstring): one max-reduce of a flag per parameter (is its reduced shard non-finite
+        on some rank?), whose size is the model's, not the world's; then, on a poisoned rank,
+        the parameters of its groups that were non-finite before the reduce-scatter (one host
+        copy of a few norms) and non-finite after it somewhere."""
+        names = [n for n, _ in self.model.named_parameters()]
+        scanned = scan_parameters(self.model.named_parameters())
+        local = set(scanned)
+        anywhere = peers.max_floats([float(n in local) for n in names])
+        reduced = {n for n, flag in zip(names, anywhere, strict=True) if flag > 0}
+        if not poisoned:
+            return {}
+        if self.norms:
             values = torch.stack([n.to(self.norms[0][1].device) for _, n in self.norms]).tolist()
             bad = sorted({i for (i, _), v in zip(self.norms, values, strict=True)
                           if not math.isfinite(v)})
-            detail["groups_nonfinite"] = [name for i in bad for name in self.groups[i][1]]
-        elif poisoned:  # nothing was reduced (a world of one): the local scan is exact
-            detail["parameters"] = detail["shards_nonfinite"]
-        return detail
-
-    def parameters(self, details: list[dict[str, Any]]) -> dict[int, list[str]]:
-        """Each poisoned rank's parameters from every rank's share (pops the shares)."""
-        reduced: set[str] = set()
-        for d in details:
-            reduced.update(d.pop("shards_nonfinite", []))
-        named = {}
-        for rank, d in enumerate(details):
-            suspects = d.pop("groups_nonfinite", None)
-            if suspects is not None:
-                d["parameters"] = [n for n in suspects if n in reduced] or suspects
-            if d.get("parameters"):
-                named[rank] = d["parameters"]
-        return named
+            suspects = [name for i in bad for name in self.groups[i][1]]
+            named = [n for n in suspects if n in reduced] or suspects
+        else:  # nothing was reduced (a world of one): the local scan is exact
+            named = scanned
+        return {"parameters": named} if named else {}
 
     def reset(self) -> None:
         self.norms = []

@@ -57,11 +57,6 @@ def naming_detail(named: Iterable[tuple[str, torch.Tensor]], poisoned: bool,
     return {"parameters": names} if names else {}
 
 
-def parameters(details: list[dict[str, Any]]) -> dict[int, list[str]]:
-    """Rank -> parameter names, from the gathered details."""
-    return {r: d["parameters"] for r, d in enumerate(details) if d.get("parameters")}
-
-
 class LocalGradPath:
     """Checks the parameters' local ``.grad`` tensors on demand."""
 
@@ -76,11 +71,8 @@ class LocalGradPath:
         check_local_grads(self.model.parameters(), self.sink)
         self.sink.spent(time.perf_counter() - started)
 
-    def naming_detail(self, poisoned: bool) -> dict[str, Any]:
+    def naming_detail(self, poisoned: bool, peers: Any) -> dict[str, Any]:
         return naming_detail(self.model.named_parameters(), poisoned)
-
-    def parameters(self, details: list[dict[str, Any]]) -> dict[int, list[str]]:
-        return parameters(details)
 
     def reset(self) -> None:
         pass

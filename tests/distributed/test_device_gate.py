@@ -76,8 +76,9 @@ def test_device_skip_is_an_exact_noop(runs: list[dict[str, dict[str, Any]]],
 @pytest.mark.parametrize("read_late", [True, False])
 def test_device_gate_abort_on_every_rank_naming_the_step(tmp_path: Path,
                                                          read_late: bool) -> None:
-    """Unread, the step is decided at the next sentinel call: the abort is raised there, on
-    every rank, naming the step it judged; read at once, it is raised by the read."""
+    """Read or unread, the step is decided at the next sentinel call, the one fixed point
+    where every rank runs a detection's collectives: the abort is raised there, on every rank,
+    naming the step it judged. Read at once, ``applied`` already says the step was skipped."""
     outs = values(run_ranks(gated, WORLD, tmp_path, optimizer="adamw", steps=5,
                             gate="device", policy="abort", read_late=read_late,
                             inject="kind=loss,rank=1,step=2,value=nan",
@@ -85,7 +86,7 @@ def test_device_gate_abort_on_every_rank_naming_the_step(tmp_path: Path,
     for out in outs:
         err = out["error"]
         assert err and err["type"] == "NonFiniteError" and err["step"] == 2, err
-        assert err["where"] == ("check_batch 3" if read_late else "step 2"), err
+        assert err["where"] == "check_batch 3", err
         for word in ("step 2", "rank(s) 1", out["hostname"], "loss"):
             assert word in err["message"], err["message"]
         assert [r["applied"] if r else None for r in out["records"]] == [True, True, None]
@@ -108,3 +109,30 @@ def test_fault_matrix_with_the_device_gate(tmp_path: Path) -> None:
     assert rec13["parameters"] and list(rec13["parameters"]) == [3]
     reports = sorted((tmp_path / "reports").glob("incident-*.json"))
     assert len([p for p in reports if "-rank" not in p.name]) == len(MATRIX)
+
+
+@pytest.mark.timeout(150)
+def test_reading_at_other_points_never_runs_a_collective(tmp_path: Path) -> None:
+    """Rank 0 reads its results, and saves state_dict() alone right after the poisoned step,
+    while the others read nothing; every rank then all-reduces a metric. No hang, no
+    mismatched collective: the detection runs at the next sentinel call on every rank."""
+    from tests.distributed.workers_gate import read_points
+
+    poisoned, steps = 2, 5
+    outs = values(run_ranks(read_points, WORLD, tmp_path, report_dir=str(tmp_path / "r"),
+                            poisoned=poisoned, steps=steps, timeout=120))
+    rank0 = outs[0]
+    assert [e[:2] for e in rank0["early"]] == [
+        ("pending" if s == poisoned else "outcome", s) for s in range(steps)]
+    pending = rank0["early"][poisoned]
+    assert pending[2] is False and "next sentinel call" in pending[3]  # applied: exact
+    # state_dict() on rank 0 alone: the history before the pending detection, no collective.
+    assert rank0["saved"]["step"] == poisoned + 1 and rank0["saved"]["strikes"] == {}
+    for out in outs:
+        assert out["metrics"] == [[float(0 + s + 1 + s)] * 3 for s in range(steps)]
+        rec = out["records"][poisoned]
+        assert rec["outcome"] == "skipped" and rec["bad_ranks"] == [1] and rec["has_report"] is (
+            out is rank0)
+        assert [r["applied"] for r in out["records"]] == [s != poisoned for s in range(steps)]
+    assert [r["outcome"] for r in outs[0]["records"]] == [r["outcome"] for r in outs[1]["records"]]
+    assert not _same(outs[0]["final"], outs[1]["final"])

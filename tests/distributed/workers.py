@@ -29,7 +29,7 @@ def train(rank: int, world: int, *, steps: int, report_dir: str, ddp: bool = Tru
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, fused=fused or None)
     sentinel = nansentinel.Sentinel(model, opt, report_dir=report_dir, **overrides)
     loss_fn = nn.CrossEntropyLoss()
-    records = []
+    results: list[Any] = []
     error = None
     try:
         for step in range(steps):
@@ -47,23 +47,38 @@ def train(rank: int, world: int, *, steps: int, report_dir: str, ddp: bool = Tru
                 for p in model.parameters():
                     dist.all_reduce(p.grad)
                     p.grad /= world
-            r = sentinel.step()
+            # Read once decided: on the device gate that is at the next sentinel call.
+            results.append(sentinel.step())
             opt.zero_grad(set_to_none=True)
-            records.append({
-                "step": r.step, "applied": r.applied, "outcome": r.outcome,
-                "bad_ranks": r.bad_ranks, "bad_hosts": r.bad_hosts, "kinds": r.kinds,
-                "local_kinds": r.local_kinds, "injected": r.injected,
-                "report_path": r.report_path, "parameters": r.parameters,
-                "local_loss": r.local_loss, "local_grad_norm": r.local_grad_norm,
-            })
+        sentinel.close()
     except nansentinel.NonFiniteError as exc:
         error = {"type": type(exc).__name__, "message": str(exc), "step": exc.result.step,
                  "report_path": exc.result.report_path}
+    records = [_record(r) for r in results if _decided(r)]
     module = model.module if isinstance(model, DDP) else model
     weights = torch.cat([p.detach().reshape(-1) for p in module.parameters()])
     return {"records": records, "weights": weights, "error": error,
             "hostname": sentinel.identity.hostname,
             "gate": "host" if sentinel.device_gate is None else "device"}
+
+
+def _decided(r: Any) -> bool:
+    """False for a device-gated step whose decision raised (the abort)."""
+    try:
+        _ = r.outcome
+    except nansentinel.NonFiniteError:
+        return False
+    return True
+
+
+def _record(r: Any) -> dict[str, Any]:
+    return {
+        "step": r.step, "applied": r.applied, "outcome": r.outcome,
+        "bad_ranks": r.bad_ranks, "bad_hosts": r.bad_hosts, "kinds": r.kinds,
+        "local_kinds": r.local_kinds, "injected": r.injected,
+        "report_path": r.report_path, "parameters": r.parameters,
+        "local_loss": r.local_loss, "local_grad_norm": r.local_grad_norm,
+    }
 
 
 def late_loss_check(rank: int, world: int, *, report_dir: str) -> str:

@@ -71,8 +71,8 @@ def gated(rank: int, world: int, *, optimizer: str, steps: int, report_dir: str,
             after.append(state_of(model, opt))
             opt.zero_grad(set_to_none=True)
             results.append(r)
-            if not read_late:
-                _ = r.applied  # the user reads the result: decided now
+            if not read_late:  # the user reads the result: exact, and no collective starts
+                assert r.applied == (step not in poisoned_steps(overrides)), (step, r.applied)
         where = "close"
         sentinel.close()
     except nansentinel.NonFiniteError as exc:
@@ -87,6 +87,12 @@ def gated(rank: int, world: int, *, optimizer: str, steps: int, report_dir: str,
     return {"records": records, "before": before, "after": after, "gates": gates,
             "final": state_of(model, opt), "error": error,
             "hostname": sentinel.identity.hostname}
+
+
+def poisoned_steps(overrides: dict[str, Any]) -> set[int]:
+    """The steps the drill in ``overrides`` poisons (a single ``step=S`` per fault)."""
+    faults = nansentinel.parse_inject(overrides.get("inject", ""))
+    return {s for f in faults for s in range(f.first, f.last + 1)}
 
 
 def _fields(r: Any) -> dict[str, Any]:
@@ -108,3 +114,44 @@ def every_optimizer(rank: int, world: int, *, steps: int, inject: str,
                                 gate=gate, report_dir=f"{report_dir}/{name}-{gate}")
         for name in sorted(OPTIMIZERS) for gate in ("device", "host")
     }
+
+
+def read_points(rank: int, world: int, *, report_dir: str, poisoned: int, steps: int,
+                **overrides: Any) -> dict[str, Any]:
+    """Device gate, one rank reading at other points than the rest: after each step, rank 0
+    alone reads ``outcome`` (and, after the poisoned step, saves ``state_dict()``), then every
+    rank all-reduces a metric of its own, as a loop that logs on rank 0 does. A read that ran
+    the detection's collectives there would pair them with the other ranks' metric."""
+    import torch.distributed as dist
+
+    torch.manual_seed(0)
+    model = DDP(TinyTransformer())
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, fused=True)
+    sentinel = nansentinel.Sentinel(
+        model, opt, report_dir=report_dir, gate="device",
+        inject=f"kind=loss,rank=1,step={poisoned},value=nan", **overrides)
+    loss_fn = nn.CrossEntropyLoss()
+    results, early, metrics = [], [], []
+    saved: dict[str, Any] | None = None
+    for step in range(steps):
+        batch = sentinel.check_batch(synthetic_batch(rank, step))
+        loss = loss_fn(model(batch["tokens"], batch["scale"]).reshape(-1, VOCAB),
+                       batch["targets"].reshape(-1))
+        sentinel.check_loss(loss)
+        loss.backward()
+        r = sentinel.step()
+        opt.zero_grad(set_to_none=True)
+        results.append(r)
+        if rank == 0:
+            try:
+                early.append(("outcome", r.step, str(r.outcome)))
+            except nansentinel.ResultPending as exc:
+                early.append(("pending", r.step, r.applied, str(exc)))
+            if step == poisoned:
+                saved = sentinel.state_dict()
+        metric = torch.full((3,), float(rank + step))
+        dist.all_reduce(metric)
+        metrics.append(metric.tolist())
+    sentinel.close()
+    return {"records": [_fields(r) for r in results], "early": early, "metrics": metrics,
+            "saved": saved, "final": state_of(model, opt)}

@@ -116,5 +116,5 @@ def assert_report_names(path: str | None, rank: int, kind: str) -> dict[str, Any
     assert path and Path(path).exists(), f"no report at {path}"
     report = json.loads(Path(path).read_text())
     assert report["bad_ranks"] == [rank], report["bad_ranks"]
-    assert kind in report["ranks"][rank]["kinds"], report["ranks"][rank]
+    assert kind in report["ranks"][str(rank)]["kinds"], report["ranks"]
     return report

@@ -1,4 +1,5 @@
-"""The health row and the cluster view, with no process group: the same code as N ranks."""
+"""The exchange vector and what is read from it, with no process group: the same code as N
+ranks."""
 
 from __future__ import annotations
 
@@ -8,27 +9,73 @@ import torch
 
 from nansentinel.exchange import HealthExchange
 from nansentinel.local import LocalHealth
-from nansentinel.result import RankIdentity
-from nansentinel.view import FIELDS, pack_row, unpack_view
+from nansentinel.view import (
+    EXCHANGE_BYTES,
+    SIZE,
+    TOTALS,
+    OwnRow,
+    Totals,
+    pack,
+)
 
 CPU = torch.device("cpu")
+NO_REF = torch.full((4,), math.inf)  # spike references still warming up
 
 
-def ident(rank: int, host: str = "h") -> RankIdentity:
-    return RankIdentity(rank, rank, 2, host, "cpu")
+def row(batch: float, loss: float, grad: float, *, injected: float = 0.0,
+        quarantined: float = 0.0) -> torch.Tensor:
+    return torch.tensor([batch, loss, grad, injected, 1.0, 1.0, quarantined])
 
 
-def test_row_flags_each_kind_from_its_value() -> None:
-    t = torch.tensor
-    host = t([1.0, 1.0, 1.0, 0.0])
-    row = pack_row(t(3.0), t(math.nan), t(-math.inf), host)
-    assert row.shape == (FIELDS,) and row.dtype == torch.float32
-    view = unpack_view(4, row.tolist() + pack_row(t(1.0), t(2.0), t(0.5), host).tolist(),
-                       [ident(0), ident(1, "g")])
-    bad, good = view.ranks
-    assert bad.kinds == ("loss", "grad") and bad.injected and math.isnan(bad.loss or 0)
-    assert good.healthy and good.loss == 2.0 and good.grad_norm == 0.5
-    assert view.step == 4 and view.hosts == ["g", "h"] and [r.rank for r in view.bad()] == [0]
+def test_vector_flags_each_kind_from_its_value_and_sums_to_counts() -> None:
+    bad = pack(row(3.0, math.nan, -math.inf, injected=1.0), NO_REF, 0, amp=False)
+    good = pack(row(1.0, 2.0, 0.5), NO_REF, 1, amp=False)
+    assert bad.shape == (SIZE,) and bad.dtype == torch.float32
+    assert EXCHANGE_BYTES == TOTALS * 4 <= 256  # at any world size
+    own = OwnRow.from_values(bad.tolist())
+    assert own.kinds == ("loss", "grad") and own.injected and math.isnan(own.loss or 0)
+    assert OwnRow.from_values(good.tolist()).kinds == () and OwnRow.from_values(
+        good.tolist()).loss == 2.0
+    summed = (bad[:TOTALS] + good[:TOTALS]).tolist()
+    totals = Totals.from_values(summed)
+    assert (totals.bad_batch, totals.bad_loss, totals.bad_grad) == (0, 1, 1)
+    assert totals.blamed == totals.flagged == 1 and totals.single_flagged == 0
+    assert totals.injected == 1 and totals.loss_n == 1 and totals.mean("loss") == 2.0
+    # The sums stay finite: a non-finite value is counted, never added.
+    assert all(math.isfinite(v) for v in summed)
+
+
+def test_the_sum_of_indices_names_a_single_flagged_rank() -> None:
+    vectors = [pack(row(1.0, math.nan if r == 5 else 1.0, 1.0), NO_REF, r, amp=False)
+               for r in range(8)]
+    totals = Totals.from_values(torch.stack(vectors)[:, :TOTALS].sum(0).tolist())
+    assert totals.flagged == 1 and totals.single_flagged == 5
+    vectors[2] = pack(row(math.inf, 1.0, 1.0), NO_REF, 2, amp=False)
+    totals = Totals.from_values(torch.stack(vectors)[:, :TOTALS].sum(0).tolist())
+    assert totals.flagged == 2 and totals.single_flagged is None
+
+
+def test_amp_overflow_and_quarantine_are_counted_not_blamed() -> None:
+    overflow = Totals.from_values(pack(row(1.0, 1.0, math.inf), NO_REF, 3, amp=True).tolist())
+    assert overflow.bad_grad == 1 and overflow.blamed == 0 and overflow.flagged == 0
+    quarantined = Totals.from_values(
+        pack(row(1.0, math.nan, 1.0, quarantined=1.0), NO_REF, 3, amp=False).tolist())
+    assert quarantined.bad_loss == 1 and quarantined.quarantined == 1
+    assert quarantined.blamed == quarantined.flagged == 0
+
+
+def test_spikes_and_quiet_are_judged_on_the_device_against_the_thresholds() -> None:
+    thresholds = torch.tensor([10.0, 50.0, 3.0, 7.0])  # spike loss, grad; quiet loss, grad
+    calm = OwnRow.from_values(pack(row(1.0, 1.0, 1.0), thresholds, 0, amp=False).tolist())
+    assert not calm.spiked() and not calm.not_quiet and not calm.flagged
+    uneasy = OwnRow.from_values(pack(row(1.0, 4.0, 1.0), thresholds, 0, amp=False).tolist())
+    assert not uneasy.spiked() and uneasy.not_quiet and not uneasy.flagged
+    vector = pack(row(1.0, 11.0, 60.0), thresholds, 6, amp=False)
+    spiking = OwnRow.from_values(vector.tolist())
+    assert spiking.spiked() == ["loss", "grad_norm"] and spiking.flagged
+    totals = Totals.from_values(vector.tolist())
+    assert (totals.spike_loss, totals.spike_grad, totals.spike_any) == (1, 1, 1)
+    assert totals.blamed == 0 and totals.single_flagged == 6
 
 
 def test_local_health_accumulates_micro_batches_and_packs_without_a_group() -> None:
@@ -41,17 +88,22 @@ def test_local_health_accumulates_micro_batches_and_packs_without_a_group() -> N
     local.add_grads(torch.tensor(4.0))
     exchange = HealthExchange(None, CPU, timeout=5)
     assert exchange.world_size == 1 and not exchange.launched
-    exchange.launch(0, local.row())
+    exchange.launch(0, pack(local.row(), NO_REF, 0, amp=False))
     assert exchange.launched and exchange.settled()
-    (mine,) = exchange.wait([ident(0)]).ranks
-    assert mine.kinds == ("batch",) and mine.loss == 2.0 and mine.grad_norm == 5.0
+    step, values = exchange.wait()
+    mine = OwnRow.from_values(values)
+    assert step == 0 and mine.kinds == ("batch",) and mine.loss == 2.0 and mine.grad_norm == 5.0
+    assert Totals.from_values(values).bad_batch == 1
 
 
 def test_a_rank_without_loss_or_grads_reports_none() -> None:
     exchange = HealthExchange(None, CPU, timeout=5)
-    exchange.launch(0, LocalHealth(CPU).row())
-    (mine,) = exchange.wait([ident(0)]).ranks
-    assert mine.healthy and mine.loss is None and mine.grad_norm is None
+    exchange.launch(0, pack(LocalHealth(CPU).row(), NO_REF, 0, amp=False))
+    _, values = exchange.wait()
+    mine = OwnRow.from_values(values)
+    assert mine.kinds == () and mine.loss is None and mine.grad_norm is None
+    assert Totals.from_values(values).loss_n == 0 and Totals.from_values(values).mean(
+        "loss") is None
 
 
 def test_plain_keeps_data_and_names_what_it_drops() -> None:

@@ -11,7 +11,8 @@ import torch
 import nansentinel
 from nansentinel.config import ConfigError, SentinelConfig
 from nansentinel.gate import DeviceGate, PendingResult, device_gate_refusal
-from nansentinel.view import F_LOSS_VALUE, F_QUARANTINED, FIELDS
+from nansentinel.result import ResultPending
+from nansentinel.view import SIZE, T_BAD_GRAD, T_BAD_LOSS, T_QUARANTINED
 
 
 def make(tmp_path: Path, *, fused: bool = True, **kw: object):  # type: ignore[no-untyped-def]
@@ -65,12 +66,12 @@ def test_refusals_say_why(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> N
 def test_found_inf_follows_the_view() -> None:
     p = torch.nn.Parameter(torch.ones(3))
     gate = DeviceGate(torch.optim.Adam([p], fused=True), torch.device("cpu"))
-    vector = torch.zeros(2 * FIELDS)
+    vector = torch.zeros(SIZE)
     assert gate.found_inf(vector, skip=False).item() == 0.0
     assert gate.found_inf(vector, skip=True).item() == 1.0
-    for field, value in ((F_LOSS_VALUE, float("nan")), (2, float("-inf")), (F_QUARANTINED, 1.0)):
+    for field in (T_BAD_LOSS, T_BAD_GRAD, T_QUARANTINED):  # the totals count ranks
         v = vector.clone()
-        v[FIELDS + field] = value
+        v[field] = 1.0
         found = gate.found_inf(v, skip=False)
         assert found.dtype == torch.float32 and found.shape == () and found.item() == 1.0
 
@@ -114,6 +115,13 @@ def test_poisoned_step_is_skipped_on_the_device_and_named_at_resolution(
     assert all(torch.equal(a, b) for a, b in zip(weights, model.parameters(), strict=True))
     state = opt.state[next(iter(model.parameters()))]
     assert all(torch.equal(v, state[k]) for k, v in moments.items())
+    # Read early: what the device did is known; the naming waits for the next sentinel call,
+    # which every rank makes at the same point (a read never starts a collective).
+    assert not r.applied and r.step == 1 and r.local_kinds == ["batch", "loss", "grad"]
+    with pytest.raises(ResultPending, match=r"step 1 .* next sentinel call"):
+        _ = r.outcome
+    assert not r.resolved
+    s.check_batch({"x": torch.ones(2)})
     assert not r.applied and r.outcome == "skipped" and r.kinds == ["batch", "loss", "grad"]
     # The parameter naming read the gradients as they were at step(), though zeroed since.
     assert r.parameters == {0: ["0.weight", "0.bias", "2.weight", "2.bias"]}

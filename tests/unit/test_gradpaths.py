@@ -37,15 +37,49 @@ def test_an_old_torch_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
         fsdp.FSDPPath(nn.Linear(2, 2), sink=None)  # type: ignore[arg-type]
 
 
-def test_fsdp_names_each_poisoned_rank_from_every_ranks_share() -> None:
+class _OtherShards:
+    """The other ranks' part of the max-reduce: their per-parameter non-finite flags."""
+
+    def __init__(self, *others: list[float]) -> None:
+        self.others = others
+        self.calls = 0
+
+    def max_floats(self, values: list[float]) -> list[float]:
+        self.calls += 1
+        return [max(column) for column in zip(values, *self.others, strict=True)]
+
+
+def _sharded(norms: list[float], nonfinite: set[str]) -> fsdp.FSDPPath:
+    """An FSDP path over groups a (a.weight, a.bias) and b (b.weight) whose reduce-scatter
+    inputs had ``norms``, and whose reduced local shards are non-finite in ``nonfinite``."""
+    model = nn.Module()
+    model.a, model.b = nn.Linear(1, 1), nn.Linear(1, 1, bias=False)
+    for name, p in model.named_parameters():
+        p.grad = torch.full_like(p, float("nan") if name in nonfinite else 0.0)
     path = fsdp.FSDPPath.__new__(fsdp.FSDPPath)
-    details = [
-        {"shards_nonfinite": ["a.w"]},  # rank 0 holds the shard where rank 1's NaN landed
-        {"shards_nonfinite": ["b.w"], "groups_nonfinite": ["a.w", "a.b"]},
-        {"shards_nonfinite": [], "groups_nonfinite": ["b.w"], "batch_path": "x"},
-    ]
-    assert path.parameters(details) == {1: ["a.w"], 2: ["b.w"]}
-    assert details[2] == {"parameters": ["b.w"], "batch_path": "x"}
+    path.model = model
+    path.groups = [("a", ["a.weight", "a.bias"]), ("b", ["b.weight"])]
+    path.norms = [(i, torch.tensor(v)) for i, v in enumerate(norms)]
+    return path
+
+
+def test_fsdp_names_each_poisoned_rank_from_every_ranks_share() -> None:
+    # Rank 1's group a was non-finite before the reduce-scatter; its a.weight NaN landed in
+    # rank 0's shard, and rank 1's own shard holds the b.weight NaN of rank 2's group b.
+    rank1 = _sharded([float("nan"), 1.0], {"b.weight"})
+    peers = _OtherShards([1.0, 0.0, 0.0], [0.0, 0.0, 0.0])  # ranks 0 and 2's shards
+    assert rank1.naming_detail(True, peers) == {"parameters": ["a.weight"]}
+    rank2 = _sharded([1.0, float("nan")], set())
+    assert rank2.naming_detail(True, _OtherShards([1.0, 0.0, 0.0], [0.0, 0.0, 1.0])) == {
+        "parameters": ["b.weight"]}
+    # A healthy rank takes part in the reduce (every rank issues it) and names nothing.
+    healthy = _OtherShards([0.0, 0.0, 1.0])
+    assert _sharded([1.0, 1.0], {"a.weight"}).naming_detail(False, healthy) == {}
+    assert healthy.calls == 1
+    # Nothing reduced (a world of one): the local scan is exact.
+    alone = _sharded([], {"a.bias"})
+    alone.norms = []
+    assert alone.naming_detail(True, _OtherShards()) == {"parameters": ["a.bias"]}
 
 
 def test_local_scan_names_nonfinite_gradients_and_strips_the_prefix() -> None:

@@ -19,7 +19,7 @@ from nansentinel.incident import IncidentWriter, describe, describe_abort, first
 from nansentinel.policy import ABORT, APPLY, EXCLUDE, NONFINITE, ROLLBACK, SKIP, SPIKE, Decision
 from nansentinel.result import Outcome, RankIdentity, StepResult
 from nansentinel.spikes import CLUSTER, Spikes
-from nansentinel.view import ClusterView, RankHealth
+from nansentinel.view import ClusterView, RankHealth, Totals
 
 NAN, INF = float("nan"), float("inf")
 
@@ -29,11 +29,15 @@ def ident(rank: int, host: str, world: int = 2) -> RankIdentity:
 
 
 def two_ranks(step: int = 7, *, injected: bool = False) -> ClusterView:
-    """Rank 0 on node-a healthy, rank 1 on node-b with a non-finite loss and gradients."""
-    return ClusterView(step, (
-        RankHealth(ident(0, "node-a"), (), False, 2.5, 1.0),
-        RankHealth(ident(1, "node-b"), ("loss", "grad"), injected, NAN, INF),
-    ))
+    """Rank 0 on node-a healthy (named as the replay's peer), rank 1 on node-b with a
+    non-finite loss and gradients."""
+    healthy = RankHealth(ident(0, "node-a"), (), False, 2.5, 1.0)
+    bad = RankHealth(ident(1, "node-b"), ("loss", "grad"), injected, NAN, INF)
+    totals = Totals(bad_loss=1, bad_grad=1, blamed=1, flagged=1, flagged_rank=1.0,
+                    injected=int(injected), loss_n=1, loss_sum=2.5, loss_sq=6.25, grad_n=1,
+                    grad_sum=1.0, grad_sq=1.0)
+    return ClusterView(step, 2, totals, (bad,), (healthy, bad), replay_peer=0,
+                       extremes={"loss": (2.5, 2.5), "grad_norm": (1.0, 1.0)})
 
 
 def result(outcome: Outcome, **kw: Any) -> StepResult:
@@ -80,9 +84,8 @@ def test_describe_exclusion_with_injection_verdict_and_reason() -> None:
 
 
 def test_describe_spikes_on_cluster_mean_and_a_rank_with_rollback() -> None:
-    v = ClusterView(12, tuple(
-        RankHealth(ident(r, h), (), False, 3.0, 40.0) for r, h in enumerate(("node-a", "node-b"))
-    ))
+    spiking = RankHealth(ident(0, "node-a"), (), False, 3.0, 40.0, spikes={"grad_norm": 40.04})
+    v = ClusterView(12, 2, Totals(spike_grad=1, spike_any=1, flagged=1), (spiking,), (spiking,))
     spikes = Spikes({"grad_norm": [0], "loss": [CLUSTER]},
                     {"grad_norm": {0: 40.04}, "loss": {CLUSTER: 12.34}})
     d = Decision(ROLLBACK, (), "spike in loss, grad_norm: restoring step 50", SPIKE)
@@ -139,17 +142,16 @@ def test_payload_is_strict_json_with_every_rank_and_the_poisoned_one() -> None:
     d = skip_decision(v, reason="")
     r = result(Outcome.SKIPPED, verdict="host", consecutive_skips=2)
     spikes = Spikes({"loss": [0]}, {"loss": {0: 11.23456}})
-    details = [
-        {"note": "r0"},
-        {"batch_path": "/r/b.pt", "replay": {"first_module": "mlp.fc1", "first_parameter": "w"}},
-    ]
-    content = payload(v, d, r, spikes, details, "the message", job_id="job-7", policy="skip",
-                      world_size=2)
+    details = {
+        0: {"note": "r0"},
+        1: {"batch_path": "/r/b.pt", "replay": {"first_module": "mlp.fc1", "first_parameter": "w"}},
+    }
+    content = payload(v, d, r, spikes, details, "the message", job_id="job-7", policy="skip")
     text = json.dumps(content, allow_nan=False)  # JSON has no NaN: it must not need one
     back = json.loads(text)
     assert isinstance(back["time"], float)
     expected_head = {
-        "version": 1, "message": "the message", "job_id": "job-7", "step": 7,
+        "version": 2, "message": "the message", "job_id": "job-7", "step": 7,
         "outcome": "skipped", "reason": "", "policy": "skip", "bad_ranks": [1],
         "bad_hosts": ["node-b"], "kinds": ["loss", "grad"], "injected": False,
         "overflow": False, "excluded_host": None, "consecutive_skips": 2, "world_size": 2,
@@ -164,19 +166,28 @@ def test_payload_is_strict_json_with_every_rank_and_the_poisoned_one() -> None:
         "replay": {"first_module": "mlp.fc1", "first_parameter": "w"},
     }
     assert back["poisoned"] == [poisoned]
-    assert back["ranks"][1] == poisoned
-    assert back["ranks"][0] == {
+    # The named ranks by rank (the blamed one and the replay's peer), not one row per rank.
+    assert back["ranks"]["1"] == poisoned
+    assert back["ranks"]["0"] == {
         "rank": 0, "hostname": "node-a", "local_rank": 0, "device": "cuda:0",
         "gpu_uuid": "GPU-0", "kinds": [], "injected": False, "loss": 2.5, "grad_norm": 1.0,
         "note": "r0",
     }
-    assert set(back) == {*expected_head, "time", "poisoned", "ranks"}
+    assert back["ranks_not_listed"] == 0
+    assert back["cluster"] == {
+        "world_size": 2, "nonfinite": {"batch": 0, "loss": 1, "grad": 1}, "blamed": 1,
+        "spiking": {"loss": 0, "grad_norm": 0, "any": 0}, "quarantined": 0, "injected": 0,
+        "loss": {"ranks": 1, "mean": 2.5, "std": 0.0, "min": 2.5, "max": 2.5},
+        "grad_norm": {"ranks": 1, "mean": 1.0, "std": 0.0, "min": 1.0, "max": 1.0},
+    }
+    assert set(back) == {*expected_head, "time", "poisoned", "ranks", "ranks_not_listed",
+                         "cluster"}
 
 
 def test_payload_without_replay_has_no_first_nonfinite_names() -> None:
     v = two_ranks()
-    content = payload(v, skip_decision(v), result(Outcome.SKIPPED), Spikes(), [{}, {}], "m",
-                      job_id=None, policy="abort", world_size=2)
+    content = payload(v, skip_decision(v), result(Outcome.SKIPPED), Spikes(), {}, "m",
+                      job_id=None, policy="abort")
     assert content["first_nonfinite_module"] is None
     assert content["first_nonfinite_parameter"] is None
     assert content["spikes"] == {} and content["job_id"] is None
@@ -186,16 +197,20 @@ def test_payload_without_replay_has_no_first_nonfinite_names() -> None:
 
 
 def alone(step: int = 3, kinds: tuple[str, ...] = ("loss",)) -> ClusterView:
+    """One rank, blamed for ``kinds`` (none: it spiked on its loss instead)."""
     me = RankIdentity(0, 0, 1, "node-a", "cpu")
-    return ClusterView(step, (RankHealth(me, kinds, False, NAN if kinds else 2.0, 0.5),))
+    mine = RankHealth(me, kinds, False, NAN if kinds else 2.0, 0.5,
+                      spikes={} if kinds else {"loss": 12.0})
+    return ClusterView(step, 1, Totals(flagged=1), (mine,), (mine,))
 
 
 def alone_result(view: ClusterView, outcome: Outcome = Outcome.SKIPPED) -> StepResult:
     bad = [r.rank for r in view.bad()]
+    (mine,) = view.flagged
     return StepResult(
         step=view.step, applied=False, outcome=outcome, bad_ranks=bad,
-        bad_hosts=["node-a"] if bad else [], kinds=list(view.ranks[0].kinds),
-        local_kinds=list(view.ranks[0].kinds), local_loss=view.ranks[0].loss,
+        bad_hosts=["node-a"] if bad else [], kinds=list(mine.kinds),
+        local_kinds=list(mine.kinds), local_loss=mine.loss,
         local_grad_norm=0.5, consecutive_skips=1,
     )
 
@@ -213,18 +228,21 @@ def write(
     decision: Decision,
     *,
     batch: Any = None,
-    replays: list[dict[str, Any]] | None = None,
-    seen: list[list[dict[str, Any]]] | None = None,
+    replay: dict[str, Any] | None = None,
+    seen: list[dict[int, dict[str, Any]]] | None = None,
 ) -> StepResult:
-    def resolve(details: list[dict[str, Any]]) -> dict[int, list[str]]:
-        if seen is not None:
-            seen.append([dict(d) for d in details])
-        return {0: ["block.0.weight", "block.0.bias"]} if decision.bad else {}
-
-    return w.write(
-        view, decision, alone_result(view, decision.outcome), Spikes(), replays=replays or [],
-        naming={"names": "mine"}, resolve=resolve, batch=batch, guarded=contextlib.nullcontext,
+    """``w.write`` with this rank's share: the gradient path's naming (``names``, and the
+    parameters when blamed) and the replay's ``replay``; ``seen`` gets the gathered shares."""
+    detail: dict[str, Any] = {"names": "mine", **(replay or {})}
+    if decision.bad:
+        detail["parameters"] = ["block.0.weight", "block.0.bias"]
+    result, details = w.write(
+        view, decision, alone_result(view, decision.outcome), Spikes(), detail=detail,
+        batch=batch, guarded=contextlib.nullcontext,
     )
+    if seen is not None:
+        seen.append(details)
+    return result
 
 
 def test_write_saves_report_and_the_poisoned_batch(
@@ -232,16 +250,17 @@ def test_write_saves_report_and_the_poisoned_batch(
 ) -> None:
     w = writer(tmp_path / "reports")
     v = alone()
-    seen: list[list[dict[str, Any]]] = []
+    seen: list[dict[int, dict[str, Any]]] = []
     replay = {"replay": {"first_module": "block.0", "first_parameter": "block.0.weight"}}
     with caplog.at_level(logging.WARNING, logger="nansentinel"):
         out = write(w, v, skip_decision(v), batch={"x": torch.tensor([1.0, NAN])},
-                    replays=[replay], seen=seen)
+                    replay=replay, seen=seen)
     report_path = tmp_path / "reports" / "incident-job-7-step00000003.json"
     batch_path = tmp_path / "reports" / "incident-job-7-step00000003-rank0-batch.pt"
     assert out.report_path == str(report_path)
     assert out.parameters == {0: ["block.0.weight", "block.0.bias"]}
-    assert seen == [[{"names": "mine", "batch_path": str(batch_path)}]]
+    assert seen == [{0: {"names": "mine", "parameters": ["block.0.weight", "block.0.bias"],
+                         **replay, "batch_path": str(batch_path)}}]
     text = report_path.read_text()
     assert '"loss": "nan"' in text
     content = json.loads(text)
@@ -317,7 +336,7 @@ def test_write_of_a_spike_saves_no_batch(tmp_path: Path) -> None:
     assert out.parameters == {}
     assert [p.name for p in tmp_path.iterdir()] == ["incident-job-7-step00000003.json"]
     content = json.loads(Path(str(out.report_path)).read_text())
-    assert content["poisoned"] == [] and content["ranks"][0]["loss"] == 2.0
+    assert content["poisoned"] == [] and content["ranks"]["0"]["loss"] == 2.0
     assert content["outcome"] == "applied"
 
 
@@ -328,10 +347,10 @@ def test_write_on_an_unwritable_dir_reports_failures_and_goes_on(tmp_path: Path)
     failed: list[str] = []
     w.failed = failed.append
     v = alone()
-    seen: list[list[dict[str, Any]]] = []
+    seen: list[dict[int, dict[str, Any]]] = []
     out = write(w, v, skip_decision(v), batch=torch.ones(1), seen=seen)
     assert out.report_path is None
     assert failed == ["batch", "report"]
-    (detail,) = seen[0]
+    (detail,) = seen[0].values()
     assert detail["batch_error"].startswith("NotADirectoryError: ")
     assert "batch_path" not in detail

@@ -5,17 +5,22 @@ from __future__ import annotations
 from nansentinel.config import SentinelConfig
 from nansentinel.policy import ABORT, APPLY, EXCLUDE, OVERFLOW, SKIP, History, decide
 from nansentinel.result import RankIdentity
-from nansentinel.view import ClusterView, RankHealth
+from nansentinel.view import ClusterView, RankHealth, Totals
 
 HOSTS = ["n0", "n0", "n1", "n1"]
 
 
 def view(step: int, bad: dict[int, tuple[str, ...]]) -> ClusterView:
-    ranks = tuple(
-        RankHealth(RankIdentity(r, r % 2, 4, h, "cpu"), bad.get(r, ()), False, 1.0, 1.0)
-        for r, h in enumerate(HOSTS)
+    """The view a detection builds: the totals, and the bad ranks by name."""
+    rows = tuple(
+        RankHealth(RankIdentity(r, r % 2, 4, HOSTS[r], "cpu"), bad[r], False, 1.0, 1.0)
+        for r in sorted(bad)
     )
-    return ClusterView(step, ranks)
+    count = {k: sum(k in kinds for kinds in bad.values()) for k in ("batch", "loss", "grad")}
+    totals = Totals(bad_batch=count["batch"], bad_loss=count["loss"], bad_grad=count["grad"],
+                    blamed=len(bad), flagged=len(bad), flagged_rank=float(sum(bad)))
+    every_host_bad = bool(bad) and {HOSTS[r] for r in bad} == set(HOSTS)
+    return ClusterView(step, len(HOSTS), totals, rows, rows, every_host_bad=every_host_bad)
 
 
 def test_healthy_applies_and_bad_skips_naming_rank_and_host() -> None:

@@ -42,7 +42,7 @@ def test_healthy_steps_apply_and_report_local_values(tmp_path: Path) -> None:
     assert r.applied and r.outcome == "applied" and r.step == 0 and r.healthy
     assert r.local_loss is not None and r.local_grad_norm is not None and r.local_grad_norm > 0
     assert any(not torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
-    assert s.identities[0].world_size == 1
+    assert s.identity.world_size == 1
 
 
 def test_real_nan_batch_is_skipped_and_weights_untouched(tmp_path: Path) -> None:

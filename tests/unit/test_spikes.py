@@ -1,70 +1,134 @@
-"""Spike detection: warm-up, ratio and z-score together, the cluster mean, clean references."""
+"""Spike detection: warm-up, ratio and z-score together, the cluster mean, clean references,
+each rank judging itself on the device and every rank reading the same verdicts."""
 
 from __future__ import annotations
 
 import math
 
-from nansentinel.spikes import CLUSTER, SpikeDetector
+import torch
+
+from nansentinel.result import RankIdentity
+from nansentinel.spikes import CLUSTER, SpikeDetector, Spikes
+from nansentinel.view import TOTALS, ClusterView, OwnRow, RankHealth, Totals, pack
+
+KW = {"window": 20, "warmup": 10, "ratio": 10, "zscore": 6, "refresh": 1}
 
 
-def feed(d: SpikeDetector, steps: int, loss: list[float], grad: list[float]) -> None:
-    for _ in range(steps):
-        cur = {"loss": list(loss), "grad_norm": list(grad)}
-        d.record(cur, d.judge(cur))
+class Cluster:
+    """``world`` ranks' detectors and the exchange between them, run as the sentinel runs
+    them: each rank packs its own verdicts on the device, the vectors are summed, and the
+    flagged ranks' rows are named (the detection) before every rank judges."""
+
+    def __init__(self, world: int, **kw: float) -> None:
+        self.detectors = [SpikeDetector(**{**KW, **kw}) for _ in range(world)]  # type: ignore[arg-type]
+
+    def judge(self, loss: list[float], grad: list[float] | None = None, *,
+              record: bool = False) -> Spikes:
+        world = len(self.detectors)
+        owns, vectors = [], []
+        for r, d in enumerate(self.detectors):
+            g = grad[r] if grad is not None else 0.0
+            row = torch.tensor([0.0, loss[r], g, 0.0, 1.0, float(grad is not None), 0.0])
+            vector = pack(row, torch.tensor(d.thresholds()), r, amp=False)
+            vectors.append(vector)
+            owns.append(OwnRow.from_values(vector.tolist()))
+        totals = Totals.from_values(torch.stack(vectors)[:, :TOTALS].sum(0).tolist())
+        flagged = tuple(
+            RankHealth.of(RankIdentity(r, 0, world, f"h{r}", "cpu"), own, d.ratios(own))
+            for r, (own, d) in enumerate(zip(owns, self.detectors, strict=True)) if own.flagged
+        )
+        view = ClusterView(0, world, totals, flagged, flagged)
+        verdicts = [d.judge(view) for d in self.detectors]
+        assert all(v == verdicts[0] for v in verdicts)  # every rank reads the same
+        if record:
+            for own, d in zip(owns, self.detectors, strict=True):
+                d.record(own, totals, verdicts[0])
+        return verdicts[0]
+
+    def feed(self, steps: int, loss: list[float], grad: list[float] | None = None) -> None:
+        for _ in range(steps):
+            self.judge(loss, grad, record=True)
 
 
 def test_nothing_is_judged_during_warmup() -> None:
-    d = SpikeDetector(2, window=20, warmup=10, ratio=10, zscore=6, refresh=1)
-    feed(d, 5, [1.0, 1.0], [1.0, 1.0])
-    assert not d.judge({"loss": [1000.0, 1.0], "grad_norm": [1.0, 1.0]})
+    c = Cluster(2)
+    c.feed(5, [1.0, 1.0], [1.0, 1.0])
+    assert not c.judge([1000.0, 1.0], [1.0, 1.0])
 
 
 def test_one_rank_spiking_is_named_while_the_cluster_mean_stays_quiet() -> None:
-    d = SpikeDetector(4, window=20, warmup=10, ratio=10, zscore=6, refresh=1)
-    feed(d, 12, [1.0, 1.05, 0.95, 1.0], [0.5, 0.5, 0.5, 0.5])
-    s = d.judge({"loss": [1.0, 1.0, 20.0, 1.0], "grad_norm": [0.5, 0.5, 0.5, 0.5]})
+    c = Cluster(4)
+    c.feed(12, [1.0, 1.05, 0.95, 1.0], [0.5, 0.5, 0.5, 0.5])
+    s = c.judge([1.0, 1.0, 20.0, 1.0], [0.5, 0.5, 0.5, 0.5])
     assert s.ranks == {"loss": [2]} and s.of_rank(2) == ["loss"]
-    assert s.ratios["loss"][2] > 10 and not s.everywhere(4)
-    s = d.judge({"loss": [30.0] * 4, "grad_norm": [0.5] * 4})
-    assert s.ranks["loss"] == [0, 1, 2, 3, CLUSTER] and s.everywhere(4)
+    assert s.ratios["loss"][2] > 10 and not s.cluster_wide
+    s = c.judge([30.0] * 4, [0.5] * 4)
+    assert s.ranks["loss"] == [0, 1, 2, 3, CLUSTER] and s.cluster_wide
+
+
+def test_a_spike_is_cluster_wide_when_the_rest_is_not_quiet_either() -> None:
+    c = Cluster(2)
+    c.feed(12, [1.0, 1.0], [1.0, 1.0])
+    # Rank 1 crosses 10x; rank 0 is 6x its level: beyond half-way, so the cause is global.
+    s = c.judge([1.0, 1.0], [6.0, 12.0])
+    assert s.ranks == {"grad_norm": [1]} and s.cluster_wide
+    # Rank 0 at its usual level: rank 1 alone.
+    s = c.judge([1.0, 1.0], [1.0, 30.0])
+    assert s.ranks["grad_norm"][0] == 1 and not s.cluster_wide
 
 
 def test_ratio_and_zscore_must_both_hold() -> None:
-    d = SpikeDetector(1, window=40, warmup=20, ratio=10, zscore=6, refresh=1)
+    c = Cluster(1, window=40, warmup=20)
     # A noisy series: 12x its median is within its spread, so not a spike by z-score.
     for i in range(30):
-        v = 1.0 if i % 2 else 30.0
-        d.record({"loss": [v]}, d.judge({"loss": [v]}))
-    assert not d.judge({"loss": [35.0]})
+        c.judge([1.0 if i % 2 else 30.0], record=True)
+    assert not c.judge([35.0])
     # A quiet series: a 5x jump is far out by z-score but under the ratio.
-    q = SpikeDetector(1, window=40, warmup=20, ratio=10, zscore=6, refresh=1)
-    feed(q, 25, [2.0], [1.0])
-    assert not q.judge({"loss": [10.0], "grad_norm": [1.0]})
-    assert q.judge({"loss": [21.0], "grad_norm": [1.0]}).ranks == {"loss": [0, CLUSTER]}
+    q = Cluster(1, window=40, warmup=20)
+    q.feed(25, [2.0], [1.0])
+    assert not q.judge([10.0], [1.0])
+    assert q.judge([21.0], [1.0]).ranks == {"loss": [0, CLUSTER]}
 
 
 def test_spikes_and_non_finite_values_never_enter_the_reference() -> None:
-    d = SpikeDetector(1, window=20, warmup=5, ratio=10, zscore=6, refresh=1)
-    feed(d, 6, [1.0], [1.0])
+    c = Cluster(1, warmup=5)
+    c.feed(6, [1.0], [1.0])
     for _ in range(10):  # a divergence cannot raise its own reference
-        cur = {"loss": [50.0], "grad_norm": [math.nan]}
-        s = d.judge(cur)
+        s = c.judge([50.0], [math.nan], record=True)
         assert s.ranks["loss"] == [0, CLUSTER]
-        d.record(cur, s)
 
 
 def test_negative_median_is_judged_by_zscore_alone() -> None:
-    d = SpikeDetector(1, window=20, warmup=5, ratio=10, zscore=6, refresh=1)
+    c = Cluster(1, warmup=5)
     for i in range(10):
-        v = -5.0 + 0.01 * (i % 3)
-        d.record({"loss": [v]}, d.judge({"loss": [v]}))
-    assert d.judge({"loss": [-4.0]}).ranks == {"loss": [0, CLUSTER]}
+        c.judge([-5.0 + 0.01 * (i % 3)], record=True)
+    assert c.judge([-4.0]).ranks == {"loss": [0, CLUSTER]}
 
 
-def test_state_roundtrip() -> None:
-    d = SpikeDetector(2, window=20, warmup=5, ratio=10, zscore=6)
-    feed(d, 10, [1.0, 2.0], [1.0, 1.0])
-    e = SpikeDetector(2, window=20, warmup=5, ratio=10, zscore=6)
-    e.load_state_dict(d.state_dict())
-    cur = {"loss": [15.0, 2.0], "grad_norm": [1.0, 1.0]}
-    assert e.judge(cur).ranks == d.judge(cur).ranks == {"loss": [0]}
+def test_quiet_needs_every_rank_and_the_mean_below_half_way() -> None:
+    c = Cluster(2, warmup=5)
+    c.feed(6, [1.0, 1.0], [1.0, 1.0])
+    d = c.detectors[0]
+    calm = Totals.from_values(pack(torch.tensor([0.0, 1.0, 1.0, 0.0, 1.0, 1.0, 0.0]),
+                                   torch.tensor(d.thresholds()), 0, amp=False).tolist())
+    assert d.quiet(calm)
+    uneasy = pack(torch.tensor([0.0, 4.0, 1.0, 0.0, 1.0, 1.0, 0.0]),
+                  torch.tensor(d.thresholds()), 0, amp=False)
+    assert not d.quiet(Totals.from_values(uneasy.tolist()))  # 4x > sqrt(10)x its median
+
+
+def test_state_roundtrip_and_a_checkpoint_from_before_the_fixed_exchange() -> None:
+    c = Cluster(2, warmup=5, refresh=None)  # type: ignore[arg-type]
+    c.feed(10, [1.0, 2.0], [1.0, 1.0])
+    e = Cluster(2, warmup=5, refresh=None)  # type: ignore[arg-type]
+    for mine, theirs in zip(e.detectors, c.detectors, strict=True):
+        mine.load_state_dict(theirs.state_dict())
+    assert e.judge([15.0, 2.0], [1.0, 1.0]).ranks == c.judge(
+        [15.0, 2.0], [1.0, 1.0]).ranks == {"loss": [0]}
+    # 0.1 saved one window per rank and one for the cluster mean; each rank takes its own.
+    legacy = {"values": {"loss": [[1.0] * 10, [2.0] * 10, [1.5] * 10],
+                         "grad_norm": [[1.0] * 10] * 3}, "recorded": 10}
+    old = SpikeDetector(**{**KW, "warmup": 5})  # type: ignore[arg-type]
+    old.load_state_dict(legacy, rank=1)
+    assert old.own["loss"].values == [2.0] * 10 and old.cluster["loss"].values == [1.5] * 10
+    assert old.thresholds()[0] == 20.0  # 10x rank 1's median

@@ -1,0 +1,175 @@
+"""The detection path: what runs only when the exchange flagged a rank (or the cluster mean).
+
+A healthy step ends with the totals: counts and sums, the same on every rank, no name. When
+the totals say a rank was blamed or spiked, every rank runs this path at the same point of the
+step (``step()`` on the host gate, the next sentinel call on the device gate), in the same
+order, because its inputs (the totals) are the same everywhere:
+
+1. who is flagged: the exchange's sum of indices names a single flagged rank outright;
+   several are found with one byte per rank (:meth:`Peers.flagged`);
+2. their rows and identities, and those of a healthy rank to replay a blamed batch on: only
+   those ranks speak (:meth:`Peers.gather_from`), so one bad rank costs the same at any scale;
+3. one small max-reduce: whether some host had no blamed rank (a global cause strikes no
+   host), and the min and max of the loss and gradient norm, for the report.
+
+Then, for blamed or spiking ranks, :meth:`Detector.evidence` takes what the decision and the
+report need before the gradients are discarded (the parameter naming, the replay and its
+verdict), and after the decision :meth:`Detector.record` writes the incident. The step flow
+(sentinel.py) calls these three and nothing else of the rare path.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from nansentinel.collectives import Peers
+from nansentinel.gradpaths import GradPath
+from nansentinel.incident import IncidentWriter
+from nansentinel.policy import Decision, is_blamed
+from nansentinel.replay import ReplayFn, blame
+from nansentinel.result import RankIdentity, StepResult
+from nansentinel.spikes import Spikes
+from nansentinel.view import SIGNALS, ClusterView, OwnRow, RankHealth, Totals
+
+
+class Detector:
+    """The rare path of a step, run by every rank together when the totals flag something.
+
+    Args:
+        peers: the process group (or none: alone).
+        identity: this rank's identity (sent only when this rank is named).
+        amp: a GradScaler is in use (a non-finite gradient alone is not blame).
+        gradients: the gradient path, which names the poisoned parameters.
+        incidents: writes the report and the poisoned batch.
+        module: the unwrapped model, for the replay.
+        replay: the user's replay function (None: no replay).
+        anomaly: replay once more under ``set_detect_anomaly``.
+        guarded: a context manager arming the watchdog around a collective.
+    """
+
+    def __init__(
+        self, peers: Peers, identity: RankIdentity, *, amp: bool, gradients: GradPath,
+        incidents: IncidentWriter, module: torch.nn.Module, replay: ReplayFn | None,
+        anomaly: bool, guarded: Callable[[], Any],
+    ) -> None:
+        self.peers = peers
+        self.identity = identity
+        self.amp = amp
+        self.gradients = gradients
+        self.incidents = incidents
+        self.module = module
+        self.replay = replay
+        self.anomaly = anomaly
+        self.guarded = guarded
+
+    def view(
+        self, step: int, totals: Totals, own: OwnRow, ratios: dict[str, float]
+    ) -> ClusterView:
+        """The cluster view of a flagged step, the same on every rank (collectives: see the
+        module docstring). ``ratios``: this rank's spike ratios (sent if it spiked)."""
+        world = self.peers.world_size
+        single = totals.single_flagged
+        flagged = [single] if single is not None else (
+            self.peers.flagged(own.flagged) if totals.flagged else []
+        )
+        candidate = replay_candidate(flagged, world)
+        speakers = sorted({*flagged, *([candidate] if candidate is not None else [])})
+        record = _record(self.identity, own, ratios) if self.peers.rank in speakers else None
+        rows = self.peers.gather_from(speakers, record)
+        named = tuple(_health(rank, world, rows.get(rank)) for rank in speakers)
+        chosen = set(flagged)
+        flagged_rows = tuple(r for r in named if r.rank in chosen)
+        blamed_hosts = {r.identity.hostname for r in flagged_rows if is_blamed(r, amp=self.amp)}
+        values = [own.value(s) for s in SIGNALS]
+        finite = [v if v is not None and math.isfinite(v) else None for v in values]
+        maxima = self.peers.max_floats([
+            float(self.identity.hostname not in blamed_hosts),
+            *(x for v in finite for x in ((v, -v) if v is not None else (-math.inf, -math.inf))),
+        ])
+        extremes = {
+            s: (-maxima[2 + 2 * i], maxima[1 + 2 * i])
+            for i, s in enumerate(SIGNALS) if math.isfinite(maxima[1 + 2 * i])
+        }
+        peer = next((r for r in named if r.rank == candidate), None)
+        return ClusterView(
+            step, world, totals, flagged_rows, named,
+            every_host_bad=bool(blamed_hosts) and maxima[0] == 0.0,
+            extremes=extremes,
+            replay_peer=peer.rank if peer is not None and peer.healthy else None,
+        )
+
+
+    def evidence(
+        self, view: ClusterView, bad: tuple[RankHealth, ...], spikes: Spikes, *, batch: Any,
+        grads_restored: Callable[[], Any] = contextlib.nullcontext,
+    ) -> tuple[str | None, dict[str, Any]]:
+        """The replay's verdict and this rank's share of the report, taken before the
+        gradients are discarded: the names of its non-finite parameters (``grads_restored``
+        puts back the gradients the device gate held), its replay and the peer's."""
+        detail: dict[str, Any] = {}
+        if any("grad" in r.kinds for r in bad):
+            poisoned = any(r.rank == self.peers.rank and "grad" in r.kinds for r in bad)
+            with grads_restored(), self.guarded():
+                detail = self.gradients.naming_detail(poisoned, self.peers)
+        if not (bad or spikes):
+            return None, detail
+        with self.guarded():
+            verdict, replayed = blame(
+                view, list(bad), spikes, peers=self.peers, module=self.module, batch=batch,
+                fn=self.replay, anomaly=self.anomaly,
+            )
+        detail.update(replayed)
+        return verdict, detail
+
+    def record(
+        self, view: ClusterView, decision: Decision, result: StepResult, spikes: Spikes, *,
+        detail: dict[str, Any], batch: Any, quarantine: set[str],
+    ) -> StepResult:
+        """Write the incident (report on rank 0, the poisoned batch, log lines); a ``data``
+        verdict adds the batch's fingerprint to ``quarantine``. Returns ``result`` with its
+        parameters and report path."""
+        result, details = self.incidents.write(
+            view, decision, result, spikes, detail=detail, batch=batch, guarded=self.guarded,
+        )
+        if result.verdict == "data":
+            quarantine.update(d["fingerprint"] for d in details.values() if d.get("fingerprint"))
+        return result
+
+
+def replay_candidate(flagged: list[int], world: int) -> int | None:
+    """A rank not flagged, half the world away from the first flagged rank: with ranks laid
+    out host by host (as torchrun does), on another host. None when every rank is flagged."""
+    if not flagged or len(flagged) >= world:
+        return None
+    taken = set(flagged)
+    rank = (flagged[0] + world // 2) % world
+    while rank in taken:
+        rank = (rank + 1) % world
+    return rank
+
+
+def _record(identity: RankIdentity, own: OwnRow, ratios: dict[str, float]) -> dict[str, Any]:
+    """What a named rank tells every rank: who it is and its row (JSON; NaN as NaN)."""
+    ident = {f: getattr(identity, f) for f in RankIdentity.__slots__}  # type: ignore[attr-defined]
+    return {
+        "identity": ident, "kinds": list(own.kinds), "injected": own.injected,
+        "loss": own.loss, "grad_norm": own.grad_norm, "quarantined": own.quarantined,
+        "spikes": ratios,
+    }
+
+
+def _health(rank: int, world: int, record: Any) -> RankHealth:
+    """A named rank's row from its record (a rank that sent nothing: its number alone)."""
+    if not isinstance(record, dict):
+        return RankHealth(RankIdentity(rank, 0, world, "?", "?"), (), False, None, None)
+    ident = RankIdentity(**record["identity"])
+    return RankHealth(
+        ident, tuple(record["kinds"]), bool(record["injected"]), record["loss"],
+        record["grad_norm"], bool(record["quarantined"]),
+        {str(k): float(v) for k, v in record["spikes"].items()},
+    )
