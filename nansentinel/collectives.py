@@ -48,10 +48,13 @@ class Peers:
 
     def barrier(self) -> None:
         """A tiny collective used after an incident, so that rank 0's report is on disk
-        before any rank raises and torchrun tears the job down."""
+        before any rank raises and torchrun tears the job down. Its result is read on the
+        host: on NCCL a synchronous all-reduce only makes the stream wait, and a rank that
+        raised at once could end the job before rank 0 has written anything."""
         if not self.alone:
             flag = torch.zeros(1, device=self.comm_device)
             dist.all_reduce(flag, group=self.group)
+            flag.item()  # blocks the host until every rank has arrived
 
     def gather_from(self, speakers: list[int], payload: object | None) -> dict[int, object]:
         """Every rank learns one JSON-able object from each rank in ``speakers`` (sorted, the

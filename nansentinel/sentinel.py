@@ -516,12 +516,16 @@ class Sentinel:
         if self.injector.poison("grad", self.step_index, local_grads):
             self.local.injected = True
 
+    def reducing(self) -> None:
+        if self.watchdog is not None:
+            self.watchdog.restart(self.step_index)
+
     def add_grad_norm(self, norm: torch.Tensor) -> None:
         self.local.add_grads(norm)
 
     def launch_exchange(self) -> None:
         """Pack this rank's health vector and start summing it across ranks (asynchronous)."""
-        self._arm()
+        self.reducing()
         vector = pack(self.local.row(), self._thresholds, self.rank, amp=self.scaler is not None)
         self.exchange.launch(self.step_index, vector)
 

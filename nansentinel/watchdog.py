@@ -80,6 +80,14 @@ class Watchdog:
             now = self.clock()
             self._armed = (step, now + self.timeout, now + self.late_after)
 
+    def restart(self, step: int) -> None:
+        """Count the deadline of ``step`` from now: a collective was just launched. Under
+        gradient accumulation FSDP2 reduce-scatters every micro-batch while the exchange leaves
+        only at ``step()``; the deadline bounds the wait on the collectives, never the user's
+        own time between micro-batches."""
+        now = self.clock()
+        self._armed = (step, now + self.timeout, now + self.late_after)
+
     def disarm(self) -> None:
         self._armed = None
 

@@ -35,6 +35,9 @@ class GradientSink(Protocol):
     def before_reduction(self, local_grads: torch.Tensor) -> None:
         """``local_grads`` is about to be reduced: arm the watchdog, fire a due grad drill."""
 
+    def reducing(self) -> None:
+        """A reduction of this step is being launched: the watchdog counts from now."""
+
     def add_grad_norm(self, norm: torch.Tensor) -> None:
         """Record one 0-d gradient norm of this rank (on the device; no host sync)."""
 

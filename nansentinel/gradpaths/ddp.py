@@ -3,8 +3,9 @@
 DDP hands the hook each flat gradient bucket of this rank, in the order the buckets become
 ready during backward. The hook takes one L2 norm of the bucket (one read of contiguous memory,
 one kernel; NaN and Inf propagate into it), then averages the bucket exactly as DDP's default
-does — NCCL: one ``AVG`` all-reduce; gloo, which has no ``AVG``: scale by 1/world, then sum —
-and, on the last bucket, launches the health exchange so it leaves with the gradients.
+does — NCCL: one ``AVG`` all-reduce; gloo, which has no ``AVG``: scale by 1/world, then sum;
+a world of one: a plain sum (see :func:`averaging`) — and, on the last bucket, launches the
+health exchange so it leaves with the gradients.
 """
 
 from __future__ import annotations
@@ -34,8 +35,8 @@ class DDPPath:
         self.world_size = dist.get_world_size(self.group)
         backend = str(dist.get_backend(self.group))
         device = next((p.device for p in model.parameters()), torch.device("cpu"))
-        #: ReduceOp.AVG (NCCL on CUDA) instead of scale-then-sum (gloo).
-        self.supports_avg = "nccl" in backend and device.type == "cuda"
+        #: How a bucket is averaged (see :func:`averaging`).
+        self.averaging = averaging(backend, device.type, self.world_size)
         self.buckets = 0
         try:
             model.register_comm_hook(self, _comm_hook)
@@ -60,6 +61,22 @@ class DDPPath:
         self.buckets = 0
 
 
+AVG, SCALE_THEN_SUM, SUM = "avg", "scale_then_sum", "sum"
+
+
+def averaging(backend: str, device_type: str, world_size: int) -> str:
+    """How the hook averages a bucket across ``world_size`` ranks.
+
+    NCCL on CUDA: one ``AVG`` all-reduce, as DDP's default does. Gloo has no ``AVG``: scale by
+    1/world, then sum. A world of one: a plain sum, which is the identity, because NCCL's
+    one-rank ``AVG`` dropped trailing elements (NVIDIA/nccl#1950, seen on 2.27.5, fixed in
+    2.29.7) and FSDP2 forces a sum there for the same reason.
+    """
+    if world_size == 1:
+        return SUM
+    return AVG if "nccl" in backend and device_type == "cuda" else SCALE_THEN_SUM
+
+
 def _comm_hook(state, bucket):  # type: ignore[no-untyped-def]
     """Check the bucket on this rank, then average it across ranks as DDP's default does.
 
@@ -79,10 +96,11 @@ def _comm_hook(state, bucket):  # type: ignore[no-untyped-def]
     path.buckets += 1
     # One norm over the flat bucket: one read of contiguous memory, one kernel.
     sink.add_grad_norm(checks.tensor_norm(buffer))
-    if path.supports_avg:
+    if path.averaging == AVG:
         work = dist.all_reduce(buffer, dist.ReduceOp.AVG, path.group, async_op=True)
-    else:  # gloo has no AVG: scale first, as DDP's own path does
-        buffer.mul_(1.0 / path.world_size)
+    else:
+        if path.averaging == SCALE_THEN_SUM:
+            buffer.mul_(1.0 / path.world_size)
         work = dist.all_reduce(buffer, group=path.group, async_op=True)
     # A failure (a peer died) becomes the step's one diagnosis, naming the missing ranks.
     future = sink.diagnosed(work.get_future(), sink.step_index, buffer)

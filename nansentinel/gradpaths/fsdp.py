@@ -194,6 +194,7 @@ class FSDPPath:
         started = time.perf_counter()
         if not self.norms:
             self.sink.before_reduction(local_grads)
+        self.sink.reducing()
         norm = checks.tensor_norm(local_grads)
         if local_grads.is_cuda:
             # Made on FSDP's reduce-scatter stream (the current stream here), read on the

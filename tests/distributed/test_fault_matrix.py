@@ -121,3 +121,17 @@ def test_check_after_backward_is_a_clear_error(tmp_path: Path) -> None:
     msgs = values(run_ranks(late_loss_check, 2, tmp_path, report_dir=str(tmp_path), timeout=90))
     for msg in msgs:
         assert "before loss.backward()" in msg and "step 0" in msg
+
+
+@pytest.mark.timeout(120)
+def test_no_rank_raises_before_rank_0s_report_is_on_disk(tmp_path: Path) -> None:
+    """The abort's barrier is read on the host (on NCCL a synchronous all-reduce alone does not
+    block it): with rank 0 two seconds slow to write its report, rank 1 still finds the report
+    on disk when it raises, so torchrun's teardown after a fast rank cannot lose it."""
+    from tests.distributed.workers import slow_report
+
+    outs = values(run_ranks(slow_report, 2, tmp_path, report_dir=str(tmp_path / "r"),
+                            timeout=90))
+    for out in outs:
+        assert out["step"] == 1
+        assert out["reports_on_disk"] == ["incident-local-step00000001.json"], out

@@ -133,3 +133,15 @@ def test_world_of_one_checks_the_local_gradients_at_step(tmp_path: Path) -> None
     assert [r["outcome"] for r in out["records"]] == ["applied", "skipped", "applied"]
     assert sorted(out["records"][1]["parameters"][0]) == ["embed.weight", "pos"]
     assert torch.isfinite(out["weights"]).all()
+
+
+@pytest.mark.timeout(120)
+def test_the_watchdog_spares_slow_work_between_micro_batches(tmp_path: Path) -> None:
+    """3 micro-batches with 3 s of the user's work after each: 9 s from the first
+    reduce-scatter to the exchange, past the watchdog's 8 s (exchange_timeout 1 s + 5 s grace +
+    2 s). Every reduce-scatter restarts the deadline, so nothing is killed."""
+    from tests.distributed.workers_fsdp import slow_micro_batches
+
+    outs = values(run_ranks(slow_micro_batches, 2, tmp_path, report_dir=str(tmp_path / "r"),
+                            pause=3.0, exchange_timeout=1.0, timeout=100))
+    assert outs == [["applied", "applied"]] * 2

@@ -136,3 +136,40 @@ def stall(rank: int, world: int, *, victim: int, at_step: int, how: str, report_
     except RuntimeError as exc:
         return {"error": str(exc), "seconds": time.monotonic() - (started or time.monotonic())}
     return {"error": None}
+
+
+def slow_report(rank: int, world: int, *, report_dir: str) -> dict[str, Any]:
+    """An abort at step 1 (rank 1's loss) while rank 0 takes 2 s to write its report: what
+    each rank finds on disk at the moment it raises."""
+    import pathlib
+    import time
+
+    from nansentinel import report
+
+    if rank == 0:
+        write_json = report.write_json
+
+        def slow(path: Any, payload: Any) -> Any:
+            time.sleep(2.0)
+            return write_json(path, payload)
+
+        report.write_json = slow  # type: ignore[assignment]
+    torch.manual_seed(0)
+    model = DDP(TinyTransformer())
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    sentinel = nansentinel.Sentinel(model, opt, report_dir=report_dir, policy="abort",
+                                    inject="kind=loss,rank=1,step=1,value=nan")
+    loss_fn = nn.CrossEntropyLoss()
+    try:
+        for step in range(3):
+            batch = sentinel.check_batch(synthetic_batch(rank, step))
+            loss = loss_fn(model(batch["tokens"], batch["scale"]).reshape(-1, VOCAB),
+                           batch["targets"].reshape(-1))
+            sentinel.check_loss(loss)
+            loss.backward()
+            sentinel.step()
+            opt.zero_grad()
+    except nansentinel.NonFiniteError as exc:
+        on_disk = sorted(p.name for p in pathlib.Path(report_dir).glob("incident-*step*.json"))
+        return {"step": exc.result.step, "reports_on_disk": on_disk}
+    return {"step": None, "reports_on_disk": []}

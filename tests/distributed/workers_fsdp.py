@@ -190,3 +190,28 @@ def one_process(rank: int, world: int, *, report_dir: str) -> dict[str, Any]:
     """FSDP2 on a world of one: FSDP reduces nothing (no reduce-scatter is called), so the
     sentinel checks the local gradients at ``step()``."""
     return train_fsdp(rank, world, steps=3, faults={(1, 0): "backward"}, report_dir=report_dir)
+
+
+def slow_micro_batches(rank: int, world: int, *, report_dir: str, pause: float,
+                       **overrides: Any) -> list[str]:
+    """FSDP2 with 3 micro-batches a step, each reduce-scattered, each followed by ``pause``
+    seconds of the user's own work (data loading, logging): outcomes of 2 steps."""
+    import time
+
+    model = build(world, hsdp=False)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    watcher = nansentinel.Sentinel(model, opt, report_dir=report_dir, **overrides)
+    loss_fn = nn.CrossEntropyLoss()
+    outcomes = []
+    for step in range(2):
+        for micro in range(3):
+            batch = watcher.check_batch(synthetic_batch(rank, step * 3 + micro))
+            loss = loss_fn(model(batch["tokens"], batch["scale"]).reshape(-1, VOCAB),
+                           batch["targets"].reshape(-1))
+            watcher.check_loss(loss / 3)
+            (loss / 3).backward()
+            time.sleep(pause)
+        outcomes.append(str(watcher.step().outcome))
+        opt.zero_grad(set_to_none=True)
+    watcher.close()
+    return outcomes

@@ -91,3 +91,12 @@ def test_local_scan_names_nonfinite_gradients_and_strips_the_prefix() -> None:
     assert scan_parameters(named, prefix="module.") == ["1.bias"]
     assert naming_detail(model.named_parameters(), poisoned=False) == {}
     assert naming_detail(model.named_parameters(), poisoned=True) == {"parameters": ["1.bias"]}
+
+
+def test_ddp_averages_as_ddp_does_but_sums_a_world_of_one() -> None:
+    from nansentinel.gradpaths.ddp import AVG, SCALE_THEN_SUM, SUM, averaging
+
+    assert averaging("nccl", "cuda", 8) == AVG
+    assert averaging("gloo", "cpu", 8) == averaging("nccl", "cpu", 2) == SCALE_THEN_SUM
+    # NCCL's one-rank AVG dropped trailing elements (NVIDIA/nccl#1950): a sum is the identity.
+    assert averaging("nccl", "cuda", 1) == averaging("gloo", "cpu", 1) == SUM

@@ -61,3 +61,23 @@ def test_a_late_step_is_reported_once_before_expiry() -> None:
     time.sleep(0.3)
     assert late == [3, 4] and fired == []
     dog.close()
+
+
+def test_each_launched_collective_restarts_the_deadline() -> None:
+    """Gradient accumulation under FSDP2: a reduce-scatter per micro-batch, the user's own work
+    between them. The deadline counts from the last collective launched, not the first."""
+    now = [0.0]
+    fired: list[int] = []
+    dog = Watchdog(8.0, fired.append, clock=lambda: now[0], poll=0.01)
+    dog.arm(0)
+    for t in (3.0, 6.0, 9.0):  # three micro-batches, 3 s apart: 9 s > 8 s in all
+        now[0] = t
+        dog.restart(0)
+        time.sleep(0.05)
+    assert fired == []
+    now[0] = 16.9
+    time.sleep(0.1)
+    assert fired == []  # 7.9 s after the last launch
+    now[0] = 17.1
+    assert wait_for(lambda: fired == [0])
+    dog.close()
