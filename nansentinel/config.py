@@ -156,15 +156,13 @@ class SentinelConfig:
     """Run the replay under ``torch.autograd.set_detect_anomaly`` to name the operation."""
 
     gate: str = "host"
-    """Where a poisoned step is skipped: ``host`` (one host read of the cluster view, then step
-    or not), ``device`` (a fused optimizer skips on the device and the host decides when the
-    result is read, at the latest at the next sentinel call: no host sync before
-    ``optimizer.step()``), or ``auto`` (``device`` on CUDA when the optimizer is fused, else
-    ``host``). ``host`` is the default because a deferred decision runs its collectives (the
-    incident's gather, replay, the abort's barrier) where a rank first reads the result: a loop
-    that reads it on some ranks only and then runs a collective of its own would interleave the
-    two differently on different ranks. Opt in when every rank reads results at the same
-    points (or only through the sentinel's next call)."""
+    """Where a poisoned step is skipped: ``host`` (one host read of the cluster's totals, then
+    step or not), ``device`` (a fused optimizer skips on the device and the host decides at the
+    next sentinel call, on every rank at that point: no host sync before ``optimizer.step()``),
+    or ``auto`` (``device`` on CUDA when the optimizer is fused, else ``host``). ``host`` is the
+    default because under ``device`` a poisoned step's ``outcome``, ranks and report can only
+    be read after the next sentinel call (earlier reads raise ``ResultPending``; a read never
+    runs a collective), and the device gate has not been measured on a GPU yet."""
 
     save_batches: bool = True
     """Save the poisoned rank's batch next to the incident report (``torch.save``) so the

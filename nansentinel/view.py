@@ -61,28 +61,20 @@ def pack(
         rank: this rank's index, summed where the rank is flagged.
         amp: under GradScaler a non-finite gradient alone is fp16 overflow, not blame.
     """
-    values = row[R_BATCH:R_GRAD + 1]
-    bad = (~torch.isfinite(values)).to(torch.float32)  # batch, loss, grad
-    signal = row[R_LOSS:R_GRAD + 1]
-    has = row[R_HAS_LOSS:R_HAS_GRAD + 1]
-    finite = torch.isfinite(signal)
-    spike = (finite & (signal >= thresholds[:2])).to(torch.float32) * has
-    not_quiet = ((~finite) | (signal >= thresholds[2:])).to(torch.float32) * has
-    counted = bad[:2] if amp else bad  # no host-made tensor: a copy would sync the stream
-    blamed = counted.amax() * (1.0 - row[R_QUARANTINED])
-    spike_any = spike.amax()
-    flagged = torch.maximum(blamed, spike_any)
-    present = finite.to(torch.float32) * has
-    kept = torch.where(finite, signal, torch.zeros_like(signal)) * has
-    not_quiet_any = not_quiet.amax()
-    scalars = torch.stack([blamed, flagged, flagged * float(rank)])
-    return torch.cat([
-        bad, scalars, spike, spike_any.reshape(1), not_quiet_any.reshape(1),
-        row[R_INJECTED:R_INJECTED + 1], row[R_QUARANTINED:R_QUARANTINED + 1],
-        torch.stack([present[0], kept[0], kept[0] * kept[0],
-                     present[1], kept[1], kept[1] * kept[1]]),
-        row, spike, not_quiet_any.reshape(1), flagged.reshape(1),
-    ])
+    finite = torch.isfinite(row[R_BATCH:R_GRAD + 1])  # batch, loss, grad
+    bad = (~finite).to(torch.float32)
+    signal, has = row[R_LOSS:R_GRAD + 1], row[R_HAS_LOSS:R_HAS_GRAD + 1]
+    above = signal.repeat(2) >= thresholds  # spike loss, spike grad, quiet loss, quiet grad
+    spike = (above[:2] & finite[1:]) * has
+    not_quiet = ((above[2:] | ~finite[1:]) * has).amax()
+    # No host-made tensor anywhere: a host-to-device copy would sync the stream.
+    blamed = (bad[:2] if amp else bad).amax() * (1.0 - row[R_QUARANTINED])
+    flagged = torch.maximum(blamed, spike.amax())
+    kept = signal.nan_to_num(0.0, 0.0, 0.0) * has  # a non-finite value is counted, not added
+    sums = torch.stack([finite[1:] * has, kept, kept * kept], dim=1).reshape(-1)
+    flags = torch.stack([blamed, flagged, flagged * float(rank), spike[0], spike[1],
+                         spike.amax(), not_quiet, row[R_INJECTED], row[R_QUARANTINED]])
+    return torch.cat([bad, flags, sums, row, spike, not_quiet.reshape(1), flagged.reshape(1)])
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -128,3 +128,12 @@ def test_plain_keeps_data_and_names_what_it_drops() -> None:
     assert any("key of type tuple" in d for d in dropped)
     assert plain(Meta()) == (None, [f"batch ({Meta.__module__}.{Meta.__qualname__})"])
     assert plain({"x": torch.ones(1)})[1] == []
+
+
+def test_an_absent_value_is_neither_a_spike_nor_unquiet() -> None:
+    # A log-likelihood's thresholds are negative; an absent loss (0.0 in the row) is above
+    # them, and must still count for nothing.
+    thresholds = torch.tensor([-4.0, math.inf, -4.5, math.inf])
+    no_loss = torch.tensor([1.0, 0.0, 1.0, 0.0, 0.0, 1.0, 0.0])
+    own = OwnRow.from_values(pack(no_loss, thresholds, 0, amp=False).tolist())
+    assert not own.spiked() and not own.not_quiet and not own.flagged and own.loss is None
