@@ -62,6 +62,17 @@ def train(rank: int, world: int, *, steps: int, report_dir: str, ddp: bool = Tru
             "gate": "host" if sentinel.device_gate is None else "device"}
 
 
+def demo_step(sentinel: nansentinel.Sentinel, model: nn.Module, loss_fn: nn.Module, rank: int,
+              step: int) -> Any:
+    """One step of the demo model on this rank's synthetic batch, with the three calls."""
+    batch = sentinel.check_batch(synthetic_batch(rank, step))
+    loss = loss_fn(model(batch["tokens"], batch["scale"]).reshape(-1, VOCAB),
+                   batch["targets"].reshape(-1))
+    sentinel.check_loss(loss)
+    loss.backward()
+    return sentinel.step()
+
+
 def _decided(r: Any) -> bool:
     """False for a device-gated step whose decision raised (the abort)."""
     try:
@@ -126,12 +137,7 @@ def stall(rank: int, world: int, *, victim: int, at_step: int, how: str, report_
                 os.kill(os.getpid(), signal.SIGKILL if how == "kill" else signal.SIGSTOP)
             if step == at_step:
                 started = time.monotonic()
-            batch = sentinel.check_batch(synthetic_batch(rank, step))
-            loss = loss_fn(model(batch["tokens"], batch["scale"]).reshape(-1, VOCAB),
-                           batch["targets"].reshape(-1))
-            sentinel.check_loss(loss)
-            loss.backward()
-            sentinel.step()
+            demo_step(sentinel, model, loss_fn, rank, step)
             opt.zero_grad()
     except RuntimeError as exc:
         return {"error": str(exc), "seconds": time.monotonic() - (started or time.monotonic())}
@@ -162,12 +168,7 @@ def slow_report(rank: int, world: int, *, report_dir: str) -> dict[str, Any]:
     loss_fn = nn.CrossEntropyLoss()
     try:
         for step in range(3):
-            batch = sentinel.check_batch(synthetic_batch(rank, step))
-            loss = loss_fn(model(batch["tokens"], batch["scale"]).reshape(-1, VOCAB),
-                           batch["targets"].reshape(-1))
-            sentinel.check_loss(loss)
-            loss.backward()
-            sentinel.step()
+            demo_step(sentinel, model, loss_fn, rank, step)
             opt.zero_grad()
     except nansentinel.NonFiniteError as exc:
         on_disk = sorted(p.name for p in pathlib.Path(report_dir).glob("incident-*step*.json"))

@@ -124,6 +124,8 @@ def read_points(rank: int, world: int, *, report_dir: str, poisoned: int, steps:
     the detection's collectives there would pair them with the other ranks' metric."""
     import torch.distributed as dist
 
+    from tests.distributed.workers import demo_step
+
     torch.manual_seed(0)
     model = DDP(TinyTransformer())
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, fused=True)
@@ -134,12 +136,7 @@ def read_points(rank: int, world: int, *, report_dir: str, poisoned: int, steps:
     results, early, metrics = [], [], []
     saved: dict[str, Any] | None = None
     for step in range(steps):
-        batch = sentinel.check_batch(synthetic_batch(rank, step))
-        loss = loss_fn(model(batch["tokens"], batch["scale"]).reshape(-1, VOCAB),
-                       batch["targets"].reshape(-1))
-        sentinel.check_loss(loss)
-        loss.backward()
-        r = sentinel.step()
+        r = demo_step(sentinel, model, loss_fn, rank, step)
         opt.zero_grad(set_to_none=True)
         results.append(r)
         if rank == 0:
