@@ -112,3 +112,31 @@ def test_gpu_syncs_says_clearly_that_it_needs_a_gpu() -> None:
     )
     assert proc.returncode == 2 and "needs a CUDA device" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(240)
+def test_scale_benchmark_is_flat_from_8_to_a_million_ranks(tmp_path: Path) -> None:
+    """bench/scale.py end to end on the fake backend, at W = 8 and W = 2**20: a healthy step
+    sends the same bytes and takes about the same time, construction is instant, and a
+    detection with one bad rank stays small. A per-step structure of size W (a W-long vector,
+    a loop over ranks) would cost seconds per step at a million ranks, far beyond the bound."""
+    out = tmp_path / "scale.json"
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "scale.py"), "--worlds", f"8,{2**20}",
+         "--rounds", "2", "--steps", "25", "--detections", "2", "--json", str(out)],
+        cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=220,
+    )
+    assert proc.returncode == 0, f"benchmark failed:\n{proc.stdout}\n{proc.stderr}"
+    small, huge = json.loads(out.read_text())["rows"]
+    from nansentinel.view import EXCHANGE_BYTES
+
+    assert small["healthy_bytes"] == huge["healthy_bytes"] == EXCHANGE_BYTES
+    # Loose bounds: one process here varies by +-30% from the next. Anything O(W) per step
+    # would cost seconds at a million ranks (0.7 s at 131,072 before the fixed exchange).
+    assert huge["own_median_ms"] < max(3 * small["own_median_ms"], 2.0), (small, huge)
+    assert huge["healthy_median_ms"] < max(3 * small["healthy_median_ms"], 5.0), (small, huge)
+    assert huge["construction_s"] < 2.0
+    assert huge["rss_growth_mb"] - small["rss_growth_mb"] < 64
+    assert huge["detection_bytes"] < 4096 and huge["detection_median_ms"] < 1000
+    assert "| W | healthy step: median ms |" in proc.stdout
