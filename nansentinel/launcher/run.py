@@ -354,8 +354,20 @@ def _make_run_dir(report_dir: str | None, hostname: str) -> tuple[Path, bool]:
         Path(given).mkdir(parents=True, exist_ok=True)
         return Path(given), False
     base = Path(report_dir) / "runs" if report_dir else Path(tempfile.gettempdir())
-    base.mkdir(parents=True, exist_ok=True)
+    _private_dirs(base)
     return Path(tempfile.mkdtemp(prefix=f"nansentinel-run-{file_safe(hostname)}-", dir=base)), True
+
+
+def _private_dirs(directory: Path) -> None:
+    """Create ``directory`` and its missing parents 0700 (the umask narrows it further): the
+    report directory holds the user's batches and names hosts. One that exists is left as
+    it is."""
+    missing = []
+    while not directory.exists() and directory.parent != directory:
+        missing.append(directory)
+        directory = directory.parent
+    for d in reversed(missing):
+        d.mkdir(mode=0o700, exist_ok=True)
 
 
 def file_safe(name: str, limit: int = 64) -> str:

@@ -409,3 +409,14 @@ def test_the_store_host_is_recognised_and_its_exclusion_ends_the_job(
     assert GuardedRendezvousHandler(inner, guard, store_host=True).shutdown()
     assert inner.calls == ["shutdown"]  # closed for everyone, not left quietly
     assert "runs the rendezvous store" in capsys.readouterr().err
+
+
+def test_the_run_directory_under_the_report_dir_is_private(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("NANSENTINEL_RUN_DIR", raising=False)
+    reports = tmp_path / "fresh" / "reports"
+    made, created = launcher._make_run_dir(str(reports), "node-1")
+    assert created and made.parent == reports / "runs"
+    for d in (tmp_path / "fresh", reports, reports / "runs", made):
+        assert d.stat().st_mode & 0o077 == 0, (d, oct(d.stat().st_mode))
