@@ -47,7 +47,8 @@ OUTCOMES = tuple(o.value for o in Outcome)
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class RankIdentity:
-    """Where a rank runs; gathered once at start so that blame can name it."""
+    """Where a rank runs: left at the rendezvous store at start, and sent by the rank itself
+    when a detection names it, so that blame can say which host."""
 
     rank: int
     local_rank: int

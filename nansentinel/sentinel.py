@@ -7,11 +7,11 @@
     backward ────┤ the gradient path (gradpaths/, chosen once): each DDP bucket or FSDP group
                  │ is checked before its reduction; the health exchange leaves with the last
                  │ DDP bucket, or at step() (FSDP, local gradients)
-    step() ──────┘ wait for the cluster view (the one host sync) → decide → act
+    step() ──────┘ wait for the totals (the one host sync) → [flagged: name them] → decide → act
 
-Everything expensive (naming parameters, saving the batch, writing the report) runs only after
-a detection; the healthy step pays for a few fused reductions and one small collective that
-travels beside the gradients.
+Everything expensive (naming ranks and parameters, the replay, saving the batch, writing the
+report) runs only after a detection, in detection.py; the healthy step pays for a few fused
+reductions and one fixed-size collective that travels beside the gradients.
 """
 
 from __future__ import annotations
