@@ -36,6 +36,8 @@ from nansentinel.result import RankIdentity, StepResult
 from nansentinel.spikes import Spikes
 from nansentinel.view import SIGNALS, ClusterView, OwnRow, RankHealth, Totals
 
+_EXACT_INDICES = 2**24
+
 
 class Detector:
     """The rare path of a step, run by every rank together when the totals flag something.
@@ -73,7 +75,8 @@ class Detector:
         """The cluster view of a flagged step, the same on every rank (collectives: see the
         module docstring). ``ratios``: this rank's spike ratios (sent if it spiked)."""
         world = self.peers.world_size
-        single = totals.single_flagged
+        # fp32 holds every index exactly up to 2**24 ranks; beyond that, ask every rank.
+        single = totals.single_flagged if world <= _EXACT_INDICES else None
         flagged = [single] if single is not None else (
             self.peers.flagged(own.flagged) if totals.flagged else []
         )

@@ -1,0 +1,58 @@
+"""The detection's naming without a process group: which collectives it asks of its peers."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+from nansentinel.detection import Detector, replay_candidate
+from nansentinel.result import RankIdentity
+from nansentinel.view import OwnRow, Totals
+
+
+class Peers:
+    """Records what the detection asks; every other rank is silent."""
+
+    def __init__(self, world: int, flagged: list[int]) -> None:
+        self.rank, self.world_size = 0, world
+        self._flagged = flagged
+        self.asked: list[str] = []
+
+    def flagged(self, flag: bool) -> list[int]:
+        self.asked.append("flagged")
+        return self._flagged
+
+    def gather_from(self, speakers: list[int], payload: Any) -> dict[int, Any]:
+        self.asked.append(f"gather_from {speakers}")
+        return {}
+
+    def max_floats(self, values: list[float]) -> list[float]:
+        self.asked.append("max_floats")
+        return values
+
+
+def detector(peers: Peers) -> Detector:
+    return Detector(peers, RankIdentity(0, 0, peers.world_size, "node0", "cpu"),  # type: ignore[arg-type]
+                    amp=False, gradients=None, incidents=None, module=None,  # type: ignore[arg-type]
+                    replay=None, anomaly=False, guarded=contextlib.nullcontext)
+
+
+HEALTHY = OwnRow(1.0, 2.0, 1.0, False, True, True, False, False, False, False, False)
+
+
+def test_one_flagged_rank_is_named_by_the_sum_of_indices_without_asking_every_rank() -> None:
+    peers = Peers(1024, flagged=[])
+    view = detector(peers).view(3, Totals(bad_loss=1, blamed=1, flagged=1, flagged_rank=700.0),
+                                HEALTHY, {})
+    assert [r.rank for r in view.flagged] == [700]
+    assert peers.asked == ["gather_from [188, 700]", "max_floats"]  # the peer: 700 + 512
+    assert replay_candidate([700], 1024) == 188
+
+
+def test_several_flagged_ranks_and_worlds_past_fp32_indices_ask_every_rank() -> None:
+    peers = Peers(8, flagged=[2, 5])
+    view = detector(peers).view(3, Totals(flagged=2, flagged_rank=7.0), HEALTHY, {})
+    assert [r.rank for r in view.flagged] == [2, 5] and peers.asked[0] == "flagged"
+    huge = Peers(2**24 + 8, flagged=[2**24 + 3])  # 2**24 + 3 is no fp32 number
+    view = detector(huge).view(3, Totals(flagged=1, flagged_rank=float(2**24 + 4)), HEALTHY, {})
+    assert [r.rank for r in view.flagged] == [2**24 + 3] and huge.asked[0] == "flagged"
