@@ -82,7 +82,8 @@ class Detector:
         )
         candidate = replay_candidate(flagged, world)
         speakers = sorted({*flagged, *([candidate] if candidate is not None else [])})
-        record = _record(self.identity, own, ratios) if self.peers.rank in speakers else None
+        record = (RankHealth.of(self.identity, own, ratios).to_json()
+                  if self.peers.rank in speakers else None)
         rows = self.peers.gather_from(speakers, record)
         named = tuple(_health(rank, world, rows.get(rank)) for rank in speakers)
         chosen = set(flagged)
@@ -156,23 +157,8 @@ def replay_candidate(flagged: list[int], world: int) -> int | None:
     return rank
 
 
-def _record(identity: RankIdentity, own: OwnRow, ratios: dict[str, float]) -> dict[str, Any]:
-    """What a named rank tells every rank: who it is and its row (JSON; NaN as NaN)."""
-    ident = {f: getattr(identity, f) for f in RankIdentity.__slots__}  # type: ignore[attr-defined]
-    return {
-        "identity": ident, "kinds": list(own.kinds), "injected": own.injected,
-        "loss": own.loss, "grad_norm": own.grad_norm, "quarantined": own.quarantined,
-        "spikes": ratios,
-    }
-
-
 def _health(rank: int, world: int, record: Any) -> RankHealth:
     """A named rank's row from its record (a rank that sent nothing: its number alone)."""
     if not isinstance(record, dict):
         return RankHealth(RankIdentity(rank, 0, world, "?", "?"), (), False, None, None)
-    ident = RankIdentity(**record["identity"])
-    return RankHealth(
-        ident, tuple(record["kinds"]), bool(record["injected"]), record["loss"],
-        record["grad_norm"], bool(record["quarantined"]),
-        {str(k): float(v) for k, v in record["spikes"].items()},
-    )
+    return RankHealth.from_json(record)

@@ -83,9 +83,9 @@ class HealthExchange:
         store = _default_store() if self.world_size > 1 else None
         if store is None:
             return
-        ident = {f: getattr(identity, f) for f in RankIdentity.__slots__}  # type: ignore[attr-defined]
         try:
-            store.set(f"{_IDENTITY_PREFIX}/{self._attempt}/{self.rank}", json.dumps(ident))
+            store.set(f"{_IDENTITY_PREFIX}/{self._attempt}/{self.rank}",
+                      json.dumps(identity.to_json()))
         except RuntimeError as exc:  # a store that takes no writes (the fake backend's)
             log.debug("nansentinel: rank %d could not publish its identity: %s", self.rank, exc)
 

@@ -155,8 +155,7 @@ class Pending:
         if name == "step":
             return self.step
         if name == "applied":
-            bad = totals.bad_batch + totals.bad_loss + totals.bad_grad + totals.quarantined
-            return not (bad or self.skipped)
+            return not (totals.device_skips or self.skipped)
         if name == "injected":
             return totals.injected > 0
         return {"local_kinds": list(own.kinds), "local_loss": own.loss,

@@ -22,7 +22,7 @@ from nansentinel.config import SentinelConfig
 from nansentinel.policy import Decision
 from nansentinel.result import KINDS, Outcome, RankIdentity, StepResult
 from nansentinel.spikes import CLUSTER, Spikes
-from nansentinel.view import ClusterView, RankHealth
+from nansentinel.view import SIGNALS, ClusterView, RankHealth
 
 log = logging.getLogger("nansentinel")
 
@@ -182,8 +182,9 @@ def cluster_summary(view: ClusterView) -> dict[str, Any]:
         "quarantined": t.quarantined,
         "injected": t.injected,
     }
-    for signal, n in (("loss", t.loss_n), ("grad_norm", t.grad_n)):
-        entry: dict[str, Any] = {"ranks": n, "mean": t.mean(signal), "std": t.std(signal)}
+    for signal in SIGNALS:
+        entry: dict[str, Any] = {"ranks": t.sums(signal)[0], "mean": t.mean(signal),
+                                 "std": t.std(signal)}
         if signal in view.extremes:
             entry["min"], entry["max"] = view.extremes[signal]
         out[signal] = {k: report.json_float(v) if isinstance(v, float) else v

@@ -58,6 +58,10 @@ class RankIdentity:
     gpu: str = ""
     gpu_uuid: str = ""
 
+    def to_json(self) -> dict[str, object]:
+        """The fields as a JSON-able dict (``RankIdentity(**d)`` reads it back)."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class StepResult:

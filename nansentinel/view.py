@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Any
 
 import torch
 
@@ -116,23 +117,32 @@ class Totals:
         """The flagged rank when exactly one is (from the sum of indices), else None."""
         return round(self.flagged_rank) if self.flagged == 1 else None
 
+    @property
+    def device_skips(self) -> bool:
+        """Some rank had a non-finite value or a quarantined batch: the device gate's
+        ``found_inf`` (gate.py sums the same four counts on the device)."""
+        return self.bad_batch + self.bad_loss + self.bad_grad + self.quarantined > 0
+
+    def sums(self, signal: str) -> tuple[int, float, float]:
+        """Ranks with a finite ``loss`` or ``grad_norm``, its sum and sum of squares."""
+        if signal == "loss":
+            return self.loss_n, self.loss_sum, self.loss_sq
+        return self.grad_n, self.grad_sum, self.grad_sq
+
     def mean(self, signal: str) -> float | None:
         """The cluster mean of ``loss`` or ``grad_norm`` over the ranks with a finite one."""
-        n, total = (self.loss_n, self.loss_sum) if signal == "loss" else (
-            self.grad_n, self.grad_sum)
+        n, total, _ = self.sums(signal)
         return total / n if n else None
 
     def std(self, signal: str) -> float | None:
-        n, total, sq = (self.loss_n, self.loss_sum, self.loss_sq) if signal == "loss" else (
-            self.grad_n, self.grad_sum, self.grad_sq)
+        n, total, sq = self.sums(signal)
         if not n:
             return None
         return math.sqrt(max(0.0, sq / n - (total / n) ** 2))
 
     def without(self, signal: str, values: list[float]) -> float | None:
         """The cluster mean of ``signal`` over the ranks other than those with ``values``."""
-        n, total = (self.loss_n, self.loss_sum) if signal == "loss" else (
-            self.grad_n, self.grad_sum)
+        n, total, _ = self.sums(signal)
         finite = [v for v in values if math.isfinite(v)]
         rest = n - len(finite)
         return (total - sum(finite)) / rest if rest > 0 else None
@@ -214,6 +224,22 @@ class RankHealth:
     def of(cls, identity: RankIdentity, own: OwnRow, ratios: dict[str, float]) -> RankHealth:
         return cls(identity, own.kinds, own.injected, own.loss, own.grad_norm,
                    own.quarantined, ratios)
+
+    def to_json(self) -> dict[str, object]:
+        """What a named rank sends in a detection (JSON; NaN stays NaN on this wire)."""
+        return {
+            "identity": self.identity.to_json(), "kinds": list(self.kinds),
+            "injected": self.injected, "loss": self.loss, "grad_norm": self.grad_norm,
+            "quarantined": self.quarantined, "spikes": dict(self.spikes),
+        }
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> RankHealth:
+        return cls(
+            RankIdentity(**d["identity"]), tuple(d["kinds"]), bool(d["injected"]), d["loss"],
+            d["grad_norm"], bool(d["quarantined"]),
+            {str(k): float(v) for k, v in d["spikes"].items()},
+        )
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
