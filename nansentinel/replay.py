@@ -10,10 +10,19 @@ with the same (unchanged: the step was not applied) weights:
 - every rank non-finite or spiking together → ``divergence`` (learning rate or model: no
   replay needed, rollback with a lower learning rate is the remedy).
 
+Every rank replays, in lockstep: the user's forward and loss may hold collectives
+(SyncBatchNorm, a token count all-reduced to normalise the loss, ``sync_dist`` logging, MoE
+dispatch), and a collective run by two ranks alone pairs with whatever the others run next.
+So the peer replays the poisoned batch while every other rank replays its own, forward and
+backward, and each rank's collectives meet the same ones everywhere. Only the poisoned rank
+and the peer look at the result (with hooks); the others' replays are discarded.
+
 While replaying, forward hooks on every module and gradient hooks on every parameter find the
 first module whose output went non-finite and the first parameter gradient that did, and, when
-asked, ``torch.autograd.set_detect_anomaly`` names the backward operation. These tools cost
-2-3x a step and more, which is why they live here and not on the normal step.
+asked, ``torch.autograd.set_detect_anomaly`` names the backward operation. Anomaly mode stops
+at the first bad operation on the ranks that have one, so it runs only when no rank's replay
+issued a collective (counted with a dispatch mode during the replay), on the two ranks alone.
+These tools cost 2-3x a step and more, which is why they live here and not on the normal step.
 """
 
 from __future__ import annotations
@@ -26,6 +35,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from nansentinel import checks
 from nansentinel.collectives import Peers, plain
@@ -46,6 +56,7 @@ class ReplayResult:
     first_parameter: str | None = None
     anomaly: str | None = None
     error: str | None = None
+    collectives: int = 0
 
     def to_json(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
@@ -55,14 +66,18 @@ class ReplayResult:
 
 
 def replay(
-    module: torch.nn.Module, batch: Any, fn: ReplayFn, *, anomaly: bool = False
+    module: torch.nn.Module, batch: Any, fn: ReplayFn, *, anomaly: bool = False,
+    localise: bool = True,
 ) -> ReplayResult:
     """Replay ``fn(module, batch)`` forward and backward with localisation hooks.
 
     Leaves no trace: gradients are taken with ``torch.autograd.grad`` (nothing accumulates
-    into ``.grad``, and DDP's reducer, which hooks gradient accumulation, never sees the replay
-    — only the poisoned rank and one peer run it), buffers (e.g. BatchNorm statistics) and the
-    RNG state are restored, hooks removed. Any exception from ``fn`` is recorded, not raised.
+    into ``.grad``, and DDP's reducer, which hooks gradient accumulation, never sees the
+    replay), buffers (e.g. BatchNorm statistics) and the RNG state are restored, hooks removed.
+    Any exception from ``fn`` is recorded, not raised. ``localise=False``: no hooks (a rank
+    that replays only so that the collectives inside ``fn`` pair up). ``collectives`` counts
+    the collectives the replay issued. ``anomaly``: a second pass under anomaly mode when the
+    first was not finite (alone only: see the module docstring).
     """
     found: dict[str, str] = {}
     grads_finite = True
@@ -85,24 +100,31 @@ def replay(
 
         return hook
 
-    handles = [m.register_forward_hook(forward_hook(n)) for n, m in module.named_modules()]
     params = [p for _, p in module.named_parameters() if p.requires_grad]
-    handles += [p.register_hook(grad_hook(n)) for n, p in module.named_parameters()
-                if p.requires_grad]
+    handles = []
+    if localise:
+        handles = [m.register_forward_hook(forward_hook(n)) for n, m in module.named_modules()]
+        handles += [p.register_hook(grad_hook(n)) for n, p in module.named_parameters()
+                    if p.requires_grad]
     result = ReplayResult(finite=False)
+    counter = _Collectives()
     try:
-        with _preserved(module):
+        with _preserved(module), counter:
             loss = fn(module, batch)
-            result.loss = float(loss.detach().float().mean())
             loss_finite = bool(torch.isfinite(loss.detach()).all())
+            result.loss = float(loss.detach().float().mean())
             if loss.requires_grad and params:
-                torch.autograd.grad(loss.float().sum(), params, allow_unused=True)
+                grads = torch.autograd.grad(loss.float().sum(), params, allow_unused=True)
+                if not localise:
+                    grads_finite = all(bool(torch.isfinite(g).all()) for g in grads
+                                       if g is not None)
         result.finite = loss_finite and grads_finite and "module" not in found
     except Exception as exc:  # the user's replay function may fail in any way
         result.error = f"{type(exc).__name__}: {exc}"
     finally:
         for h in handles:
             h.remove()
+    result.collectives = counter.count
     result.first_module = found.get("module")
     result.first_parameter = found.get("parameter")
     if anomaly and not result.finite and result.error is None:
@@ -110,6 +132,22 @@ def replay(
         # parameter hooks above could see anything, so it cannot share their pass.
         result.anomaly = _anomaly_trace(module, batch, fn, params)
     return result
+
+
+class _Collectives(TorchDispatchMode):
+    """Counts the collectives (``c10d`` operations) run while it is active, forward and
+    backward: whether a replay may run on some ranks alone."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(
+        self, func: Any, types: Any, args: Any = (), kwargs: Any = None
+    ) -> Any:
+        if func.namespace in ("c10d", "_c10d_functional", "c10d_functional"):
+            self.count += 1
+        return func(*args, **(kwargs or {}))
 
 
 def _anomaly_trace(
@@ -144,10 +182,12 @@ def blame(
     the incident report's gather).
 
     ``divergence`` when every rank is bad or the spike is cluster-wide (no replay needed).
-    Otherwise, with a replay function, the first blamed rank replays its own batch, and the
-    view's healthy peer (another host, where ranks are laid out host by host) replays the
-    same batch, sent to it point to point. One small collective (a sum of four flags) makes
-    the outcome common knowledge. Called on every rank, after a detection only.
+    Otherwise, with a replay function, the first blamed rank's batch goes to the view's
+    healthy peer (another host, where ranks are laid out host by host), point to point, and
+    every rank replays in lockstep: the blamed rank and every other rank their own batch, the
+    peer the blamed one. Small collectives (a sum of one flag, then of five) check that every
+    rank has a batch to replay and make the outcome common knowledge. Called on every rank,
+    after a detection only.
     """
     world = peers.world_size
     if world > 1 and (len(blamed) == world or spikes.cluster_wide):
@@ -156,11 +196,9 @@ def blame(
         return None, {}
     subject = blamed[0]
     peer = view.replay_peer
-    own = theirs = None
-    detail: dict[str, Any] = {}
+    mine, detail = batch, {}
     if peers.rank == subject.rank and batch is not None:
-        own = replay(module, batch, fn, anomaly=anomaly)
-        detail = {"replay": own.to_json(), "fingerprint": fingerprint(batch)}
+        detail = {"fingerprint": fingerprint(batch)}
     if peer is not None:
         outgoing = None
         if peers.rank == subject.rank and batch is not None:
@@ -170,17 +208,44 @@ def blame(
                 detail["replay_sent_without"] = dropped
         sent = peers.send_object(outgoing, subject.rank, peer)
         if peers.rank == peer and sent is not None:
-            theirs = replay(module, sent, fn, anomaly=anomaly)
-            detail = {"peer_replay": theirs.to_json(), "replayed_for": subject.rank}
-        elif peers.rank == peer:
+            mine, detail = sent, {"replayed_for": subject.rank}
+        elif peers.rank == peer:  # it still replays (its own batch): the collectives pair up
             detail = {"peer_replay_skipped": f"no plain data came from rank {subject.rank} "
                       "(see its replay_sent_without)", "replayed_for": subject.rank}
+    # Every rank replays or none does: a rank without a batch would leave the others'
+    # collectives unmatched.
+    holding = peers.sum_floats([float(mine is not None)])[0]
+    if holding < world:
+        detail["replay_skipped"] = (
+            f"{world - int(holding)} of {world} ranks had no batch to replay (check_batch "
+            "was not called with it); every rank replays in lockstep or none does"
+        )
+        return None, detail
+    ours = peers.rank == subject.rank
+    theirs = peers.rank == peer and "peer_replay_skipped" not in detail
+    result = replay(module, mine, fn, localise=ours or theirs)
+    if ours:
+        detail["replay"] = result.to_json()
+    elif theirs:
+        detail["peer_replay"] = result.to_json()
     flags = peers.sum_floats([
-        float(own is not None and own.error is None),
-        float(own is not None and own.finite),
-        float(theirs is not None and theirs.error is None),
-        float(theirs is not None and theirs.finite),
+        float(ours and result.error is None),
+        float(ours and result.finite),
+        float(theirs and result.error is None),
+        float(theirs and result.finite),
+        float(result.collectives),
     ])
+    if anomaly and (ours or theirs) and not result.finite and result.error is None:
+        key = "replay" if ours else "peer_replay"
+        if flags[4]:
+            detail[key]["anomaly_skipped"] = (
+                f"the replay function issues collectives ({int(flags[4])} over all ranks); "
+                "anomaly mode stops at the first bad operation on this rank alone, which "
+                "would leave the others waiting"
+            )
+        else:
+            params = [p for p in module.parameters() if p.requires_grad]
+            detail[key]["anomaly"] = _anomaly_trace(module, mine, fn, params)
     if not flags[0]:
         return None, detail
     return verdict_of(bool(flags[1]), bool(flags[3]) if flags[2] else None), detail

@@ -68,7 +68,8 @@ class Sentinel:
         replay: ``fn(module, batch) -> loss``, the forward and loss of one step on the
             unwrapped module; with it, a detection is replayed to tell data, host and
             transient faults apart and to find the first non-finite module and parameter.
-            Off under FSDP2 (a replay's forward would all-gather on two ranks alone).
+            Every rank replays in lockstep, so collectives inside ``fn`` pair up. Off under
+            FSDP2 (its backward would reduce-scatter through the gradient path being judged).
         snapshots: ``(save, load)`` — the user's own checkpoint pair for rollbacks
             (``save(step)``; ``load() -> step``) — or a ``SnapshotStore``; default: host memory.
         env: environment to read ``NANSENTINEL_*`` from (default ``os.environ``).
@@ -151,8 +152,8 @@ class Sentinel:
         self._reset()
         if self.gradients.name == "fsdp" and replay is not None and cfg.replay:
             log.info(
-                "nansentinel: replay is off under FSDP2 (its forward all-gathers, so two ranks "
-                "cannot replay alone); detections get verdict None"
+                "nansentinel: replay is off under FSDP2 (its backward would reduce-scatter "
+                "through the gradient path being judged); detections get verdict None"
             )
         self.watchdog: Watchdog | None = None
         if self.world_size > 1:

@@ -38,6 +38,26 @@ def test_nan_producing_batch_is_data_quarantined_and_training_goes_on(tmp_path: 
 
 
 @pytest.mark.timeout(150)
+def test_replay_with_a_collective_in_the_forward_runs_in_lockstep(tmp_path: Path) -> None:
+    """The forward all-reduces its token count: every rank replays, so the collectives pair
+    up, the detection stays a skip (no crash, no hang), and anomaly mode is declined."""
+    runs = run_ranks(blame, 4, tmp_path, scenario="data", steps=5, count_tokens=True,
+                     replay_anomaly=True, report_dir=str(tmp_path / "r"), timeout=120)
+    assert [r["exitcode"] for r in runs] == [0, 0, 0, 0]
+    for out in values(runs):
+        recs = out["records"]
+        assert recs[3]["bad_ranks"] == [1] and recs[3]["verdict"] == "data"
+        assert not recs[3]["applied"]
+        assert [r["applied"] for i, r in enumerate(recs) if i != 3] == [True] * 4
+    report = json.loads(Path(values(runs)[0]["records"][3]["report_path"]).read_text())
+    own = report["ranks"]["1"]["replay"]
+    assert own["finite"] is False and own["collectives"] >= 1
+    assert "collectives" in own["anomaly_skipped"] and own["anomaly"] is None
+    peer = next(r for r in report["ranks"].values() if "peer_replay" in r)
+    assert peer["peer_replay"]["finite"] is False and peer["replayed_for"] == 1
+
+
+@pytest.mark.timeout(150)
 def test_faulty_device_is_host_and_injected_fault_is_transient(tmp_path: Path) -> None:
     outs = values(run_ranks(blame, 4, tmp_path, scenario="host", steps=7,
                             inject="kind=grad,rank=1,step=5", host_strikes=99,

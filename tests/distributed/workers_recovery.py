@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -35,9 +36,14 @@ class LogMLP(nn.Module):
         self.out = nn.Linear(16, 1)
         self.gradient_gain = 1.0
         self.faulty = False
+        self.count_tokens = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = torch.relu(self.inp(torch.log(x)))
+        if self.count_tokens:  # normalised by the global token count: a collective (finite)
+            tokens = torch.tensor(float(x.shape[0]))
+            dist.all_reduce(tokens)
+            h = h * (x.shape[0] * dist.get_world_size() / tokens)
         h = torch.tanh(self.hidden(h))
         if self.faulty:  # a faulty device: this rank's arithmetic is wrong
             h = h * torch.tensor(float("nan"))
@@ -66,11 +72,13 @@ def _record(r: nansentinel.StepResult) -> dict[str, Any]:
 
 
 def blame(rank: int, world: int, *, scenario: str, steps: int, report_dir: str,
-          **overrides: Any) -> dict[str, Any]:
+          count_tokens: bool = False, **overrides: Any) -> dict[str, Any]:
     """``data``: rank 1 gets a NaN-producing batch at step 3, rank 3 the same batch at step 6.
-    ``host``: rank 1's device is faulty at step 3 (also during the replay)."""
+    ``host``: rank 1's device is faulty at step 3 (also during the replay). ``count_tokens``:
+    the forward all-reduces its token count (so does the replay)."""
     torch.manual_seed(0)
     net = LogMLP()
+    net.count_tokens = count_tokens
     model = DDP(net)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     sentinel = nansentinel.Sentinel(model, opt, replay=mse, report_dir=report_dir,
