@@ -43,6 +43,7 @@ from nansentinel.result import (
     SentinelUsageError,
     StepResult,
 )
+from nansentinel.scaling import record_skip
 from nansentinel.spikes import SpikeDetector, Spikes
 from nansentinel.view import ClusterView, OwnRow, Totals, pack
 from nansentinel.watchdog import Watchdog
@@ -395,6 +396,8 @@ class Sentinel:
                 # Discard the poisoned gradients on every rank: weights never take them. (The
                 # device gate skipped them already; by now they may be the next step's.)
                 self.optimizer.zero_grad(set_to_none=True)
+                if not optimizer_step and self.scaler is not None:
+                    record_skip(self.scaler, self.optimizer)  # the caller's scaler.step
             if decision.action == ROLLBACK and self.snapshots is not None:
                 rolled_back_to = self.snapshots.load()
                 self.cooldown.start(self.config.rollback_lr_factor, self.config.rollback_lr_steps)
