@@ -164,6 +164,12 @@ class SentinelConfig:
     be read after the next sentinel call (earlier reads raise ``ResultPending``; a read never
     runs a collective), and the device gate has not been measured on a GPU yet."""
 
+    quarantine_size: int = 64
+    """Most batches kept in the quarantine (verdict ``data``); one more drops the oldest."""
+
+    quarantine_steps: int = 100_000
+    """Steps after its verdict a quarantined batch is still recognised and skipped."""
+
     save_batches: bool = True
     """Save the poisoned rank's batch next to the incident report (``torch.save``) so the
     incident can be reproduced. The batch is the user's training data: files are created
@@ -226,6 +232,8 @@ class SentinelConfig:
         _require_int("rollback_lr_steps", self.rollback_lr_steps, minimum=0)
         _require_int("rollback_skip_batches", self.rollback_skip_batches, minimum=0)
         _require_int("max_rollbacks", self.max_rollbacks, minimum=1)
+        _require_int("quarantine_size", self.quarantine_size, minimum=1)
+        _require_int("quarantine_steps", self.quarantine_steps, minimum=1)
         for name in ("replay", "replay_anomaly", "save_batches"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name}={getattr(self, name)!r} must be True or False")

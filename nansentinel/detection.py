@@ -31,6 +31,7 @@ from nansentinel.collectives import Peers
 from nansentinel.gradpaths import GradPath
 from nansentinel.incident import IncidentWriter
 from nansentinel.policy import Decision, is_blamed
+from nansentinel.quarantine import Quarantine, Signature
 from nansentinel.replay import ReplayFn, blame
 from nansentinel.result import RankIdentity, StepResult
 from nansentinel.spikes import Spikes
@@ -132,16 +133,18 @@ class Detector:
 
     def record(
         self, view: ClusterView, decision: Decision, result: StepResult, spikes: Spikes, *,
-        detail: dict[str, Any], batch: Any, quarantine: set[str],
+        detail: dict[str, Any], batch: Any, quarantine: Quarantine,
     ) -> StepResult:
         """Write the incident (report on rank 0, the poisoned batch, log lines); a ``data``
-        verdict adds the batch's fingerprint to ``quarantine``. Returns ``result`` with its
+        verdict adds the batch's signature to ``quarantine``. Returns ``result`` with its
         parameters and report path."""
         result, details = self.incidents.write(
             view, decision, result, spikes, detail=detail, batch=batch, guarded=self.guarded,
         )
         if result.verdict == "data":
-            quarantine.update(d["fingerprint"] for d in details.values() if d.get("fingerprint"))
+            for d in details.values():
+                if d.get("signature"):
+                    quarantine.add(Signature.from_json(d["signature"]), view.step)
         return result
 
 

@@ -36,11 +36,18 @@ class LocalHealth:
         self.grad_norms: list[torch.Tensor] = []
         """One 0-d gradient norm per DDP bucket or (device, dtype) group of parameters."""
         self.injected = False
-        self.quarantined = False
+        self.quarantined: torch.Tensor | None = None
+        """A 0-d device flag: some batch checked this step is quarantined (None: none can be)."""
 
     def add_batch(self, batch: Any, norms: list[torch.Tensor]) -> None:
         self.batch_norms.extend(norms)
         self.batch = batch
+
+    def add_quarantined(self, flag: torch.Tensor) -> None:
+        """Add one batch's quarantine flag (0-d, on the device: 1 = quarantined)."""
+        self.quarantined = flag if self.quarantined is None else torch.maximum(
+            self.quarantined, flag
+        )
 
     def add_loss(self, value: torch.Tensor) -> None:
         """Add a loss value (0-d); NaN and Inf propagate through the sum into the flag."""
@@ -60,9 +67,12 @@ class LocalHealth:
         if self.loss_sum is not None:
             loss = self.loss_sum if self.loss_count == 1 else self.loss_sum / self.loss_count
         grad = _combined([n.to(self.device) for n in self.grad_norms], zero)
-        host = (self.injected, self.loss_sum is not None, bool(self.grad_norms), self.quarantined)
-        flags = _constant(tuple(map(float, host)), self.device)
-        return torch.cat([torch.stack([batch, loss, grad]).to(torch.float32), flags])
+        host = (self.injected, self.loss_sum is not None, bool(self.grad_norms))
+        flags = _constant((*map(float, host), 0.0), self.device)
+        values = torch.stack([batch, loss, grad]).to(torch.float32)
+        if self.quarantined is None:
+            return torch.cat([values, flags])
+        return torch.cat([values, flags[:3], self.quarantined.reshape(1).to(torch.float32)])
 
 
 def _combined(norms: list[torch.Tensor], zero: torch.Tensor) -> torch.Tensor:

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import hashlib
 import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -39,6 +38,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from nansentinel import checks
 from nansentinel.collectives import Peers, plain
+from nansentinel.quarantine import signature
 from nansentinel.spikes import Spikes
 from nansentinel.view import ClusterView, RankHealth
 
@@ -198,7 +198,8 @@ def blame(
     peer = view.replay_peer
     mine, detail = batch, {}
     if peers.rank == subject.rank and batch is not None:
-        detail = {"fingerprint": fingerprint(batch)}
+        sig = signature(batch)
+        detail = {"fingerprint": sig.fingerprint, "signature": sig.to_json()}
     if peer is not None:
         outgoing = None
         if peers.rank == subject.rank and batch is not None:
@@ -258,20 +259,6 @@ def verdict_of(own_finite: bool, peer_finite: bool | None) -> str:
     if peer_finite is None or not peer_finite:
         return "data"
     return "host"
-
-
-def fingerprint(batch: Any) -> str:
-    """A short content fingerprint of every tensor of a batch (float and integer), used to
-    recognise a quarantined batch if it comes round again. One host sync per tensor, paid only
-    while something is quarantined."""
-    h = hashlib.sha1()
-    for t in checks.tensors(batch):
-        d = t.detach()
-        if d.is_complex():
-            d = torch.view_as_real(d)
-        stats = torch.stack([d.double().sum(), d.double().abs().sum(), d.double().pow(2).sum()])
-        h.update(f"{d.dtype}{tuple(d.shape)}{stats.tolist()}".encode())
-    return h.hexdigest()[:16]
 
 
 @contextlib.contextmanager

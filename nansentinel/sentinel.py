@@ -35,8 +35,9 @@ from nansentinel.gate import DeviceGate, Pending, PendingResult, device_gate_ref
 from nansentinel.inject import Injector, parse_inject
 from nansentinel.local import LocalHealth, to_device
 from nansentinel.policy import ROLLBACK, Decision, History, blamed, decide
+from nansentinel.quarantine import Quarantine
 from nansentinel.recovery import Cooldown, MemorySnapshots, SnapshotStore, UserSnapshots
-from nansentinel.replay import ReplayFn, fingerprint
+from nansentinel.replay import ReplayFn
 from nansentinel.result import (
     RankIdentity,
     ResultPending,
@@ -134,7 +135,10 @@ class Sentinel:
         self.cooldown = Cooldown()
         self._after_step: tuple[Any, ClusterView] | None = None
         self._post_hook: Any = None
-        self.quarantine: set[str] = set()
+        #: Batches with a ``data`` verdict, recognised on the device (quarantine.py).
+        self.quarantine = Quarantine(
+            self.device, size=cfg.quarantine_size, steps=cfg.quarantine_steps
+        )
         self.incidents = incident.IncidentWriter(
             cfg, self.identity, self.exchange.peers, self.job_id
         )
@@ -185,8 +189,9 @@ class Sentinel:
         first = next(checks.float_tensors(batch), None)
         if self.injector.poison("batch", self.step_index, first):
             self.local.injected = True
-        if self.quarantine and fingerprint(batch) in self.quarantine:
-            self.local.quarantined = True
+        quarantined = self.quarantine.match(batch, self.step_index)
+        if quarantined is not None:
+            self.local.add_quarantined(quarantined)
         self.local.add_batch(batch, checks.batch_norms(batch, self.device))
         self._seconds += time.perf_counter() - started
         return batch
@@ -469,7 +474,7 @@ class Sentinel:
             **self.history.state_dict(),
             "spikes": self.spikes.state_dict(),
             "cooldown": self.cooldown.state_dict(),
-            "quarantine": sorted(self.quarantine),
+            "quarantine": self.quarantine.state_dict(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -481,7 +486,7 @@ class Sentinel:
             self._send_thresholds()
         if "cooldown" in state:
             self.cooldown.load_state_dict(state["cooldown"])
-        self.quarantine = set(state.get("quarantine", []))
+        self.quarantine.load_state_dict(state.get("quarantine", []), self.step_index)
 
     def close(self) -> None:
         """Decide a step still pending on the device gate (its report and metrics are

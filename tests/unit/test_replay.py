@@ -9,7 +9,8 @@ import torch
 from torch import nn
 
 import nansentinel
-from nansentinel.replay import fingerprint, replay, verdict_of
+from nansentinel.quarantine import fingerprint
+from nansentinel.replay import replay, verdict_of
 
 
 class LogLayer(nn.Module):
