@@ -16,6 +16,7 @@ apply the step, skip it, or abort — naming the rank and host that was poisoned
 
 from nansentinel.config import ConfigError, SentinelConfig
 from nansentinel.inject import Fault, parse_inject
+from nansentinel.recovery import SnapshotMemoryError
 from nansentinel.result import (
     ExchangeTimeoutError,
     HostExcludedError,
@@ -42,6 +43,7 @@ __all__ = [
     "Sentinel",
     "SentinelConfig",
     "SentinelUsageError",
+    "SnapshotMemoryError",
     "StepResult",
     "__version__",
     "parse_inject",

@@ -2,21 +2,39 @@
 
 This is the playbook people follow by hand after a spike or a NaN (PaLM's remedy among them):
 stop before the weights are ruined, restore the last good state, lower the learning rate near
-the spike, skip the batches that led into it. Every rank holds an identical snapshot (taken at
-the same healthy step, of identical weights) and restores it at the same step, so the replicas
-stay identical without a collective.
+the spike, skip the batches that led into it. Every rank takes its snapshot at the same healthy
+step and restores it at the same step, so the replicas stay identical.
+
+A snapshot of a large model does not fit as a full copy per rank (a 7 B model with Adam is
+about 112 GB: 0.9 TB per 8-GPU node), so :class:`MemorySnapshots` keeps, under DDP, only this
+rank's 1/W slice of what every replica holds identically (the parameters DDP reduces and their
+optimizer state) and gathers the slices back on a rollback; it copies into host buffers
+allocated once, asynchronously, and refuses with the numbers when even that does not fit.
 """
 
 from __future__ import annotations
 
 import copy
 import dataclasses
-from collections.abc import Callable
-from typing import Any, Protocol
+import logging
+import socket
+from collections import OrderedDict
+from collections.abc import Callable, Collection
+from typing import TYPE_CHECKING, Any, Protocol
 
+import psutil
 import torch
+import torch.distributed as dist
 
-from nansentinel.report import to_cpu
+if TYPE_CHECKING:
+    from nansentinel.collectives import Peers
+
+
+log = logging.getLogger("nansentinel")
+
+#: Tensors smaller than this (elements) are kept whole on every rank: a slice of them saves
+#: next to nothing and would cost one more collective on a rollback.
+SHARD_MIN_NUMEL = 1 << 16
 
 
 class SnapshotStore(Protocol):
@@ -33,44 +51,342 @@ class SnapshotStore(Protocol):
         """Step of the last saved state (None: nothing saved yet)."""
 
 
-class MemorySnapshots:
-    """Model, optimizer (and GradScaler) state copied to host memory.
+class SnapshotMemoryError(RuntimeError):
+    """A rollback snapshot does not fit in host memory, on this rank or on another one.
 
-    A copy is one device-to-host transfer of the weights and optimizer state every
-    ``snapshot_every`` healthy steps; it is paid only when a rollback policy or action is on.
+    Raised on every rank at the same save (the ranks agree on it in one small collective), so
+    that no rank waits for another that stopped; nothing has been allocated.
     """
 
-    def __init__(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                 scaler: Any = None) -> None:
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Slot:
+    """One tensor of the saved state: where it sits and how this rank keeps it."""
+
+    path: tuple[Any, ...]
+    dtype: torch.dtype
+    shape: tuple[int, ...]  # a DTensor's: its local shard's
+    device: torch.device
+    #: Elements this rank keeps of the flat tensor padded to ``chunk * W`` (its slice number
+    #: ``rank``); 0: kept whole.
+    chunk: int
+    dtensor: bool
+    #: How a DTensor is rebuilt around a fresh local shard (mesh, placements, shape, stride).
+    spec: Any = dataclasses.field(default=None, compare=False)
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+    @property
+    def nbytes(self) -> int:
+        """Host bytes this rank holds for it."""
+        return (self.chunk or self.numel) * self.dtype.itemsize
+
+
+class _Hole:
+    """Where tensor ``index`` of a flattened state goes back."""
+
+    __slots__ = ("index",)
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+
+
+def _flatten(obj: Any, path: tuple[Any, ...], out: list[tuple[tuple[Any, ...], torch.Tensor]]
+             ) -> Any:
+    """``obj`` with every tensor replaced by a :class:`_Hole` (appended to ``out`` with its
+    path) and everything else deep-copied: later changes to the live state (a scheduler's LR)
+    must not reach the snapshot."""
+    if isinstance(obj, torch.Tensor):
+        out.append((path, obj))
+        return _Hole(len(out) - 1)
+    if isinstance(obj, dict):
+        items = {k: _flatten(v, (*path, k), out) for k, v in obj.items()}
+        rebuilt = type(obj)(items) if type(obj) in (dict, OrderedDict) else items
+        if hasattr(obj, "_metadata"):  # Module.state_dict's versions, read by load_state_dict
+            rebuilt = OrderedDict(rebuilt)
+            rebuilt._metadata = copy.deepcopy(obj._metadata)  # type: ignore[attr-defined]
+        return rebuilt
+    if isinstance(obj, list | tuple):
+        items = [_flatten(v, (*path, i), out) for i, v in enumerate(obj)]
+        return type(obj)(*items) if hasattr(obj, "_fields") else type(obj)(items)
+    return copy.deepcopy(obj)
+
+
+def _fill(obj: Any, tensors: list[torch.Tensor]) -> Any:
+    """The inverse of :func:`_flatten`: the holes filled with ``tensors``, the rest copied."""
+    if isinstance(obj, _Hole):
+        return tensors[obj.index]
+    if isinstance(obj, dict):
+        items = {k: _fill(v, tensors) for k, v in obj.items()}
+        rebuilt = type(obj)(items) if type(obj) in (dict, OrderedDict) else items
+        if hasattr(obj, "_metadata"):
+            rebuilt._metadata = copy.deepcopy(obj._metadata)  # type: ignore[attr-defined]
+        return rebuilt
+    if isinstance(obj, list | tuple):
+        items = [_fill(v, tensors) for v in obj]
+        return type(obj)(*items) if hasattr(obj, "_fields") else type(obj)(items)
+    return copy.deepcopy(obj)
+
+
+def _available_bytes() -> int:
+    return int(psutil.virtual_memory().available)
+
+
+class MemorySnapshots:
+    """Model, optimizer (and GradScaler) state kept in host memory, for a rollback.
+
+    What a rank holds:
+
+    - Under DDP (``replicas`` given, more than one), the parameters DDP keeps identical on
+      every replica and their optimizer state are sharded: each floating tensor of at least
+      ``shard_min_numel`` elements is flattened, padded to a multiple of W, and this rank keeps
+      slice number ``rank`` (1/W of it). A rollback gathers the slices back, one
+      ``all_gather`` per such tensor on the replicas' group, in the same order on every rank (a
+      rollback is decided identically everywhere, at the same step). Buffers (a BatchNorm's
+      running statistics differ per rank), the parameters DDP ignores, small tensors (Adam's
+      ``step``) and everything that is not a tensor are kept whole.
+    - Otherwise (one process, FSDP2, gradients reduced by hand) every tensor is kept whole: an
+      FSDP2 state dict already holds this rank's local shards only (DTensors; their local
+      tensors are what is kept).
+
+    How it is copied: the host buffers are allocated once (pinned when the state lives on an
+    accelerator) and every save copies into them with ``non_blocking=True``, so a save
+    allocates nothing and does not block the host per tensor. The copy is ordered on the
+    device's current stream before the optimizer's next in-place update, and a rollback reads
+    the buffers on that same stream, so nothing reads them half written. The buffers are
+    reallocated only when the layout of the state changes (the optimizer's state appears at
+    its first step, after a snapshot of the weights alone): only then is the fit checked, with
+    one small collective on ``peers`` (every rank changes layout at the same save), and a save
+    that does not fit raises :class:`SnapshotMemoryError` on every rank, naming the bytes.
+
+    A rollback copies the snapshot into the live tensors in place when their layout is the
+    snapshot's (no second copy of the state on the device), or into fresh ones otherwise; the
+    snapshot's buffers are never handed to the model or the optimizer, so later steps cannot
+    write into them.
+
+    Args:
+        module: the model (DDP's inner module).
+        optimizer: its optimizer.
+        scaler: a GradScaler, whose state is kept too.
+        peers: the ranks that decide together (the exchange's); None: this process alone.
+        replicas: the data-parallel replicas to shard across (DDP's process group); None: keep
+            every tensor whole.
+        unreplicated: names of parameters the replicas do not keep identical (DDP's
+            ``parameters_to_ignore``): kept whole.
+        hostname: this host's name, for the refusal message.
+        available: host bytes free now (default: ``psutil.virtual_memory().available``).
+        shard_min_numel: tensors with fewer elements are kept whole.
+    """
+
+    def __init__(
+        self, module: torch.nn.Module, optimizer: torch.optim.Optimizer, scaler: Any = None, *,
+        peers: Peers | None = None, replicas: Peers | None = None,
+        unreplicated: Collection[str] = (), hostname: str | None = None,
+        available: Callable[[], int] = _available_bytes, shard_min_numel: int = SHARD_MIN_NUMEL,
+    ) -> None:
         self.module, self.optimizer, self.scaler = module, optimizer, scaler
-        self._state: dict[str, Any] | None = None
+        self.peers = peers
+        self.replicas = replicas if replicas is not None and not replicas.alone else None
+        self.unreplicated = frozenset(unreplicated)
+        self.hostname = hostname or socket.gethostname()
+        self.available = available
+        self.shard_min_numel = shard_min_numel
+        self._layout: tuple[_Slot, ...] | None = None
+        self._buffers: list[torch.Tensor] = []
+        self._skeleton: dict[str, Any] | None = None
+        self._scaler_state: Any = None
         self._step: int | None = None
 
     @property
     def step(self) -> int | None:
         return self._step
 
+    @property
+    def bytes(self) -> int:
+        """Host bytes this rank holds for the snapshot (its buffers)."""
+        return sum(b.nbytes for b in self._buffers)
+
+    @property
+    def unsharded_bytes(self) -> int:
+        """Host bytes a whole copy of the same state would take on this rank."""
+        return sum(s.numel * s.dtype.itemsize for s in self._layout or ())
+
     def save(self, step: int) -> None:
-        # One copy each, straight to host memory (a deepcopy first would duplicate the
-        # optimizer state on the device before moving it).
-        state = {
-            "model": to_cpu(self.module.state_dict(), copy=True),
-            "optimizer": to_cpu(self.optimizer.state_dict(), copy=True),
-        }
+        skeleton, leaves = self._live()
+        layout = self._layout_of(leaves)
+        if layout != self._layout:
+            self._allocate(layout, step)
+        for slot, (_, src), buf in zip(layout, leaves, self._buffers, strict=True):
+            _copy_in(slot, src, buf, self._rank_of_replicas())
         if self.scaler is not None:
-            state["scaler"] = self.scaler.state_dict()
-        self._state, self._step = state, step
+            self._scaler_state = copy.deepcopy(self.scaler.state_dict())
+        self._skeleton, self._step = skeleton, step
 
     def load(self) -> int:
-        if self._state is None or self._step is None:
+        if self._skeleton is None or self._layout is None or self._step is None:
             raise RuntimeError("no snapshot to roll back to")
-        self.module.load_state_dict(self._state["model"])
-        # A copy: load_state_dict keeps tensors that need no cast (CPU state for CPU params),
-        # and the optimizer's in-place updates would then reach the snapshot.
-        self.optimizer.load_state_dict(copy.deepcopy(self._state["optimizer"]))
-        if self.scaler is not None and "scaler" in self._state:
-            self.scaler.load_state_dict(self._state["scaler"])
+        _, live = self._live()
+        if self._layout_of(live) == self._layout:
+            targets = [t for _, t in live]  # written in place: no second copy on the device
+        else:
+            targets = [_empty_like(slot) for slot in self._layout]
+        with torch.no_grad():
+            for slot, buf, target in zip(self._layout, self._buffers, targets, strict=True):
+                self._restore(slot, buf, target)
+        state = _fill(self._skeleton, targets)
+        self.module.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        if self.scaler is not None and self._scaler_state is not None:
+            self.scaler.load_state_dict(copy.deepcopy(self._scaler_state))
         return self._step
+
+    # --- layout -----------------------------------------------------------------------------
+
+    def _live(self) -> tuple[dict[str, Any], list[tuple[tuple[Any, ...], torch.Tensor]]]:
+        leaves: list[tuple[tuple[Any, ...], torch.Tensor]] = []
+        skeleton = {
+            "model": _flatten(self.module.state_dict(), ("model",), leaves),
+            "optimizer": _flatten(self.optimizer.state_dict(), ("optimizer",), leaves),
+        }
+        return skeleton, leaves
+
+    def _rank_of_replicas(self) -> int:
+        return self.replicas.rank if self.replicas is not None else 0
+
+    def _layout_of(self, leaves: list[tuple[tuple[Any, ...], torch.Tensor]]
+                   ) -> tuple[_Slot, ...]:
+        world = self.replicas.world_size if self.replicas is not None else 1
+        names, indices = self._replicated() if self.replicas is not None else (set(), set())
+        slots = []
+        for path, t in leaves:
+            dtensor = _is_dtensor(t)
+            local = t.to_local() if dtensor else t
+            replicated = not dtensor and (
+                (path[0] == "model" and path[1] in names)
+                or (path[:2] == ("optimizer", "state") and path[2] in indices)
+            )
+            chunk = 0
+            if replicated and t.is_floating_point() and t.numel() >= self.shard_min_numel:
+                chunk = -(-t.numel() // world)
+            spec = (t.device_mesh, t.placements, t.shape, t.stride()) if dtensor else None
+            slots.append(_Slot(path, t.dtype, tuple(local.shape), local.device, chunk, dtensor,
+                               spec))
+        return tuple(slots)
+
+    def _replicated(self) -> tuple[set[str], set[int]]:
+        """The state-dict names of the parameters every replica keeps identical, and the
+        optimizer-state indices of those parameters (an optimizer may hold others too)."""
+        ids, names = set(), set()
+        for name, p in self.module.named_parameters(remove_duplicate=False):
+            if name not in self.unreplicated:
+                ids.add(id(p))
+                names.add(name)
+        params = [p for group in self.optimizer.param_groups for p in group["params"]]
+        return names, {i for i, p in enumerate(params) if id(p) in ids}
+
+    def _allocate(self, layout: tuple[_Slot, ...], step: int) -> None:
+        """New buffers for a new layout, once every rank has said its own fit."""
+        held = self.bytes
+        needed = sum(s.nbytes for s in layout)
+        available = int(self.available()) + held  # the old buffers are released first
+        short = needed > available
+        rank = self.peers.rank if self.peers is not None else 0
+        worst = [1.0 if short else 0.0, float(needed) if short else 0.0,
+                 float(rank) if short else -1.0]
+        if self.peers is not None:
+            worst = self.peers.max_floats(worst)  # only when a layout changes, never per step
+        if worst[0] > 0:
+            if short:
+                where = (f"on rank {rank} (host {self.hostname}) at step {step}: it needs "
+                         f"{_size(needed)} and {_size(available)} are available")
+            else:
+                where = (f"on rank {int(worst[2])} at step {step} (about {_size(int(worst[1]))} "
+                         f"needed there; this rank, {rank} on {self.hostname}, has "
+                         f"{_size(available)} for its {_size(needed)})")
+            raise SnapshotMemoryError(
+                f"nansentinel: the rollback snapshot does not fit in host memory {where}. "
+                "Nothing was allocated and every rank stops here. Free host memory, train with "
+                "DDP (its snapshot is sharded across the replicas), turn rollbacks off (policy, "
+                "loss_spike_action, grad_spike_action) or pass snapshots=(save, load) to roll "
+                "back to your own checkpoints."
+            )
+        if held:
+            log.info("nansentinel: the snapshot's layout changed at step %d: %s of host "
+                     "buffers reallocated", step, _size(needed))
+        self._buffers = []
+        self._buffers = [_new_buffer(slot) for slot in layout]
+        self._layout = layout
+
+    # --- restore ----------------------------------------------------------------------------
+
+    def _restore(self, slot: _Slot, buf: torch.Tensor, target: torch.Tensor) -> None:
+        local = target.to_local() if slot.dtensor else target
+        if not slot.chunk:
+            local.copy_(buf, non_blocking=True)
+            return
+        replicas = self.replicas
+        assert replicas is not None  # a sharded slot exists only with replicas
+        comm = replicas.comm_device
+        mine = buf.to(comm, non_blocking=True)
+        total = slot.chunk * replicas.world_size
+        direct = local.device == comm and local.is_contiguous() and local.numel() == total
+        out = local.view(-1) if direct else torch.empty(total, dtype=slot.dtype, device=comm)
+        _all_gather(out, mine, replicas.group)
+        if not direct:
+            local.copy_(out[: slot.numel].view(slot.shape), non_blocking=True)
+
+
+def _copy_in(slot: _Slot, src: torch.Tensor, buf: torch.Tensor, rank: int) -> None:
+    """This rank's part of ``src`` into its buffer, without blocking the host (stream-ordered
+    on an accelerator; a plain copy on the CPU)."""
+    local = (src.to_local() if slot.dtensor else src).detach()
+    if not slot.chunk:
+        buf.copy_(local, non_blocking=True)
+        return
+    part = local.reshape(-1)[rank * slot.chunk: (rank + 1) * slot.chunk]
+    buf[: part.numel()].copy_(part, non_blocking=True)  # the padding stays zero
+
+
+def _new_buffer(slot: _Slot) -> torch.Tensor:
+    """A zeroed host buffer for ``slot``: pinned when its tensor lives on an accelerator, so
+    that the copies into it and back are asynchronous."""
+    shape = (slot.chunk,) if slot.chunk else slot.shape
+    if slot.device.type != "cpu":
+        try:
+            return torch.zeros(shape, dtype=slot.dtype, pin_memory=True)
+        except RuntimeError as exc:  # no pinned memory on this accelerator's runtime
+            log.debug("nansentinel: pageable snapshot buffer (%s)", exc)
+    return torch.zeros(shape, dtype=slot.dtype)
+
+
+def _empty_like(slot: _Slot) -> torch.Tensor:
+    """A fresh tensor for ``slot`` where the live state's layout is not the snapshot's."""
+    local = torch.empty(slot.shape, dtype=slot.dtype, device=slot.device)
+    if not slot.dtensor:
+        return local
+    from torch.distributed.tensor import DTensor
+
+    mesh, placements, shape, stride = slot.spec
+    return DTensor.from_local(local, mesh, placements, run_check=False, shape=shape,
+                              stride=stride)
+
+
+def _all_gather(out: torch.Tensor, mine: torch.Tensor, group: Any) -> None:
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    gather(out, mine, group=group)
+
+
+def _is_dtensor(t: torch.Tensor) -> bool:
+    return type(t).__name__ == "DTensor" and hasattr(t, "to_local")
+
+
+def _size(n: int) -> str:
+    return f"{n:,} bytes ({n / 2**30:.2f} GiB)"
 
 
 class UserSnapshots:

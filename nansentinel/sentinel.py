@@ -28,6 +28,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from nansentinel import checks, gradpaths, incident, stop
+from nansentinel.collectives import Peers
 from nansentinel.config import SentinelConfig, resolve_hostname
 from nansentinel.detection import Detector
 from nansentinel.exchange import HealthExchange, diagnosis_grace, late_after
@@ -129,7 +130,17 @@ class Sentinel:
         elif snapshots is not None:
             self.snapshots = snapshots
         elif "rollback" in (cfg.policy, cfg.loss_spike_action, cfg.grad_spike_action):
-            self.snapshots = MemorySnapshots(self.module, optimizer, scaler)
+            # Under DDP every replica holds the same weights and optimizer state: each rank
+            # keeps 1/W of them (recovery.py), over DDP's own group.
+            replicas = None
+            if is_ddp:
+                replicas = (self.exchange.peers if group is model.process_group
+                            else Peers(model.process_group, self.device))
+            self.snapshots = MemorySnapshots(
+                self.module, optimizer, scaler, peers=self.exchange.peers, replicas=replicas,
+                unreplicated=getattr(model, "parameters_to_ignore", ()),
+                hostname=self.identity.hostname,
+            )
         else:
             self.snapshots = None  # no rollback possible: no copies made
         self.cooldown = Cooldown()

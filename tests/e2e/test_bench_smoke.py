@@ -140,3 +140,27 @@ def test_scale_benchmark_is_flat_from_8_to_a_million_ranks(tmp_path: Path) -> No
     assert huge["rss_growth_mb"] - small["rss_growth_mb"] < 64
     assert huge["detection_bytes"] < 4096 and huge["detection_median_ms"] < 1000
     assert "| W | healthy step: median ms |" in proc.stdout
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(200)
+def test_snapshot_memory_benchmark_shows_a_sharded_snapshot_per_rank(tmp_path: Path) -> None:
+    """bench/snapshots.py at toy size on W = 1 and 2: the full copy (twice during a save)
+    against this rank's slice, the second save allocating nothing and the rollback exact."""
+    out = tmp_path / "snapshots.json"
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "snapshots.py"), "--worlds", "1,2", "--d-model",
+         "128", "--layers", "2", "--vocab", "1024", "--json", str(out)],
+        cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=180,
+    )
+    assert proc.returncode == 0, f"benchmark failed:\n{proc.stdout}\n{proc.stderr}"
+    one, two = json.loads(out.read_text())["rows"]
+    for row in (one, two):
+        before, after = row["before"], row["after"]
+        assert before["save_peak_bytes"] == 2 * before["bytes"]
+        assert after["unsharded_bytes"] == before["bytes"]
+        assert after["buffers_reused"] and after["restore_exact"]
+    assert one["after"]["bytes"] == one["before"]["bytes"]  # alone: nothing to shard across
+    # The large tensors (embedding, head, feed-forward) are halved; the small ones stay whole.
+    assert 0.5 < two["after"]["bytes"] / two["before"]["bytes"] < 0.65
+    assert "| W | before: held MB |" in proc.stdout

@@ -1,9 +1,12 @@
-"""Snapshots restore exactly; the LR cooldown composes with a scheduler."""
+"""Snapshots restore exactly, reuse their host buffers and refuse what does not fit; the LR
+cooldown composes with a scheduler."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
+from nansentinel import SnapshotMemoryError
 from nansentinel.recovery import Cooldown, MemorySnapshots, UserSnapshots
 
 
@@ -65,3 +68,110 @@ def test_cooldown_saves_its_own_state_and_loads_older_pairs() -> None:
     older.load_state_dict([0.25, 7])  # what checkpoints before 0.2 hold
     assert (older.factor, older.steps_left) == (0.25, 7)
     assert Cooldown().lr_factor == 1.0
+
+
+def _trained(steps: int = 2) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.BatchNorm1d(5),
+                                torch.nn.Linear(5, 1))
+    opt = torch.optim.AdamW(model.parameters(), lr=0.05)
+    for _ in range(steps):
+        _train(model, opt)
+    return model, opt
+
+
+def _train(model: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
+    opt.zero_grad()
+    model(torch.randn(8, 6)).pow(2).mean().backward()
+    opt.step()
+
+
+def _state(model: torch.nn.Module, opt: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """Every tensor of the live state, cloned: weights, buffers, Adam's moments and steps."""
+    out = [t.detach().clone() for t in model.state_dict().values()]
+    for p in model.parameters():
+        out += [opt.state[p][k].detach().clone() for k in ("exp_avg", "exp_avg_sq", "step")]
+    return out
+
+
+def _same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+
+
+def test_saves_reuse_the_same_host_buffers_and_a_new_layout_reallocates_them() -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    opt = torch.optim.Adam(model.parameters(), lr=0.1)
+    snaps = MemorySnapshots(model, opt)
+    snaps.save(0)  # before the first step: the weights alone, no optimizer state yet
+    weights_only = snaps.bytes
+    assert weights_only == snaps.unsharded_bytes == (12 + 3) * 4
+    _train_linear(model, opt)
+    snaps.save(1)  # the optimizer's state appeared: a new layout, new buffers
+    assert snaps.bytes == weights_only * 3 + 2 * 4  # + exp_avg, exp_avg_sq, two steps
+    pointers = [b.data_ptr() for b in snaps._buffers]
+    for step in (2, 3):
+        _train_linear(model, opt)
+        snaps.save(step)
+        assert [b.data_ptr() for b in snaps._buffers] == pointers  # no allocation per save
+    assert torch.equal(snaps._buffers[0], model.weight.detach())  # the latest save's values
+
+
+def _train_linear(model: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
+    opt.zero_grad()
+    model(torch.randn(5, 4)).sum().backward()
+    opt.step()
+
+
+def test_restore_is_exact_and_later_steps_never_write_into_the_snapshot() -> None:
+    model, opt = _trained()
+    snaps = MemorySnapshots(model, opt)
+    snaps.save(2)
+    saved, kept = _state(model, opt), [b.clone() for b in snaps._buffers]
+    for _ in range(3):
+        _train(model, opt)
+    assert not _same(_state(model, opt), saved)
+    assert snaps.load() == 2 and _same(_state(model, opt), saved)
+    live = {t.data_ptr() for t in model.state_dict().values()}
+    live |= {v.data_ptr() for s in opt.state.values() for v in s.values()}
+    assert not live & {b.data_ptr() for b in snaps._buffers}  # nothing live is a buffer
+    _train(model, opt)  # in-place updates after the rollback
+    assert _same(snaps._buffers, kept)
+    assert snaps.load() == 2 and _same(_state(model, opt), saved)
+
+
+def test_restore_into_an_optimizer_whose_state_is_gone_builds_fresh_tensors() -> None:
+    model, opt = _trained()
+    snaps = MemorySnapshots(model, opt)
+    snaps.save(2)
+    saved, kept = _state(model, opt), [b.clone() for b in snaps._buffers]
+    _train(model, opt)
+    opt.state.clear()  # e.g. a reset optimizer: the live layout is no longer the snapshot's
+    assert snaps.load() == 2 and _same(_state(model, opt), saved)
+    _train(model, opt)
+    assert _same(snaps._buffers, kept)
+    assert opt.param_groups[0]["lr"] == 0.05  # hyperparameters came back too
+
+
+def test_a_snapshot_that_does_not_fit_is_refused_with_the_bytes_and_nothing_is_allocated() -> None:
+    model, opt = _trained()
+    snaps = MemorySnapshots(model, opt, hostname="node7", available=lambda: 100)
+    with pytest.raises(SnapshotMemoryError) as info:
+        snaps.save(12)
+    message = str(info.value)
+    needed = sum(t.numel() * t.element_size() for t in _state(model, opt))
+    assert f"needs {needed:,} bytes" in message and "100 bytes" in message
+    assert "rank 0 (host node7) at step 12" in message and "rollbacks off" in message
+    assert snaps.bytes == 0 and snaps.step is None
+    ok = MemorySnapshots(model, opt, available=lambda: needed)  # exactly enough: it fits
+    ok.save(12)
+    assert ok.bytes == needed
+
+
+def test_module_state_dict_versions_survive_the_snapshot() -> None:
+    model, opt = _trained()
+    snaps = MemorySnapshots(model, opt)
+    snaps.save(2)
+    assert snaps._skeleton is not None
+    meta = snaps._skeleton["model"]._metadata
+    assert meta == model.state_dict()._metadata and meta["1"]["version"] == 2  # BatchNorm's
