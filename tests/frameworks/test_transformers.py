@@ -56,3 +56,35 @@ def test_hf_trainer_single_process_bf16_skips(tmp_path: Path) -> None:
     assert res["unchanged"] == {str(s): s == 1 for s in range(4)}
     assert res["scheduler_steps"] == 3
     runner.assert_same_finite_weights([res])
+
+
+def test_the_skip_mark_is_what_accelerate_reads() -> None:
+    """Pins Accelerate's private skip flag (``_is_overflow``) behind its public read: marked by
+    the callback's ``mark_skipped``, the accelerator reports the step skipped and its scheduler
+    wrapper does not step. Fails naming the installed version when a release changes it."""
+    import accelerate
+    import torch
+    from accelerate import Accelerator
+
+    from nansentinel.transformers import mark_skipped
+
+    where = f"accelerate {accelerate.__version__} (tested with 1.15)"
+    accelerator = Accelerator(cpu=True)
+    try:
+        model = torch.nn.Linear(2, 2)
+        opt = torch.optim.SGD(model.parameters(), lr=1.0)
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+        model, opt, sched = accelerator.prepare(model, opt, sched)
+        opt.step()  # no gradients: changes nothing, leaves the mark alone
+        assert mark_skipped(opt, True), f"{where}: step_was_skipped ignores _is_overflow"
+        assert accelerator.optimizer_step_was_skipped, f"{where}: the accelerator misses it"
+        sched.step()
+        assert sched.get_last_lr() == [1.0], f"{where}: the scheduler stepped on a skip"
+        assert mark_skipped(opt, False) and not accelerator.optimizer_step_was_skipped, where
+        sched.step()
+        assert sched.get_last_lr() == [0.5], where
+        assert not mark_skipped(torch.optim.SGD(model.parameters(), lr=1.0), True)
+    finally:
+        from accelerate.state import AcceleratorState
+
+        AcceleratorState._reset_state(reset_partial_state=True)  # process-wide singletons
