@@ -88,3 +88,31 @@ def test_the_skip_mark_is_what_accelerate_reads() -> None:
         from accelerate.state import AcceleratorState
 
         AcceleratorState._reset_state(reset_partial_state=True)  # process-wide singletons
+
+
+def test_several_ranks_without_a_ddp_wrapper_are_refused_at_the_first_training_forward() -> None:
+    """On 2 ranks (torch's fake backend) the callback waits for the DDP wrapper's first
+    forward; a training forward of the bare model (FSDP, DeepSpeed) is refused by name, an
+    evaluation forward before training is not, and the global hook is gone afterwards."""
+    import pytest
+    import torch
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from nansentinel.result import SentinelUsageError
+    from nansentinel.transformers import SentinelCallback
+
+    dist.init_process_group("fake", rank=1, world_size=2, store=FakeStore())
+    try:
+        model = torch.nn.Linear(2, 2)
+        callback = SentinelCallback()
+        callback.on_train_begin(None, None, None, model=model,
+                                optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+        with torch.no_grad():
+            model.eval()(torch.zeros(1, 2))  # evaluation: nothing is decided yet
+        with pytest.raises(SentinelUsageError, match=r"2 ranks .*DistributedDataParallel.*rank 1"):
+            model.train()(torch.zeros(1, 2))
+        assert callback._finder is None and callback.sentinel is None
+        callback.close()
+    finally:
+        dist.destroy_process_group()
