@@ -644,8 +644,21 @@ class Sentinel:
 
 
 def _local_device(param: torch.Tensor) -> torch.device:
-    """Where this rank's share of ``param`` lives (a DTensor's local shard's device)."""
-    return param.to_local().device if hasattr(param, "to_local") else param.device
+    """The device this rank computes on, from one of its parameters.
+
+    Usually where the parameter lives (a DTensor's local shard). Under FSDP2 with
+    ``CPUOffloadPolicy`` the shard lives in host memory while gradients are computed and
+    reduce-scattered on the mesh's device: the sentinel's tensors and collectives belong there
+    (an NCCL group cannot gather host tensors, and host norms of device buffers cost a blocking
+    copy per FSDP group), so the device is taken from the mesh as FSDP does
+    (``_get_device_from_mesh``: the mesh's device type, that backend's current device)."""
+    if not hasattr(param, "to_local"):
+        return param.device
+    local = param.to_local().device
+    mesh_type = getattr(getattr(param, "device_mesh", None), "device_type", local.type)
+    if mesh_type == local.type or mesh_type == "cpu":
+        return local
+    return torch.device(mesh_type, torch.get_device_module(mesh_type).current_device())
 
 
 def _identity(

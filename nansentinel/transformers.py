@@ -8,10 +8,14 @@
 The Trainer (on Accelerate) wraps the model in DDP and steps the optimizer itself, and its
 callbacks see neither the batch, nor the loss, nor the DDP wrapper. So (transformers 5.x):
 
-- ``on_train_begin`` — after ``accelerator.prepare``: the DDP module that wraps the callback's
-  ``model`` is found (the Trainer hands callbacks the unwrapped model only, so the wrapper is
-  looked up among the live objects, once) and the :class:`Sentinel` is built on it, which
-  registers its DDP comm hook before the first backward.
+- ``on_train_begin`` — after ``accelerator.prepare``. The Trainer hands callbacks the unwrapped
+  model only, and no public attribute leads from it (nor from the optimizer, scheduler or data
+  loaders callbacks get) to the DDP wrapper Accelerate built. On one process the
+  :class:`Sentinel` is built here; on several, the wrapper is met at its first forward by
+  torch's public global forward pre-hook (``register_module_forward_pre_hook``), armed only until
+  then, and the :class:`Sentinel` is built on it there, registering its DDP comm hook before the
+  first backward. A training forward of the model without a DDP wrapper around it (FSDP,
+  DeepSpeed) is refused by name.
 - a forward pre-hook on the model — ``check_batch`` on the inputs of every training forward
   (each micro-batch under accumulation); a forward hook — ``check_loss`` on the ``loss`` the
   model returns. A loss computed outside the model (a custom ``compute_loss``) is not checked
@@ -22,6 +26,9 @@ callbacks see neither the batch, nor the loss, nor the DDP wrapper. So (transfor
 - ``on_optimizer_step`` — on a skipped step the Accelerate optimizer is marked as skipped, as
   its GradScaler marks an overflow, so that the Trainer does what it does then: the LR
   scheduler does not step, ``global_step`` still advances, the accumulation window ends.
+  Accelerate has no public setter: its read side (``step_was_skipped``) is public, the flag
+  behind it (``_is_overflow``, accelerate 1.x, tested with 1.15) is not, so the mark is checked
+  through the public read, and a test pins it (tests/frameworks/test_transformers.py).
 
 An abort raises :class:`~nansentinel.result.NonFiniteError` out of ``trainer.train()`` on every
 rank. Importing this module imports transformers; importing ``nansentinel`` does not.
@@ -29,7 +36,7 @@ rank. Importing this module imports transformers; importing ``nansentinel`` does
 
 from __future__ import annotations
 
-import gc
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -68,6 +75,10 @@ class SentinelCallback(TrainerCallback):
         self._hooks: list[Any] = []
         self._replaying = False
         self._marked: Any = None
+        self._finder: Any = None
+        self._model: torch.nn.Module | None = None
+        self._raw: Any = None
+        self._scaler: Any = None
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self.close()  # a second train() on the same callback starts afresh
@@ -77,25 +88,44 @@ class SentinelCallback(TrainerCallback):
                 "nansentinel: the Trainer gave SentinelCallback no model or optimizer at "
                 "on_train_begin"
             )
-        wrapped = _ddp_wrapping(model)
-        world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-        if wrapped is None and world > 1:
-            raise SentinelUsageError(
-                f"nansentinel: the Trainer runs {world} ranks but did not wrap the model in "
-                "DistributedDataParallel (FSDP or DeepSpeed?); SentinelCallback supports DDP "
-                f"and single-process training (rank {dist.get_rank()})"
-            )
         # The Accelerate wrapper's zero_grad is a no-op inside an accumulation window and its
         # step hooks are not torch's: the sentinel works on the optimizer underneath.
-        raw = getattr(optimizer, "optimizer", optimizer)
-        self.sentinel = Sentinel(
-            wrapped if wrapped is not None else model, raw,
-            scaler=getattr(optimizer, "scaler", None), replay=self._replay, **self.overrides,
-        )
+        self._model, self._raw = model, getattr(optimizer, "optimizer", optimizer)
+        self._scaler = getattr(optimizer, "scaler", None)
+        world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        if world > 1:
+            self._finder = torch.nn.modules.module.register_module_forward_pre_hook(
+                self._find_wrapper)
+        else:
+            self._build(model)
         self._hooks = [
             model.register_forward_pre_hook(self._check_inputs, with_kwargs=True),
             model.register_forward_hook(self._check_output),
         ]
+
+    def _build(self, model: torch.nn.Module) -> None:
+        self.sentinel = Sentinel(
+            model, self._raw, scaler=self._scaler, replay=self._replay, **self.overrides,
+        )
+
+    def _find_wrapper(self, module: torch.nn.Module, args: Any) -> None:
+        """Global forward pre-hook, armed from train begin until the DDP wrapper of the model
+        runs its first forward (it runs before the model's own, and before any backward)."""
+        if isinstance(module, DistributedDataParallel) and module.module is self._model:
+            self._stop_finding()
+            self._build(module)
+        elif module is self._model and self._training(module):
+            self._stop_finding()
+            raise SentinelUsageError(
+                f"nansentinel: the Trainer runs {dist.get_world_size()} ranks but did not wrap "
+                "the model in DistributedDataParallel (FSDP or DeepSpeed?); SentinelCallback "
+                f"supports DDP and single-process training (rank {dist.get_rank()})"
+            )
+
+    def _stop_finding(self) -> None:
+        if self._finder is not None:
+            self._finder.remove()
+            self._finder = None
 
     def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         result = self._require().step(optimizer_step=False)
@@ -105,15 +135,12 @@ class SentinelCallback(TrainerCallback):
 
     def on_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         optimizer = kwargs.get("optimizer")
-        if self.last is not None and not self.last.applied and hasattr(optimizer, "_is_overflow"):
-            # What Accelerate's own GradScaler sets on an overflow: the Trainer then leaves
-            # the LR scheduler where it is. Cleared again at on_step_end.
-            optimizer._is_overflow = True  # type: ignore[union-attr]
-            self._marked = optimizer
+        if self.last is not None and not self.last.applied and mark_skipped(optimizer, True):
+            self._marked = optimizer  # cleared again at on_step_end
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if self._marked is not None:
-            self._marked._is_overflow = False
+            mark_skipped(self._marked, False)
             self._marked = None
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
@@ -121,6 +148,7 @@ class SentinelCallback(TrainerCallback):
 
     def close(self) -> None:
         """Remove the model hooks and close the sentinel (also after an exception)."""
+        self._stop_finding()
         for handle in self._hooks:
             handle.remove()
         self._hooks = []
@@ -171,13 +199,30 @@ class SentinelCallback(TrainerCallback):
         return self.sentinel
 
 
-def _ddp_wrapping(model: torch.nn.Module) -> DistributedDataParallel | None:
-    """The DDP module that holds ``model`` (``ddp.module is model``), if any.
+_warned: set[str] = set()
 
-    The Trainer's callbacks receive the unwrapped model, and no reference leads from it to
-    the wrapper Accelerate built, so the wrapper is looked up among the live objects: once, at
-    train begin (tens of milliseconds per million objects)."""
-    for obj in gc.get_objects():
-        if isinstance(obj, DistributedDataParallel) and obj.module is model:
-            return obj
-    return None
+
+def mark_skipped(optimizer: Any, skipped: bool) -> bool:
+    """Mark an Accelerate optimizer's step as skipped (or not), as its GradScaler does on an
+    overflow, so that ``accelerator.optimizer_step_was_skipped`` holds and the Trainer leaves
+    the LR scheduler where it is. False for an optimizer that is not Accelerate's.
+
+    Accelerate reads the mark through the public ``step_was_skipped`` but sets it only in
+    private (``_is_overflow``); the mark is checked through the public read, and where an
+    Accelerate release no longer honours it, said once instead of silently stepping the
+    scheduler on skipped steps."""
+    if not hasattr(type(optimizer), "step_was_skipped"):
+        return False
+    optimizer._is_overflow = skipped
+    if optimizer.step_was_skipped != skipped:
+        import accelerate
+
+        if accelerate.__version__ not in _warned:
+            _warned.add(accelerate.__version__)
+            warnings.warn(
+                f"nansentinel: accelerate {accelerate.__version__} no longer reads the skip mark "
+                "(_is_overflow) through step_was_skipped (tested with 1.15): on a step the "
+                "sentinel skips, the Trainer will step the LR scheduler", stacklevel=2,
+            )
+        return False
+    return True

@@ -9,16 +9,26 @@ padded, unsharded gradient buffer of one group, in the reduce dtype, just before
 FSDP counterpart of the DDP bucket check), then calls the reduce-scatter FSDP would have called,
 with the same op, group and buffers: healthy steps are bit-identical to plain FSDP2.
 
+The buffer FSDP hands over is already divided by its pre-divide factor where the reduce dtype
+risks overflow (fp16: about the square root of the data-parallel size; not fp32 or bf16, see
+torch's ``_get_gradient_divide_factors``). The norm is multiplied back by that factor, so the
+gradient norm this rank reports is its own local gradient's, whatever the reduce dtype.
+
 HSDP (a 2-D replicate × shard mesh) is the same: the check is before the shard group's
 reduce-scatter, and the replicate all-reduce that follows changes nothing for blame.
 
-Naming parameters costs nothing on the healthy step: the hook records one norm per group.
-After a detection every rank scans its reduced *sharded* gradients (a non-finite element of
-rank r's local gradient lands, reduced, in some rank's shard of the same parameter), the scans
-are combined in one max-reduce of a flag per parameter, and each poisoned rank's parameters
-are those of its non-finite groups that some rank's scan found non-finite. With one poisoned
-rank this is exact; two poisoned ranks with faults in the same group both get that group's
-non-finite parameters.
+Naming parameters needs no second read on the healthy step: the buffer is laid out as one row
+per shard rank, each row the parameters' shards in FSDP's order, so its norm is taken per
+column (one read), then per parameter over the columns (a read of 1/world of it), and the
+group's norm is the norm of those. A poisoned rank names exactly the parameters whose own local
+gradients were non-finite, whatever other ranks were poisoned in the same group. Where the
+buffer does not hold every parameter of the group (some had no gradient this step, so the
+layout is not known), the group's norm alone is kept and a detection falls back on the reduced
+shards: every rank scans its reduced *sharded* gradients (a non-finite element of rank r's
+local gradient lands, reduced, in some rank's shard of the same parameter), the scans are
+combined in one max-reduce of a flag per parameter (run on every rank after every grad fault,
+so that all ranks issue the same collectives), and the poisoned rank gets the parameters of its
+non-finite groups that some scan found non-finite.
 
 The exchange leaves at ``step()``, one small all-reduce after backward (measured in
 bench/README.md), because the number of groups that reduce in a backward is not known up front.
@@ -57,6 +67,17 @@ try:
 except ImportError:  # pragma: no cover - torch < 2.9
     ReduceScatter = object  # type: ignore[assignment,misc]
 
+# FSDP2's own choice of divide factors and its mesh kinds (private; tested with torch 2.9 to
+# 2.13, pinned by tests/unit/test_gradpaths.py): the factor is FSDP's, not a copy of its rule.
+try:
+    from torch.distributed.fsdp._fully_shard._fsdp_collectives import (
+        _get_gradient_divide_factors,
+    )
+    from torch.distributed.fsdp._fully_shard._fsdp_common import DDPMeshInfo
+except ImportError:  # pragma: no cover - torch < 2.9
+    _get_gradient_divide_factors = None  # type: ignore[assignment]
+    DDPMeshInfo = ()  # type: ignore[assignment,misc]
+
 #: The first torch release whose FSDP2 accepts a custom reduce-scatter.
 MIN_TORCH = "2.9"
 
@@ -92,14 +113,19 @@ class CheckedReduceScatter(ReduceScatter):  # type: ignore[misc,valid-type]
     """FSDP's reduce-scatter with a check of this rank's local gradients in front of it.
 
     ``inner`` is the reduce-scatter FSDP had (its default, or the process-group allocating
-    one): allocation and the collective are delegated to it unchanged.
+    one): allocation and the collective are delegated to it unchanged. ``param_group`` is the
+    module's FSDP parameter group, read at each call for its divide factor (the user may call
+    ``set_gradient_divide_factor`` after construction).
     """
 
-    def __init__(self, path: FSDPPath, index: int, inner: Any, module: str) -> None:
+    def __init__(
+        self, path: FSDPPath, index: int, inner: Any, module: str, param_group: Any
+    ) -> None:
         self.path = path
         self.index = index
         self.inner = inner
         self.module = module
+        self.param_group = param_group
 
     def allocate(
         self, size: Sequence[int | torch.SymInt], *, dtype: torch.dtype, device: torch.device
@@ -114,7 +140,10 @@ class CheckedReduceScatter(ReduceScatter):  # type: ignore[misc,valid-type]
         op: Any,
         async_op: bool = False,
     ) -> Any:
-        self.path.check(self.index, input_tensor)
+        world = group.size() if group is not None else 1
+        pre = predivide_factor(self.param_group, group, input_tensor.dtype,
+                               input_tensor.device.type)
+        self.path.check(self.index, input_tensor, world=world, predivided=pre)
         return self.inner(
             output_tensor=output_tensor, input_tensor=input_tensor, group=group, op=op,
             async_op=async_op,
@@ -138,8 +167,11 @@ class FSDPPath:
         names = {id(p): n for n, p in model.named_parameters()}
         #: Per FSDP group: the module's name and its parameters' names, in FSDP's order.
         self.groups: list[tuple[str, list[str]]] = []
-        #: (group index, 0-d norm) for every reduce-scatter of the step in progress.
-        self.norms: list[tuple[int, torch.Tensor]] = []
+        #: Per FSDP group: each parameter's padded shard size (its width in a buffer row).
+        self.widths: list[list[int]] = []
+        #: (group index, 0-d norm, per-parameter norms or None) for every reduce-scatter of the
+        #: step in progress; None where the buffer's layout was not known.
+        self.norms: list[tuple[int, torch.Tensor, torch.Tensor | None]] = []
         self.reduces = True  # False on a data-parallel world of one: FSDP reduces nothing
         for module_name, module in model.named_modules():
             if isinstance(module, FSDPModule):
@@ -184,24 +216,40 @@ class FSDPPath:
             )
         params = [names.get(id(fp.sharded_param), "<unnamed>") for fp in group.fsdp_params]
         self.groups.append((where, params))
+        self.widths.append([fp.padded_sharded_param_size.numel() for fp in group.fsdp_params])
         module.set_custom_reduce_scatter(
-            CheckedReduceScatter(self, len(self.groups) - 1, inner, where)
+            CheckedReduceScatter(self, len(self.groups) - 1, inner, where, group)
         )
 
-    def check(self, index: int, local_grads: torch.Tensor) -> None:
+    def check(
+        self, index: int, local_grads: torch.Tensor, *, world: int = 1, predivided: float = 1.0
+    ) -> None:
         """One group's flat local gradients, just before their reduce-scatter (called by
-        :class:`CheckedReduceScatter`, on FSDP's reduce-scatter stream)."""
+        :class:`CheckedReduceScatter`, on FSDP's reduce-scatter stream). ``world``: the shard
+        group's size (the buffer's rows); ``predivided``: what FSDP divided the buffer by."""
         started = time.perf_counter()
         if not self.norms:
             self.sink.before_reduction(local_grads)
         self.sink.reducing()
-        norm = checks.tensor_norm(local_grads)
+        widths = self.widths[index]
+        per_param: torch.Tensor | None = None
+        if widths and local_grads.numel() == world * sum(widths):
+            per_param = parameter_norms(local_grads, world, widths)
+            if predivided != 1.0:
+                per_param = per_param * predivided
+            norm = torch.linalg.vector_norm(per_param)
+        else:  # some parameter had no gradient: the layout is not known, one norm
+            norm = checks.tensor_norm(local_grads)
+            if predivided != 1.0:
+                norm = norm * predivided
         if local_grads.is_cuda:
             # Made on FSDP's reduce-scatter stream (the current stream here), read on the
             # default stream at step(), which FSDP's end of backward orders after the
             # reduce-scatters: tell the allocator, so the memory is not reused too early.
-            norm.record_stream(torch.cuda.default_stream(local_grads.device))
-        self.norms.append((index, norm))
+            for kept in (norm, per_param):
+                if kept is not None:
+                    kept.record_stream(torch.cuda.default_stream(local_grads.device))
+        self.norms.append((index, norm, per_param))
         self.sink.add_grad_norm(norm)
         self.sink.spent(time.perf_counter() - started)
 
@@ -217,8 +265,9 @@ class FSDPPath:
         """This rank's share of the naming, on every rank after a grad fault (see the module
         docstring): one max-reduce of a flag per parameter (is its reduced shard non-finite
         on some rank?), whose size is the model's, not the world's; then, on a poisoned rank,
-        the parameters of its groups that were non-finite before the reduce-scatter (one host
-        copy of a few norms) and non-finite after it somewhere."""
+        the parameters whose own norms before the reduce-scatter were non-finite (one host
+        copy of the step's norms), or, for a group whose layout was not known, the parameters
+        of that non-finite group that are non-finite after the reduction somewhere."""
         names = [n for n, _ in self.model.named_parameters()]
         scanned = scan_parameters(self.model.named_parameters())
         local = set(scanned)
@@ -226,15 +275,58 @@ class FSDPPath:
         reduced = {n for n, flag in zip(names, anywhere, strict=True) if flag > 0}
         if not poisoned:
             return {}
-        if self.norms:
-            values = torch.stack([n.to(self.norms[0][1].device) for _, n in self.norms]).tolist()
-            bad = sorted({i for (i, _), v in zip(self.norms, values, strict=True)
-                          if not math.isfinite(v)})
-            suspects = [name for i in bad for name in self.groups[i][1]]
-            named = [n for n in suspects if n in reduced] or suspects
-        else:  # nothing was reduced (a world of one): the local scan is exact
-            named = scanned
+        if not self.norms:  # nothing was reduced (a world of one): the local scan is exact
+            return {"parameters": scanned} if scanned else {}
+        device = self.norms[0][1].device
+        values = torch.cat([
+            (per if per is not None else norm.reshape(1)).to(device)
+            for _, norm, per in self.norms
+        ]).tolist()
+        named: list[str] = []
+        at = 0
+        for index, _, per in self.norms:
+            params = self.groups[index][1]
+            if per is not None:
+                flags = values[at:at + len(params)]
+                at += len(params)
+                named += [n for n, v in zip(params, flags, strict=True) if not math.isfinite(v)]
+            else:
+                at += 1
+                if not math.isfinite(values[at - 1]):
+                    named += [n for n in params if n in reduced] or params
+        named = list(dict.fromkeys(named))  # a group reduced twice in one step: once each
         return {"parameters": named} if named else {}
 
     def reset(self) -> None:
         self.norms = []
+
+
+def parameter_norms(flat: torch.Tensor, world: int, widths: list[int]) -> torch.Tensor:
+    """Each parameter's L2 norm (fp32, 1-d) in FSDP's reduce-scatter buffer ``flat``: ``world``
+    rows, each the parameters' padded shards side by side (``widths``, in FSDP's order).
+
+    One strided view per parameter (its columns of every row), normed in one foreach call: a
+    single read of the buffer, and host work that grows with the parameters, not the world
+    (measured on CPU, 3.7 M floats in 16 parameters: 1.5-2.2 ms at 4 and 64 rows, against
+    0.7 ms for one norm of the whole buffer; a norm per column first cost 200 ms)."""
+    views = list(flat.view(world, -1).split(widths, dim=1))
+    if flat.dtype in (torch.float16, torch.bfloat16):
+        norms = torch._foreach_norm(views, dtype=torch.float32)
+    else:
+        norms = torch._foreach_norm(views)
+    return torch.stack(norms).float()
+
+
+def predivide_factor(
+    param_group: Any, reduce_scatter_group: Any, reduce_dtype: torch.dtype, device_type: str
+) -> float:
+    """What FSDP2 divided this group's reduce-scatter input by before handing it over: its
+    own choice (``_get_gradient_divide_factors``, called with the arguments FSDP passes it),
+    1.0 where it divides during or after the collective (fp32, bf16)."""
+    all_reduce = (param_group._all_reduce_process_group
+                  if isinstance(param_group.mesh_info, DDPMeshInfo) else None)
+    pre, _, _, _ = _get_gradient_divide_factors(
+        reduce_scatter_group, all_reduce, reduce_dtype, device_type,
+        param_group.gradient_divide_factor, param_group.force_sum_reduction_for_comms,
+    )
+    return float(pre) if pre else 1.0

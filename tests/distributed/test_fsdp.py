@@ -145,3 +145,57 @@ def test_the_watchdog_spares_slow_work_between_micro_batches(tmp_path: Path) -> 
     outs = values(run_ranks(slow_micro_batches, 2, tmp_path, report_dir=str(tmp_path / "r"),
                             pause=3.0, exchange_timeout=1.0, timeout=100))
     assert outs == [["applied", "applied"]] * 2
+
+
+@pytest.fixture(scope="module")
+def precision(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    from tests.distributed.workers_fsdp import precision_and_naming
+
+    tmp = tmp_path_factory.mktemp("fsdp-precision")
+    return values(run_ranks(precision_and_naming, WORLD, tmp, report_dir=str(tmp / "reports"),
+                            timeout=240))
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(("dtype", "tolerance"), [("fp32", 1e-5), ("fp16", 2e-3),
+                                                  ("bf16", 1e-2)])
+@pytest.mark.parametrize("mesh", ["fsdp", "hsdp"])
+def test_local_grad_norm_is_this_ranks_own_under_every_reduce_dtype(
+    precision: list[dict[str, Any]], dtype: str, tolerance: float, mesh: str
+) -> None:
+    """FSDP2 hands an fp16 buffer over already divided by 2 on 4 ranks (2x2 HSDP too: the
+    factor is the whole data-parallel size's); the norm reported is the undivided one, as a
+    model without FSDP computes it on the same batch (the tolerance is the reduce dtype's
+    rounding, far below the factor of 2)."""
+    for rank, r in enumerate(precision):
+        reported, reference = r[f"norm-{dtype}-{mesh}"]["local_grad_norm"], r["reference"]
+        assert reported == pytest.approx(reference, rel=tolerance), (rank, reported, reference)
+
+
+@pytest.mark.timeout(300)
+def test_cpu_offload_runs_checks_and_names_the_poisoned_rank(
+    precision: list[dict[str, Any]],
+) -> None:
+    outs = [r["offload"] for r in precision]
+    for out in outs:
+        assert out["error"] is None and out["path"] == "fsdp"
+        assert out["device"] == "cpu"  # a CPU mesh: the mesh's device is the shards' device
+        assert [x["outcome"] for x in out["records"]] == ["applied", "skipped", "applied"]
+        assert out["records"][1]["parameters"] == {1: ["embed.weight", "pos"]}
+    _same_everywhere(outs)
+
+
+@pytest.mark.timeout(300)
+def test_two_poisoned_ranks_in_one_fsdp_group_each_name_their_own_parameters(
+    precision: list[dict[str, Any]],
+) -> None:
+    """Rank 1 poisoned the position table's gradient only, rank 2 the embedding's only, both
+    of the root group; each is named with its own parameter, not the group's union."""
+    outs = [r["two-in-one-group"] for r in precision]
+    for out in outs:
+        assert [x["outcome"] for x in out["records"]] == ["applied", "skipped"]
+        assert out["records"][1]["bad_ranks"] == [1, 2]
+    assert outs[0]["records"][1]["parameters"] == {1: ["pos"], 2: ["embed.weight"]}
+    report = json.loads(Path(outs[0]["records"][1]["report_path"]).read_text())
+    named = {p["rank"]: p["parameters"] for p in report["poisoned"]}
+    assert named == {1: ["pos"], 2: ["embed.weight"]}

@@ -4,7 +4,9 @@ Faults are the test's own, made by the model and the data rather than by NANSENT
 ``batch`` writes NaN into the batch's float input (so the forward, loss and gradients turn
 non-finite), ``loss`` multiplies the loss by NaN, and ``backward`` passes the forward through a
 function that is the identity forward and writes NaN into the gradient in backward (forward and
-loss stay finite: only a check of the local gradients before the reduce-scatter can see it).
+loss stay finite: only a check of the local gradients before the reduce-scatter can see it);
+``pos`` and ``embed`` do the same to the gradient of the position table alone, or of the
+embedding alone (two parameters of the root FSDP group).
 """
 
 from __future__ import annotations
@@ -36,20 +38,31 @@ class _PoisonGrad(torch.autograd.Function):
         return grad
 
 
-class PoisonableTransformer(TinyTransformer):
-    """The demo model with a switch that poisons the gradient of the embedding output."""
+#: The backward-only poisons: the embedding output (``backward``), the position table alone
+#: (``pos``), the embedding alone (``embed``).
+POISONS = ("backward", "pos", "embed")
 
-    poison = False
+
+class PoisonableTransformer(TinyTransformer):
+    """The demo model with a switch that poisons a gradient in backward (one of POISONS)."""
+
+    poison: str | None = None
 
     def forward(self, tokens: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-        h = self.embed(tokens) * scale + self.pos
-        if self.poison:
+        embedded, pos = self.embed(tokens), self.pos
+        if self.poison == "embed":
+            embedded = _PoisonGrad.apply(embedded)
+        if self.poison == "pos":
+            pos = _PoisonGrad.apply(pos)
+        h = embedded * scale + pos
+        if self.poison == "backward":
             h = _PoisonGrad.apply(h)
         return self.head(self.encoder(h))
 
 
-def build(world: int, hsdp: bool) -> nn.Module:
-    """The model, sharded like torchtitan does: each encoder layer, then the root."""
+def build(world: int, hsdp: bool, **shard: Any) -> nn.Module:
+    """The model, sharded like torchtitan does: each encoder layer, then the root.
+    ``shard``: more keywords of ``fully_shard`` (``mp_policy``, ``offload_policy``)."""
     torch.manual_seed(0)
     model = PoisonableTransformer()
     if hsdp:
@@ -57,8 +70,8 @@ def build(world: int, hsdp: bool) -> nn.Module:
     else:
         mesh = init_device_mesh("cpu", (world,))
     for layer in model.encoder.layers:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+        fully_shard(layer, mesh=mesh, **shard)
+    fully_shard(model, mesh=mesh, **shard)
     return model
 
 
@@ -69,12 +82,13 @@ def full_weights(model: nn.Module) -> torch.Tensor:
 
 def train_fsdp(rank: int, world: int, *, steps: int, report_dir: str, hsdp: bool = False,
                faults: Faults | None = None, sentinel: bool = True, accumulate: int = 1,
-               **overrides: Any) -> dict[str, Any]:
+               shard: dict[str, Any] | None = None, **overrides: Any) -> dict[str, Any]:
     """Train the sharded model; return each step's result and the full final weights.
 
-    ``accumulate``: micro-batches per step, all but the last without gradient sync."""
+    ``accumulate``: micro-batches per step, all but the last without gradient sync;
+    ``shard``: more keywords of ``fully_shard``."""
     faults = faults or {}
-    model = build(world, hsdp)
+    model = build(world, hsdp, **(shard or {}))
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     watcher = (nansentinel.Sentinel(model, opt, report_dir=report_dir, **overrides)
                if sentinel else None)
@@ -93,7 +107,7 @@ def train_fsdp(rank: int, world: int, *, steps: int, report_dir: str, hsdp: bool
                     batch["scale"][0, 0, 0] = math.nan
                 if watcher is not None:
                     watcher.check_batch(batch)
-                model.poison = hit == "backward"
+                model.poison = hit if hit in POISONS else None
                 logits = model(batch["tokens"], batch["scale"])
                 loss = loss_fn(logits.reshape(-1, VOCAB), batch["targets"].reshape(-1))
                 if hit == "loss":
@@ -121,7 +135,8 @@ def train_fsdp(rank: int, world: int, *, steps: int, report_dir: str, hsdp: bool
         if watcher is not None:
             watcher.close()
     return {"records": records, "weights": full_weights(model), "error": error,
-            "path": watcher.gradients.name if watcher is not None else None}
+            "path": watcher.gradients.name if watcher is not None else None,
+            "device": str(watcher.device) if watcher is not None else None}
 
 
 #: Faults of the matrix: a backward-only poison at step 0, a batch fault, two ranks at once (a
@@ -215,3 +230,39 @@ def slow_micro_batches(rank: int, world: int, *, report_dir: str, pause: float,
         opt.zero_grad(set_to_none=True)
     watcher.close()
     return outcomes
+
+
+def reference_grad_norm(rank: int, step: int = 0) -> float:
+    """This rank's local gradient norm at ``step`` of a fresh model without FSDP, on the batch
+    train_fsdp gives it: what the sentinel must report, whatever FSDP divides by."""
+    torch.manual_seed(0)
+    model = PoisonableTransformer()
+    batch = synthetic_batch(rank, step)
+    logits = model(batch["tokens"], batch["scale"])
+    nn.CrossEntropyLoss()(logits.reshape(-1, VOCAB), batch["targets"].reshape(-1)).backward()
+    grads = [p.grad.reshape(-1) for p in model.parameters() if p.grad is not None]
+    return float(torch.linalg.vector_norm(torch.cat(grads)))
+
+
+def precision_and_naming(rank: int, world: int, *, report_dir: str) -> dict[str, Any]:
+    """The gradient norm under each reduce dtype (1-D and HSDP), CPU offload with a fault,
+    and two ranks poisoned in different parameters of one FSDP group."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
+
+    runs: dict[str, Any] = {"reference": reference_grad_norm(rank)}
+    for name, dtype in (("fp32", torch.float32), ("fp16", torch.float16),
+                        ("bf16", torch.bfloat16)):
+        for hsdp in (False, True):
+            out = train_fsdp(rank, world, steps=1, hsdp=hsdp, report_dir=report_dir,
+                             shard={"mp_policy": MixedPrecisionPolicy(reduce_dtype=dtype)})
+            runs[f"norm-{name}-{'hsdp' if hsdp else 'fsdp'}"] = out["records"][0]
+    # pin_memory needs an accelerator; the offloaded shards live in (unpinned) host memory.
+    runs["offload"] = train_fsdp(
+        rank, world, steps=3, faults={(1, 1): "backward"}, report_dir=f"{report_dir}/offload",
+        shard={"offload_policy": CPUOffloadPolicy(pin_memory=False)},
+    )
+    runs["two-in-one-group"] = train_fsdp(
+        rank, world, steps=2, faults={(1, 1): "pos", (1, 2): "embed"},
+        report_dir=f"{report_dir}/two",
+    )
+    return runs

@@ -49,9 +49,12 @@ class _OtherShards:
         return [max(column) for column in zip(values, *self.others, strict=True)]
 
 
-def _sharded(norms: list[float], nonfinite: set[str]) -> fsdp.FSDPPath:
+def _sharded(norms: list[float], nonfinite: set[str],
+             per_param: list[list[float] | None] | None = None) -> fsdp.FSDPPath:
     """An FSDP path over groups a (a.weight, a.bias) and b (b.weight) whose reduce-scatter
-    inputs had ``norms``, and whose reduced local shards are non-finite in ``nonfinite``."""
+    inputs had ``norms`` (and, where ``per_param`` gives them, these per-parameter norms; else
+    the layout was not known), and whose reduced local shards are non-finite in
+    ``nonfinite``."""
     model = nn.Module()
     model.a, model.b = nn.Linear(1, 1), nn.Linear(1, 1, bias=False)
     for name, p in model.named_parameters():
@@ -59,7 +62,9 @@ def _sharded(norms: list[float], nonfinite: set[str]) -> fsdp.FSDPPath:
     path = fsdp.FSDPPath.__new__(fsdp.FSDPPath)
     path.model = model
     path.groups = [("a", ["a.weight", "a.bias"]), ("b", ["b.weight"])]
-    path.norms = [(i, torch.tensor(v)) for i, v in enumerate(norms)]
+    per = per_param or [None] * len(norms)
+    path.norms = [(i, torch.tensor(v), None if p is None else torch.tensor(p))
+                  for i, (v, p) in enumerate(zip(norms, per, strict=True))]
     return path
 
 
@@ -80,6 +85,86 @@ def test_fsdp_names_each_poisoned_rank_from_every_ranks_share() -> None:
     alone = _sharded([], {"a.bias"})
     alone.norms = []
     assert alone.naming_detail(True, _OtherShards()) == {"parameters": ["a.bias"]}
+
+
+def test_two_poisoned_ranks_in_one_group_each_name_their_own_parameters() -> None:
+    # Ranks 1 and 2 both poisoned group a: rank 1 in a.weight, rank 2 in a.bias. Every shard
+    # holds both after the reduction; each rank's own per-parameter norms tell them apart.
+    nan = float("nan")
+    peers = _OtherShards([1.0, 1.0, 0.0])
+    rank1 = _sharded([nan, 1.0], {"a.weight", "a.bias"}, [[nan, 1.0], [1.0]])
+    rank2 = _sharded([nan, 1.0], {"a.weight", "a.bias"}, [[1.0, nan], [1.0]])
+    assert rank1.naming_detail(True, peers) == {"parameters": ["a.weight"]}
+    assert rank2.naming_detail(True, peers) == {"parameters": ["a.bias"]}
+    # Only the groups whose layout was not known fall back on the reduced shards.
+    mixed = _sharded([nan, nan], {"a.bias", "b.weight"}, [[1.0, nan], None])
+    assert mixed.naming_detail(True, _OtherShards([0.0, 0.0, 0.0])) == {
+        "parameters": ["a.bias", "b.weight"]}
+    assert peers.calls == 2  # every rank still issues the one max-reduce
+
+
+def test_parameter_norms_read_fsdps_reduce_scatter_layout() -> None:
+    """The buffer FSDP2 builds (its own chunk_cat: row r holds shard r of every parameter,
+    padded on dim 0) gives each parameter's norm back, in fp32 and fp16."""
+    world = 4
+    torch.manual_seed(0)
+    grads = [torch.randn(5, 3), torch.randn(7), torch.randn(4, 2, 2)]
+    padded = [-(-g.shape[0] // world) * (g.numel() // g.shape[0]) for g in grads]
+    for dtype, rel in ((torch.float32, 1e-6), (torch.float16, 1e-3)):
+        flat = torch.empty(world * sum(padded), dtype=dtype)
+        torch.ops.fsdp.chunk_cat([g.to(dtype) for g in grads], dim=0, num_chunks=world,
+                                 out=flat.view(world, -1))
+        norms = fsdp.parameter_norms(flat, world, padded)
+        assert norms.dtype == torch.float32
+        expected = torch.stack([torch.linalg.vector_norm(g) for g in grads])
+        torch.testing.assert_close(norms, expected, rtol=rel, atol=0)
+    flat.view(world, -1)[3, padded[0] + 1] = float("inf")  # parameter 1's last shard
+    assert fsdp.parameter_norms(flat, world, padded).isfinite().tolist() == [True, False, True]
+
+
+class _Group:
+    def __init__(self, size: int) -> None:
+        self._size = size
+
+    def size(self) -> int:
+        return self._size
+
+
+def _param_group(replicate: int | None = None, factor: float | None = None) -> object:
+    from types import SimpleNamespace
+
+    from torch.distributed.fsdp._fully_shard._fsdp_common import DDPMeshInfo, FSDPMeshInfo
+
+    kind = DDPMeshInfo if replicate else FSDPMeshInfo
+    return SimpleNamespace(
+        mesh_info=kind.__new__(kind), gradient_divide_factor=factor,
+        force_sum_reduction_for_comms=False,
+        _all_reduce_process_group=_Group(replicate) if replicate else None,
+    )
+
+
+def test_predivide_factor_is_fsdps_own() -> None:
+    """FSDP2 divides an fp16 reduce-scatter input before the collective (by about the root of
+    the data-parallel size), never an fp32 or bf16 one. Pins the private
+    ``_get_gradient_divide_factors`` FSDP's divide factor comes from."""
+    import inspect
+
+    from torch.distributed.fsdp._fully_shard import _fsdp_collectives
+
+    params = list(inspect.signature(_fsdp_collectives._get_gradient_divide_factors).parameters)
+    assert params == ["reduce_scatter_group", "all_reduce_group", "reduce_dtype", "device_type",
+                      "factor", "force_sum_reduction_for_comms"], (
+        f"torch {torch.__version__} changed FSDP2's _get_gradient_divide_factors (tested with "
+        "2.9 to 2.13): nansentinel.gradpaths.fsdp.predivide_factor must follow it")
+    factor = fsdp.predivide_factor
+    assert factor(_param_group(), _Group(4), torch.float16, "cuda") == 2.0
+    assert factor(_param_group(), _Group(2), torch.float16, "cuda") == 2.0
+    assert factor(_param_group(), _Group(8), torch.float16, "cuda") == 4.0
+    assert factor(_param_group(replicate=4), _Group(2), torch.float16, "cuda") == 4.0  # HSDP
+    assert factor(_param_group(factor=16.0), _Group(4), torch.float16, "cuda") == 4.0
+    for dtype in (torch.float32, torch.bfloat16):
+        assert factor(_param_group(), _Group(8), dtype, "cuda") == 1.0
+        assert factor(_param_group(replicate=2), _Group(4), dtype, "cpu") == 1.0
 
 
 def test_local_scan_names_nonfinite_gradients_and_strips_the_prefix() -> None:
