@@ -170,6 +170,10 @@ class SentinelConfig:
     quarantine_steps: int = 100_000
     """Steps after its verdict a quarantined batch is still recognised and skipped."""
 
+    skip_list: str | None = None
+    """The job's skip list (JSON lines of sample ids, see ``nansentinel.skip_list``); None:
+    ``skip-list-<job>.jsonl`` in ``report_dir``. Written only when ``check_batch`` got ids."""
+
     save_batches: bool = True
     """Save the poisoned rank's batch next to the incident report (``torch.save``) so the
     incident can be reproduced. The batch is the user's training data: files are created

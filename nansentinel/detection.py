@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from nansentinel.collectives import Peers
+from nansentinel.curves import Curves
 from nansentinel.gradpaths import GradPath
 from nansentinel.incident import IncidentWriter
 from nansentinel.policy import Decision, is_blamed
@@ -133,13 +134,14 @@ class Detector:
 
     def record(
         self, view: ClusterView, decision: Decision, result: StepResult, spikes: Spikes, *,
-        detail: dict[str, Any], batch: Any, quarantine: Quarantine,
+        detail: dict[str, Any], batch: Any, ids: Any, quarantine: Quarantine, curves: Curves,
     ) -> StepResult:
         """Write the incident (report on rank 0, the poisoned batch, log lines); a ``data``
         verdict adds the batch's signature to ``quarantine``. Returns ``result`` with its
         parameters and report path."""
         result, details = self.incidents.write(
-            view, decision, result, spikes, detail=detail, batch=batch, guarded=self.guarded,
+            view, decision, result, spikes, detail=detail, batch=batch, ids=ids, curves=curves,
+            guarded=self.guarded,
         )
         if result.verdict == "data":
             for d in details.values():

@@ -16,9 +16,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from nansentinel import report
+from nansentinel import report, skip_list
 from nansentinel.collectives import Peers
 from nansentinel.config import SentinelConfig
+from nansentinel.curves import Curves
 from nansentinel.policy import Decision
 from nansentinel.result import KINDS, Outcome, RankIdentity, StepResult
 from nansentinel.spikes import CLUSTER, Spikes
@@ -219,13 +220,17 @@ class IncidentWriter:
         detail: dict[str, Any],
         batch: Any,
         guarded: Callable[[], Any],
+        ids: Any = None,
+        curves: Curves | None = None,
     ) -> tuple[StepResult, dict[int, dict[str, Any]]]:
         """Record one incident; returns ``result`` with ``parameters`` and ``report_path``,
         and the named ranks' details (rank -> detail).
 
         ``detail`` is this rank's share (the gradient path's parameter naming, the replay's
         findings); it travels if this rank is one of the first ``REPORTED`` blamed ranks or
-        the replay's peer, and the batch of a blamed rank is saved beside the report.
+        the replay's peer, and the batch of a blamed rank is saved beside the report. A blamed
+        rank adds its curves and, with ``ids``, the ids of its rows at fault; rank 0 appends
+        those to the skip list when the batch is at fault (see :func:`skipped_ids`).
         """
         rank = self.identity.rank
         stem = report.incident_stem(self.job_id, view.step)
@@ -234,6 +239,10 @@ class IncidentWriter:
         speakers = sorted({*bad[:REPORTED], *([view.replay_peer] if view.replay_peer is not
                                                None else [])})
         detail = dict(detail)
+        if rank in bad and curves is not None:
+            detail["history"] = curves.own()
+        if rank in bad and ids is not None and batch is not None:
+            detail.update(sample_detail(batch, ids, result.verdict))
         if rank in bad and batch is not None and not self.config.save_batches:
             detail["batch_not_saved"] = "save_batches=False"
         elif rank in bad and batch is not None:
@@ -253,6 +262,11 @@ class IncidentWriter:
                 view, decision, result, spikes, details, message, job_id=self.job_id,
                 policy=self.config.policy,
             )
+            if curves is not None:
+                content["history"] = curves.cluster()
+            skipped = skipped_ids(details, result.verdict)
+            if skipped:
+                content.update(self._skip(view.step, skipped, result.verdict))
             path, _ = report.attempt(
                 "report", lambda: report.write_json(base / f"{stem}.json", content),
                 rank=rank, step=view.step, failed=self.failed,
@@ -268,11 +282,58 @@ class IncidentWriter:
             ident = self.identity
             params = detail.get("parameters")
             batch_path = detail.get("batch_path")
+            samples = detail.get("sample_ids")
             log.warning(
-                "nansentinel: rank %d on host %s (local rank %d, %s): non-finite %s at step %d%s%s",
+                "nansentinel: rank %d on host %s (local rank %d, %s): non-finite %s at step "
+                "%d%s%s%s",
                 rank, ident.hostname, ident.local_rank, ident.device,
                 ", ".join(mine.kinds if mine else ()), view.step,
                 f"; parameters: {first(params, 8)}" if params else "",
+                f"; samples: {first([str(i) for i in samples], 16)}" if samples else "",
                 f"; batch saved to {batch_path}" if batch_path else "",
             )
         return result, details
+
+    def _skip(self, step: int, skipped: dict[int, list[Any]], verdict: str | None
+              ) -> dict[str, Any]:
+        """Append the ids at fault to the job's skip list (rank 0 alone writes it)."""
+        path = (Path(self.config.skip_list) if self.config.skip_list
+                else skip_list.default_path(self.config.report_dir, self.job_id))
+        for r, ids in skipped.items():
+            written, error = report.attempt(
+                "skip list", lambda r=r, ids=ids: skip_list.append(path, {
+                    "job": self.job_id, "step": step, "rank": r, "verdict": verdict,
+                    "ids": [list(i) if isinstance(i, tuple) else i for i in ids],
+                }),
+                rank=self.identity.rank, step=step, failed=self.failed,
+            )
+            if written is None:
+                return {"skip_list_error": error}
+        return {"skip_list": str(path), "skipped_ids": {str(r): ids for r, ids in skipped.items()}}
+
+
+def sample_detail(batch: Any, ids: Any, verdict: str | None) -> dict[str, Any]:
+    """A blamed rank's sample ids: the rows holding non-finite values (``sample_ids``), and
+    when there are none but the batch itself is at fault (verdict ``data``: it made NaN on
+    another host too) every row's (``batch_ids``). At most ``MAX_IDS`` each."""
+    every = skip_list.as_ids(ids)
+    rows = skip_list.nonfinite_rows(batch)
+    out: dict[str, Any] = {"sample_ids": [every[i] for i in rows[:skip_list.MAX_IDS]]}
+    if len(rows) > skip_list.MAX_IDS:
+        out["sample_ids_not_listed"] = len(rows) - skip_list.MAX_IDS
+    if not rows and verdict == "data":
+        out["batch_ids"] = every[:skip_list.MAX_IDS]
+    return out
+
+
+def skipped_ids(details: dict[int, dict[str, Any]], verdict: str | None
+                ) -> dict[int, list[Any]]:
+    """Per blamed rank, the ids that go to the skip list: its non-finite rows (a batch that
+    held NaN or Inf is at fault whatever the verdict), else its whole batch on a ``data``
+    verdict. Empty when nobody passed ids."""
+    out: dict[int, list[Any]] = {}
+    for r, d in details.items():
+        ids = d.get("sample_ids") or (d.get("batch_ids") if verdict == "data" else None)
+        if ids:
+            out[r] = [tuple(i) if isinstance(i, list) else i for i in ids]
+    return out

@@ -33,6 +33,8 @@ class LocalHealth:
         self.loss_count = 0
         self.batch: Any = None
         """The last batch checked (kept by reference, for the report and the replay)."""
+        self.ids: Any = None
+        """Its sample ids, one per row, when the caller gave them (kept by reference)."""
         self.grad_norms: list[torch.Tensor] = []
         """One 0-d gradient norm per DDP bucket or (device, dtype) group of parameters."""
         self.injected = False

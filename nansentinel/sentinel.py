@@ -27,9 +27,10 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from nansentinel import checks, gradpaths, incident, stop
+from nansentinel import checks, gradpaths, incident, skip_list, stop
 from nansentinel.collectives import Peers
 from nansentinel.config import SentinelConfig, resolve_hostname
+from nansentinel.curves import Curves
 from nansentinel.detection import Detector
 from nansentinel.exchange import HealthExchange, diagnosis_grace, late_after
 from nansentinel.gate import DeviceGate, Pending, PendingResult, device_gate_refusal, held_grads
@@ -144,6 +145,8 @@ class Sentinel:
         else:
             self.snapshots = None  # no rollback possible: no copies made
         self.cooldown = Cooldown()
+        #: The last steps' loss and gradient norm, this rank's and the cluster's (reports).
+        self.curves = Curves()
         self._after_step: tuple[Any, ClusterView] | None = None
         self._post_hook: Any = None
         #: Batches with a ``data`` verdict, recognised on the device (quarantine.py).
@@ -187,16 +190,23 @@ class Sentinel:
 
     # --- the three calls of a training loop -------------------------------------------------
 
-    def check_batch(self, batch: Any) -> Any:
+    def check_batch(self, batch: Any, *, ids: Any = None) -> Any:
         """Check every floating-point tensor of ``batch`` (any nesting of dict/list/tuple).
 
         Non-float parts (ints, bools, strings, None) are ignored; a batch without float tensors
         is harmless and checks nothing. Returns ``batch`` (with a drill fault written into it
         when one is due). Call it before ``backward``.
+
+        ``ids``: one sample id per row of the batch's leading dimension (dataset indices, or
+        ``(shard, offset)`` pairs; a list or a tensor, read only after a detection). A
+        detection then names the rows at fault, and the skip list keeps them across restarts
+        (``nansentinel.skip_list``).
         """
         self._resolve()
         started = time.perf_counter()
         self._require_open("check_batch")
+        if ids is not None:
+            self.local.ids = skip_list.check_ids(ids, batch, rank=self.rank, step=self.step_index)
         first = next(checks.float_tensors(batch), None)
         if self.injector.poison("batch", self.step_index, first):
             self.local.injected = True
@@ -370,6 +380,7 @@ class Sentinel:
                 view = self.detector.view(step, totals, own, self.spikes.ratios(own))
         spikes = self.spikes.judge(view)
         self.spikes.record(own, totals, spikes)
+        self.curves.add(step, own, totals)
         self._send_thresholds()
         amp = self.scaler is not None
         bad = blamed(view, amp=amp)
@@ -421,7 +432,7 @@ class Sentinel:
         if decision.bad or spikes or decision.action == ROLLBACK:
             result = self.detector.record(
                 view, decision, result, spikes, detail=detail, batch=local.batch,
-                quarantine=self.quarantine,
+                ids=local.ids, quarantine=self.quarantine, curves=self.curves,
             )
         seconds += time.perf_counter() - started - not_ours
         if self.metrics is not None:
