@@ -25,6 +25,7 @@ fit, at construction and again from the watchdog's thread whenever the group's t
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import datetime
 import logging
 import math
@@ -36,12 +37,15 @@ from typing import Any
 
 import torch.distributed as dist
 
-from nansentinel.config import env_var
+from nansentinel.config import SentinelConfig, env_var
 from nansentinel.exchange import diagnosis_grace, late_after
 
 log = logging.getLogger("nansentinel")
 #: Seconds kept between the end of the naming and the group's timeout (dump, exit).
 _EXIT_MARGIN_S = 1.0
+_DEFAULT_EXCHANGE_TIMEOUT = next(
+    f.default for f in dataclasses.fields(SentinelConfig) if f.name == "exchange_timeout"
+)
 
 #: Watchdogs not yet closed; closed at interpreter exit (see :func:`_close_all`).
 _LIVE: weakref.WeakSet[Watchdog] = weakref.WeakSet()
@@ -217,7 +221,8 @@ class TimeoutFit:
     there the warning alone would leave every such run unnamed until the user acts, whereas
     the clamp costs nothing but an earlier stop that NCCL would have made anyway. Every rank
     reads the same group timeout, so every rank clamps alike. Rank 0 (``speak``) says so once
-    per change, naming both values and the field and env var to set.
+    per change, naming both values and the field and env var to set: a warning when the
+    user chose ``exchange_timeout``, information when its default was shortened.
 
     Args:
         exchange: its ``group`` is read, its ``timeout`` set.
@@ -247,7 +252,11 @@ class TimeoutFit:
             self.exchange.timeout = timeout
             self.watchdog.retime(watchdog_deadline(timeout), late_after(timeout))
         if self.speak and timeout != self.configured:
-            log.warning(
+            # The default shortened is the sentinel adapting: said, not warned about. A value
+            # the user chose and does not get is a warning.
+            chosen = self.configured != _DEFAULT_EXCHANGE_TIMEOUT
+            log.log(
+                logging.WARNING if chosen else logging.INFO,
                 "nansentinel: the process group's timeout (%g s) is shorter than "
                 "exchange_timeout=%g s and the naming of missing ranks after it (%g s in all): "
                 "NCCL would end the process first and nobody would be named. The sentinel now "

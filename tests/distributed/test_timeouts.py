@@ -1,7 +1,8 @@
 """The sentinel's deadline inside the process group's own timeout, on two gloo ranks
-(issue 20, item 8): the harness's group times out after 60 s, shorter than the default
-exchange_timeout (300 s) with the naming after it, so the sentinel waits less, says so once on
-rank 0, and follows the group's timeout when the loop changes it (as torchtitan does)."""
+(issue 20, item 8): the harness's group times out after 60 s, shorter than exchange_timeout
+(here 250 s) with the naming after it, so the sentinel waits less, says so once on rank 0 (a
+warning: the value was the user's), and follows the group's timeout when the loop changes it
+(as torchtitan does)."""
 
 from __future__ import annotations
 
@@ -32,7 +33,8 @@ def fitted(rank: int, world: int) -> dict[str, Any]:
     logging.getLogger("nansentinel").addHandler(Keep())
     model = DistributedDataParallel(torch.nn.Linear(4, 4))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    sentinel = nansentinel.Sentinel(model, opt, env={}, metrics_port=0)
+    # A value the user chose (not the default): its shortening is a warning.
+    sentinel = nansentinel.Sentinel(model, opt, env={}, metrics_port=0, exchange_timeout=250)
     first = (sentinel.exchange.timeout, sentinel.watchdog.timeout)
     dist.distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=40))
     deadline = time.monotonic() + 10

@@ -131,16 +131,24 @@ def test_a_short_gloo_group_timeout_clamps_the_deadline_and_is_rechecked(
     try:
         assert group_timeout(None) == 60.0
         exchange = SimpleNamespace(group=None, timeout=300.0)
-        with caplog.at_level(logging.WARNING, logger="nansentinel"):
+        with caplog.at_level(logging.INFO, logger="nansentinel"):
             fit = TimeoutFit(exchange, 300.0, dog, speak=True)
         clamped = exchange.timeout
         assert clamped == 27.0 and naming_seconds(clamped) == 59.0
         assert dog.timeout == watchdog_deadline(clamped)
         assert dog.late_after == late_after(clamped)
+        # The default shortened is said (INFO); a value the user chose is warned about.
+        assert [r.levelno for r in caplog.records] == [logging.INFO]
         (warning,) = [r.getMessage() for r in caplog.records]
         assert "group's timeout (60 s)" in warning and "exchange_timeout=300 s" in warning
         assert "NANSENTINEL_EXCHANGE_TIMEOUT" in warning
         assert "waits 27 s" in warning and "at most 27 s" in warning
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="nansentinel"):
+            chosen = SimpleNamespace(group=None, timeout=200.0)
+            TimeoutFit(chosen, 200.0, Watchdog(1.0, lambda step: None), speak=True).watchdog.close()
+        assert chosen.timeout == 27.0 and [r.levelno for r in caplog.records] == [logging.WARNING]
+        assert "exchange_timeout=200 s" in caplog.records[0].getMessage()
         caplog.clear()
         fit.check()  # unchanged: nothing said again
         assert not caplog.records
