@@ -190,9 +190,9 @@ class HealthExchange:
         error path is the step's deadline: the sentinel's watchdog, armed before the first
         bucket, finds the exchange unsettled (:meth:`settled` does not take a failed NCCL work
         for a finished one) and names the missing ranks (``stop.on_timeout``), before NCCL's
-        own timeout ends the process, because :func:`fit_timeout` keeps the deadline inside
-        the group's. The callback below is then only the pass-through DDP's Python hook
-        interface requires; the ``except`` cannot fire there.
+        own timeout ends the process, because :class:`~nansentinel.watchdog.TimeoutFit` keeps
+        the deadline inside the group's. The callback below is then only the pass-through
+        DDP's Python hook interface requires; the ``except`` cannot fire there.
         """
 
         def reduced(fut: torch.futures.Future) -> torch.Tensor:
