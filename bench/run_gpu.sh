@@ -5,7 +5,7 @@
 #
 # Installs nothing unless it must: the checkout is put on PYTHONPATH, and only when
 # `import nansentinel` still fails is `pip install -e .` tried (torch must already be there).
-# Each run is bounded by `timeout` (all together at most 11 minutes; RUN_ONLY="big_fused syncs"
+# Each run is bounded by `timeout` (all together at most 13 minutes; RUN_ONLY="big_fused syncs"
 # runs only the named parts, to split it over two commands); logs and
 # JSON are written as it goes, so a run cut short still leaves what it measured.
 set -uo pipefail
@@ -36,6 +36,12 @@ run() {  # run NAME SECONDS ARGS...: one bounded gpu_checks run, log and JSON un
     timeout "$secs" python bench/gpu_checks.py "$@" --json "$RESULTS/$name.json" \
         2>&1 | tee "$RESULTS/$name.log" || status=$?
 }
+# 0. The NCCL-only hazards of issue 20 (items 5, 6, 8): PASS/FAIL a check, exit 1 on a FAIL.
+if [[ -z "${RUN_ONLY:-}" || " $RUN_ONLY " == *" correctness "* ]]; then
+    echo "== correctness: gpu_correctness.py"
+    timeout 120 python bench/gpu_correctness.py --json "$RESULTS/correctness.json" \
+        2>&1 | tee "$RESULTS/correctness.log" || status=$?
+fi
 # 1. ~110 M parameters, fp32: the foreach pair and the fused pair, each with the cost of one
 #    blocking read before the optimizer (sync) beside it.
 run large_foreach 90 --optimizer foreach --steps 40 --memory-steps 0 --check-reps 20 \

@@ -64,6 +64,11 @@ class HealthExchange:
         self.device = device
         self.comm_device = peers.comm_device
         self.supports_avg = peers.supports_avg
+        #: The group's backend ("" alone): the stop path dumps NCCL's flight recorder.
+        self.backend = str(dist.get_backend(group)) if peers.distributed else ""
+        #: The collectives run under NCCL, whose works complete at enqueue (see
+        #: :meth:`diagnosed`) and whose failures are seen only by a deadline.
+        self.nccl = self.comm_device.type == "cuda"
         self._vector: torch.Tensor | None = None
         self._work: dist.Work | None = None
         self._step = -1
@@ -94,9 +99,19 @@ class HealthExchange:
         return self._vector is not None
 
     def settled(self) -> bool:
-        """True when this step's exchange was launched and its collective has completed."""
+        """True when this step's exchange was launched and its collective has completed.
+
+        On NCCL a work that failed (timed out in NCCL's watchdog, or aborted) also says
+        ``is_completed()``; it is not settled, so that the sentinel's watchdog still names the
+        missing ranks: nothing else on NCCL will (see :meth:`diagnosed`). On gloo a failed
+        work raises in :meth:`wait` in the training thread, which diagnoses it there.
+        """
         work = self._work
-        return self._vector is not None and (work is None or work.is_completed())
+        if self._vector is None:
+            return False
+        if work is None:
+            return True
+        return bool(work.is_completed()) and not (self.nccl and work.exception() is not None)
 
     def launch(self, step: int, vector: torch.Tensor) -> None:
         """Start summing the totals of this rank's ``vector`` (``view.pack``) across the group
@@ -162,9 +177,23 @@ class HealthExchange:
         self, future: torch.futures.Future, step: int, reduced_in_place: torch.Tensor
     ) -> torch.futures.Future:
         """``future`` (a gradient bucket's all-reduce of ``reduced_in_place``) resolving to that
-        tensor, with a failure turned into the one diagnosis of ``step``: DDP then reports,
-        from ``backward()``, the same message naming the missing ranks and hosts as the
-        exchange wait and the watchdog do."""
+        tensor, with a failure turned into the one diagnosis of ``step``.
+
+        Gloo: the future completes when the all-reduce has, with the error of a peer that
+        died ("connection reset"); the callback turns it into the diagnosis, and DDP reports
+        it from ``backward()``, naming the missing ranks and hosts as the exchange wait and the
+        watchdog do.
+
+        NCCL: the future completes as soon as the all-reduce is *enqueued* (the callback's
+        stream then waits on the collective's CUDA events), so no error ever reaches it: a
+        dead or frozen peer leaves the kernel spinning and the host running on. There the
+        error path is the step's deadline: the sentinel's watchdog, armed before the first
+        bucket, finds the exchange unsettled (:meth:`settled` does not take a failed NCCL work
+        for a finished one) and names the missing ranks (``stop.on_timeout``), before NCCL's
+        own timeout ends the process, because :class:`~nansentinel.watchdog.TimeoutFit` keeps
+        the deadline inside the group's. The callback below is then only the pass-through
+        DDP's Python hook interface requires; the ``except`` cannot fire there.
+        """
 
         def reduced(fut: torch.futures.Future) -> torch.Tensor:
             try:

@@ -109,15 +109,29 @@ class DeviceGate:
 
     def to_host(self, vector: torch.Tensor) -> tuple[torch.Tensor, Any]:
         """Start copying ``vector`` to host memory; return the host tensor and the event that
-        says the copy is done (None where the vector already is on the host)."""
+        says the copy is done (None where the vector already is on the host).
+
+        The copy and the event are both on the current stream of ``vector``'s device, which
+        need not be the current device: DDP with ``device_ids`` runs without
+        ``torch.cuda.set_device``, and an event recorded on cuda:0's stream would fire before
+        a copy queued on cuda:1's, so the host would read the reused buffer early and judge
+        step N with step N-1's values. (torch queues a device-to-host copy on the current
+        stream of the source's device, so the copy needs no stream context.)
+        """
         if vector.device.type != "cuda":
             return vector, None
         if self._host is None or self._host.numel() != vector.numel():
-            self._host = torch.empty(vector.numel(), dtype=vector.dtype, pin_memory=True)
+            self._host = _pinned(vector.numel(), vector.dtype)
+        stream = torch.cuda.current_stream(vector.device)
         self._host.copy_(vector, non_blocking=True)
         event = torch.cuda.Event()
-        event.record()
+        event.record(stream)
         return self._host, event
+
+
+def _pinned(numel: int, dtype: torch.dtype) -> torch.Tensor:
+    """A page-locked host buffer, so that the device-to-host copy is asynchronous."""
+    return torch.empty(numel, dtype=dtype, pin_memory=True)
 
 
 @dataclasses.dataclass(slots=True)

@@ -32,7 +32,7 @@ from nansentinel.collectives import Peers
 from nansentinel.config import SentinelConfig, resolve_hostname
 from nansentinel.curves import Curves
 from nansentinel.detection import Detector
-from nansentinel.exchange import HealthExchange, diagnosis_grace, late_after
+from nansentinel.exchange import HealthExchange, late_after
 from nansentinel.gate import DeviceGate, Pending, PendingResult, device_gate_refusal, held_grads
 from nansentinel.inject import Injector, parse_inject
 from nansentinel.local import LocalHealth, to_device
@@ -49,7 +49,7 @@ from nansentinel.result import (
 from nansentinel.scaling import record_skip
 from nansentinel.spikes import SpikeDetector, Spikes
 from nansentinel.view import ClusterView, OwnRow, Totals, pack
-from nansentinel.watchdog import Watchdog
+from nansentinel.watchdog import TimeoutFit, Watchdog, watchdog_deadline
 
 log = logging.getLogger("nansentinel")
 
@@ -176,13 +176,14 @@ class Sentinel:
             )
         self.watchdog: Watchdog | None = None
         if self.world_size > 1:
-            # Later than the exchange's own timeout, so that a wait() that can time out by
-            # itself raises in the training thread first.
-            deadline = cfg.exchange_timeout + diagnosis_grace(cfg.exchange_timeout)
             self.watchdog = Watchdog(
-                deadline + 2.0, self._on_timeout, settled=self._settled,
+                watchdog_deadline(cfg.exchange_timeout), self._on_timeout, settled=self._settled,
                 on_late=self.exchange.check_in, late_after=late_after(cfg.exchange_timeout),
             )
+            # Inside the group's own timeout, now and whenever it changes (watchdog.py).
+            fit = TimeoutFit(self.exchange, cfg.exchange_timeout, self.watchdog,
+                             speak=self.rank == 0)
+            self.watchdog.on_poll = fit.check
         self.metrics = None
         if cfg.metrics_port:
             self.metrics = _start_metrics(self, registry)

@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import logging
 import os
+import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import Any
 
 from nansentinel.config import SentinelConfig
@@ -109,12 +111,74 @@ def on_timeout(
     error = exchange.diagnose(step, None)
     log.error("%s", error)
     leave_verdict(config, identity, step, EXCHANGE_TIMEOUT, str(error), missing=error.missing)
+    # os._exit skips NCCL's own dump of its flight recorder (the last collectives of every
+    # group, which tell a hang from a desync): write it first, where torch would.
+    dumped = dump_flight_recorder(exchange.backend, _global_rank(identity.rank))
+    if dumped is not None:
+        log.error("nansentinel: rank %d left NCCL's flight recorder in %s",
+                  identity.rank, dumped)
     for handler in logging.getLogger().handlers + log.handlers:
         handler.flush()
     if identity.rank == 0:
         # Without torchrun's agent store, rank 0 hosts the rendezvous store: linger so the
         # other live ranks can finish their own diagnosis before it goes away.
-        time.sleep(diagnosis_grace(config.exchange_timeout))
+        time.sleep(diagnosis_grace(exchange.timeout))
     from nansentinel.exitcodes import EXIT_EXCHANGE_TIMEOUT
 
     os._exit(EXIT_EXCHANGE_TIMEOUT)
+
+
+def dump_flight_recorder(
+    backend: str, rank: int, env: Mapping[str, str] | None = None
+) -> Path | None:
+    """Write NCCL's flight recorder for this process where torch's own dump goes; the path,
+    or None where there is nothing to dump (not NCCL, a torch without the recorder, the
+    buffer turned off with ``TORCH_FR_BUFFER_SIZE``/``TORCH_NCCL_TRACE_BUFFER_SIZE=0``) or
+    the dump failed (logged: the exit must not wait on a diagnostic).
+
+    The place is torch 2.13's ``DebugInfoWriter``'s: ``TORCH_FR_DUMP_TEMP_FILE``, else
+    ``TORCH_NCCL_DEBUG_INFO_TEMP_FILE``, else ``$XDG_CACHE_HOME`` (or ``$HOME/.cache``)
+    ``/torch/comm_lib_trace_rank_``, followed by the global rank; with
+    ``TORCH_FR_DUMP_DYNAMIC_FILE_NAME`` set, ``TORCH_FR_DUMP_TEMP_FILE`` itself. The content is
+    the same pickle (``_dump_nccl_trace()``), so torch's ``fr_trace`` tool reads it. Written
+    atomically: torch's watchdog may be writing the same file on its own timeout.
+    """
+    import torch
+
+    env = os.environ if env is None else env
+    dump = getattr(torch._C._distributed_c10d, "_dump_nccl_trace", None)
+    size = env.get("TORCH_FR_BUFFER_SIZE", env.get("TORCH_NCCL_TRACE_BUFFER_SIZE", ""))
+    if "nccl" not in backend or dump is None or size.strip() == "0":
+        return None
+    path = flight_recorder_path(rank, env)
+    try:
+        trace = dump()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+        with os.fdopen(fd, "wb") as out:
+            out.write(trace)
+        os.replace(tmp, path)
+    except Exception as exc:  # any failure: the process still has to exit now
+        log.warning("nansentinel: could not dump NCCL's flight recorder to %s: %s", path, exc)
+        return None
+    return path
+
+
+def flight_recorder_path(rank: int, env: Mapping[str, str]) -> Path:
+    """Where torch's ``DebugInfoWriter`` writes ``rank``'s flight recorder (see
+    :func:`dump_flight_recorder`)."""
+    dynamic = env.get("TORCH_FR_DUMP_DYNAMIC_FILE_NAME", "").lower() in ("1", "true", "yes", "y")
+    if dynamic and env.get("TORCH_FR_DUMP_TEMP_FILE"):
+        return Path(env["TORCH_FR_DUMP_TEMP_FILE"])
+    prefix = env.get("TORCH_FR_DUMP_TEMP_FILE") or env.get("TORCH_NCCL_DEBUG_INFO_TEMP_FILE")
+    if not prefix:
+        cache = env.get("XDG_CACHE_HOME") or env.get("HOME", "/tmp") + "/.cache"
+        prefix = f"{cache}/torch/comm_lib_trace_rank_"
+    return Path(f"{prefix}{rank}")
+
+
+def _global_rank(fallback: int) -> int:
+    """The default group's rank, which names torch's own dump file."""
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else fallback

@@ -224,24 +224,54 @@ def _create_guarded_handler(params: Any) -> GuardedRendezvousHandler:
         **extra,
     )
     handler = rdzv_registry.get_rendezvous_handler(inner_params)
-    return GuardedRendezvousHandler(handler, guard, store_host=serves_store(inner_params))
+    store = getattr(handler, "_store", None)  # the c10d backend's TCPStore, bound by now
+    return GuardedRendezvousHandler(handler, guard, store_host=serves_store(inner_params, store))
 
 
-def serves_store(params: Any) -> bool:
-    """Whether this agent serves the c10d rendezvous store, decided as torch's c10d backend
-    decides it (``is_host`` in ``--rdzv-conf``, else the endpoint names this machine)."""
+def serves_store(params: Any, store: Any = None) -> bool:
+    """Whether this agent serves the c10d rendezvous store.
+
+    torch's c10d backend *intends* to serve it when ``is_host`` is set in ``--rdzv-conf`` or
+    the endpoint names this machine, but when several agents share that address the first to
+    bind the port serves it and the others fall back to clients, each still matching the
+    hostname. So, given the ``store`` the handler made (a ``TCPStore``), the fact decides:
+    this process holds a listening socket on its port (psutil). The intent decides only
+    where no such store is at hand or the sockets cannot be read; a file store has no server.
+    """
     if params.backend != "c10d":
         return False
+    if str(params.get("store_type", "tcp")).strip().lower() == "file":
+        return False
+    configured = params.get_as_bool("is_host")
+    if configured is not None:
+        return bool(configured)  # torch raises rather than fall back when it is configured
+    port = getattr(store, "port", None)
+    if isinstance(port, int):
+        listens = listens_here(port)
+        if listens is not None:
+            return listens
     from torch.distributed.elastic.rendezvous.utils import (
         _matches_machine_hostname,
         parse_rendezvous_endpoint,
     )
 
-    configured = params.get_as_bool("is_host")
-    if configured is not None:
-        return bool(configured)
     host, _ = parse_rendezvous_endpoint(params.endpoint, default_port=29400)
     return bool(_matches_machine_hostname(host))
+
+
+def listens_here(port: int) -> bool | None:
+    """Whether this process holds a listening TCP socket on ``port`` (the TCPStore server
+    runs in a thread of the process that bound it); None where the sockets cannot be read."""
+    import psutil
+
+    proc = psutil.Process()
+    connections = getattr(proc, "net_connections", None) or proc.connections
+    try:
+        sockets = connections(kind="tcp")
+    except (psutil.Error, OSError):
+        return None
+    return any(c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port == port
+               for c in sockets)
 
 
 def install_guard(launch_config: Any, guard: ExclusionGuard) -> bool:

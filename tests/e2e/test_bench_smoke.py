@@ -104,12 +104,25 @@ def test_gpu_checks_says_clearly_that_it_needs_a_gpu() -> None:
     assert "Traceback" not in proc.stderr
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="the no-CUDA message is what is tested")
-def test_gpu_syncs_says_clearly_that_it_needs_a_gpu() -> None:
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "gpu_syncs.py")],
+def _without_gpu(script: str) -> subprocess.CompletedProcess[str]:
+    """Run a GPU-only bench script on this CPU machine."""
+    return subprocess.run(
+        [sys.executable, str(ROOT / "bench" / script)],
         cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=50,
     )
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the no-CUDA message is what is tested")
+def test_gpu_correctness_imports_and_says_clearly_that_it_needs_a_gpu() -> None:
+    proc = _without_gpu("gpu_correctness.py")
+    assert proc.returncode == 2 and "needs a CUDA device and NCCL" in proc.stderr
+    assert "nothing was checked" in proc.stderr and "Traceback" not in proc.stderr
+    assert not proc.stdout  # no PASS or FAIL without a GPU
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the no-CUDA message is what is tested")
+def test_gpu_syncs_says_clearly_that_it_needs_a_gpu() -> None:
+    proc = _without_gpu("gpu_syncs.py")
     assert proc.returncode == 2 and "needs a CUDA device" in proc.stderr
     assert "Traceback" not in proc.stderr
 

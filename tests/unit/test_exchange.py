@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 
 from nansentinel.exchange import HealthExchange
@@ -137,3 +138,49 @@ def test_an_absent_value_is_neither_a_spike_nor_unquiet() -> None:
     no_loss = torch.tensor([1.0, 0.0, 1.0, 0.0, 0.0, 1.0, 0.0])
     own = OwnRow.from_values(pack(no_loss, thresholds, 0, amp=False).tolist())
     assert not own.spiked() and not own.not_quiet and not own.flagged and own.loss is None
+
+
+class _Work:
+    """A launched collective that has finished, with or without an error."""
+
+    def __init__(self, error: BaseException | None) -> None:
+        self.error = error
+
+    def is_completed(self) -> bool:
+        return True  # NCCL says so for a failed work too
+
+    def exception(self) -> BaseException | None:
+        return self.error
+
+
+def test_a_failed_nccl_work_is_not_settled_so_the_watchdog_still_names() -> None:
+    """Issue 20, item 8: on NCCL no error reaches the bucket's future (it completes at enqueue)
+    and a work that NCCL's watchdog failed says is_completed(); only the sentinel's deadline is
+    left to name the missing ranks, so that work must not count as done. Gloo keeps its own
+    path: the training thread's wait raises and diagnoses."""
+    exchange = HealthExchange(None, CPU, 5.0)
+    assert exchange.backend == "" and not exchange.nccl
+    assert not exchange.settled()  # nothing launched yet
+    exchange.launch(0, torch.zeros(SIZE))
+    assert exchange.settled()  # alone: no collective at all
+    for nccl, error, settled in [(True, None, True), (True, RuntimeError("watchdog timeout"),
+                                 False), (False, RuntimeError("reset by peer"), True)]:
+        exchange.nccl = nccl
+        exchange._work = _Work(error)  # type: ignore[assignment]
+        assert exchange.settled() is settled, (nccl, error)
+
+
+def test_a_failed_bucket_future_becomes_the_steps_diagnosis() -> None:
+    """Gloo: the bucket's future carries the peer's error, which becomes the diagnosis; a
+    future that completed (NCCL: at enqueue) resolves to the reduced tensor itself."""
+    exchange = HealthExchange(None, CPU, 5.0)
+    tensor = torch.ones(3)
+    done: torch.futures.Future = torch.futures.Future()
+    done.set_result([tensor])
+    assert exchange.diagnosed(done, 2, tensor).wait() is tensor
+    failed: torch.futures.Future = torch.futures.Future()
+    chained = exchange.diagnosed(failed, 3, tensor)
+    failed.set_exception(RuntimeError("Connection reset by peer"))
+    with pytest.raises(RuntimeError, match="collectives of step 3 failed or timed out") as info:
+        chained.wait()
+    assert "Connection reset by peer" in str(info.value)

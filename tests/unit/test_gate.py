@@ -146,3 +146,46 @@ def test_state_dict_and_close_decide_a_pending_step(tmp_path: Path) -> None:
     r2 = one_step(model, s)
     s.close()
     assert r2.resolved and r2.applied
+
+
+def test_copy_to_host_is_fenced_on_the_vectors_device_not_the_current_one(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Issue 20, item 5: the vector on cuda:1 while cuda:0 is current (DDP with device_ids and
+    no set_device): the event must be recorded on cuda:1's current stream, after the copy."""
+    import nansentinel.gate as gate
+
+    calls: list[tuple[str, object]] = []
+
+    class Vector:
+        device = torch.device("cuda", 1)
+        dtype = torch.float32
+
+        def numel(self) -> int:
+            return SIZE
+
+    class Host:
+        def numel(self) -> int:
+            return SIZE
+
+        def copy_(self, src: object, non_blocking: bool) -> None:
+            calls.append(("copy", non_blocking))
+
+    class Event:
+        def record(self, stream: object = None) -> None:
+            calls.append(("record", stream))
+
+    def current_stream(device: object = None) -> str:
+        calls.append(("stream", device))
+        return f"stream of {device}"
+
+    monkeypatch.setattr(gate, "_pinned", lambda numel, dtype: Host())
+    monkeypatch.setattr(torch.cuda, "current_stream", current_stream)
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    # Built for the CPU (no CUDA here); to_host reads only the vector's device.
+    dg = DeviceGate(torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1),
+                    torch.device("cpu"))
+    host, event = dg.to_host(Vector())  # type: ignore[arg-type]
+    assert isinstance(host, Host) and isinstance(event, Event)
+    cuda1 = torch.device("cuda", 1)
+    assert calls == [("stream", cuda1), ("copy", True), ("record", f"stream of {cuda1}")]

@@ -411,6 +411,49 @@ def test_the_store_host_is_recognised_and_its_exclusion_ends_the_job(
     assert "runs the rendezvous store" in capsys.readouterr().err
 
 
+_AGENT = """
+import sys
+from torch.distributed.elastic.rendezvous import RendezvousParameters
+from nansentinel.launcher.rendezvous_guard import (
+    ExclusionGuard, _create_guarded_handler, _GUARD_KEY, _INNER_BACKEND_KEY,
+)
+params = RendezvousParameters(
+    "nansentinel", sys.argv[1], "job", 1, 2,
+    **{_INNER_BACKEND_KEY: "c10d", _GUARD_KEY: ExclusionGuard("node", sys.argv[2], None, None)},
+)
+handler = _create_guarded_handler(params)
+print("serves" if handler.store_host else "client", flush=True)
+sys.stdin.readline()  # keep the store up until the test is done
+"""
+
+
+def test_of_two_agents_sharing_the_store_address_exactly_one_serves_it(
+    tmp_path: Path, free_port  # type: ignore[no-untyped-def]
+) -> None:
+    """Issue 20, item 11: both agents' hostnames match the endpoint, so torch's intent says
+    both host the store; only the first binds the port. The one that did serves it, and only
+    its exclusion ends the job."""
+    endpoint = f"127.0.0.1:{free_port()}"
+    agents: list[subprocess.Popen[str]] = []
+    try:
+        answers = []
+        for i in range(2):  # one after the other: the first has bound when the second starts
+            with (tmp_path / f"agent{i}.err").open("w") as err:
+                agent = subprocess.Popen(
+                    [sys.executable, "-c", _AGENT, endpoint, str(tmp_path)], text=True,
+                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err,
+                )
+            agents.append(agent)
+            assert agent.stdout is not None
+            answers.append(agent.stdout.readline().strip())
+        errors = [(tmp_path / f"agent{i}.err").read_text() for i in range(2)]
+        assert answers == ["serves", "client"], errors
+    finally:
+        for agent in agents:
+            agent.kill()
+            agent.communicate(timeout=10)
+
+
 def test_the_run_directory_under_the_report_dir_is_private(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

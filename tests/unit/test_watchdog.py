@@ -81,3 +81,92 @@ def test_each_launched_collective_restarts_the_deadline() -> None:
     now[0] = 17.1
     assert wait_for(lambda: fired == [0])
     dog.close()
+
+
+# -- the deadline inside the process group's own timeout (issue 20, item 8) -------------------
+
+
+def test_fitted_timeout_ends_the_naming_before_the_groups_timeout() -> None:
+    from nansentinel.watchdog import fitted_timeout, naming_seconds
+
+    assert fitted_timeout(300.0, None) == 300.0  # the group's is unknown
+    assert fitted_timeout(300.0, 1800.0) == 300.0  # gloo's default: it fits
+    fitted = fitted_timeout(300.0, 100.0)  # torchtitan after step 1
+    assert fitted is not None and 60.0 < fitted < 100.0
+    assert fitted == 67.0 and naming_seconds(fitted) == 99.0  # a second left to exit in
+    assert fitted_timeout(10.0, 12.0) is None  # no timeout leaves room to name anyone
+
+
+def test_watchdog_calls_its_poll_helper_and_survives_its_failure() -> None:
+    calls: list[int] = []
+
+    def helper() -> None:
+        calls.append(1)
+        raise RuntimeError("boom")
+
+    fired: list[int] = []
+    dog = Watchdog(0.3, fired.append, poll=0.02, on_poll=helper)
+    dog.arm(3)
+    assert wait_for(lambda: fired == [3])  # the failing helper did not stop the thread
+    assert len(calls) >= 2
+    dog.close()
+
+
+def test_a_short_gloo_group_timeout_clamps_the_deadline_and_is_rechecked(
+    free_port, caplog  # type: ignore[no-untyped-def]
+) -> None:
+    import datetime
+    import logging
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+
+    from nansentinel.exchange import late_after
+    from nansentinel.watchdog import TimeoutFit, group_timeout, naming_seconds, watchdog_deadline
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0,
+                            world_size=1, timeout=datetime.timedelta(seconds=60))
+    dog = Watchdog(watchdog_deadline(300.0), lambda step: None, late_after=late_after(300.0),
+                   on_late=lambda step: None)
+    try:
+        assert group_timeout(None) == 60.0
+        exchange = SimpleNamespace(group=None, timeout=300.0)
+        with caplog.at_level(logging.INFO, logger="nansentinel"):
+            fit = TimeoutFit(exchange, 300.0, dog, speak=True)
+        clamped = exchange.timeout
+        assert clamped == 27.0 and naming_seconds(clamped) == 59.0
+        assert dog.timeout == watchdog_deadline(clamped)
+        assert dog.late_after == late_after(clamped)
+        # The default shortened is said (INFO); a value the user chose is warned about.
+        assert [r.levelno for r in caplog.records] == [logging.INFO]
+        (warning,) = [r.getMessage() for r in caplog.records]
+        assert "group's timeout (60 s)" in warning and "exchange_timeout=300 s" in warning
+        assert "NANSENTINEL_EXCHANGE_TIMEOUT" in warning
+        assert "waits 27 s" in warning and "at most 27 s" in warning
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="nansentinel"):
+            chosen = SimpleNamespace(group=None, timeout=200.0)
+            TimeoutFit(chosen, 200.0, Watchdog(1.0, lambda step: None), speak=True).watchdog.close()
+        assert chosen.timeout == 27.0 and [r.levelno for r in caplog.records] == [logging.WARNING]
+        assert "exchange_timeout=200 s" in caplog.records[0].getMessage()
+        caplog.clear()
+        fit.check()  # unchanged: nothing said again
+        assert not caplog.records
+        # torchtitan shortens the group's timeout after the first step ...
+        dist.distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=30))
+        fit.check()
+        assert naming_seconds(exchange.timeout) < 30.0 < naming_seconds(clamped)
+        # ... a group timeout nobody can be named within keeps the configured value ...
+        dist.distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=12))
+        with caplog.at_level(logging.WARNING, logger="nansentinel"):
+            fit.check()
+        assert exchange.timeout == 300.0 and "too short" in caplog.records[-1].getMessage()
+        # ... and a long one gives the configured value back, silently (rank 0 only speaks).
+        dist.distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=3600))
+        quiet = TimeoutFit(SimpleNamespace(group=None, timeout=300.0), 300.0, dog, speak=False)
+        fit.check()
+        assert exchange.timeout == 300.0 and dog.timeout == watchdog_deadline(300.0)
+        assert quiet.exchange.timeout == 300.0
+    finally:
+        dog.close()
+        dist.destroy_process_group()

@@ -1,0 +1,58 @@
+"""The sentinel's deadline inside the process group's own timeout, on two gloo ranks
+(issue 20, item 8): the harness's group times out after 60 s, shorter than exchange_timeout
+(here 250 s) with the naming after it, so the sentinel waits less, says so once on rank 0 (a
+warning: the value was the user's), and follows the group's timeout when the loop changes it
+(as torchtitan does)."""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+from tests.distributed.harness import run_ranks, values
+
+
+def fitted(rank: int, world: int) -> dict[str, Any]:
+    import nansentinel
+
+    records: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if record.levelno >= logging.WARNING:
+                records.append(record.getMessage())
+
+    logging.getLogger("nansentinel").addHandler(Keep())
+    model = DistributedDataParallel(torch.nn.Linear(4, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    # A value the user chose (not the default): its shortening is a warning.
+    sentinel = nansentinel.Sentinel(model, opt, env={}, metrics_port=0, exchange_timeout=250)
+    first = (sentinel.exchange.timeout, sentinel.watchdog.timeout)
+    dist.distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=40))
+    deadline = time.monotonic() + 10
+    while sentinel.exchange.timeout == first[0] and time.monotonic() < deadline:
+        time.sleep(0.05)  # the watchdog's thread looks every half second
+    out = {"first": first, "later": sentinel.exchange.timeout, "warnings": records}
+    sentinel.close()
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_a_shorter_group_timeout_shortens_the_deadline_on_every_rank(tmp_path: Path) -> None:
+    from nansentinel.watchdog import watchdog_deadline
+
+    results = values(run_ranks(fitted, 2, tmp_path, timeout=90))
+    for r in results:
+        assert r["first"] == (27.0, watchdog_deadline(27.0))  # 27 + 3 * 10 + 2 < 60
+        assert r["later"] == 14.8  # 14.8 + 3 * 7.4 + 2 = 40 - 1
+    assert len(results[0]["warnings"]) == 2 and not results[1]["warnings"]
+    assert "group's timeout (60 s)" in results[0]["warnings"][0]
+    assert "group's timeout (40 s)" in results[0]["warnings"][1]

@@ -1,0 +1,102 @@
+"""The stop path's NCCL flight-recorder dump before ``os._exit`` (issue 20, item 8)."""
+
+from __future__ import annotations
+
+import pickle
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from nansentinel import stop
+from nansentinel.stop import dump_flight_recorder, flight_recorder_path
+
+
+@pytest.fixture
+def dumps(monkeypatch: pytest.MonkeyPatch) -> list[dict[str, object]]:
+    """torch's NCCL dump, faked (a CPU build has none): each call's arguments."""
+    calls: list[dict[str, object]] = []
+
+    def fake(**kwargs: object) -> bytes:
+        calls.append(kwargs)
+        return pickle.dumps({"version": "fake", "entries": [{"profiling_name": "nccl:all_reduce"}]})
+
+    monkeypatch.setattr(torch._C._distributed_c10d, "_dump_nccl_trace", fake, raising=False)
+    return calls
+
+
+def test_the_dump_goes_where_torch_writes_its_own(
+    tmp_path: Path, dumps: list[dict[str, object]]
+) -> None:
+    env = {"TORCH_FR_DUMP_TEMP_FILE": str(tmp_path / "fr" / "trace_")}
+    path = dump_flight_recorder("nccl", 5, env)
+    assert path == tmp_path / "fr" / "trace_5" and dumps == [{}]  # torch's defaults: everything
+    assert pickle.loads(path.read_bytes())["entries"][0]["profiling_name"] == "nccl:all_reduce"
+    assert [p.name for p in path.parent.iterdir()] == ["trace_5"]  # no temp file left
+    # The older name, then torch 2.13's default under the cache directory.
+    assert flight_recorder_path(2, {"TORCH_NCCL_DEBUG_INFO_TEMP_FILE": "/d/nccl_"}) == Path(
+        "/d/nccl_2")
+    assert flight_recorder_path(3, {"HOME": "/home/u"}) == Path(
+        "/home/u/.cache/torch/comm_lib_trace_rank_3")
+    assert flight_recorder_path(3, {"XDG_CACHE_HOME": "/c", "HOME": "/home/u"}) == Path(
+        "/c/torch/comm_lib_trace_rank_3")
+    dynamic = {"TORCH_FR_DUMP_TEMP_FILE": "/d/exact", "TORCH_FR_DUMP_DYNAMIC_FILE_NAME": "1"}
+    assert flight_recorder_path(3, dynamic) == Path("/d/exact")
+
+
+@pytest.mark.parametrize(
+    ("backend", "env"),
+    [("gloo", {}), ("", {}), ("nccl", {"TORCH_NCCL_TRACE_BUFFER_SIZE": "0"}),
+     ("nccl", {"TORCH_FR_BUFFER_SIZE": "0", "TORCH_NCCL_TRACE_BUFFER_SIZE": "2000"})],
+    ids=["gloo", "alone", "buffer-off", "buffer-off-new-name"],
+)
+def test_no_dump_off_nccl_or_with_the_recorder_off(
+    tmp_path: Path, dumps: list[dict[str, object]], backend: str, env: dict[str, str]
+) -> None:
+    env = {**env, "TORCH_FR_DUMP_TEMP_FILE": str(tmp_path / "trace_")}
+    assert dump_flight_recorder(backend, 0, env) is None
+    assert dumps == [] and not list(tmp_path.iterdir())
+
+
+def test_a_failed_dump_is_logged_not_raised(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    def broken(**kwargs: object) -> bytes:
+        raise RuntimeError("recorder gone")
+
+    monkeypatch.setattr(torch._C._distributed_c10d, "_dump_nccl_trace", broken, raising=False)
+    env = {"TORCH_FR_DUMP_TEMP_FILE": str(tmp_path / "t_")}
+    assert dump_flight_recorder("nccl", 1, env) is None
+    assert "recorder gone" in caplog.text and not list(tmp_path.iterdir())
+
+
+def test_on_timeout_dumps_before_it_exits(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, dumps: list[dict[str, object]]
+) -> None:
+    """The order of the watchdog's stop: diagnosis, verdict, dump, then os._exit."""
+    from nansentinel.config import SentinelConfig
+    from nansentinel.result import ExchangeTimeoutError, RankIdentity
+
+    events: list[str] = []
+    monkeypatch.setenv("TORCH_FR_DUMP_TEMP_FILE", str(tmp_path / "trace_"))
+    monkeypatch.setattr(stop, "leave_verdict", lambda *a, **k: events.append("verdict"))
+    real_dump = stop.dump_flight_recorder
+    monkeypatch.setattr(stop, "dump_flight_recorder",
+                        lambda *a: events.append("dump") or real_dump(*a))
+
+    def exit_(code: int) -> None:
+        events.append(f"exit {code}")
+        raise SystemExit(code)
+
+    monkeypatch.setattr(stop.os, "_exit", exit_)
+    exchange = SimpleNamespace(
+        backend="nccl", timeout=30.0,
+        diagnose=lambda step, cause: ExchangeTimeoutError("no answer from rank 1", [1]),
+    )
+    identity = RankIdentity(1, 1, 2, "node-b", "cuda:1", "1", "")
+    with pytest.raises(SystemExit):
+        stop.on_timeout(4, config=SentinelConfig(), identity=identity,
+                        exchange=exchange)  # type: ignore[arg-type]
+    assert events == ["verdict", "dump", "exit 5"]
+    assert (tmp_path / "trace_1").exists()  # not initialised: this rank's own number
