@@ -83,7 +83,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout)
     distributed = "WORLD_SIZE" in os.environ
     if distributed:
-        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+        # Long enough for the sentinel to name a missing rank first (exchange_timeout 300 s).
+        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=600))
     rank = dist.get_rank() if distributed else 0
     torch.manual_seed(0)  # identical initial weights on every rank
     model: nn.Module = TinyTransformer()
