@@ -1,4 +1,5 @@
-"""The ``nansentinel`` command: ``run`` (torchrun wrapper), ``demo``, ``excluded``.
+"""The ``nansentinel`` command: ``run`` (torchrun wrapper), ``demo``, ``excluded``,
+``incidents``.
 
 ``nansentinel demo`` is the first thing to run on a fresh machine: 4 CPU ranks (gloo) train a
 small transformer on synthetic data with one injected fault, and rank 0 prints each step and
@@ -10,16 +11,19 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from pathlib import Path
 from typing import Any
 
 from nansentinel.config import DEFAULT_REPORT_DIR, ConfigError, SentinelConfig, env_var
 
-USAGE = """usage: nansentinel {run,demo,excluded} ...
+USAGE = """usage: nansentinel {run,demo,excluded,incidents} ...
 
-  run       launch a training script like torchrun does, with the sentinel's options
-            (nansentinel run --help)
-  demo      run the demo job: 4 CPU ranks, a small transformer, one injected fault
-  excluded  list the hosts excluded from runs (and --clear HOST to lift one)
+  run        launch a training script like torchrun does, with the sentinel's options
+             (nansentinel run --help)
+  demo       run the demo job: 4 CPU ranks, a small transformer, one injected fault
+  excluded   list the hosts excluded from runs (and --clear HOST to lift one)
+  incidents  list the incident reports, newest first; `incidents show ID` explains one
+             (--html OUT: a page with its loss and gradient-norm curves)
 """
 
 
@@ -39,6 +43,8 @@ def main(argv: list[str] | None = None) -> int:
         return excluded_main(rest)
     if command == "demo":
         return demo(rest)
+    if command == "incidents":
+        return incidents(rest)
     print(f"nansentinel: unknown command {command!r}\n{USAGE}", end="", file=sys.stderr)
     return 2
 
@@ -102,3 +108,58 @@ def demo(argv: list[str]) -> int:
         "-m", "nansentinel.demo", "--steps", str(args.steps), "--sleep", str(args.sleep),
         *(["--fsdp"] if args.fsdp else []),
     ])
+
+
+def incidents(argv: list[str]) -> int:
+    """List the incident reports of a directory, or explain one (``show``)."""
+    import json
+
+    from nansentinel import incidents as reading
+
+    default = os.environ.get(env_var("report_dir"), DEFAULT_REPORT_DIR)
+    showing = bool(argv) and argv[0] == "show"
+    p = argparse.ArgumentParser(
+        prog="nansentinel incidents" + (" show" if showing else ""),
+        description="Explain one incident: what, where, what the sentinel did, the verdict, "
+        "what to do next, the numbers." if showing else
+        "List the incident reports, newest first (`nansentinel incidents show ID` explains one).",
+    )
+    if showing:
+        p.add_argument("id", metavar="ID|FILE",
+                       help="an ID as the listing prints it (the step, or JOB:STEP), or a file")
+        p.add_argument("--dir", default=default,
+                       help=f"report directory (default: {env_var('report_dir')}, else "
+                       f"{DEFAULT_REPORT_DIR})")
+        p.add_argument("--html", metavar="OUT",
+                       help="also write a self-contained HTML page with the incident's curves "
+                       "(needs nansentinel[report])")
+    else:
+        p.add_argument("dir", nargs="?", default=default, metavar="DIR",
+                       help=f"report directory (default: {env_var('report_dir')}, else "
+                       f"{DEFAULT_REPORT_DIR})")
+        p.add_argument("--json", action="store_true", help="one JSON list, for scripts")
+    args = p.parse_args(argv[1:] if showing else argv)
+    prog = p.prog
+    try:
+        if not showing:
+            found, errors = reading.scan(Path(args.dir))
+            if args.json:
+                rows = [i.row(n) for n, i in zip(reading.ids(found), found, strict=True)]
+                print(json.dumps(rows, indent=2))
+            else:
+                print(reading.table(found))
+            for line in errors:
+                print(f"{prog}: error: {line}", file=sys.stderr)
+            return 2 if errors else 0
+        incident = reading.find(args.id, Path(args.dir))
+        sections = reading.explain(incident)
+        if args.html:
+            from nansentinel import page
+
+            written = page.write(incident, sections, Path(args.html))
+            sections.append(reading.Section("Page", (f"written to {written}",)))
+        print(reading.render(sections), end="")
+        return 0
+    except (reading.ReportError, OSError) as exc:
+        print(f"{prog}: error: {exc}", file=sys.stderr)
+        return 2

@@ -5,10 +5,11 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 # Debian packages for the end-to-end tests: real Prometheus and Alertmanager (promtool, amtool),
-# iproute2 for the network-namespace hosts, openssl for the exporter's TLS test.
+# iproute2 for the network-namespace hosts, openssl for the exporter's TLS test, chromium to
+# render the incident page in a real (headless) browser.
 need=()
 for pair in prometheus:prometheus promtool:prometheus prometheus-alertmanager:prometheus-alertmanager \
-            amtool:prometheus-alertmanager ip:iproute2 openssl:openssl; do
+            amtool:prometheus-alertmanager ip:iproute2 openssl:openssl chromium:chromium; do
     command -v "${pair%%:*}" >/dev/null 2>&1 || need+=("${pair##*:}")
 done
 if ((${#need[@]})); then

@@ -1,0 +1,448 @@
+"""Reading incident reports after the page: ``nansentinel incidents``.
+
+The sentinel writes one JSON report per incident (incident.py); at 3 a.m. nobody wants to read
+it raw. This module lists a directory's reports, newest first, one line each, and explains one
+in plain words: what was non-finite, where, what the sentinel did, what its verdict means and
+what the runbook says to do next, then the numbers. It only reads, and it reads reports of
+every version: a field an older version did not write is left out of the explanation, never
+an error. A file that is not a report at all is one line naming it (:class:`ReportError`).
+
+The explanation is data (:class:`Section`), so the CLI prints it and the HTML page
+(page.py) shows the same words.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import re
+import time
+from pathlib import Path
+from typing import Any
+
+from nansentinel.result import KINDS
+
+#: A report's file name (incident.py's stem; ``-N`` when a re-run found the name taken).
+REPORT_NAME = re.compile(r"^incident-(?P<job>.+)-step(?P<step>\d{8})(-\d+)?\.json$")
+
+#: The runbook the "what to do next" steps come from (deploy/ in the repository).
+RUNBOOK = "deploy/runbook.md"
+
+_KIND_WORDS = {
+    "batch": "the input batch",
+    "loss": "the loss",
+    "grad": "the local gradients (before their all-reduce)",
+}
+
+_VERDICT_WORDS = {
+    "transient": "the poisoned rank replayed its own batch with the same weights and it came "
+    "out finite: the fault did not reproduce. A flipped bit: a hardware suspect, and a strike "
+    "against the host.",
+    "data": "the batch was non-finite again when replayed on its own rank and on a healthy "
+    "rank of another host: the data is at fault, not the host. The batch is quarantined "
+    "(recognised and skipped without blame if it comes round again); no strike.",
+    "host": "the batch was non-finite on its own rank but finite on a healthy peer: the "
+    "poisoned rank's host or GPU is at fault. A strike against the host (feeds exclusion).",
+    "divergence": "every rank went non-finite or spiked together: a global cause (learning "
+    "rate, loss formula, fp16), not one host. No replay.",
+}
+_NO_VERDICT = ("no verdict: no replay ran (the sentinel was not given a replay function, or "
+               "a rank had no batch to replay).")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Advice:
+    """What to do next: the runbook section it comes from and its steps, summarised."""
+
+    section: str
+    steps: tuple[str, ...]
+
+
+_BAD_HOST = "NanSentinelBadHost"
+_NONFINITE = "NanSentinelNonFiniteDetected"
+_SKIPPED = "NanSentinelStepsSkipped"
+_CAUSES = "Causes of non-finite values"
+
+_ADVICE = {
+    "host": Advice(_BAD_HOST, (
+        "Suspect the GPU: check DCGM for XID errors, ECC (DCGM_FI_DEV_ECC_DBE_VOL_TOTAL), "
+        "temperature and clocks for the rank's gpu_uuid.",
+        "Drain/cordon the host (kubectl cordon, scontrol update nodename=… state=drain) so the "
+        "next restart does not land on it; run dcgmi diag -r 3 after draining.",
+        "If the sentinel excluded it, the launcher keeps it out of the next rendezvous; keep it "
+        "drained until diagnosed.",
+    )),
+    "transient": Advice(_BAD_HOST, (
+        "Is it always the same rank (one GPU) or every rank of the host (memory, network, "
+        "power)? List the incidents: the same rank again and again is a faulty host.",
+        "Check DCGM for XID and ECC errors for the rank's gpu_uuid.",
+        "One event needs no action; repeats page as NanSentinelBadHost and the sentinel "
+        "excludes the host after NANSENTINEL_HOST_STRIKES strikes.",
+    )),
+    "data": Advice(_CAUSES, (
+        "Bad input data: fix the sample or shard in the saved batch (torch.load it); a sharded "
+        "dataset gives the same shard to the same rank each epoch.",
+        "Normalise with std.clamp_min(eps) ((x - mean) / std with std == 0 is NaN); validate "
+        "the data offline.",
+    )),
+    "divergence": Advice(_SKIPPED, (
+        "Lower the learning rate or add warm-up; clip gradients (clip_grad_norm_).",
+        "Check the loss formula (log_softmax / F.cross_entropy, not log(softmax(x))).",
+        "Restart from the last good checkpoint.",
+    )),
+    "overflow": Advice(_CAUSES, (
+        "AMP fp16 overflow: normal occasionally (GradScaler skips and lowers the scale).",
+        "Persistent: use bf16, lower the initial scale, find the layer whose activations "
+        "exceed 65504.",
+    )),
+    "batch": Advice(_CAUSES, (
+        "Bad input data: look at the saved batch in the report; it is usually data, not the "
+        "host.",
+        "Fix the sample or shard; validate the data offline.",
+    )),
+    "rank": Advice(_NONFINITE, (
+        "One event is usually a bad batch and needs no action beyond fixing the data; find the "
+        "cause in the runbook's cause table.",
+        "The same rank again and again becomes NanSentinelBadHost: suspect its host or GPU.",
+    )),
+    "spike": Advice(_CAUSES, (
+        "Exploding gradients: clip gradients, lower the learning rate, check residual scaling "
+        "and initialisation.",
+    )),
+}
+_DRILL = "A fire drill (NANSENTINEL_INJECT) fires this by design: nothing to fix."
+
+_OUTCOME_WORDS = {
+    "skipped": "skipped the step on every rank: the gradients were discarded, the weights "
+    "untouched",
+    "aborted": "stopped the run on every rank (each raised NonFiniteError; `nansentinel run` "
+    "exits with code 3)",
+    "rolled_back": "rolled every rank back to the last good snapshot",
+    "applied": "applied the step (warn only: the policy let it through)",
+    "overflow": "left the step to GradScaler (fp16 overflow: it skips and lowers the scale)",
+    "excluded": "excluded a host: its launcher left the job, the others go on without it",
+}
+
+
+class ReportError(Exception):
+    """A report directory, file or id that cannot be read; the message names it."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Section:
+    """A titled paragraph of an explanation: the CLI prints it, the page shows it."""
+
+    title: str
+    lines: tuple[str, ...]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Incident:
+    """One report as read back: the fields a listing shows, and the raw report."""
+
+    path: Path
+    report: dict[str, Any]
+    time: float | None
+    job: str
+    step: int
+    outcome: str
+    bad_ranks: tuple[int, ...]
+    bad_hosts: tuple[str, ...]
+    kinds: tuple[str, ...]
+    verdict: str | None
+
+    @property
+    def key(self) -> str:
+        """``JOB:STEP``, the id that tells incidents of several jobs apart."""
+        return f"{self.job}:{self.step}"
+
+    def ranks(self) -> dict[str, dict[str, Any]]:
+        """The named ranks by str(rank), from a version-2 dict or a version-1 list."""
+        ranks = self.report.get("ranks") or {}
+        if isinstance(ranks, list):
+            return {str(r.get("rank")): r for r in ranks if isinstance(r, dict)}
+        return {k: v for k, v in ranks.items() if isinstance(v, dict)}
+
+    def row(self, ident: str) -> dict[str, Any]:
+        """The listing's fields, for ``--json``."""
+        return {
+            "id": ident, "time": self.time, "time_text": when(self.time), "job": self.job,
+            "step": self.step, "outcome": self.outcome, "bad_ranks": list(self.bad_ranks),
+            "bad_hosts": list(self.bad_hosts), "kinds": list(self.kinds),
+            "verdict": self.verdict, "injected": bool(self.report.get("injected")),
+            "path": str(self.path),
+        }
+
+
+def _field(report: dict[str, Any], name: str, types: type | tuple[type, ...], path: Path,
+           default: Any = None) -> Any:
+    value = report.get(name, default)
+    if value is not None and (not isinstance(value, types) or isinstance(value, bool)):
+        raise ReportError(f"{path}: field {name!r} is {value!r}, not a valid value; "
+                          "is this an incident report?")
+    return value
+
+
+def _list(report: dict[str, Any], name: str, item: type, path: Path) -> tuple[Any, ...]:
+    value = _field(report, name, list, path) or []
+    if not all(isinstance(v, item) and not isinstance(v, bool) for v in value):
+        raise ReportError(f"{path}: field {name!r} is {value!r}, not a list of {item.__name__}")
+    return tuple(value)
+
+
+def load(path: Path) -> Incident:
+    """Read one report; a file that is not a report is a :class:`ReportError` naming it."""
+    try:
+        report = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ReportError(f"no report file {path}") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ReportError(f"{path}: cannot be read ({exc})") from None
+    except json.JSONDecodeError as exc:
+        raise ReportError(f"{path}: malformed report, not JSON (line {exc.lineno}, column "
+                          f"{exc.colno}: {exc.msg})") from None
+    if not isinstance(report, dict):
+        raise ReportError(f"{path}: malformed report, a JSON {type(report).__name__} instead "
+                          "of an object")
+    named = REPORT_NAME.match(path.name)
+    step = _field(report, "step", int, path)
+    if step is None:
+        if named is None:
+            raise ReportError(f"{path}: malformed report, no 'step' field")
+        step = int(named["step"])
+    job = _field(report, "job_id", str, path) or (named["job"] if named else "local")
+    stamp = _field(report, "time", (int, float), path)
+    return Incident(
+        path=path, report=report, time=float(stamp) if stamp is not None else None, job=job,
+        step=step, outcome=_field(report, "outcome", str, path) or "unknown",
+        bad_ranks=_list(report, "bad_ranks", int, path),
+        bad_hosts=_list(report, "bad_hosts", str, path),
+        kinds=_list(report, "kinds", str, path),
+        verdict=_field(report, "verdict", str, path),
+    )
+
+
+def scan(directory: Path) -> tuple[list[Incident], list[str]]:
+    """The directory's reports, newest first, and one error line per malformed report.
+
+    Files other than reports (batches, temporary files, the launcher's run directory) are
+    ignored; a missing directory, or one without reports, is a :class:`ReportError`.
+    """
+    if not directory.is_dir():
+        raise ReportError(f"no report directory {directory} (give DIR, or set "
+                          "NANSENTINEL_REPORT_DIR)")
+    paths = sorted(p for p in directory.iterdir() if REPORT_NAME.match(p.name) and p.is_file())
+    if not paths:
+        raise ReportError(f"no incident reports in {directory}")
+    found, errors = [], []
+    for p in paths:
+        try:
+            found.append(load(p))
+        except ReportError as exc:
+            errors.append(str(exc))
+    found.sort(key=lambda i: (i.time if i.time is not None else i.path.stat().st_mtime,
+                              i.step, i.path.name), reverse=True)
+    return found, errors
+
+
+def ids(incidents: list[Incident]) -> list[str]:
+    """The shortest id :func:`find` resolves to each incident among ``incidents``: the step,
+    else ``JOB:STEP``, else the file name."""
+    steps = [i.step for i in incidents]
+    keys = [i.key for i in incidents]
+    return [str(i.step) if steps.count(i.step) == 1 else
+            i.key if keys.count(i.key) == 1 else i.path.name for i in incidents]
+
+
+def find(spec: str, directory: Path) -> Incident:
+    """The incident ``spec`` names: a report file's path, or in ``directory`` a step, a
+    ``JOB:STEP`` or a file name. Unknown or ambiguous ids are a :class:`ReportError`."""
+    given = Path(spec)
+    if spec.endswith(".json") and (given.exists() or given.parent != Path(".")):
+        return load(given)
+    incidents, _ = scan(directory)
+    if re.fullmatch(r"\d+", spec):
+        matches = [i for i in incidents if i.step == int(spec)]
+    elif re.fullmatch(r".+:\d+", spec):
+        job, _, step = spec.rpartition(":")
+        matches = [i for i in incidents if i.job == job and i.step == int(step)]
+    else:
+        matches = [i for i in incidents if spec in (i.path.name, i.path.stem)]
+    if len(matches) == 1:
+        return matches[0]
+    if not matches:
+        known = ", ".join(ids(incidents)[:8])
+        raise ReportError(f"no incident {spec!r} in {directory} (ids there: {known})")
+    names = ", ".join(i.key if [m.key for m in matches].count(i.key) == 1 else i.path.name
+                      for i in matches)
+    raise ReportError(f"incident id {spec!r} matches {len(matches)} reports in {directory}: "
+                      f"{names}; give one of these")
+
+
+def when(stamp: float | None) -> str:
+    """A report's time as local ``YYYY-MM-DD HH:MM:SS`` (``-`` when the report has none)."""
+    return "-" if stamp is None else time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(stamp))
+
+
+def number(x: Any) -> float | None:
+    """A report's number: floats, ints and the strings ``"nan"``/``"inf"``/``"-inf"``
+    (JSON has no NaN); None for a missing value."""
+    if isinstance(x, bool):
+        return None
+    if isinstance(x, int | float):
+        return float(x)
+    if isinstance(x, str) and x.strip().lower() in ("nan", "inf", "-inf", "+inf"):
+        return float(x)
+    return None
+
+
+def fmt(x: Any) -> str:
+    """A number as the explanation prints it (``-`` when missing)."""
+    v = number(x)
+    if v is None:
+        return "-"
+    return f"{v:.4g}" if math.isfinite(v) else str(v)
+
+
+def names(items: list[Any] | tuple[Any, ...], n: int = 8) -> str:
+    """The first ``n`` items joined, and how many more (``-`` when none)."""
+    items = [str(i) for i in items]
+    more = f" (+{len(items) - n} more)" if len(items) > n else ""
+    return (", ".join(items[:n]) + more) if items else "-"
+
+
+def table(incidents: list[Incident]) -> str:
+    """The listing: a header and one aligned line per incident."""
+    head = ("ID", "TIME", "JOB", "STEP", "OUTCOME", "RANKS", "HOSTS", "KINDS", "VERDICT",
+            "REPORT")
+    rows = [head] + [
+        (ident, when(i.time), i.job, str(i.step), i.outcome, names(i.bad_ranks, 4),
+         names(i.bad_hosts, 3), names(i.kinds), i.verdict or "-", str(i.path))
+        for ident, i in zip(ids(incidents), incidents, strict=True)
+    ]
+    widths = [max(len(r[c]) for r in rows) for c in range(len(head) - 1)]
+    return "\n".join("  ".join(f"{v:<{w}}" for v, w in zip(r, widths, strict=False)) + "  "
+                     + r[-1] for r in rows)
+
+
+def advice(incident: Incident) -> Advice:
+    """The runbook section and steps for this incident, by verdict, outcome and kinds."""
+    r = incident.report
+    if incident.verdict in _ADVICE:
+        return _ADVICE[incident.verdict]
+    if incident.outcome == "overflow" or r.get("overflow"):
+        return _ADVICE["overflow"]
+    world = number(r.get("world_size"))
+    if world and len(incident.bad_ranks) == world > 1:
+        return _ADVICE["divergence"]
+    if r.get("excluded_host"):
+        return _ADVICE["host"]
+    if not incident.bad_ranks:
+        return _ADVICE["spike"]
+    return _ADVICE["batch"] if incident.kinds == ("batch",) else _ADVICE["rank"]
+
+
+def _where(rank: str, entry: dict[str, Any]) -> list[str]:
+    out = [f"rank {rank}: host {entry.get('hostname', '-')}, local rank "
+           f"{entry.get('local_rank', '-')}, device {entry.get('device', '-')}, GPU "
+           f"{entry.get('gpu_uuid') or '-'}" + (f"; non-finite {names(entry['kinds'])}"
+                                                if entry.get("kinds") else "")]
+    if entry.get("parameters"):
+        out.append(f"  parameters with non-finite gradients: {names(entry['parameters'])}")
+    if entry.get("sample_ids"):
+        out.append("  rows of its batch holding non-finite values, by sample id: "
+                   f"{names([json.dumps(s) for s in entry['sample_ids']], 12)}")
+    if entry.get("batch_path"):
+        out.append(f"  batch saved to {entry['batch_path']}")
+    return out
+
+
+def explain(incident: Incident) -> list[Section]:
+    """The incident in plain words: what, where, what the sentinel did, the verdict, what
+    to do next (from the runbook), then the numbers."""
+    r = incident.report
+    ranks = incident.ranks()
+    world = r.get("world_size") or (r.get("cluster") or {}).get("world_size")
+    of = f" of {world}" if world else ""
+    drill = " (a fire drill: injected by NANSENTINEL_INJECT)" if r.get("injected") else ""
+    head = (f"Incident at step {incident.step} of job {incident.job}, {when(incident.time)}"
+            f"{drill}.", f"Report: {incident.path}")
+    if incident.bad_ranks:
+        kinds = [_KIND_WORDS.get(k, k) for k in incident.kinds] or ["values"]
+        what = [f"Non-finite values in {' and '.join(kinds)} on {len(incident.bad_ranks)}{of} "
+                f"rank(s): "
+                f"rank {names(incident.bad_ranks)} (host {names(incident.bad_hosts)})."]
+    else:
+        what = ["No rank was non-finite: a spike."] if r.get("spikes") else [
+            "No rank was blamed." + (" fp16 overflow under GradScaler." if r.get("overflow")
+                                     else "")]
+    for signal, spiked in (r.get("spikes") or {}).items():
+        what.append(f"{signal} spike on {names(list(spiked))} (times its running median: "
+                    f"{names([fmt(x) for x in spiked.values()])})"
+                    if isinstance(spiked, dict) else f"{signal} spike: {spiked}")
+    where: list[str] = []
+    for rank in [str(b) for b in incident.bad_ranks] or list(ranks):
+        if rank in ranks:
+            where += _where(rank, ranks[rank])
+    for name, label in (("first_nonfinite_module", "first module with a non-finite output"),
+                        ("first_nonfinite_parameter", "first parameter with a non-finite "
+                         "gradient")):
+        if r.get(name):
+            where.append(f"{label} (replay): {r[name]}")
+    if r.get("skip_list"):
+        where.append(f"sample ids appended to the skip list {r['skip_list']}")
+    did = _OUTCOME_WORDS.get(incident.outcome, f"outcome {incident.outcome}")
+    if r.get("rolled_back_to") is not None:
+        did += f" (step {r['rolled_back_to']}, learning rate x{fmt(r.get('lr_factor'))})"
+    if r.get("excluded_host"):
+        did += f"; host {r['excluded_host']} excluded"
+    acted = [f"The sentinel {did}" + (f", policy {r['policy']}" if r.get("policy") else "")
+             + "." + (f" Reason: {r['reason']}." if r.get("reason") else "")]
+    verdict = (f"{incident.verdict}: {_VERDICT_WORDS.get(incident.verdict, '')}".rstrip(": ")
+               if incident.verdict else _NO_VERDICT)
+    todo = advice(incident)
+    steps = [f"{n}. {s}" for n, s in enumerate(todo.steps, 1)]
+    if r.get("injected"):
+        steps.append(f"{len(steps) + 1}. {_DRILL}")
+    return [
+        Section("Incident", head),
+        Section("What was non-finite", tuple(what)),
+        Section("Where", tuple(where) or ("no rank is named in the report",)),
+        Section("What the sentinel did", tuple(acted)),
+        Section("Verdict", (verdict,)),
+        Section(f'What to do next ({RUNBOOK}, "{todo.section}")', tuple(steps)),
+        Section("Numbers", tuple(numbers(incident))),
+    ]
+
+
+def numbers(incident: Incident) -> list[str]:
+    """The report's numbers: each named rank's loss and gradient norm, the cluster's."""
+    r = incident.report
+    out = [f"rank {k}: loss {fmt(v.get('loss'))}, grad_norm {fmt(v.get('grad_norm'))}"
+           + (f", replay loss {fmt(v['replay'].get('loss'))}"
+              if isinstance(v.get("replay"), dict) else "")
+           + (f" (the replay's peer: rank {v['replayed_for']}'s batch gave loss "
+              f"{fmt(v['peer_replay'].get('loss'))})"
+              if isinstance(v.get("peer_replay"), dict) and "replayed_for" in v else "")
+           for k, v in incident.ranks().items()]
+    cluster = r.get("cluster") or {}
+    for signal in ("loss", "grad_norm"):
+        s = cluster.get(signal)
+        if isinstance(s, dict):
+            out.append(f"cluster {signal}: mean {fmt(s.get('mean'))}, std {fmt(s.get('std'))}, "
+                       f"min {fmt(s.get('min'))}, max {fmt(s.get('max'))} over "
+                       f"{s.get('ranks', '-')} rank(s) with a finite value")
+    bad = cluster.get("nonfinite")
+    if isinstance(bad, dict):
+        out.append("ranks non-finite: " + ", ".join(f"{k} {bad.get(k, '-')}" for k in KINDS))
+    for name in ("consecutive_skips", "ranks_not_listed", "version"):
+        if r.get(name) is not None:
+            out.append(f"{name.replace('_', ' ')}: {r[name]}")
+    return out
+
+
+def render(sections: list[Section]) -> str:
+    """The explanation as plain text."""
+    return "\n\n".join(s.title + "\n" + "\n".join("  " + line for line in s.lines)
+                       for s in sections) + "\n"
