@@ -24,6 +24,7 @@ import math
 from pathlib import Path
 from typing import Any
 
+from nansentinel import report
 from nansentinel.incidents import Incident, ReportError, Section, names, number
 
 #: The signals drawn, one panel each.
@@ -179,7 +180,8 @@ def html_page(incident: Incident, sections: list[Section]) -> str:
 
 
 def write(incident: Incident, sections: list[Section], out: Path) -> Path:
-    """Write the page to ``out`` (its directory must exist); returns ``out``."""
+    """Write the page to ``out`` atomically, never over an existing file (then ``out`` with a
+    ``-1``, ``-2``, ... suffix, as reports are: the page holds hosts and parameter names, so it
+    is created 0600); returns the path written."""
     page = html_page(incident, sections)
-    out.write_text(page, encoding="utf-8")
-    return out
+    return report.write_new(out, lambda tmp: tmp.write_text(page, encoding="utf-8"))
