@@ -11,6 +11,7 @@ import argparse
 import os
 import socket
 import sys
+import time
 from pathlib import Path
 
 from nansentinel.exclusion import ExclusionRecord, ExclusionStore
@@ -25,13 +26,20 @@ args = p.parse_args()
 
 rank = int(os.environ["RANK"])
 restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-(args.outdir / f"attempt-{restart}-rank{rank}").touch()
 message = f"non-finite loss on rank 1 at step 7 ({args.outcome})"
 if args.record and rank == 0:
     ExclusionStore(os.environ["NANSENTINEL_EXCLUSION_FILE"]).add(ExclusionRecord(
         host=args.excluded_host, reason=message, step=7, evidence={"bad_ranks": [1]},
         job_id=os.environ.get("NANSENTINEL_JOB_ID"),
     ))
+(args.outdir / f"attempt-{restart}-rank{rank}").touch()
+if rank != 0:
+    # Rank 0 records the exclusion before the others fail, as the sentinel's barrier makes it
+    # do; otherwise a fast rank's exit lets the agent stop rank 0 first (a race of imports).
+    first = args.outdir / f"attempt-{restart}-rank0"
+    deadline = time.monotonic() + 30
+    while not first.exists() and time.monotonic() < deadline:
+        time.sleep(0.02)
 write_verdict(
     os.environ["NANSENTINEL_RUN_DIR"],
     RankVerdict(
