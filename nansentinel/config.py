@@ -180,7 +180,7 @@ class SentinelConfig:
     incident can be reproduced. The batch is the user's training data: files are created
     0600 in 0700 directories; False keeps it off disk (the report says so)."""
 
-    fingerprint_every: int = 100
+    fingerprint_every: int = 200
     """Steps between two replica fingerprint checks (replicas.py): after the optimizer step
     every replica (DDP ranks, an HSDP replicate group) must hold bit-identical weights and
     optimizer state, so a difference is silent data corruption. 0 disables the check."""
