@@ -36,6 +36,13 @@ For the breakdown of the sentinel's cost on a GPU (not in the default set):
     difference to ``sentinel`` is what skipping on the device saves.
 ``sentinel_nochecks``
     nansentinel without ``check_batch``/``check_loss``: the gradient path and the decision.
+
+For the replica fingerprints' cost (``sentinel`` runs them at the default interval):
+
+``sentinel_nofp``
+    nansentinel with ``fingerprint_every=0``.
+``sentinel_fp1``
+    nansentinel with ``fingerprint_every=1``: a check after every step.
 """
 
 from __future__ import annotations
@@ -60,7 +67,8 @@ from nansentinel import checks
 
 BASELINE = "baseline"
 DEFAULT_VARIANTS = ("baseline", "sentinel", "pyhook", "hooks", "anomaly")
-VARIANTS = (*DEFAULT_VARIANTS, "sync", "pyhook_sync", "sentinel_host", "sentinel_nochecks")
+VARIANTS = (*DEFAULT_VARIANTS, "sync", "pyhook_sync", "sentinel_host", "sentinel_nochecks",
+            "sentinel_nofp", "sentinel_fp1")
 #: ``--optimizer`` choices: torch's default AdamW implementation, or forced foreach / fused.
 OPTIMIZERS = ("adamw", "foreach", "fused")
 LABELS = {
@@ -73,7 +81,11 @@ LABELS = {
     "pyhook_sync": "DDP + Python comm hook + one synchronize()",
     "sentinel_host": "nansentinel, host gate forced",
     "sentinel_nochecks": "nansentinel without check_batch/check_loss",
+    "sentinel_nofp": "nansentinel without replica fingerprints (fingerprint_every=0)",
+    "sentinel_fp1": "nansentinel, replica fingerprints every step (fingerprint_every=1)",
 }
+#: The replica fingerprint interval of the variants that set one (the others: the default).
+FINGERPRINT_EVERY = {"sentinel_nofp": 0, "sentinel_fp1": 1}
 #: The issue's targets for the sentinel (median step-time ratio, peak-memory ratio).
 TIME_TARGET = 1.01
 MEMORY_TARGET = 1.05
@@ -163,13 +175,15 @@ class SentinelVariant(Variant):
 
     def __init__(
         self, model: DDP, optimizer: torch.optim.Optimizer, report_dir: str, *,
-        gate: str = "auto", checks: bool = True,
+        gate: str = "auto", checks: bool = True, fingerprint_every: int | None = None,
     ) -> None:
         super().__init__(model, optimizer)
         # env={}: a stray NANSENTINEL_INJECT or port in the caller's shell must not change what
         # is measured. No metrics exporter, as in the documented benchmark usage.
+        interval = {} if fingerprint_every is None else {"fingerprint_every": fingerprint_every}
         self.sentinel = nansentinel.Sentinel(
-            model, optimizer, metrics_port=0, report_dir=report_dir, env={}, gate=gate
+            model, optimizer, metrics_port=0, report_dir=report_dir, env={}, gate=gate,
+            **interval,
         )
         self.checks = checks
         self._last: Any = None
@@ -317,10 +331,10 @@ def build_variant(
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, **impl)
     if name == BASELINE:
         return Variant(model, opt)
-    if name in ("sentinel", "sentinel_host", "sentinel_nochecks"):
+    if name.startswith("sentinel"):
         variant = SentinelVariant(
             model, opt, report_dir, gate="host" if name == "sentinel_host" else "auto",
-            checks=name != "sentinel_nochecks",
+            checks=name != "sentinel_nochecks", fingerprint_every=FINGERPRINT_EVERY.get(name),
         )
         variant.name = name
         return variant

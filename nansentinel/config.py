@@ -30,6 +30,7 @@ ENV_NODE_NAME = "NODE_NAME"
 POLICIES = ("skip", "abort", "rollback")
 SPIKE_ACTIONS = ("warn", "skip", "rollback")
 GATES = ("auto", "device", "host")
+DIVERGENCE_ACTIONS = ("repair", "abort", "warn")
 DEFAULT_METRICS_PORT = 9410
 DEFAULT_REPORT_DIR = "nansentinel_reports"
 
@@ -179,6 +180,16 @@ class SentinelConfig:
     incident can be reproduced. The batch is the user's training data: files are created
     0600 in 0700 directories; False keeps it off disk (the report says so)."""
 
+    fingerprint_every: int = 200
+    """Steps between two replica fingerprint checks (replicas.py): after the optimizer step
+    every replica (DDP ranks, an HSDP replicate group) must hold bit-identical weights and
+    optimizer state, so a difference is silent data corruption. 0 disables the check."""
+
+    divergence_action: str = "repair"
+    """When replicas diverged: ``repair`` (overwrite the diverged ones from a majority rank of
+    their group, in process, and strike the host; without a majority: abort), ``abort``, or
+    ``warn``."""
+
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
             raise ConfigError(
@@ -244,6 +255,12 @@ class SentinelConfig:
         if self.gate not in GATES:
             raise ConfigError(
                 f"gate={self.gate!r} is not a gate; expected one of {', '.join(GATES)}"
+            )
+        _require_int("fingerprint_every", self.fingerprint_every, minimum=0)
+        if self.divergence_action not in DIVERGENCE_ACTIONS:
+            raise ConfigError(
+                f"divergence_action={self.divergence_action!r} is not an action; expected one "
+                f"of {', '.join(DIVERGENCE_ACTIONS)}"
             )
         if self.inject is not None:
             from nansentinel.inject import parse_inject  # local: inject imports config

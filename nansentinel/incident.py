@@ -92,6 +92,8 @@ def describe_abort(decision: Decision, result: StepResult) -> str:
     what = "excluding host " + str(decision.exclude_host) if decision.exclude_host else "aborting"
     if not result.bad_ranks:
         return f"nansentinel: {what} at step {result.step}: {decision.reason}."
+    if decision.cause == "replica":  # the reason names the groups, ranks and parameters
+        return f"nansentinel: {what} at step {result.step}: {decision.reason}."
     return (
         f"nansentinel: {what} at step {result.step}: non-finite {', '.join(result.kinds)} on "
         f"rank(s) {first([str(r) for r in result.bad_ranks], _LOGGED)} (host(s) "

@@ -6,7 +6,9 @@
     kind=grad,rank=2,step=5,value=nan
     kind=batch,host=node3,steps=5-9,value=inf;kind=loss,rank=0,step=12
 
-- ``kind``: ``batch`` | ``loss`` | ``grad`` (required)
+- ``kind``: ``batch`` | ``loss`` | ``grad`` | ``bitflip`` (required); ``bitflip`` flips one
+  low mantissa bit of one weight element after the rank's optimizer step (finite, ~0.05%:
+  silent data corruption, found by the replica fingerprints of replicas.py; takes no value)
 - ``rank=R`` or ``host=NAME``: where (neither: every rank — a divergence drill)
 - ``step=S`` or ``steps=A-B`` (inclusive): when, counted like ``StepResult.step`` (required)
 - ``value``: ``nan`` (default) | ``inf`` | ``-inf``
@@ -28,6 +30,9 @@ import torch
 from nansentinel.result import KINDS
 
 _VALUES = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
+#: The kinds a drill can inject: the local checks' kinds, and a silent bit flip.
+BITFLIP = "bitflip"
+INJECT_KINDS = (*KINDS, BITFLIP)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -73,8 +78,11 @@ def parse_inject(spec: str) -> list[Fault]:
                 "expected kind, rank or host, step or steps, value"
             )
         kind = fields.get("kind")
-        if kind not in KINDS:
-            raise ValueError(f"{where}: kind={kind!r}, expected one of {', '.join(KINDS)}")
+        if kind not in INJECT_KINDS:
+            raise ValueError(
+                f"{where}: kind={kind!r}, expected one of {', '.join(INJECT_KINDS)}")
+        if kind == BITFLIP and "value" in fields:
+            raise ValueError(f"{where}: kind=bitflip takes no value (it flips one bit)")
         if "rank" in fields and "host" in fields:
             raise ValueError(f"{where}: give rank or host, not both")
         if ("step" in fields) == ("steps" in fields):
@@ -115,6 +123,14 @@ class Injector:
             if fault.kind == kind and fault.matches(step, self.rank, self.host):
                 return fault.value
         return None
+
+    def due(self, kind: str, step: int) -> bool:
+        """True (and recorded) when a fault of ``kind`` fires at ``step`` on this rank: for
+        faults that are not a written value (``bitflip``)."""
+        if self.value_for(kind, step) is None:
+            return False
+        self.fired.append((step, kind))
+        return True
 
     @torch.no_grad()
     def poison(self, kind: str, step: int, tensor: torch.Tensor | None) -> bool:

@@ -220,6 +220,12 @@ class SentinelMetrics:
             registry=r,
         )
         self._steps = {outcome: steps.labels(outcome=outcome) for outcome in STEP_OUTCOMES}
+        self._replica_divergence = Counter(
+            f"{PREFIX}_replica_divergence",
+            "Fingerprint checks at which this rank's replica (weights, optimizer state) had "
+            "silently diverged from its replica group's (silent data corruption).",
+            registry=r,
+        )
         self._healthy = Gauge(
             f"{PREFIX}_rank_healthy",
             "1 when this rank's last step was finite, else 0.",
@@ -320,11 +326,14 @@ class SentinelMetrics:
                 f"{', '.join(STEP_OUTCOMES)}; nansentinel_steps_total keeps its labels bounded"
             )
         step_counter.inc()
-        for kind in result.local_kinds:
+        nonfinite = [k for k in result.local_kinds if k in self._nonfinite]
+        for kind in nonfinite:
             self._nonfinite[kind].inc()
-        if result.local_kinds:
+        if nonfinite:
             self._blamed.inc()
-        self._healthy.set(0 if result.local_kinds else 1)
+        if "replica" in result.local_kinds:  # finite but wrong: not a non-finite blame
+            self._replica_divergence.inc()
+        self._healthy.set(0 if nonfinite else 1)
         if result.local_loss is not None:
             self._loss.set(result.local_loss)
         if result.local_grad_norm is not None:

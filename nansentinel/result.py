@@ -13,7 +13,7 @@ import enum
 KINDS = ("batch", "loss", "grad")
 
 #: Replay verdicts: what caused a detection (see replay.py).
-VERDICTS = ("data", "host", "transient", "divergence")
+VERDICTS = ("data", "host", "transient", "divergence", "sdc")
 
 
 
@@ -79,7 +79,8 @@ class StepResult:
     bad_hosts: list[str]
     """Hosts of ``bad_ranks``, sorted, without repeats."""
     kinds: list[str]
-    """Which of ``batch``, ``loss``, ``grad`` were non-finite on any rank."""
+    """Which of ``batch``, ``loss``, ``grad`` were non-finite on any rank; ``replica`` when a
+    replica's weights or optimizer state silently diverged (``bad_ranks`` names it)."""
     local_kinds: list[str]
     """Which kinds were non-finite on this rank."""
     local_loss: float | None
@@ -95,7 +96,8 @@ class StepResult:
     report_path: str | None = None
     """The incident report written for this step (on the rank that wrote it)."""
     verdict: str | None = None
-    """Replay verdict (data, host, transient, divergence); None when no replay ran."""
+    """Replay verdict (data, host, transient, divergence); ``sdc`` when replicas diverged
+    (kind ``replica``, see replicas.py); None when no replay ran."""
     excluded_hosts: list[str] = dataclasses.field(default_factory=list)
     """Hosts the cluster has decided to exclude so far."""
     parameters: dict[int, list[str]] = dataclasses.field(default_factory=dict)

@@ -40,6 +40,7 @@ from nansentinel.policy import ROLLBACK, Decision, History, blamed, decide
 from nansentinel.quarantine import Quarantine
 from nansentinel.recovery import Cooldown, MemorySnapshots, SnapshotStore, UserSnapshots
 from nansentinel.replay import ReplayFn
+from nansentinel.replicas import ReplicaCheck, replica_check
 from nansentinel.result import (
     RankIdentity,
     ResultPending,
@@ -163,6 +164,12 @@ class Sentinel:
             gradients=self.gradients, incidents=self.incidents, module=self.module,
             replay=replay if cfg.replay and self.gradients.name != "fsdp" else None,
             anomaly=cfg.replay_anomaly, guarded=self._guarded,
+        )
+        #: The replica fingerprint check (replicas.py); None: off, alone, or pure FSDP.
+        self.replicas: ReplicaCheck | None = replica_check(
+            model, self.module, optimizer, path=self.gradients.name, config=cfg,
+            peers=self.exchange.peers, device=self.device, identity=self.identity,
+            inject=lambda step: self.injector.due("bitflip", step),
         )
         self._params = params
         self._pending: tuple[Pending, PendingResult] | None = None
@@ -434,6 +441,10 @@ class Sentinel:
             result = self.detector.record(
                 view, decision, result, spikes, detail=detail, batch=local.batch,
                 ids=local.ids, quarantine=self.quarantine, curves=self.curves,
+            )
+        if self.replicas is not None and not decision.stops:  # after the optimizer step
+            result, decision = self.replicas.check(
+                step, result, decision, self.history, config=self.config, guarded=self._guarded
             )
         seconds += time.perf_counter() - started - not_ours
         if self.metrics is not None:

@@ -33,6 +33,7 @@ RUNBOOK = DEPLOY / "runbook.md"
 ALERTS = {
     "NanSentinelBadHost": "page",
     "NanSentinelNonFiniteDetected": "warning",
+    "NanSentinelReplicaDiverged": "page",
     "NanSentinelStepsSkipped": "warning",
     "NanSentinelRankStalled": "page",
     "NanSentinelExporterDown": "warning",
