@@ -126,3 +126,19 @@ def test_no_false_alarm_in_500_steps(tmp_path: Path, mesh: str) -> None:
     groups = [[0, 1, 2, 3]] if mesh == "ddp" else [[0, 2], [1, 3]]
     for group in groups:
         _identical([outs[r] for r in group])
+
+
+@pytest.mark.timeout(150)
+def test_a_diverged_replica_strikes_its_host_and_the_strikes_exclude_it(tmp_path: Path) -> None:
+    """The strike goes the existing way: at ``host_strikes`` the host is excluded (the record
+    the launcher reads is written, HostExcludedError on every rank)."""
+    excl = tmp_path / "excluded.jsonl"
+    outs = values(run_ranks(run, 3, tmp_path, mesh="ddp", steps=6, one_host_each=True,
+                            report_dir=str(tmp_path / "r"), fingerprint_every=1, host_strikes=1,
+                            inject="kind=bitflip,rank=1,step=3", exclusion_file=str(excl),
+                            timeout=120))
+    for out in outs:
+        assert out["error"] is not None and out["error"]["type"] == "HostExcludedError", out
+        assert out["error"]["step"] == 3 and out["error"]["bad_ranks"] == [1]
+    records = [json.loads(line) for line in excl.read_text().splitlines()]
+    assert [r["host"] for r in records] == ["host1"]

@@ -44,11 +44,15 @@ def flip_one_bit(module: nn.Module) -> None:
 
 
 def run(rank: int, world: int, *, mesh: str, steps: int, report_dir: str, replicate: int = 1,
-        flip: tuple[int, int] | None = None, **overrides: Any) -> dict[str, Any]:
+        flip: tuple[int, int] | None = None, one_host_each: bool = False,
+        **overrides: Any) -> dict[str, Any]:
     """Train ``steps`` steps; return each step's result, the final replicated state (local
-    tensors, by name), the divergence counter, and the error that stopped the run."""
+    tensors, by name), the divergence counter, and the error that stopped the run.
+    ``one_host_each``: rank R runs on host ``hostR``."""
     model, module = build(mesh, world, replicate)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    if one_host_each:
+        overrides["hostname"] = f"host{rank}"
     sentinel = nansentinel.Sentinel(model, opt, report_dir=report_dir, **overrides)
     registry = CollectorRegistry()
     sentinel.metrics = SentinelMetrics(sentinel.identity, registry=registry)
