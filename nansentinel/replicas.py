@@ -264,13 +264,15 @@ class ReplicaCheck:
     ) -> tuple[StepResult, Decision]:
         """Run the check if it is due; on a divergence name, act, record. Returns the step's
         result and decision, changed only when replicas disagreed."""
-        if not self.due(step):
-            return result, decision
+        # The drill flips its bit at its own step (after the optimizer step), whether or not
+        # a check is due then: the next check finds it, as it would a real fault.
         if self.inject is not None and self.inject(step):
             params = [t for _, t in replicated_state(self.module, self.optimizer, self.skip)]
             nonempty = next((t for t in params if t.numel()), None)
             if nonempty is not None:
                 flip_bit(nonempty)
+        if not self.due(step):
+            return result, decision
         with guarded():
             state, fp, slots = self.compare()
             anywhere = float(bool(slots))

@@ -71,6 +71,7 @@ def test_ddp_flip_is_found_named_and_repaired(ddp: list[dict[str, Any]]) -> None
 @pytest.mark.timeout(150)
 def test_bitflip_drill_end_to_end(ddp: list[dict[str, Any]]) -> None:
     outs = [r["drill"] for r in ddp]
+    # Flipped at step 2, between checks (after steps 1, 3, 5): the next check finds it.
     _found_and_repaired(outs, step=3, bad=[1], group=[0, 1, 2, 3])
     _identical(outs)
 

@@ -92,7 +92,7 @@ def ddp_scenarios(rank: int, world: int, *, report_dir: str) -> dict[str, Any]:
         "flip": run(rank, world, mesh="ddp", steps=10, report_dir=report_dir, flip=(2, 5),
                     fingerprint_every=2),
         "drill": run(rank, world, mesh="ddp", steps=6, report_dir=report_dir,
-                     fingerprint_every=1, inject="kind=bitflip,rank=1,step=3"),
+                     fingerprint_every=2, inject="kind=bitflip,rank=1,step=2"),
     }
 
 
