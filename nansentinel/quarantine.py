@@ -76,11 +76,6 @@ def signature(batch: Any) -> Signature:
     return Signature(signature_key(batch), tuple(stats.tolist()))
 
 
-def fingerprint(batch: Any) -> str:
-    """A short content fingerprint of every tensor of a batch (float and integer)."""
-    return signature(batch).fingerprint
-
-
 @dataclasses.dataclass(slots=True)
 class _Entry:
     signature: Signature

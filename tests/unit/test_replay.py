@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 import nansentinel
-from nansentinel.quarantine import fingerprint
+from nansentinel.quarantine import signature
 from nansentinel.replay import replay, verdict_of
 
 
@@ -82,6 +82,9 @@ def test_verdicts_and_fingerprints() -> None:
     assert verdict_of(False, False) == "data"
     assert verdict_of(False, True) == "host"
     assert verdict_of(False, None) == "data"  # no healthy peer: the best guess, reported so
+    def fingerprint(b: object) -> str:
+        return signature(b).fingerprint
+
     assert fingerprint(batch(True)) == fingerprint(batch(True)) != fingerprint(batch(False))
     ids = {"ids": torch.tensor([1, 2, 3])}
     assert fingerprint(ids) != fingerprint({"ids": torch.tensor([1, 2, 4])})
