@@ -303,7 +303,7 @@ class IncidentWriter:
                 else skip_list.default_path(self.config.report_dir, self.job_id))
         for r, ids in skipped.items():
             written, error = report.attempt(
-                "skip list", lambda r=r, ids=ids: skip_list.append(path, {
+                "skip_list", lambda r=r, ids=ids: skip_list.append(path, {
                     "job": self.job_id, "step": step, "rank": r, "verdict": verdict,
                     "ids": [list(i) if isinstance(i, tuple) else i for i in ids],
                 }),

@@ -58,7 +58,7 @@ PREFIX = "nansentinel"
 STEP_OUTCOMES = OUTCOMES
 
 #: Values of the ``file`` label of ``nansentinel_report_failures_total``.
-REPORT_FILES = ("report", "batch")
+REPORT_FILES = ("report", "batch", "skip_list")
 
 #: ``check_seconds`` buckets: the sentinel's own time per step spans ~10 µs (a flag read on a
 #: small model) to ~1 s (a detection that writes an incident report).
@@ -354,7 +354,7 @@ class SentinelMetrics:
                 self._host_excluded.labels(hostname=host).set(1)
 
     def observe_report_failure(self, file: str) -> None:
-        """Count an incident file (``report`` or ``batch``) that could not be written."""
+        """Count an incident file (``report``, ``batch``, ``skip_list``) not written."""
         counter = self._report_failures.get(file)
         if counter is None:
             raise ValueError(f"report failure of {file!r}: expected one of {REPORT_FILES}")

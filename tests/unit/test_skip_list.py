@@ -67,3 +67,26 @@ def test_the_sampler_leaves_out_the_ids_and_passes_the_rest_through() -> None:
     rows = [{"id": (0, i)} for i in range(4)]
     assert list(skip_list.without(rows, {(0, 1)}, key=lambda s: s["id"])) == [
         rows[0], rows[2], rows[3]]
+
+
+def test_a_skip_list_that_cannot_be_written_is_counted_and_training_goes_on(
+    tmp_path: Path,
+) -> None:
+    from prometheus_client import CollectorRegistry
+
+    from nansentinel.config import SentinelConfig
+    from nansentinel.incident import IncidentWriter
+    from nansentinel.metrics import SentinelMetrics
+    from nansentinel.result import RankIdentity
+
+    identity = RankIdentity(0, 0, 1, "node0", "cpu")
+    blocked = tmp_path / "file"
+    blocked.write_text("not a directory")
+    config = SentinelConfig(report_dir=str(tmp_path), skip_list=str(blocked / "skip.jsonl"))
+    writer = IncidentWriter(config, identity, peers=None, job_id="j")  # type: ignore[arg-type]
+    metrics = SentinelMetrics(identity, registry=CollectorRegistry())
+    writer.failed = metrics.observe_report_failure
+    out = writer._skip(3, {0: [137]}, "data")
+    assert "skip_list_error" in out
+    assert metrics.registry.get_sample_value(
+        "nansentinel_report_failures_total", {"file": "skip_list"}) == 1.0
