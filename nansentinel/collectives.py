@@ -206,3 +206,49 @@ def plain(obj: object, where: str = "batch") -> tuple[object, list[str]]:
 
 
 _DROPPED = object()
+
+
+class ForwardCollectives:
+    """Which process groups ran a collective during this rank's forward (see origins.py).
+
+    Each group keeps a count of the collectives issued on it (its sequence number, a host
+    counter in gloo and NCCL alike); :meth:`start` reads every group's count when the forward
+    begins, :meth:`stop` reads them again at the first loss and returns the names of the
+    groups whose count moved. Two reads per group and step, host only, nothing per rank; the
+    groups are torch's registry (``distributed_c10d._world.pg_names``, private: tested with
+    torch 2.13). A group whose backend keeps no count is left out once and for all.
+
+    Args:
+        exclude: names of groups whose forward collectives cannot carry a batch's NaN to
+            another rank's loss, or are checked where they land: FSDP's parameter all-gathers,
+            a pipeline's send and receive.
+    """
+
+    def __init__(self, exclude: frozenset[str] = frozenset()) -> None:
+        self.exclude = set(exclude)
+        self._start: dict[str, int] | None = None
+        self._silent: set[str] = set()
+
+    def start(self) -> None:
+        self._start = self._counts()
+
+    def stop(self) -> tuple[str, ...]:
+        """The groups that ran a collective since :meth:`start` (once: then empty)."""
+        before, self._start = self._start, None
+        if not before:
+            return ()
+        after = self._counts()
+        return tuple(sorted(n for n, c in after.items() if c != before.get(n, c)))
+
+    def _counts(self) -> dict[str, int]:
+        if not (dist.is_available() and dist.is_initialized()):
+            return {}
+        counts: dict[str, int] = {}
+        for pg, name in list(dist.distributed_c10d._world.pg_names.items()):
+            if name in self.exclude or name in self._silent:
+                continue
+            try:
+                counts[name] = int(pg._get_sequence_number_for_group())
+            except (RuntimeError, AttributeError, NotImplementedError):
+                self._silent.add(name)
+        return counts

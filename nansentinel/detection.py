@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from nansentinel import origins
 from nansentinel.collectives import Peers
 from nansentinel.curves import Curves
 from nansentinel.gradpaths import GradPath
@@ -72,10 +73,14 @@ class Detector:
         self.guarded = guarded
 
     def view(
-        self, step: int, totals: Totals, own: OwnRow, ratios: dict[str, float]
+        self, step: int, totals: Totals, own: OwnRow, ratios: dict[str, float],
+        forward_groups: tuple[str, ...] = (),
     ) -> ClusterView:
         """The cluster view of a flagged step, the same on every rank (collectives: see the
-        module docstring). ``ratios``: this rank's spike ratios (sent if it spiked)."""
+        module docstring). ``ratios``: this rank's spike ratios (sent if it spiked);
+        ``forward_groups``: the process groups that ran a collective in its forward (sent if
+        it is named, so that a rank reached through one is told from the origin: origins.py).
+        """
         world = self.peers.world_size
         # fp32 holds every index exactly up to 2**24 ranks; beyond that, ask every rank.
         single = totals.single_flagged if world <= _EXACT_INDICES else None
@@ -84,10 +89,10 @@ class Detector:
         )
         candidate = replay_candidate(flagged, world)
         speakers = sorted({*flagged, *([candidate] if candidate is not None else [])})
-        record = (RankHealth.of(self.identity, own, ratios).to_json()
+        record = (RankHealth.of(self.identity, own, ratios, forward_groups).to_json()
                   if self.peers.rank in speakers else None)
         rows = self.peers.gather_from(speakers, record)
-        named = tuple(_health(rank, world, rows.get(rank)) for rank in speakers)
+        named = origins.weigh([_health(rank, world, rows.get(rank)) for rank in speakers])
         chosen = set(flagged)
         flagged_rows = tuple(r for r in named if r.rank in chosen)
         blamed_hosts = {r.identity.hostname for r in flagged_rows if is_blamed(r, amp=self.amp)}

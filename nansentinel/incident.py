@@ -61,6 +61,9 @@ def describe(view: ClusterView, decision: Decision, result: StepResult, spikes: 
         )
     if len(decision.bad) > _LOGGED:
         parts.append(f"… and {len(decision.bad) - _LOGGED} more rank(s) (see the report)")
+    if result.reached:
+        parts.append(f"reached from there (not blamed): rank(s) "
+                     f"{first([str(r) for r in result.reached], _LOGGED)}")
     for signal in spikes.signals():
         ranks = spikes.ranks[signal]
         for rank in ranks[:_LOGGED]:
@@ -138,6 +141,10 @@ def payload(
         }
         if r.spikes:
             entry["spikes"] = {s: round(x, 3) for s, x in r.spikes.items()}
+        if r.reached:
+            entry["reached"] = True
+        if r.boundary:
+            entry["boundary"] = list(r.boundary)
         entry.update(details.get(r.rank) or {})
         return entry
 
@@ -154,6 +161,8 @@ def payload(
         "policy": policy,
         "bad_ranks": result.bad_ranks,
         "bad_hosts": result.bad_hosts,
+        "reached": result.reached[:REPORTED],
+        "reached_not_listed": max(0, len(result.reached) - REPORTED),
         "kinds": result.kinds,
         "injected": view.injected,
         "overflow": decision.overflow,
@@ -181,6 +190,7 @@ def cluster_summary(view: ClusterView) -> dict[str, Any]:
         "world_size": view.world_size,
         "nonfinite": {k: t.bad(k) for k in KINDS},
         "blamed": t.blamed,
+        "reached": t.reached,
         "spiking": {"loss": t.spike_loss, "grad_norm": t.spike_grad, "any": t.spike_any},
         "quarantined": t.quarantined,
         "injected": t.injected,

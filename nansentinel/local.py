@@ -11,6 +11,10 @@ from typing import Any
 
 import torch
 
+#: The pipeline boundary flags of the row, in ``view.R_FWD_ORIGIN`` order (pipeline.py).
+FWD_ORIGIN, BWD_ORIGIN, RECV_ACT, RECV_GRAD, LOSS_ORIGIN = range(5)
+BOUNDARY = ("fwd_origin", "bwd_origin", "recv_act", "recv_grad", "loss_origin")
+
 _CONSTANTS: dict[tuple[tuple[float, ...], torch.device], torch.Tensor] = {}
 
 
@@ -40,6 +44,15 @@ class LocalHealth:
         self.injected = False
         self.quarantined: torch.Tensor | None = None
         """A 0-d device flag: some batch checked this step is quarantined (None: none can be)."""
+        self.boundary: list[torch.Tensor | None] = [None] * len(BOUNDARY)
+        """0-d device flags of the pipeline boundaries (``BOUNDARY``), None where none fired."""
+        self.forward_groups: tuple[str, ...] = ()
+        """Process groups that ran a collective in this rank's forward (origins.py)."""
+
+    def add_boundary(self, index: int, flag: torch.Tensor) -> None:
+        """Raise boundary flag ``index`` (``BOUNDARY``) by a 0-d 0/1 device flag (max)."""
+        old = self.boundary[index]
+        self.boundary[index] = flag if old is None else torch.maximum(old, flag)
 
     def add_batch(self, batch: Any, norms: list[torch.Tensor]) -> None:
         self.batch_norms.extend(norms)
@@ -62,7 +75,8 @@ class LocalHealth:
 
     def row(self) -> torch.Tensor:
         """The health row (``view.R_*``: batch norm, loss, gradient norm, then the flags
-        ``injected, has_loss, has_grad, quarantined``) as fp32 on the device: no host sync."""
+        ``injected, has_loss, has_grad, quarantined`` and the five boundary flags) as fp32 on
+        the device: no host sync."""
         zero = _constant((0.0,), self.device).reshape(())
         batch = _combined(self.batch_norms, zero)
         loss = zero
@@ -72,9 +86,13 @@ class LocalHealth:
         host = (self.injected, self.loss_sum is not None, bool(self.grad_norms))
         flags = _constant((*map(float, host), 0.0), self.device)
         values = torch.stack([batch, loss, grad]).to(torch.float32)
-        if self.quarantined is None:
-            return torch.cat([values, flags])
-        return torch.cat([values, flags[:3], self.quarantined.reshape(1).to(torch.float32)])
+        if self.quarantined is not None:
+            flags = torch.cat([flags[:3], self.quarantined.reshape(1).to(torch.float32)])
+        if all(b is None for b in self.boundary):
+            return torch.cat([values, flags, _constant((0.0,) * len(BOUNDARY), self.device)])
+        edges = torch.stack([zero if b is None else b.to(self.device).reshape(())
+                             for b in self.boundary]).to(torch.float32)
+        return torch.cat([values, flags, edges])
 
 
 def _combined(norms: list[torch.Tensor], zero: torch.Tensor) -> torch.Tensor:

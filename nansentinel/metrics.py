@@ -210,7 +210,8 @@ class SentinelMetrics:
         self._blamed = Counter(
             f"{PREFIX}_blamed_steps",
             "Steps on which this rank's own checks found a non-finite "
-            "value (one per step, whatever the number of kinds).",
+            "value (one per step, whatever the number of kinds) that did not merely reach it "
+            "from another rank (a pipeline stage, a collective in the forward).",
             registry=r,
         )
         steps = Counter(
@@ -329,7 +330,7 @@ class SentinelMetrics:
         nonfinite = [k for k in result.local_kinds if k in self._nonfinite]
         for kind in nonfinite:
             self._nonfinite[kind].inc()
-        if nonfinite:
+        if nonfinite and self.identity.rank not in result.reached:
             self._blamed.inc()
         if "replica" in result.local_kinds:  # finite but wrong: not a non-finite blame
             self._replica_divergence.inc()

@@ -12,7 +12,7 @@ import dataclasses
 from typing import Any
 
 from nansentinel.config import SentinelConfig
-from nansentinel.result import KINDS, Outcome
+from nansentinel.result import ACTIVATION, ALL_KINDS, Outcome
 from nansentinel.spikes import Spikes
 from nansentinel.view import ClusterView, RankHealth
 
@@ -70,7 +70,7 @@ class Decision:
     @property
     def kinds(self) -> list[str]:
         seen = {k for r in self.bad for k in r.kinds}
-        return [k for k in KINDS if k in seen]
+        return [k for k in ALL_KINDS if k in seen]
 
 
 @dataclasses.dataclass(slots=True)
@@ -152,9 +152,11 @@ def blamed_hosts(view: ClusterView, decision: Decision, verdict: str | None = No
 def is_blamed(rank: RankHealth, *, amp: bool = False) -> bool:
     """A rank the step blames. Under AMP, non-finite gradients alone are GradScaler's fp16
     overflow, not a fault; a batch quarantined earlier (verdict data) is skipped, not blamed a
-    second time. (``view.pack`` computes the same flag on the device.)"""
-    kinds = ("batch", "loss") if amp else KINDS
-    return bool(set(rank.kinds) & set(kinds)) and not rank.quarantined
+    second time; a rank a non-finite value only reached from another rank (a pipeline
+    boundary, a collective in the forward: origins.py) is named, not blamed. (``view.pack``
+    computes the same flag on the device, before the forward collectives are weighed.)"""
+    kinds = ("batch", "loss", ACTIVATION) if amp else ALL_KINDS
+    return bool(set(rank.kinds) & set(kinds)) and not rank.quarantined and not rank.reached
 
 
 def blamed(view: ClusterView, *, amp: bool = False) -> tuple[RankHealth, ...]:

@@ -11,6 +11,11 @@ import enum
 
 #: The kinds of local check, in the order of the health vector.
 KINDS = ("batch", "loss", "grad")
+#: A pipeline stage's forward output went non-finite from finite inputs (pipeline.py): the
+#: kind of a forward origin, beside those of the health vector.
+ACTIVATION = "activation"
+#: Every kind a rank can be named for, in report order.
+ALL_KINDS = (*KINDS, ACTIVATION)
 
 #: Replay verdicts: what caused a detection (see replay.py).
 VERDICTS = ("data", "host", "transient", "divergence", "sdc")
@@ -75,7 +80,8 @@ class StepResult:
     outcome: Outcome
     """What became of the step (an :class:`Outcome`, which is also its word)."""
     bad_ranks: list[int]
-    """Ranks whose own batch, loss or gradients were non-finite, sorted."""
+    """Ranks where a non-finite value began: their own batch, loss, forward output or
+    gradients were non-finite from finite inputs. Sorted."""
     bad_hosts: list[str]
     """Hosts of ``bad_ranks``, sorted, without repeats."""
     kinds: list[str]
@@ -114,6 +120,10 @@ class StepResult:
     """Learning-rate factor in force after this step (below 1 during a rollback cooldown)."""
     reason: str = ""
     """Why the step was not applied as is (empty when it was)."""
+    reached: list[int] = dataclasses.field(default_factory=list)
+    """Ranks whose values went non-finite only downstream of a ``bad_ranks`` rank within the
+    step (a pipeline stage's received activations or gradients, or a collective in the
+    forward): named, never blamed or struck. Sorted."""
 
     @property
     def healthy(self) -> bool:

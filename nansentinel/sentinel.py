@@ -17,18 +17,19 @@ reductions and one fixed-size collective that travels beside the gradients.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from nansentinel import checks, gradpaths, incident, skip_list, stop
-from nansentinel.collectives import Peers
+from nansentinel import checks, gradpaths, incident, pipeline, skip_list, stop
+from nansentinel.collectives import ForwardCollectives, Peers
 from nansentinel.config import SentinelConfig, resolve_hostname
 from nansentinel.curves import Curves
 from nansentinel.detection import Detector
@@ -77,13 +78,20 @@ class Sentinel:
             FSDP2 (its backward would reduce-scatter through the gradient path being judged).
         snapshots: ``(save, load)`` — the user's own checkpoint pair for rollbacks
             (``save(step)``; ``load() -> step``) — or a ``SnapshotStore``; default: host memory.
+        stages: this rank's ``torch.distributed.pipelining`` ``PipelineStage`` (or a list of
+            them, for an interleaved schedule; ``model`` is then the list of their modules, in
+            any wrapping the gradient path accepts, e.g. each ``fully_shard``-ed). Each stage's
+            boundaries are checked (pipeline.py), so the rank where a NaN began is named alone
+            and the ranks it reached go to ``StepResult.reached``; hand the schedule
+            :meth:`wrap_loss`. The exchange then spans the whole job (the default group), so
+            every rank of every stage takes the same decision.
         env: environment to read ``NANSENTINEL_*`` from (default ``os.environ``).
         **overrides: fields of :class:`SentinelConfig`; keyword > env > default.
     """
 
     def __init__(
         self,
-        model: torch.nn.Module,
+        model: torch.nn.Module | list[torch.nn.Module],
         optimizer: torch.optim.Optimizer,
         *,
         scaler: Any = None,
@@ -92,15 +100,19 @@ class Sentinel:
         env: dict[str, str] | None = None,
         replay: ReplayFn | None = None,
         snapshots: tuple[Any, Any] | SnapshotStore | None = None,
+        stages: Any = None,
         **overrides: Any,
     ) -> None:
         self.config = cfg = SentinelConfig.from_env(env, **overrides)
+        if isinstance(model, list | tuple):  # a pipeline rank's model parts
+            model = torch.nn.ModuleList(model)
         self.model = model
         self.optimizer = optimizer
         self.scaler = scaler
         is_ddp = isinstance(model, DistributedDataParallel)
-        if group is None and is_ddp:
-            group = model.process_group
+        pipelined = pipeline.stages_of(stages) if stages is not None else []
+        if group is None and is_ddp and not pipelined:
+            group = model.process_group  # under a pipeline: the whole job (the default group)
         params = list(model.parameters())
         self.device = _local_device(params[0]) if params else torch.device("cpu")
         self.exchange = HealthExchange(group, self.device, cfg.exchange_timeout)
@@ -175,6 +187,10 @@ class Sentinel:
         self._pending: tuple[Pending, PendingResult] | None = None
         #: Set when poisoned steps are skipped on the device (see gate.py); None: host gate.
         self.device_gate = self._choose_gate(optimizer, scaler)
+        #: The pipeline boundaries this rank checks (pipeline.py), one per stage it holds.
+        self.stages = [pipeline.StageWatch(s, lambda: self.local, self.device) for s in pipelined]
+        #: The process groups that ran a collective in the forward (origins.py).
+        self.forward = ForwardCollectives(exclude=_quiet_groups(model, pipelined))
         self._reset()
         if self.gradients.name == "fsdp" and replay is not None and cfg.replay:
             log.info(
@@ -213,6 +229,8 @@ class Sentinel:
         self._resolve()
         started = time.perf_counter()
         self._require_open("check_batch")
+        if self.local.batch is None and self.local.loss_count == 0:
+            self.forward.start()  # the forward begins after the step's first batch check
         if ids is not None:
             self.local.ids = skip_list.check_ids(ids, batch, rank=self.rank, step=self.step_index)
         first = next(checks.float_tensors(batch), None)
@@ -247,8 +265,39 @@ class Sentinel:
             )
         if self.injector.poison("loss", self.step_index, loss.detach()):
             self.local.injected = True
+        if self.local.loss_count == 0:
+            self.local.forward_groups = self.forward.stop()
         self.local.add_loss(checks.loss_scalar(loss))
         self._seconds += time.perf_counter() - started
+
+    def wrap_loss(self, loss_fn: Callable[..., Any]) -> Callable[..., Any]:
+        """``loss_fn`` checked: the loss function to hand a pipeline schedule
+        (``ScheduleGPipe(stage, n, loss_fn=sentinel.wrap_loss(loss_fn))``).
+
+        Each micro-batch's loss is checked (:meth:`check_loss`) before its backward, and paired
+        with the activations it came from, so a loss that went non-finite on the last stage
+        from finite received activations is named there and one that arrived non-finite is
+        not; the targets (the arguments after the output) are checked as a batch. The
+        schedule's shape-inference call on its first step, made on uninitialised values, is
+        passed through unchecked.
+        """
+        watch = next((w for w in self.stages if w.last), None)
+
+        @functools.wraps(loss_fn)
+        def checked(output: Any, *args: Any, **kwargs: Any) -> Any:
+            loss = loss_fn(output, *args, **kwargs)
+            if pipeline.shape_inference(self.stages):
+                return loss
+            started = time.perf_counter()
+            targets = list(pipeline.targets((output, *args), kwargs))
+            self.local.batch_norms.extend(checks.tensor_norm(t).to(self.device) for t in targets)
+            if watch is not None and isinstance(loss, torch.Tensor):
+                watch.pair_loss(loss, targets)
+            self._seconds += time.perf_counter() - started
+            self.check_loss(loss)
+            return loss
+
+        return checked
 
     def check_grads(self) -> None:
         """Check this rank's local gradients now and start the health exchange.
@@ -385,7 +434,8 @@ class Sentinel:
         view = ClusterView(step, self.world_size, totals)
         if self._needs_detection(totals):
             with self._guarded():
-                view = self.detector.view(step, totals, own, self.spikes.ratios(own))
+                view = self.detector.view(step, totals, own, self.spikes.ratios(own),
+                                          local.forward_groups)
         spikes = self.spikes.judge(view)
         self.spikes.record(own, totals, spikes)
         self.curves.add(step, own, totals)
@@ -559,6 +609,10 @@ class Sentinel:
         if self.injector.poison("grad", self.step_index, local_grads):
             self.local.injected = True
 
+    @property
+    def inferring(self) -> bool:
+        return any(w.inferring for w in self.stages)
+
     def reducing(self) -> None:
         if self.watchdog is not None:
             self.watchdog.restart(self.step_index)
@@ -608,6 +662,9 @@ class Sentinel:
         self.local = LocalHealth(self.device)
         self._seconds = 0.0
         self.gradients.reset()
+        for watch in self.stages:
+            watch.reset()
+        self.forward.start()  # no check_batch this step: the forward begins now
 
     def _arm(self) -> None:
         if self.watchdog is not None:
@@ -663,7 +720,26 @@ class Sentinel:
             rolled_back_to=rolled_back_to,
             lr_factor=self.cooldown.lr_factor,
             reason=decision.reason,
+            reached=view.reached,
         )
+
+
+def _quiet_groups(model: torch.nn.Module, stages: list[Any]) -> frozenset[str]:
+    """Names of the process groups whose collectives in the forward cannot carry one rank's
+    NaN into another rank's loss, or are checked where they land: FSDP2's parameter
+    all-gathers (its shard and replicate groups) and the pipeline's sends and receives."""
+    groups: list[Any] = []
+    for m in model.modules():
+        state = getattr(m, "_get_fsdp_state", None)
+        if state is None:
+            continue
+        for pg in getattr(state(), "_fsdp_param_groups", None) or ():
+            info = pg.mesh_info
+            groups += [getattr(info, "shard_process_group", None),
+                       getattr(info, "replicate_process_group", None)]
+    for stage in stages:
+        groups.append(stage.group if stage.group is not None else dist.group.WORLD)
+    return frozenset(g.group_name for g in groups if g is not None and hasattr(g, "group_name"))
 
 
 def _local_device(param: torch.Tensor) -> torch.device:

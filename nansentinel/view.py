@@ -22,25 +22,33 @@ from typing import Any
 
 import torch
 
-from nansentinel.result import KINDS, RankIdentity
+from nansentinel.result import ACTIVATION, KINDS, RankIdentity
 
 # This rank's health row, as the checks fill it (local.py): three values whose finiteness is
-# the check, then four flags the host knows.
-R_BATCH, R_LOSS, R_GRAD, R_INJECTED, R_HAS_LOSS, R_HAS_GRAD, R_QUARANTINED = range(7)
-ROW = 7
+# the check, four flags the host knows, then five flags of the boundaries where values arrive
+# from other ranks (pipeline.py; 0 without pipeline stages): a forward output non-finite from
+# finite inputs, sent gradients non-finite from finite received ones, a non-finite received
+# activation, a non-finite received gradient, a loss non-finite from finite activations and
+# targets.
+(
+    R_BATCH, R_LOSS, R_GRAD, R_INJECTED, R_HAS_LOSS, R_HAS_GRAD, R_QUARANTINED,
+    R_FWD_ORIGIN, R_BWD_ORIGIN, R_RECV_ACT, R_RECV_GRAD, R_LOSS_ORIGIN,
+) = range(12)
+ROW = 12
 
 # The summed part: each rank adds its flags and values; every rank reads the totals.
 (
     T_BAD_BATCH, T_BAD_LOSS, T_BAD_GRAD, T_BLAMED, T_FLAGGED, T_FLAGGED_RANK,
     T_SPIKE_LOSS, T_SPIKE_GRAD, T_SPIKE_ANY, T_NOT_QUIET, T_INJECTED, T_QUARANTINED,
-    T_LOSS_N, T_LOSS_SUM, T_LOSS_SQ, T_GRAD_N, T_GRAD_SUM, T_GRAD_SQ,
-) = range(18)
-TOTALS = 18
+    T_LOSS_N, T_LOSS_SUM, T_LOSS_SQ, T_GRAD_N, T_GRAD_SUM, T_GRAD_SQ, T_REACHED,
+) = range(19)
+TOTALS = 19
 
 # The own part, after the totals: this rank's row and its device-side verdicts.
 O_ROW = TOTALS
-O_SPIKE_LOSS, O_SPIKE_GRAD, O_NOT_QUIET, O_FLAGGED = range(TOTALS + ROW, TOTALS + ROW + 4)
-OWN = ROW + 4
+O_SPIKE_LOSS, O_SPIKE_GRAD, O_NOT_QUIET, O_FLAGGED, O_REACHED = range(
+    TOTALS + ROW, TOTALS + ROW + 5)
+OWN = ROW + 5
 SIZE = TOTALS + OWN
 
 #: Bytes one rank sends per step (fp32), at any world size.
@@ -69,13 +77,28 @@ def pack(
     spike = (above[:2] & finite[1:]) * has
     not_quiet = ((above[2:] | ~finite[1:]) * has).amax()
     # No host-made tensor anywhere: a host-to-device copy would sync the stream.
-    blamed = (bad[:2] if amp else bad).amax() * (1.0 - row[R_QUARANTINED])
-    flagged = torch.maximum(blamed, spike.amax())
+    # Where a non-finite value began (pipeline.py): a rank whose batch, forward output or sent
+    # gradients went non-finite from finite inputs is an origin; a loss or gradient that is
+    # non-finite after a non-finite value arrived from another stage was only reached. Under
+    # GradScaler non-finite gradients alone are fp16 overflow, so only the forward counts.
+    fwd = torch.maximum(row[R_FWD_ORIGIN], row[R_LOSS_ORIGIN])
+    bwd = row[R_BWD_ORIGIN]
+    recv_act, received = row[R_RECV_ACT], torch.maximum(row[R_RECV_ACT], row[R_RECV_GRAD])
+    if amp:
+        origin = torch.stack([bad[0], fwd, bad[1] * (1.0 - recv_act)]).amax()
+        nonfinite = torch.maximum(bad[:2].amax(), fwd)
+    else:
+        origin = torch.stack([bad[0], fwd, bwd, bad[1:].amax() * (1.0 - received)]).amax()
+        nonfinite = torch.stack([bad.amax(), fwd, bwd]).amax()
+    blamed = origin * (1.0 - row[R_QUARANTINED])
+    reached = nonfinite * received * (1.0 - origin)
+    flagged = torch.stack([blamed, spike.amax(), reached]).amax()
     kept = signal.nan_to_num(0.0, 0.0, 0.0) * has  # a non-finite value is counted, not added
     sums = torch.stack([finite[1:] * has, kept, kept * kept], dim=1).reshape(-1)
     flags = torch.stack([blamed, flagged, flagged * float(rank), spike[0], spike[1],
                          spike.amax(), not_quiet, row[R_INJECTED], row[R_QUARANTINED]])
-    return torch.cat([bad, flags, sums, row, spike, not_quiet.reshape(1), flagged.reshape(1)])
+    return torch.cat([bad, flags, sums, reached.reshape(1), row, spike, not_quiet.reshape(1),
+                      flagged.reshape(1), reached.reshape(1)])
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -101,6 +124,8 @@ class Totals:
     grad_n: int = 0
     grad_sum: float = 0.0
     grad_sq: float = 0.0
+    reached: int = 0
+    """Ranks whose only non-finite values arrived from another rank (a pipeline boundary)."""
 
     @classmethod
     def from_values(cls, values: list[float]) -> Totals:
@@ -168,16 +193,43 @@ class OwnRow:
     spike_grad: bool
     not_quiet: bool
     flagged: bool
+    fwd_origin: bool = False
+    """A pipeline stage's forward output went non-finite from finite inputs here."""
+    bwd_origin: bool = False
+    """A stage's sent gradients went non-finite from finite received gradients here."""
+    recv_act: bool = False
+    """A non-finite activation arrived from the previous stage."""
+    recv_grad: bool = False
+    """A non-finite gradient arrived from the next stage."""
+    loss_origin: bool = False
+    """The last stage's loss went non-finite from finite activations and targets here."""
+    reached: bool = False
+    """Non-finite only downstream of what arrived from another rank (judged on the device)."""
 
     @classmethod
     def from_values(cls, values: list[float]) -> OwnRow:
         v = values[O_ROW:O_ROW + OWN]
-        return cls(v[0], v[1], v[2], *(bool(x) for x in v[3:]))
+        flags = [bool(x) for x in v]
+        return cls(v[R_BATCH], v[R_LOSS], v[R_GRAD], *flags[R_INJECTED:R_QUARANTINED + 1],
+                   *flags[ROW:ROW + 4], *flags[R_FWD_ORIGIN:R_LOSS_ORIGIN + 1], flags[ROW + 4])
 
     @property
     def kinds(self) -> tuple[str, ...]:
         checked = (self.batch_norm, self.loss_value, self.grad_norm_value)
-        return tuple(k for k, x in zip(KINDS, checked, strict=True) if not math.isfinite(x))
+        kinds = [k for k, x in zip(KINDS, checked, strict=True) if not math.isfinite(x)]
+        if self.fwd_origin:
+            kinds.append(ACTIVATION)
+        if self.bwd_origin and "grad" not in kinds:
+            kinds.append("grad")  # the gradients it sent back are gradients too
+        return tuple(kinds)
+
+    @property
+    def boundary(self) -> tuple[str, ...]:
+        """Where a pipeline boundary saw a non-finite value on this rank, in words."""
+        words = ("forward output from finite inputs", "sent gradients from finite received ones",
+                 "received activations", "received gradients")
+        on = (self.fwd_origin, self.bwd_origin, self.recv_act, self.recv_grad)
+        return tuple(w for w, f in zip(words, on, strict=True) if f)
 
     @property
     def loss(self) -> float | None:
@@ -208,6 +260,12 @@ class RankHealth:
     quarantined: bool = False
     spikes: dict[str, float] = dataclasses.field(default_factory=dict)
     """Signal -> value / its running median, for the signals this rank spiked on."""
+    reached: bool = False
+    """Its non-finite values came from another rank within the step: named, not blamed."""
+    boundary: tuple[str, ...] = ()
+    """Where a pipeline boundary saw a non-finite value (``OwnRow.boundary``)."""
+    forward_groups: tuple[str, ...] = ()
+    """Process groups that ran a collective in this rank's forward (origins.py)."""
 
     @property
     def rank(self) -> int:
@@ -221,9 +279,12 @@ class RankHealth:
         return self.loss if signal == "loss" else self.grad_norm
 
     @classmethod
-    def of(cls, identity: RankIdentity, own: OwnRow, ratios: dict[str, float]) -> RankHealth:
+    def of(
+        cls, identity: RankIdentity, own: OwnRow, ratios: dict[str, float],
+        forward_groups: tuple[str, ...] = (),
+    ) -> RankHealth:
         return cls(identity, own.kinds, own.injected, own.loss, own.grad_norm,
-                   own.quarantined, ratios)
+                   own.quarantined, ratios, own.reached, own.boundary, forward_groups)
 
     def to_json(self) -> dict[str, object]:
         """What a named rank sends in a detection (JSON; NaN stays NaN on this wire)."""
@@ -231,6 +292,8 @@ class RankHealth:
             "identity": self.identity.to_json(), "kinds": list(self.kinds),
             "injected": self.injected, "loss": self.loss, "grad_norm": self.grad_norm,
             "quarantined": self.quarantined, "spikes": dict(self.spikes),
+            "reached": self.reached, "boundary": list(self.boundary),
+            "forward_groups": list(self.forward_groups),
         }
 
     @classmethod
@@ -239,6 +302,8 @@ class RankHealth:
             RankIdentity(**d["identity"]), tuple(d["kinds"]), bool(d["injected"]), d["loss"],
             d["grad_norm"], bool(d["quarantined"]),
             {str(k): float(v) for k, v in d["spikes"].items()},
+            bool(d.get("reached", False)), tuple(d.get("boundary", ())),
+            tuple(d.get("forward_groups", ())),
         )
 
 
@@ -251,7 +316,7 @@ class ClusterView:
     world_size: int
     totals: Totals = dataclasses.field(default_factory=Totals)
     flagged: tuple[RankHealth, ...] = ()
-    """Ranks that were blamed or spiked, by rank (gathered only after a detection)."""
+    """Ranks that were blamed, reached or spiked, by rank (gathered only after a detection)."""
     listed: tuple[RankHealth, ...] = ()
     """Every named rank: ``flagged`` and the replay's peer, by rank."""
     every_host_bad: bool = False
@@ -264,6 +329,11 @@ class ClusterView:
     def bad(self, kinds: tuple[str, ...] = KINDS) -> list[RankHealth]:
         """Named ranks with a non-finite value of one of ``kinds``."""
         return [r for r in self.flagged if set(r.kinds) & set(kinds)]
+
+    @property
+    def reached(self) -> list[int]:
+        """Flagged ranks whose non-finite values only came from another rank, by rank."""
+        return [r.rank for r in self.flagged if r.reached]
 
     def named(self, rank: int) -> RankHealth | None:
         """The named rank ``rank`` (flagged or the replay peer), if it is named."""

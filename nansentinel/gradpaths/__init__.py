@@ -32,6 +32,10 @@ class GradientSink(Protocol):
     @property
     def step_index(self) -> int: ...
 
+    @property
+    def inferring(self) -> bool:
+        """A pipeline schedule's shape inference is running: its gradients are not a step's."""
+
     def before_reduction(self, local_grads: torch.Tensor) -> None:
         """``local_grads`` is about to be reduced: arm the watchdog, fire a due grad drill."""
 

@@ -28,7 +28,8 @@ class Cluster:
         owns, vectors = [], []
         for r, d in enumerate(self.detectors):
             g = grad[r] if grad is not None else 0.0
-            row = torch.tensor([0.0, loss[r], g, 0.0, 1.0, float(grad is not None), 0.0])
+            row = torch.tensor([0.0, loss[r], g, 0.0, 1.0, float(grad is not None), 0.0,
+                                *[0.0] * 5])
             vector = pack(row, torch.tensor(d.thresholds()), r, amp=False)
             vectors.append(vector)
             owns.append(OwnRow.from_values(vector.tolist()))
@@ -109,10 +110,10 @@ def test_quiet_needs_every_rank_and_the_mean_below_half_way() -> None:
     c = Cluster(2, warmup=5)
     c.feed(6, [1.0, 1.0], [1.0, 1.0])
     d = c.detectors[0]
-    calm = Totals.from_values(pack(torch.tensor([0.0, 1.0, 1.0, 0.0, 1.0, 1.0, 0.0]),
+    calm = Totals.from_values(pack(torch.tensor([0.0, 1.0, 1.0, 0.0, 1.0, 1.0, 0.0, *[0.0] * 5]),
                                    torch.tensor(d.thresholds()), 0, amp=False).tolist())
     assert d.quiet(calm)
-    uneasy = pack(torch.tensor([0.0, 4.0, 1.0, 0.0, 1.0, 1.0, 0.0]),
+    uneasy = pack(torch.tensor([0.0, 4.0, 1.0, 0.0, 1.0, 1.0, 0.0, *[0.0] * 5]),
                   torch.tensor(d.thresholds()), 0, amp=False)
     assert not d.quiet(Totals.from_values(uneasy.tolist()))  # 4x > sqrt(10)x its median
 

@@ -1,0 +1,127 @@
+"""Pipeline parallel on gloo ranks: the rank where a NaN began is named alone, the ranks it
+reached are listed apart, and every rank of every stage takes the same decision.
+
+Layout of the 4-rank runs: rank = 2 * stage + replica, two stages on two hosts
+(``stage0-host`` holds ranks 0 and 1, ``stage1-host`` ranks 2 and 3), FSDP2 over each stage's
+two replicas; one pipeline per replica (ranks 0 -> 2 and 1 -> 3).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.distributed.harness import run_ranks, values
+from tests.distributed.workers_pipeline import forward_collective, interleaved, pipelined
+
+# (step, rank) -> fault, and what every rank must read at that step: (bad ranks, reached).
+FAULTS = {
+    (0, 2): "forward",   # step 0, where the schedule also runs its shape inference
+    (2, 0): "forward",
+    (4, 2): "backward",  # stage 1's sent gradients: stage 0 only receives them
+    (6, 1): "batch",
+    (8, 3): "target",
+    (10, 0): "backward",  # the first stage: its parameter gradients alone
+    (12, 0): "forward", (12, 3): "backward",  # two at once, on the two pipelines
+}
+EXPECTED = {
+    0: ([2], [0]), 2: ([0], [2]), 4: ([2], [0]), 6: ([1], [3]), 8: ([3], [1]),
+    10: ([0], []), 12: ([0, 3], [1, 2]),
+}
+HOST = {0: "stage0-host", 1: "stage0-host", 2: "stage1-host", 3: "stage1-host"}
+STEPS = 14
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_pipeline_names_the_origin_alone(tmp_path: Path, schedule: str) -> None:
+    outs = values(run_ranks(pipelined, 4, tmp_path, schedule=schedule, steps=STEPS,
+                            faults=FAULTS, report_dir=str(tmp_path / "r"), timeout=220))
+    for out in outs:
+        assert out["error"] is None, out["error"]
+        assert len(out["records"]) == STEPS
+        for rec in out["records"]:
+            step = rec["step"]
+            if step not in EXPECTED:
+                assert rec["applied"] and rec["bad_ranks"] == [] and rec["reached"] == [], rec
+                continue
+            bad, reached = EXPECTED[step]
+            assert not rec["applied"] and rec["outcome"] == "skipped", rec
+            assert (rec["bad_ranks"], rec["reached"]) == (bad, reached), rec
+            assert rec["bad_hosts"] == sorted({HOST[r] for r in bad}), rec
+        kinds = {r["step"]: r["kinds"] for r in out["records"]}
+        assert "activation" in kinds[2] and "activation" not in kinds[4]
+        assert "batch" in kinds[8] and "activation" not in kinds[8]  # a target, not the model
+        assert out["finite"]
+    for a, b in ((0, 1), (2, 3)):  # the data-parallel replicas of each stage
+        for wa, wb in zip(outs[a]["weights"], outs[b]["weights"], strict=True):
+            assert torch.equal(wa, wb), f"replicas {a} and {b} differ"
+
+
+@pytest.mark.timeout(180)
+def test_pipeline_strikes_only_the_origin_host(tmp_path: Path) -> None:
+    """host_strikes=1: stage 1's forward fault excludes stage1-host, on every rank, and the
+    host it reached (stage0-host, through the gradients) is not struck."""
+    outs = values(run_ranks(pipelined, 4, tmp_path, schedule="gpipe", steps=3,
+                            faults={(1, 2): "forward"}, report_dir=str(tmp_path / "r"),
+                            host_strikes=1, timeout=160))
+    for out in outs:
+        err = out["error"]
+        assert err and err["type"] == "HostExcludedError", out
+        assert "excluding host stage1-host at step 1" in err["message"], err
+        assert "stage0-host" not in err["message"], err
+        assert [r["applied"] for r in out["records"]] == [True]
+
+
+@pytest.mark.timeout(240)
+def test_a_healthy_pipeline_raises_no_alarm(tmp_path: Path) -> None:
+    """50 healthy steps of GPipe x FSDP2: every step applied, nothing named, no report (the
+    schedule's shape inference on step 0 runs on uninitialised values and is not judged)."""
+    outs = values(run_ranks(pipelined, 4, tmp_path, schedule="gpipe", steps=50, faults={},
+                            report_dir=str(tmp_path / "r"), timeout=220))
+    for out in outs:
+        assert out["error"] is None
+        assert all(r["applied"] and not r["bad_ranks"] and not r["reached"]
+                   for r in out["records"]), [r for r in out["records"] if not r["applied"]]
+        assert len(out["records"]) == 50
+    assert not list((tmp_path / "r").glob("incident-*.json"))
+
+
+@pytest.mark.timeout(180)
+def test_an_interleaved_schedule_names_the_stage_where_it_began(tmp_path: Path) -> None:
+    """Interleaved1F1B, 4 stages on 2 ranks (rank 0: stages 0 and 2; rank 1: 1 and 3): a NaN
+    that began on stage 1 passes through rank 0's stage 2 before it comes back."""
+    faults = {(1, 1): "forward", (3, 2): "backward", (5, 3): "forward"}
+    outs = values(run_ranks(interleaved, 2, tmp_path, steps=7, faults=faults,
+                            report_dir=str(tmp_path / "r"), timeout=160))
+    expected = {1: ([1], [0]), 3: ([0], [1]), 5: ([1], [0])}
+    for out in outs:
+        for rec in out["records"]:
+            if rec["step"] in expected:
+                assert not rec["applied"], rec
+                assert (rec["bad_ranks"], rec["reached"]) == expected[rec["step"]], rec
+            else:
+                assert rec["applied"] and not rec["bad_ranks"] and not rec["reached"], rec
+        assert out["finite"]
+
+
+@pytest.mark.timeout(150)
+def test_a_collective_in_the_forward_names_the_rank_whose_batch_began_it(
+    tmp_path: Path,
+) -> None:
+    """The forward subtracts the mean over every rank's batch (as SyncBatchNorm's statistics
+    do): rank 1's NaN batch makes every rank's loss and gradients non-finite. Rank 1 alone is
+    blamed (kind batch), the others are reached, and the verdict is not a global divergence."""
+    outs = values(run_ranks(forward_collective, 4, tmp_path, steps=4, poisoned=(2, 1),
+                            report_dir=str(tmp_path / "r"), timeout=130))
+    for out in outs:
+        rec = out["records"][2]
+        assert not rec["applied"] and rec["bad_ranks"] == [1] and rec["bad_hosts"] == ["node1"]
+        assert rec["reached"] == [0, 2, 3] and "batch" in rec["kinds"], rec
+        assert rec["verdict"] != "divergence", rec
+        assert all(r["applied"] for i, r in enumerate(out["records"]) if i != 2)
+        assert all(torch.isfinite(w).all() for w in out["weights"])
+    report = Path(outs[0]["records"][2]["report"]).read_text()
+    assert '"reached": [\n    0,\n    2,\n    3\n  ]' in report or '"reached": [0, 2, 3]' in report
