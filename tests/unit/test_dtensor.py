@@ -149,6 +149,24 @@ def test_local_gradients_of_dtensor_parameters_are_this_ranks_shards(mesh: Devic
     assert scan_parameters([("weight", weight), ("bias", bias)]) == ["bias"]
 
 
+@pytest.mark.parametrize("placement", [*PLACEMENTS, Shard(0), Shard(1)], ids=str)
+def test_a_drill_writes_into_this_ranks_local_tensor_without_a_collective(
+    mesh: DeviceMesh, placement: Any
+) -> None:
+    """Indexing a sharded DTensor all-gathers it: a drill on one rank would issue a
+    collective no other rank does (a hang), and write nowhere this rank holds."""
+    from nansentinel.inject import Injector, parse_inject
+
+    injector = Injector(parse_inject("kind=batch,rank=0,step=3"), 0, "h")
+    t = dt(torch.ones(2, 3), mesh, placement)
+    with CommDebugMode() as comms:
+        assert not injector.poison("batch", 2, t)
+        assert injector.poison("batch", 3, t)
+    assert comms.get_total_counts() == 0, comms.get_comm_counts()
+    assert math.isnan(t.to_local()[0, 0]) and int(torch.isnan(t.to_local()).sum()) == 1
+    assert not torch.isfinite(checks.batch_norms(t, CPU)[0])
+
+
 @pytest.fixture
 def one_rank(free_port: Callable[[], int]) -> Iterator[DeviceMesh]:
     """A real 1-rank gloo group and its mesh."""
