@@ -167,6 +167,21 @@ def test_a_drill_writes_into_this_ranks_local_tensor_without_a_collective(
     assert not torch.isfinite(checks.batch_norms(t, CPU)[0])
 
 
+@pytest.mark.parametrize("placement", [*PLACEMENTS, Shard(0)], ids=str)
+def test_a_dtensor_batchs_signature_is_taken_on_its_local_tensor(
+    mesh: DeviceMesh, placement: Any
+) -> None:
+    """Quarantine matching runs on every checked batch once something is quarantined, and
+    the replay signs the blamed batch: both on the local tensor, without a collective."""
+    from nansentinel.quarantine import signature, signature_stats
+
+    batch = {"x": dt(torch.tensor([1.0, -2.0]), mesh, placement), "y": torch.ones(2)}
+    stats = plain_and_silent(lambda: signature_stats(batch, CPU).float())
+    assert stats.tolist() == [-1.0, 3.0, 5.0, 2.0, 2.0, 2.0]
+    assert signature(batch).stats == signature({"x": torch.tensor([1.0, -2.0]),
+                                                "y": torch.ones(2)}).stats
+
+
 @pytest.fixture
 def one_rank(free_port: Callable[[], int]) -> Iterator[DeviceMesh]:
     """A real 1-rank gloo group and its mesh."""
