@@ -40,6 +40,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 import nansentinel
+from tests.distributed.workers_fsdp import full_weights  # gathers over dp and tp alike
 
 IN, DIM, HIDDEN, VOCAB, BATCH = 8, 16, 32, 12, 4
 TP = 2
@@ -99,11 +100,6 @@ def batch_of(dp_rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
     """This DP rank's batch at ``step`` (the same on both TP peers, as TP needs)."""
     g = torch.Generator().manual_seed(1000 * dp_rank + step)
     return torch.randn(BATCH, IN, generator=g), torch.randint(0, VOCAB, (BATCH,), generator=g)
-
-
-def full_weights(model: nn.Module) -> torch.Tensor:
-    """Every parameter gathered whole over dp and tp (a collective: every rank calls it)."""
-    return torch.cat([p.full_tensor().detach().reshape(-1) for p in model.parameters()])
 
 
 def train(rank: int, world: int, *, steps: int, loss_kind: str, report_dir: str,
