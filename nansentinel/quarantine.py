@@ -57,10 +57,11 @@ def signature_key(batch: Any) -> str:
 
 def signature_stats(batch: Any, device: torch.device) -> torch.Tensor:
     """The device part: ``sum, sum|x|, sum x^2`` of every tensor, in fp64, one flat tensor on
-    ``device`` (no host sync)."""
+    ``device`` (no host sync). A DTensor's sums are its local tensor's (``checks.local``):
+    plain tensors, and no collective (a sum of a DTensor is one to be reduced)."""
     rows = []
     for t in checks.tensors(batch):
-        d = t.detach()
+        d = checks.local(t).detach()
         if d.is_complex():
             d = torch.view_as_real(d)
         d = d.double()

@@ -1,0 +1,115 @@
+"""FSDP2 x tensor parallel on 4 gloo ranks, mesh (dp 2, tp 2), each TP group on one host: a
+fault on any rank names that TP group's host on every rank, the step is skipped everywhere,
+and the weights are exactly those of a run that never saw the poisoned steps.
+
+Which ranks are named: a non-finite batch on one TP rank reaches its peer through
+RowwiseParallel's all-reduce in the forward, so the loss and the gradients of both peers are
+non-finite and both ranks are named (the origin alone is the one whose *batch* was
+non-finite). Both live on one host, so the host is exact. A loss or a gradient fault is made
+after the forward's all-reduce and before the gradient reduction, and names its rank alone.
+
+The loss is made three ways (``workers_tp``): a Replicate DTensor (torchtitan's
+``loss_parallel``), a Partial(avg) DTensor (rows sharded over tp), and a plain tensor. All
+scenarios run in one 4-rank process group (one spawn).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from tests.distributed.harness import run_ranks, values
+from tests.distributed.workers_tp import (
+    DRILLS,
+    MADE,
+    STEPS,
+    TP,
+    host_of,
+    scenarios,
+    tp_peers,
+)
+
+WORLD = 4
+LOSSES = {"loss_parallel": "DTensor(Replicate(),)", "sharded": "DTensor(Partial(avg),)",
+          "local": "Tensor"}
+
+
+def expected() -> dict[int, tuple[int, list[int], list[str]]]:
+    """step -> (the rank where the fault began, the ranks named, the kinds)."""
+    out = {}
+    for step, rank, kind in DRILLS:
+        if kind == "batch":
+            out[step] = (rank, tp_peers(rank), ["batch", "loss", "grad"])
+        else:
+            out[step] = (rank, [rank], [kind])
+    for step, rank in MADE.items():
+        out[step] = (rank, tp_peers(rank), ["batch", "loss", "grad"])
+    return out
+
+
+def local_kinds(loss: str, step: int, me: int) -> list[str]:
+    """What rank ``me`` itself found non-finite at a faulty ``step``.
+
+    After a batch fault the origin alone saw its batch non-finite; its peer sees what the
+    NaN reached. A loss whose rows are sharded over tp is checked as this rank's share: the
+    poisoned row (0 for a drill, 1 for the loop's own fault) lies in the share of the group's
+    tp rank 0, so only that rank's loss is non-finite, and its peer's is finite even where the
+    peer's batch was the one poisoned."""
+    origin, named, kinds = expected()[step]
+    if me not in named:
+        return []
+    if kinds != ["batch", "loss", "grad"]:
+        return kinds
+    holds_row = loss != "sharded" or me % TP == 0
+    return ["batch"] * (me == origin) + ["loss"] * holds_row + ["grad"]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    tmp = tmp_path_factory.mktemp("tp")
+    return values(run_ranks(scenarios, WORLD, tmp, report_dir=str(tmp / "reports"),
+                            timeout=150))
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("loss", sorted(LOSSES))
+def test_a_fault_on_any_rank_names_its_tp_groups_host(
+    runs: list[dict[str, Any]], loss: str
+) -> None:
+    faults = expected()
+    assert len({rank for rank, _, _ in faults.values()}) == WORLD  # every rank in turn
+    for me, r in enumerate(runs):
+        out = r[loss]
+        assert out["loss_types"] == [LOSSES[loss]]
+        assert out["path"] == "fsdp"
+        assert [rec["step"] for rec in out["records"]] == list(range(STEPS))
+        for rec in out["records"]:
+            step = rec["step"]
+            if step not in faults:
+                assert rec["applied"] and rec["outcome"] == "applied", rec
+                assert rec["bad_ranks"] == [] and rec["bad_hosts"] == [], rec
+                continue
+            origin, named, kinds = faults[step]
+            assert rec["outcome"] == "skipped" and not rec["applied"], rec
+            assert rec["bad_hosts"] == [host_of(origin)], rec
+            assert origin in rec["bad_ranks"] and set(rec["bad_ranks"]) <= set(tp_peers(origin))
+            assert rec["bad_ranks"] == named and rec["kinds"] == kinds, rec
+            assert rec["local_kinds"] == local_kinds(loss, step, me), (me, rec)
+            assert rec["injected"] == (step not in MADE), rec  # a drill, anywhere this step
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("loss", sorted(LOSSES))
+def test_weights_are_those_of_the_healthy_steps_alone(
+    runs: list[dict[str, Any]], loss: str
+) -> None:
+    """Finite, identical on every rank, and bit-identical to a run without the sentinel that
+    trained on the healthy steps' batches only: nothing of a skipped step leaked into the
+    weights or the optimizer state, on either DP replica."""
+    weights = [r[loss]["weights"] for r in runs]
+    assert all(torch.isfinite(w).all() for w in weights)
+    assert all(torch.equal(w, weights[0]) for w in weights[1:]), "weights differ across ranks"
+    for r in runs:
+        assert torch.equal(r[loss]["weights"], r[f"{loss}-reference"]["weights"])
