@@ -105,7 +105,7 @@ class StageWatch:
         """One L2 norm of ``tensors`` (one fused norm each, on the device; 0 for none)."""
         if not tensors:
             return torch.zeros((), device=self.device)
-        norms = [checks.tensor_norm(_local(t)).to(self.device) for t in tensors]
+        norms = [checks.tensor_norm(checks.local(t)).to(self.device) for t in tensors]
         return norms[0] if len(norms) == 1 else torch.linalg.vector_norm(torch.stack(norms))
 
     def _flag_ok(self, tensors: list[torch.Tensor]) -> torch.Tensor:
@@ -184,7 +184,7 @@ class StageWatch:
         chunk = self.chunk
         if chunk is None:
             return
-        bad = 1.0 - torch.isfinite(checks.loss_scalar(_local(loss))).to(torch.float32)
+        bad = 1.0 - torch.isfinite(checks.loss_scalar(checks.local(loss))).to(torch.float32)
         ok = chunk.inputs_ok * self._flag_ok(targets)
         self.health().add_boundary(LOSS_ORIGIN, ok * bad.to(self.device))
 
@@ -209,11 +209,6 @@ def stages_of(stages: Any) -> list[Any]:
                 "is_last and stage_index)"
             )
     return items
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """A DTensor's local shard (this rank's values), any other tensor itself."""
-    return t.to_local() if hasattr(t, "to_local") else t
 
 
 def targets(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Iterator[torch.Tensor]:

@@ -149,6 +149,7 @@ def train(rank: int, world: int, *, steps: int, loss_kind: str, report_dir: str,
             opt.zero_grad(set_to_none=True)
             records.append({"step": r.step, "applied": r.applied, "outcome": str(r.outcome),
                             "bad_ranks": r.bad_ranks, "bad_hosts": r.bad_hosts,
+                            "reached": r.reached,
                             "kinds": r.kinds, "local_kinds": r.local_kinds,
                             "injected": r.injected, "local_loss": r.local_loss})
     finally:
