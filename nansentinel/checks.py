@@ -10,6 +10,12 @@ anyway (gradient norm, spike detection). It is also far cheaper: on CPU, over 3.
 norm took 1.2 ms against 38 ms for ``isfinite().all()``. The one false alarm is a tensor of
 finite values so large (beyond ~1e19 in fp32) that its norm overflows; a gradient that large
 would wreck the weights anyway, and such a batch is almost surely corrupt.
+
+DTensors (tensor parallel, FSDP2) are checked through their local tensor, :func:`local`: what
+this rank holds and computed itself, before any collective. An operator on the DTensor itself
+would return a DTensor (which the health row cannot be packed with) and may redistribute it: a
+norm of a ``Partial`` DTensor all-reduces it first, a collective inside a check that only the
+ranks reaching it would issue, and after which a NaN from one tensor-parallel peer is on all.
 """
 
 from __future__ import annotations
@@ -34,6 +40,18 @@ def tensors(obj: object) -> Iterator[torch.Tensor]:
             yield from tensors(value)
 
 
+def local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's own values of ``t``: a DTensor's local tensor (detached; no collective, no
+    copy), any other tensor as it is. Whatever the placements, that is what a check on this
+    rank can vouch for: a ``Replicate`` dimension's full value, a ``Shard``'s slice, a
+    ``Partial``'s addend before the pending reduction. A non-finite value in any of them is
+    non-finite on this rank first, which is where blame belongs."""
+    to_local = getattr(t, "to_local", None)  # duck-typed: checks import no torch.distributed
+    if to_local is None:
+        return t
+    return t.detach().to_local()
+
+
 def float_tensors(obj: object) -> Iterator[torch.Tensor]:
     """Yield the floating-point (and complex) tensors of a nested batch.
 
@@ -47,8 +65,10 @@ def tensor_norm(t: torch.Tensor) -> torch.Tensor:
     """L2 norm of ``t`` as a 0-d fp32 tensor: one read of its bytes.
 
     Half-precision tensors are reduced with fp32 accumulation so that an ordinary large batch
-    does not overflow fp16's 65504 and raise a false alarm; fp64 in fp64, then cast.
+    does not overflow fp16's 65504 and raise a false alarm; fp64 in fp64, then cast. A DTensor's
+    norm is its local tensor's (:func:`local`), a plain tensor on this rank's device.
     """
+    t = local(t)
     if t.is_complex():
         t = torch.view_as_real(t)
     if t.dtype in _HALF:
@@ -68,10 +88,30 @@ def batch_norms(batch: object, device: torch.device) -> list[torch.Tensor]:
 
 def loss_scalar(loss: torch.Tensor) -> torch.Tensor:
     """The loss as an fp32 0-d tensor: itself when scalar, its mean otherwise (per-sample
-    losses can be passed as they are; a NaN or Inf anywhere propagates into the mean)."""
+    losses can be passed as they are; a NaN or Inf anywhere propagates into the mean).
+
+    A DTensor loss (tensor parallel: torchtitan's loss-parallel cross entropy, or an output
+    kept as a DTensor) is recorded as this rank's local value, a plain tensor (:func:`local`):
+
+    - ``Replicate``: the loss itself, the same on every peer;
+    - ``Partial``: this rank's addend of the pending reduction (``Partial(avg)``: a value of
+      the loss's size; ``sum``: its share). If the sum is non-finite, some addend is, and the
+      rank holding it is where the NaN began; its spike references follow its own addend;
+    - ``Shard``: the mean of this rank's elements (0 if it holds none: an empty mean would be
+      a NaN that no rank made).
+
+    Not the reduced loss, on purpose: reducing would be a collective inside ``check_loss``
+    (every peer would have to call it identically, even one whose loop raised), a wait in the
+    middle of the forward, and it would put one peer's NaN on all of them, so blame could not
+    tell them apart.
+    """
     detached = loss.detach()
     if detached.is_complex():
         raise TypeError("a complex loss cannot be checked; pass a real-valued loss")
+    if hasattr(detached, "to_local"):
+        detached = local(detached)
+        if detached.numel() == 0:  # an empty shard holds no loss (numel is host metadata)
+            return detached.float().sum()
     if detached.numel() == 1:
         return detached.reshape(()).float()
     return detached.float().mean()
@@ -83,10 +123,13 @@ def grad_norms(grads: Sequence[torch.Tensor]) -> torch.Tensor:
     about one read of its bytes.
 
     The per-tensor norms are kept so that, only after a detection, the poisoned rank can name
-    the parameters that held the non-finite values without a second pass.
+    the parameters that held the non-finite values without a second pass. DTensor gradients
+    are normed through their local tensors (:func:`local`): this rank's own, before any
+    reduction.
     """
     if not grads:
         return torch.zeros(0, dtype=torch.float32)
+    grads = [local(g) for g in grads]
     kw = {"dtype": torch.float32} if grads[0].dtype in _HALF else {}
     return torch.stack(torch._foreach_norm(list(grads), 2, **kw)).to(torch.float32)
 
@@ -96,7 +139,9 @@ def grouped_norms(tensors: Sequence[torch.Tensor]) -> list[tuple[list[int], torc
 
     Returns ``(indices, norms)`` per group: ``norms[j]`` is the norm of ``tensors[indices[j]]``,
     so a caller can name the tensor behind a non-finite norm (only after a detection).
+    DTensors are grouped by their local tensors' device and dtype.
     """
+    tensors = [local(t) for t in tensors]
     groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
     for i, t in enumerate(tensors):
         groups.setdefault((t.device, t.dtype), []).append(i)

@@ -3,6 +3,11 @@
 The training loop's checks add to it (several times under gradient accumulation: norms are
 collected, losses averaged). The last gradient bucket, or ``step()``, packs it into the row
 that the exchange sums across ranks. Nothing here synchronises with the host.
+
+Every value is kept as a plain tensor: a DTensor (tensor parallel) is reduced to its local
+tensor on the way in (``checks.local``), since the row's ``stack``/``cat`` with plain tensors
+fails on a DTensor ("got mixed torch.Tensor and DTensor") and an operator on it may run a
+collective.
 """
 
 from __future__ import annotations
@@ -10,6 +15,8 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+
+from nansentinel.checks import local
 
 _CONSTANTS: dict[tuple[tuple[float, ...], torch.device], torch.Tensor] = {}
 
@@ -52,13 +59,15 @@ class LocalHealth:
         )
 
     def add_loss(self, value: torch.Tensor) -> None:
-        """Add a loss value (0-d); NaN and Inf propagate through the sum into the flag."""
-        value = value.to(self.device)
+        """Add a loss value (0-d; a DTensor's local value); NaN and Inf propagate through the
+        sum into the flag."""
+        value = local(value).to(self.device)
         self.loss_sum = value if self.loss_sum is None else self.loss_sum + value
         self.loss_count += 1
 
     def add_grads(self, norm: torch.Tensor) -> None:
-        self.grad_norms.append(norm)
+        """Add one 0-d gradient norm (a DTensor's local value)."""
+        self.grad_norms.append(local(norm))
 
     def row(self) -> torch.Tensor:
         """The health row (``view.R_*``: batch norm, loss, gradient norm, then the flags

@@ -2,8 +2,16 @@
 
 For a model in one process, and for users who reduce gradients by hand: they call
 ``check_grads()`` after backward and *before* their own all-reduce (``step()`` calls it when
-nothing else did). One fused norm per (device, dtype) group of gradients; DTensor gradients
-(FSDP2 on a world of one) are checked through their local shard.
+nothing else did). One fused norm per (device, dtype) group of gradients.
+
+DTensor gradients (FSDP2 on a world of one, tensor-parallel parameters when the user reduces by
+hand) are checked through their local tensor: what this rank computed before any reduction,
+which is where blame belongs. A ``Partial`` gradient's local tensor is this rank's addend, a
+``Shard``'s its slice, a ``Replicate``'s the whole. So the gradient norm this rank reports
+(``StepResult.local_grad_norm``) is the norm of its own local gradients, not of the model's
+full gradient: under tensor parallel the full norm of a group is the root of the sum of its
+peers' squares for sharded parameters, and a replicated parameter counts once on every peer.
+Computing the full norm would take a collective on every step, and blame needs none.
 """
 
 from __future__ import annotations
@@ -19,11 +27,9 @@ from nansentinel.gradpaths import GradientSink
 
 
 def local_grad(p: torch.Tensor) -> torch.Tensor | None:
-    """``p.grad`` as a plain tensor: a DTensor gradient's local shard, else the gradient."""
+    """``p.grad`` as a plain tensor: a DTensor gradient's local tensor, else the gradient."""
     grad = p.grad
-    if grad is not None and hasattr(grad, "to_local"):
-        return grad.to_local()
-    return grad
+    return None if grad is None else checks.local(grad)
 
 
 def check_local_grads(params: Iterable[torch.Tensor], sink: GradientSink) -> None:
