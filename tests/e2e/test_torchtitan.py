@@ -20,8 +20,10 @@ from pathlib import Path
 import pytest
 
 from tests.e2e.torchtitan_cpu import write_assets
+from tests.frameworks import runner
 
 pytestmark = pytest.mark.e2e
+pytest.importorskip("torchtitan")
 
 ROOT = Path(__file__).resolve().parents[2]
 WORKERS = Path(__file__).resolve().parent / "workers"
@@ -33,19 +35,21 @@ def assets(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     return write_assets(tmp_path_factory.mktemp("torchtitan-assets"))
 
 
+def _env(tmp: Path) -> dict[str, str]:
+    """This checkout and the workers first on the path (the registry is imported by name), no
+    network, Hugging Face caches in the test's directory."""
+    return {
+        "PYTHONPATH": os.pathsep.join(
+            filter(None, [str(ROOT), str(WORKERS), os.environ.get("PYTHONPATH")])),
+        "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "HF_HOME": str(tmp / "hf"),
+    }
+
+
 def train(tmp: Path, assets: tuple[Path, Path], ranks: int, config: str, *args: str,
           timeout: float = 150) -> tuple[subprocess.CompletedProcess[str], Path]:
     """``torchrun --standalone -m torchtitan.train`` (through the CPU launcher); returns the
-    finished process and the report directory."""
+    finished process (stdout and stderr together) and the report directory."""
     tokenizer, data = assets
-    reports = tmp / "reports"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("NANSENTINEL_")}
-    env.update({
-        "PYTHONPATH": os.pathsep.join([str(ROOT), str(WORKERS), env.get("PYTHONPATH", "")]),
-        "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "HF_HOME": str(tmp / "hf"),
-        "OMP_NUM_THREADS": "1", "NANSENTINEL_METRICS_PORT": "0",
-        "NANSENTINEL_REPORT_DIR": str(reports),
-    })
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--standalone",
         f"--nproc-per-node={ranks}", str(WORKERS / "torchtitan_train.py"),
@@ -55,14 +59,12 @@ def train(tmp: Path, assets: tuple[Path, Path], ranks: int, config: str, *args: 
         "--training.steps", str(STEPS), "--training.seq-len", "32",
         "--training.local-batch-size", "1", "--dump-folder", str(tmp / "out"), *args,
     ]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env,
-                          cwd=tmp, stdin=subprocess.DEVNULL)
-    return proc, reports
+    return runner.run(cmd, tmp, timeout=timeout, env=_env(tmp)), tmp / "reports"
 
 
 def _check_run(proc: subprocess.CompletedProcess[str], reports: Path, *, ranks: int,
                bad_ranks: list[int], bad_host: str, clean_host: str) -> None:
-    out = proc.stdout + proc.stderr
+    out = proc.stdout
     assert proc.returncode == 0, out[-6000:]
     # Named, on every rank's view, in the log and in rank 0's report.
     for rank in bad_ranks:
@@ -99,3 +101,29 @@ def test_fsdp_x_tp_on_four_ranks_names_the_tp_groups_host(
     proc, reports = train(tmp_path, assets, 4, "tp_fault",
                           "--parallelism.tensor-parallel-degree", "2")
     _check_run(proc, reports, ranks=4, bad_ranks=[0, 1], bad_host="node0", clean_host="node1")
+
+
+@pytest.mark.timeout(120)
+def test_with_sentinel_through_torchtitans_config_manager(tmp_path: Path) -> None:
+    """``--module torchtitan_registry --config sentinel_debugmodel`` is found by torchtitan's
+    own ConfigManager and builds SentinelTrainer; CLI overrides apply on top; every setup the
+    sentinel cannot watch is refused, naming its field and what to use instead."""
+    proc = runner.run([sys.executable, str(WORKERS / "torchtitan_config_check.py")], tmp_path,
+                      timeout=100, env=_env(tmp_path))
+    assert proc.returncode == 0, proc.stdout[-6000:]
+    line = next(x for x in proc.stdout.splitlines() if x.startswith("RESULT "))
+    got = json.loads(line.removeprefix("RESULT "))
+    assert got["type"] == "SentinelTrainer.Config" and got["owner"] == "SentinelTrainer"
+    assert got["steps"] == 7 and got["cuda_graphs_off"] and got["sentinel"] == {}
+    assert got["input_untouched"]
+    assert got["merged"] == {"policy": "abort", "max_consecutive_skips": 2}
+    for key, field in (("rollback", "policy"), ("grad_spike", "grad_spike_action"),
+                       ("env_rollback", "loss_spike_action")):
+        assert f"{field}='rollback' is not supported" in got[key], got[key]
+        assert "policy='skip' or 'abort'" in got[key]
+    for key in ("pipeline", "pipeline_cli"):
+        assert "parallelism.pipeline_parallel_degree=2" in got[key], got[key]
+        assert "torch.distributed.pipelining directly" in got[key]
+    assert got["typo"].startswith("ConfigError") and "did you mean policy" in got["typo"]
+    assert "OtherTrainer.Config" in got["other_trainer"]
+    assert "training.disable_cuda_graphs=False" in got["cuda_graphs"]

@@ -61,3 +61,8 @@ def tp_fault() -> SentinelTrainer.Config:
     """FSDP x TP on 4 ranks, a TP pair per host: rank 0's block turns NaN (TP reaches rank 1,
     its peer on node0; node1 stays clean)."""
     return _config(bad_rank=0, ranks_per_host=2)
+
+
+def sentinel_debugmodel() -> SentinelTrainer.Config:
+    """The README's registry function, as it stands there."""
+    return with_sentinel(llama3_debugmodel())
