@@ -172,6 +172,8 @@ class _CheckedLoss:
         return out
 
     def __getattr__(self, name: str) -> Any:
+        if name == "inner":  # not set yet (a copy being made): no recursion
+            raise AttributeError(name)
         return getattr(self.inner, name)
 
 
