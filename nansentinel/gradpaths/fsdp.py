@@ -33,6 +33,9 @@ non-finite groups that some scan found non-finite.
 The exchange leaves at ``step()``, one small all-reduce after backward (measured in
 bench/README.md), because the number of groups that reduce in a backward is not known up front.
 
+Modules sharded together in one ``fully_shard([a, b])`` call (torchtitan shards ``norm`` and
+``lm_head`` so) share one FSDP state: its group is checked once, named ``a+b``.
+
 Unsupported setups are refused at construction, naming the module and what to do, never
 silently checked too late: several parameter groups in one module (``shard_placement_fn`` with
 per-parameter meshes), a shard group of size 1 under a replicate dimension (FSDP then never
@@ -204,6 +207,14 @@ class FSDPPath:
             return
         inner = group._reduce_scatter_comm
         kind = type(inner).__name__
+        if isinstance(inner, CheckedReduceScatter) and inner.path is self:
+            # Several modules sharded in one call (torchtitan's ``fully_shard([norm,
+            # lm_head])``) share one FSDP state and group: it is checked once, and named
+            # after all of them.
+            name, params = self.groups[inner.index]
+            self.groups[inner.index] = (f"{name}+{where}", params)
+            inner.module = self.groups[inner.index][0]
+            return
         if isinstance(inner, CheckedReduceScatter):
             raise SentinelUsageError(
                 f"nansentinel: FSDP module {where!r} is already watched by another Sentinel; "

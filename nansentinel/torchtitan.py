@@ -1,0 +1,240 @@
+"""torchtitan 0.3.0: the sentinel as torchtitan's trainer, chosen by one registry function.
+
+::
+
+    # my_registry.py
+    from torchtitan.models.llama3.config_registry import llama3_debugmodel
+    from nansentinel.torchtitan import with_sentinel
+
+    def my_cfg():
+        return with_sentinel(llama3_debugmodel())
+
+    torchrun --nproc-per-node 8 -m torchtitan.train --module my_registry --config my_cfg
+
+torchtitan builds every component from a nested ``Config`` dataclass whose ``build()`` makes its
+owner class (``torchtitan/config/configurable.py``); ``torchtitan.train`` calls ``build()`` on
+the config the registry function returns. :func:`with_sentinel` returns the same config as a
+:class:`SentinelTrainer.Config`, so the trainer built is :class:`SentinelTrainer`, torchtitan's
+own ``Trainer`` with the three calls in its loop:
+
+- ``__init__`` — after torchtitan has parallelised the model and built its optimizers, the
+  :class:`~nansentinel.sentinel.Sentinel` is built on the model (FSDP2: a checked
+  reduce-scatter on every FSDP group) and torchtitan's ``OptimizersContainer``;
+- ``forward_backward_step`` — ``check_batch`` on the input dict (token ids are integers: only
+  float inputs are checked), ``check_loss`` on the loss as the loss function returns it,
+  before ``loss.backward()``;
+- ``train_step`` — torchtitan's own ``self.optimizers.step()`` first decides the step with
+  every rank (``sentinel.step(optimizer_step=False)``, from a step pre-hook of the container):
+  on a skip every gradient is set to None, so the container's update that follows changes
+  neither weights nor optimizer state, and the LR schedulers step after it as after an
+  overflow. torchtitan then stops on a non-finite logged loss ("Loss is not finite …
+  Stopping training"); for a step the sentinel skipped, that stop is caught, since the loss
+  was not applied, and training goes on. A loss that is non-finite on a step the sentinel
+  applied still stops the run.
+
+``optimizer_step=False`` rather than ``step()``: torchtitan calls ``self.optimizers.step()``
+itself, between its gradient clipping and the LR schedulers, and there is no GradScaler to
+hand over. Refused at construction, with what to use instead: pipeline parallelism (several
+model parts), rollback (its LR cooldown scales ``param_groups``, which the container does not
+forward to the optimizers it wraps), and CUDA graphs (a captured forward/backward replays the
+kernels, not the sentinel's per-step bookkeeping).
+
+Importing this module imports torchtitan; importing ``nansentinel`` does not.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Iterator
+from typing import Annotated, Any
+
+import torch
+
+try:
+    import tyro
+    from torchtitan.trainer import Trainer
+except ImportError as exc:  # pragma: no cover - depends on what is installed
+    raise ImportError(
+        "nansentinel.torchtitan needs torchtitan: pip install torchtitan==0.3.0 (the version "
+        f"it is tested with) — {exc}"
+    ) from exc
+
+from nansentinel.config import SentinelConfig
+from nansentinel.result import SentinelUsageError, StepResult
+from nansentinel.sentinel import Sentinel
+
+log = logging.getLogger("nansentinel")
+
+#: Where torchtitan 0.3.0's ``Trainer.train_step`` stops on a non-finite logged loss.
+LOSS_STOP = "Loss is not finite"
+
+
+class SentinelTrainer(Trainer):
+    """torchtitan's ``Trainer`` with every rank's batch, loss and gradients checked before
+    the gradient reduction, and each step applied, skipped or aborted by every rank at once.
+
+    Attributes:
+        sentinel: the :class:`~nansentinel.sentinel.Sentinel`.
+        last: the :class:`~nansentinel.result.StepResult` of the latest optimizer step.
+        skipped: ``{torchtitan step: result}`` of every step that was not applied.
+    """
+
+    @dataclasses.dataclass(kw_only=True, slots=True)
+    class Config(Trainer.Config):
+        sentinel: Annotated[dict[str, Any], tyro.conf.Suppress] = dataclasses.field(
+            default_factory=dict
+        )
+        """Fields of :class:`~nansentinel.config.SentinelConfig` handed to the Sentinel
+        (keyword > ``NANSENTINEL_*`` environment > default; on the command line, set the
+        environment)."""
+
+    sentinel: Sentinel
+    last: StepResult | None
+    skipped: dict[int, StepResult]
+
+    def __init__(self, config: Config) -> None:
+        settings = SentinelConfig.from_env(None, **config.sentinel)
+        refuse_unsupported(config, settings)
+        super().__init__(config)
+        if len(self.model_parts) != 1:
+            raise SentinelUsageError(_pipeline_message(f"{len(self.model_parts)} model parts"))
+        self.last = None
+        self.skipped = {}
+        self.sentinel = Sentinel(self.model_parts[0], self.optimizers, **config.sentinel)
+        self.loss_fn = _CheckedLoss(self.loss_fn, self.sentinel)
+        # torchtitan's own `self.optimizers.step()` decides first (see the module docstring).
+        self._decide_hook = self.optimizers.register_step_pre_hook(self._decide)
+
+    def forward_backward_step(
+        self,
+        *,
+        input_dict: dict[str, torch.Tensor] | list[dict[str, torch.Tensor]],
+        labels: torch.Tensor | list[torch.Tensor],
+        global_valid_tokens: torch.Tensor,
+    ) -> torch.Tensor:
+        self.sentinel.check_batch(input_dict)
+        return super().forward_backward_step(
+            input_dict=input_dict, labels=labels, global_valid_tokens=global_valid_tokens
+        )
+
+    def train_step(
+        self, data_iterator: Iterator[tuple[dict[str, torch.Tensor], torch.Tensor]]
+    ) -> None:
+        self.last = None
+        stopped = False
+        try:
+            super().train_step(data_iterator)
+        except RuntimeError as exc:
+            last = self.last
+            if last is None or last.applied or not str(exc).startswith(LOSS_STOP):
+                raise
+            # Every rank skipped this step (the decision is the same everywhere) and every
+            # rank stops here: torchtitan logs no metrics for it, and training goes on.
+            stopped = True
+        result = self.last
+        if result is not None and not result.applied:
+            self.skipped[self.step] = result
+            if self.sentinel.rank == 0:
+                log.warning(
+                    "nansentinel: torchtitan step %d (sentinel step %d) %s, not applied: "
+                    "weights and optimizer state unchanged, the LR schedule moves on%s",
+                    self.step, result.step, result.outcome,
+                    "; torchtitan's stop on its non-finite loss was passed over"
+                    if stopped else "",
+                )
+
+    def close(self) -> None:
+        sentinel = getattr(self, "sentinel", None)
+        if sentinel is not None:
+            sentinel.close()
+        super().close()
+
+    def _decide(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        """Step pre-hook of torchtitan's ``OptimizersContainer``: decide with every rank; on
+        a skip the gradients are None and the container's update changes nothing."""
+        self.last = self.sentinel.step(optimizer_step=False)
+
+
+class _CheckedLoss:
+    """torchtitan's loss function with ``check_loss`` on its result, before the backward.
+
+    Installed on the trainer after it is built, so torchtitan's validator keeps the loss
+    function it was given (its losses are not training steps)."""
+
+    def __init__(self, inner: Any, sentinel: Sentinel) -> None:
+        self.inner = inner
+        self.sentinel = sentinel
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        out = self.inner(*args, **kwargs)
+        self.sentinel.check_loss(out[0] if isinstance(out, tuple) else out)
+        return out
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "inner":  # not set yet (a copy being made): no recursion
+            raise AttributeError(name)
+        return getattr(self.inner, name)
+
+
+def with_sentinel(config: Trainer.Config, **overrides: Any) -> SentinelTrainer.Config:
+    """``config`` with :class:`SentinelTrainer` as its trainer.
+
+    Args:
+        config: a torchtitan ``Trainer.Config``, as a registry function returns it
+            (``llama3_debugmodel()``); its fields are taken as they are.
+        **overrides: fields of :class:`~nansentinel.config.SentinelConfig` for the Sentinel
+            (keyword > ``NANSENTINEL_*`` environment > default), checked here so that a typo
+            fails when the config is built.
+
+    CUDA graphs are turned off (``training.disable_cuda_graphs``): a captured forward/backward
+    replays the kernels without the sentinel's per-step checks.
+    """
+    if type(config) is not Trainer.Config and not isinstance(config, SentinelTrainer.Config):
+        raise SentinelUsageError(
+            f"nansentinel: with_sentinel takes torchtitan's Trainer.Config, got "
+            f"{type(config).__qualname__} (another trainer's config). Subclass "
+            "nansentinel.torchtitan.SentinelTrainer with your trainer's changes instead."
+        )
+    fields = {f.name: getattr(config, f.name) for f in dataclasses.fields(config) if f.init}
+    fields["sentinel"] = {**fields.get("sentinel", {}), **overrides}
+    fields["training"] = dataclasses.replace(config.training, disable_cuda_graphs=True)
+    out = SentinelTrainer.Config(**fields)
+    refuse_unsupported(out, SentinelConfig.from_env(None, **out.sentinel))
+    return out
+
+
+def refuse_unsupported(config: Trainer.Config, settings: SentinelConfig) -> None:
+    """Raise :class:`SentinelUsageError` for a setup the sentinel cannot watch under
+    torchtitan's trainer, naming the field and what to use instead."""
+    pp = config.parallelism.pipeline_parallel_degree
+    if pp > 1:
+        raise SentinelUsageError(
+            _pipeline_message(f"parallelism.pipeline_parallel_degree={pp}")
+        )
+    for field in ("policy", "loss_spike_action", "grad_spike_action"):
+        if getattr(settings, field) == "rollback":
+            raise SentinelUsageError(
+                f"nansentinel: {field}='rollback' is not supported under torchtitan's "
+                "trainer: the rollback's learning-rate cooldown scales the optimizer's "
+                "param_groups, which torchtitan's OptimizersContainer does not forward to "
+                "the optimizers it wraps. Use policy='skip' or 'abort' and spike actions "
+                "'warn' or 'skip', and torchtitan's checkpoints (--checkpoint.enable) to go "
+                "back to a good state."
+            )
+    if not config.training.disable_cuda_graphs:
+        raise SentinelUsageError(
+            "nansentinel: training.disable_cuda_graphs=False: a CUDA graph replays the "
+            "captured forward/backward without the sentinel's checks of each step. Keep "
+            "--training.disable-cuda-graphs (with_sentinel sets it)."
+        )
+
+
+def _pipeline_message(what: str) -> str:
+    return (
+        f"nansentinel: {what}: pipeline parallelism under torchtitan's trainer is not "
+        "supported by this version of nansentinel.torchtitan (only one model part is "
+        "watched, the other stages' gradients would go unchecked). Under torchtitan use "
+        "FSDP, HSDP and tensor parallelism; for pipelines use torch.distributed.pipelining "
+        "directly with the Sentinel (see the README)."
+    )

@@ -1,0 +1,135 @@
+"""torchtitan 0.3.0's own trainer under the sentinel, run as a user runs it: real ``torchrun``,
+``-m torchtitan.train --module REGISTRY --config FN``, llama3's debug model, on CPU ranks.
+
+The registry (workers/torchtitan_registry.py) is the user's one function,
+``with_sentinel(llama3_debugmodel())``, plus a fault the model makes itself: the first block's
+output turns NaN on one rank at torchtitan's step 2. The launcher (workers/torchtitan_train.py)
+applies the CPU patches (torchtitan_cpu.py) before torchtitan is imported. Asserted: the fault
+is named (rank and host, in the log and the incident report), the step is skipped, and
+training runs to the last step with exit code 0.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.e2e.torchtitan_cpu import write_assets
+from tests.frameworks import runner
+
+pytestmark = pytest.mark.e2e
+pytest.importorskip("torchtitan")
+
+ROOT = Path(__file__).resolve().parents[2]
+WORKERS = Path(__file__).resolve().parent / "workers"
+STEPS = 3
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    return write_assets(tmp_path_factory.mktemp("torchtitan-assets"))
+
+
+def _env(tmp: Path) -> dict[str, str]:
+    """This checkout and the workers first on the path (the registry is imported by name), no
+    network, Hugging Face caches in the test's directory."""
+    return {
+        "PYTHONPATH": os.pathsep.join(
+            filter(None, [str(ROOT), str(WORKERS), os.environ.get("PYTHONPATH")])),
+        "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "HF_HOME": str(tmp / "hf"),
+    }
+
+
+def train(tmp: Path, assets: tuple[Path, Path], ranks: int, config: str, *args: str,
+          timeout: float = 150) -> tuple[subprocess.CompletedProcess[str], Path]:
+    """``torchrun --standalone -m torchtitan.train`` (through the CPU launcher); returns the
+    finished process (stdout and stderr together) and the report directory."""
+    tokenizer, data = assets
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone",
+        f"--nproc-per-node={ranks}", str(WORKERS / "torchtitan_train.py"),
+        "--module", "torchtitan_registry", "--config", config,
+        "--parallelism.spmd-backend", "partial_dtensor",
+        "--hf-assets-path", str(tokenizer), "--dataloader.dataset-path", str(data),
+        "--training.steps", str(STEPS), "--training.seq-len", "32",
+        "--training.local-batch-size", "1", "--dump-folder", str(tmp / "out"), *args,
+    ]
+    return runner.run(cmd, tmp, timeout=timeout, env=_env(tmp)), tmp / "reports"
+
+
+def _check_run(proc: subprocess.CompletedProcess[str], reports: Path, *, ranks: int,
+               origin: int, reached: set[int], bad_host: str, clean_host: str) -> None:
+    """``origin``: the rank whose block turned NaN; ``reached``: ranks the NaN may reach in
+    the same step (TP peers on its host), which may be named too, or not."""
+    out = proc.stdout
+    assert proc.returncode == 0, out[-6000:]
+    # Named, on every rank's view, in the log and in rank 0's report.
+    assert f"rank {origin} on host {bad_host}" in out, out[-6000:]
+    assert f"host {clean_host}" not in out
+    report = json.loads(next(reports.glob("incident-*.json")).read_text())
+    assert origin in report["bad_ranks"], report
+    assert set(report["bad_ranks"]) <= {origin, *reached}, report
+    assert report["bad_hosts"] == [bad_host], report
+    assert report["outcome"] == "skipped" and report["step"] == 1  # torchtitan's step 2
+    assert "torchtitan step 2 (sentinel step 1) skipped, not applied" in out
+    assert "stop on its non-finite loss was passed over" in out
+    # torchtitan logged every step but the skipped one on every rank, and finished.
+    logged = [line for line in out.splitlines() if "step:" in line and "loss:" in line]
+    for step in (1, 3):
+        assert sum(f"step: {step:2d} " in line for line in logged) == ranks, logged
+    assert not any("step:  2 " in line for line in logged)
+    assert "Loss is not finite" not in out
+    assert out.count("Training completed") == ranks
+
+
+@pytest.mark.timeout(200)
+def test_fsdp_on_two_ranks_names_the_rank_and_trains_to_the_end(
+    tmp_path: Path, assets: tuple[Path, Path]
+) -> None:
+    proc, reports = train(tmp_path, assets, 2, "fsdp_fault")
+    _check_run(proc, reports, ranks=2, origin=1, reached=set(), bad_host="node1",
+               clean_host="node0")
+
+
+@pytest.mark.timeout(200)
+def test_fsdp_x_tp_on_four_ranks_names_the_tp_groups_host(
+    tmp_path: Path, assets: tuple[Path, Path]
+) -> None:
+    """Rank 0's block turns NaN; TP's collectives reach rank 1, its TP peer on node0 (named
+    today too: both local losses and gradients are non-finite). node0 is named; node1's ranks
+    stay clean."""
+    proc, reports = train(tmp_path, assets, 4, "tp_fault",
+                          "--parallelism.tensor-parallel-degree", "2")
+    _check_run(proc, reports, ranks=4, origin=0, reached={1}, bad_host="node0",
+               clean_host="node1")
+
+
+@pytest.mark.timeout(120)
+def test_with_sentinel_through_torchtitans_config_manager(tmp_path: Path) -> None:
+    """``--module torchtitan_registry --config sentinel_debugmodel`` is found by torchtitan's
+    own ConfigManager and builds SentinelTrainer; CLI overrides apply on top; every setup the
+    sentinel cannot watch is refused, naming its field and what to use instead."""
+    proc = runner.run([sys.executable, str(WORKERS / "torchtitan_config_check.py")], tmp_path,
+                      timeout=100, env=_env(tmp_path))
+    assert proc.returncode == 0, proc.stdout[-6000:]
+    line = next(x for x in proc.stdout.splitlines() if x.startswith("RESULT "))
+    got = json.loads(line.removeprefix("RESULT "))
+    assert got["type"] == "SentinelTrainer.Config" and got["owner"] == "SentinelTrainer"
+    assert got["steps"] == 7 and got["cuda_graphs_off"] and got["sentinel"] == {}
+    assert got["input_untouched"]
+    assert got["merged"] == {"policy": "abort", "max_consecutive_skips": 2}
+    for key, field in (("rollback", "policy"), ("grad_spike", "grad_spike_action"),
+                       ("env_rollback", "loss_spike_action")):
+        assert f"{field}='rollback' is not supported" in got[key], got[key]
+        assert "policy='skip' or 'abort'" in got[key]
+    for key in ("pipeline", "pipeline_cli"):
+        assert "parallelism.pipeline_parallel_degree=2" in got[key], got[key]
+        assert "torch.distributed.pipelining directly" in got[key]
+    assert got["typo"].startswith("ConfigError") and "did you mean policy" in got["typo"]
+    assert "OtherTrainer.Config" in got["other_trainer"]
+    assert "training.disable_cuda_graphs=False" in got["cuda_graphs"]
