@@ -57,26 +57,15 @@ WORLD_SIZE = 2
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class Spec:
-    """Everything a spawned rank needs; plain data so that it pickles across ``spawn``."""
+class Spec(benchlib.RunSpec):
+    """Everything a rank of the DDP/FSDP2 benchmark needs beyond ``RunSpec``."""
 
-    model: benchlib.ModelConfig
     variants: tuple[str, ...]
-    steps: int
-    warmup: int
-    threads: int
-    collective_timeout: float
-    port: int
-    out_dir: str
     profile: bool = False
     memory_steps: int = 3
     memory_fresh: bool = False
     phase: str = "timing"
     fsdp: bool = False
-
-
-#: A spawned phase's spec: this module's, or the pipeline benchmark's (``--pp``).
-AnySpec = Spec | pipeline_overhead.PipeSpec
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -200,14 +189,8 @@ def main(argv: list[str] | None = None) -> int:
 
     with tempfile.TemporaryDirectory(prefix="nansentinel-bench-") as tmp:
         spec = Spec(
-            model=cfg,
+            **_run_spec(args, cfg, tmp),
             variants=variants,
-            steps=args.steps,
-            warmup=args.warmup,
-            threads=args.threads,
-            collective_timeout=args.collective_timeout,
-            port=0,
-            out_dir=tmp,
             profile=args.profile,
             memory_steps=args.memory_steps,
             memory_fresh=args.memory_fresh,
@@ -267,15 +250,7 @@ def _main_pipeline(
     load_before = os.getloadavg()
     with tempfile.TemporaryDirectory(prefix="nansentinel-bench-pp-") as tmp:
         spec = pipeline_overhead.PipeSpec(
-            model=cfg,
-            schedule=args.schedule,
-            microbatches=args.microbatches,
-            steps=args.steps,
-            warmup=args.warmup,
-            threads=args.threads,
-            collective_timeout=args.collective_timeout,
-            port=0,
-            out_dir=tmp,
+            **_run_spec(args, cfg, tmp), schedule=args.schedule, microbatches=args.microbatches
         )
         say(
             f"pipeline timing: baseline and sentinel x {args.steps} rounds (+{args.warmup} "
@@ -287,6 +262,19 @@ def _main_pipeline(
     _finish(args, {**report, **_context(args, started, load_before)},
             pipeline_overhead.render, say)
     return 0
+
+
+def _run_spec(args: argparse.Namespace, cfg: benchlib.ModelConfig, tmp: str) -> dict[str, Any]:
+    """The ``benchlib.RunSpec`` fields every phase takes from the command line."""
+    return {
+        "model": cfg,
+        "steps": args.steps,
+        "warmup": args.warmup,
+        "threads": args.threads,
+        "collective_timeout": args.collective_timeout,
+        "port": 0,
+        "out_dir": tmp,
+    }
 
 
 def _context(
@@ -365,7 +353,9 @@ def render(report: dict[str, Any]) -> str:
 # --- process management --------------------------------------------------------------------
 
 
-def _spawn(fn: Callable[[int, Any], None], spec: AnySpec, timeout: float) -> list[dict[str, Any]]:
+def _spawn(
+    fn: Callable[[int, Any], None], spec: benchlib.RunSpec, timeout: float
+) -> list[dict[str, Any]]:
     """Run ``fn`` on 2 spawned ranks; return each rank's JSON result.
 
     The parent owns the rendezvous store on an OS-chosen port (no fixed port, no race for a
@@ -396,11 +386,11 @@ def _spawn(fn: Callable[[int, Any], None], spec: AnySpec, timeout: float) -> lis
     return [json.loads(_result_path(spec, r).read_text()) for r in range(WORLD_SIZE)]
 
 
-def _result_path(spec: AnySpec, rank: int) -> Path:
+def _result_path(spec: benchlib.RunSpec, rank: int) -> Path:
     return Path(spec.out_dir) / f"{spec.phase}-rank{rank}.json"
 
 
-def _init_rank(rank: int, spec: AnySpec) -> None:
+def _init_rank(rank: int, spec: benchlib.RunSpec) -> None:
     torch.set_num_threads(spec.threads)
     store = dist.TCPStore(
         "127.0.0.1", spec.port, None, False, datetime.timedelta(seconds=spec.collective_timeout)

@@ -45,18 +45,11 @@ LABELS = {
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class PipeSpec:
-    """Everything a spawned rank needs for the pipeline benchmark (plain data: it pickles)."""
+class PipeSpec(benchlib.RunSpec):
+    """What a rank of the pipeline benchmark needs beyond ``RunSpec``."""
 
-    model: benchlib.ModelConfig
     schedule: str
     microbatches: int
-    steps: int
-    warmup: int
-    threads: int
-    collective_timeout: float
-    port: int
-    out_dir: str
     phase: str = "pipeline"
 
     def __post_init__(self) -> None:
@@ -149,14 +142,9 @@ class PipeSentinelVariant(PipeVariant):
         self._last = self.sentinel.step()  # read next step, as benchlib.SentinelVariant does
         self.optimizer.zero_grad()
 
-    def _verify_last(self) -> None:
-        last, self._last = self._last, None
-        if last is not None and not last.applied:
-            raise RuntimeError(f"the sentinel skipped a healthy pipeline step: {last}")
-
-    def close(self) -> None:
-        self.sentinel.close()
-        self._verify_last()
+    # The same bookkeeping as the DDP variant's: a healthy step that was skipped is an error.
+    _verify_last = benchlib.SentinelVariant._verify_last
+    close = benchlib.SentinelVariant.close
 
 
 def build_variant(name: str, spec: PipeSpec, rank: int, report_dir: str) -> PipeVariant:
