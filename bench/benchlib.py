@@ -112,6 +112,23 @@ class ModelConfig:
 TINY = ModelConfig(d_model=32, nhead=2, ff=64, layers=1, seq=8, batch=4, vocab=64)
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RunSpec:
+    """What every spawned benchmark phase needs (``overhead.py``'s phases add their own
+    fields); plain data so that it pickles across ``spawn``."""
+
+    model: ModelConfig
+    steps: int
+    warmup: int
+    threads: int
+    collective_timeout: float
+    port: int
+    """The parent's rendezvous store (0 until the parent has one)."""
+    out_dir: str
+    """Where each rank writes its JSON result, named after ``phase``."""
+    phase: str
+
+
 class BenchModel(nn.Module):
     """Float features in (so that ``check_batch`` has bytes to read), token logits out."""
 

@@ -19,6 +19,11 @@ Usage::
     python bench/overhead.py --steps 60 --json bench/results/overhead.json
     python bench/overhead.py --markdown > table.md # markdown only on stdout
     python bench/overhead.py --profile             # + where the sentinel's time goes
+    python bench/overhead.py --pp                  # pipeline parallel: 2 stages, GPipe
+
+``--pp`` runs pipeline_overhead.py instead: the model split into two pipeline stages, one per
+rank, plain pipeline against the sentinel (``--schedule``, ``--microbatches``; no memory or
+check-cost phase).
 """
 
 from __future__ import annotations
@@ -45,23 +50,17 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import benchlib  # sibling modules of this script, not an installed package
+import pipeline_overhead
 import sentinel_parts
 
 WORLD_SIZE = 2
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class Spec:
-    """Everything a spawned rank needs; plain data so that it pickles across ``spawn``."""
+class Spec(benchlib.RunSpec):
+    """Everything a rank of the DDP/FSDP2 benchmark needs beyond ``RunSpec``."""
 
-    model: benchlib.ModelConfig
     variants: tuple[str, ...]
-    steps: int
-    warmup: int
-    threads: int
-    collective_timeout: float
-    port: int
-    out_dir: str
     profile: bool = False
     memory_steps: int = 3
     memory_fresh: bool = False
@@ -103,6 +102,24 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         action="store_true",
         help="FSDP2 instead of DDP: every variant's model is fully_shard-ed (each layer, then "
         "the root); the baseline is plain fully_shard (default variants: baseline,sentinel)",
+    )
+    p.add_argument(
+        "--pp",
+        action="store_true",
+        help="pipeline parallel instead: 2 stages (one per rank), plain pipeline vs sentinel "
+        "(pipeline_overhead.py; --variants, memory and check-cost phases do not apply)",
+    )
+    p.add_argument(
+        "--schedule",
+        choices=pipeline_overhead.SCHEDULES,
+        default="gpipe",
+        help="with --pp: the pipeline schedule (default gpipe)",
+    )
+    p.add_argument(
+        "--microbatches",
+        type=int,
+        default=4,
+        help="with --pp: micro-batches per step (default 4; must divide the batch)",
     )
     for field in dataclasses.fields(benchlib.ModelConfig):
         p.add_argument(
@@ -162,6 +179,8 @@ def main(argv: list[str] | None = None) -> int:
     base = benchlib.TINY if args.tiny else benchlib.ModelConfig()
     sizes = {f.name: getattr(args, f.name) for f in dataclasses.fields(benchlib.ModelConfig)}
     cfg = dataclasses.replace(base, **{k: v for k, v in sizes.items() if v is not None})
+    if args.pp:
+        return _main_pipeline(args, cfg, say)
     if args.fsdp and args.variants == ",".join(benchlib.DEFAULT_VARIANTS):
         args.variants = "baseline,sentinel"
     variants = tuple(benchlib.parse_variants(args.variants))
@@ -170,14 +189,8 @@ def main(argv: list[str] | None = None) -> int:
 
     with tempfile.TemporaryDirectory(prefix="nansentinel-bench-") as tmp:
         spec = Spec(
-            model=cfg,
+            **_run_spec(args, cfg, tmp),
             variants=variants,
-            steps=args.steps,
-            warmup=args.warmup,
-            threads=args.threads,
-            collective_timeout=args.collective_timeout,
-            port=0,
-            out_dir=tmp,
             profile=args.profile,
             memory_steps=args.memory_steps,
             memory_fresh=args.memory_fresh,
@@ -207,7 +220,6 @@ def main(argv: list[str] | None = None) -> int:
     summary = benchlib.summarize(times, memory, cpu_times)
     report: dict[str, Any] = {
         "benchmark": "nansentinel overhead, CPU gloo" + (", FSDP2" if args.fsdp else ", DDP"),
-        "command": " ".join([sys.executable, *sys.argv]),
         "world_size": WORLD_SIZE,
         "threads_per_rank": args.threads,
         "model": dataclasses.asdict(cfg),
@@ -215,31 +227,86 @@ def main(argv: list[str] | None = None) -> int:
         "steps": args.steps,
         "warmup": args.warmup,
         "variants": list(variants),
-        "nansentinel": benchlib.library_revision(),
-        "note": args.note,
         "summary": summary,
         "peak_bytes": memory,
         "memory_detail": mem_detail,
         "check_cost": cost,
         "weights_max_abs_diff_vs_baseline": ranks[0]["weights_diff"],
         "profile": ranks[0].get("profile"),
+        "step_times_s": times,
+        "step_cpu_times_s": cpu_times,
+    }
+    _finish(args, {**report, **_context(args, started, load_before)}, render, say)
+    return 0
+
+
+def _main_pipeline(
+    args: argparse.Namespace, cfg: benchlib.ModelConfig, say: Callable[..., None]
+) -> int:
+    """``--pp``: the pipeline-parallel benchmark (pipeline_overhead.py) on 2 ranks."""
+    if args.tiny and cfg.layers < 2:
+        cfg = dataclasses.replace(cfg, layers=2)  # a layer on each stage
+    started = time.perf_counter()
+    load_before = os.getloadavg()
+    with tempfile.TemporaryDirectory(prefix="nansentinel-bench-pp-") as tmp:
+        spec = pipeline_overhead.PipeSpec(
+            **_run_spec(args, cfg, tmp), schedule=args.schedule, microbatches=args.microbatches
+        )
+        say(
+            f"pipeline timing: baseline and sentinel x {args.steps} rounds (+{args.warmup} "
+            f"warm-up), {args.schedule}, {args.microbatches} micro-batches, 2 stages on "
+            f"{WORLD_SIZE} gloo ranks, {args.threads} thread(s) each ..."
+        )
+        ranks = _spawn(_pipeline_worker, spec, args.timeout)
+    report = pipeline_overhead.report(spec, ranks, _merge_times)
+    _finish(args, {**report, **_context(args, started, load_before)},
+            pipeline_overhead.render, say)
+    return 0
+
+
+def _run_spec(args: argparse.Namespace, cfg: benchlib.ModelConfig, tmp: str) -> dict[str, Any]:
+    """The ``benchlib.RunSpec`` fields every phase takes from the command line."""
+    return {
+        "model": cfg,
+        "steps": args.steps,
+        "warmup": args.warmup,
+        "threads": args.threads,
+        "collective_timeout": args.collective_timeout,
+        "port": 0,
+        "out_dir": tmp,
+    }
+
+
+def _context(
+    args: argparse.Namespace, started: float, load_before: tuple[float, float, float]
+) -> dict[str, Any]:
+    """What every report records beside its numbers: what ran, where, and how busy it was."""
+    return {
+        "command": " ".join([sys.executable, *sys.argv]),
+        "nansentinel": benchlib.library_revision(),
+        "note": args.note,
         "torch": torch.__version__,
         "python": platform.python_version(),
         "cpu_count": os.cpu_count(),
         # Other jobs on the machine widen the ratios' spread; this says how busy it was.
         "loadavg_1m_before_after": [load_before[0], os.getloadavg()[0]],
         "seconds": time.perf_counter() - started,
-        "step_times_s": times,
-        "step_cpu_times_s": cpu_times,
     }
-    text = render(report)
-    print(text, flush=True)
+
+
+def _finish(
+    args: argparse.Namespace,
+    report: dict[str, Any],
+    render_fn: Callable[[dict[str, Any]], str],
+    say: Callable[..., None],
+) -> None:
+    """Print the markdown report; write the JSON when asked."""
+    print(render_fn(report), flush=True)
     if args.json:
         path = Path(args.json)
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(report, indent=1, allow_nan=True) + "\n")
         say(f"wrote {path}")
-    return 0
 
 
 def render(report: dict[str, Any]) -> str:
@@ -286,7 +353,9 @@ def render(report: dict[str, Any]) -> str:
 # --- process management --------------------------------------------------------------------
 
 
-def _spawn(fn: Callable[[int, Spec], None], spec: Spec, timeout: float) -> list[dict[str, Any]]:
+def _spawn(
+    fn: Callable[[int, Any], None], spec: benchlib.RunSpec, timeout: float
+) -> list[dict[str, Any]]:
     """Run ``fn`` on 2 spawned ranks; return each rank's JSON result.
 
     The parent owns the rendezvous store on an OS-chosen port (no fixed port, no race for a
@@ -317,11 +386,11 @@ def _spawn(fn: Callable[[int, Spec], None], spec: Spec, timeout: float) -> list[
     return [json.loads(_result_path(spec, r).read_text()) for r in range(WORLD_SIZE)]
 
 
-def _result_path(spec: Spec, rank: int) -> Path:
+def _result_path(spec: benchlib.RunSpec, rank: int) -> Path:
     return Path(spec.out_dir) / f"{spec.phase}-rank{rank}.json"
 
 
-def _init_rank(rank: int, spec: Spec) -> None:
+def _init_rank(rank: int, spec: benchlib.RunSpec) -> None:
     torch.set_num_threads(spec.threads)
     store = dist.TCPStore(
         "127.0.0.1", spec.port, None, False, datetime.timedelta(seconds=spec.collective_timeout)
@@ -421,6 +490,14 @@ def _timing_worker(rank: int, spec: Spec) -> None:
         if spec.memory_steps > 0 and not spec.memory_fresh:
             result["memory"] = {v: measure_memory(v, rank, spec) for v in spec.variants}
         _result_path(spec, rank).write_text(json.dumps(result))
+    finally:
+        dist.destroy_process_group()
+
+
+def _pipeline_worker(rank: int, spec: pipeline_overhead.PipeSpec) -> None:
+    _init_rank(rank, spec)
+    try:
+        _result_path(spec, rank).write_text(json.dumps(pipeline_overhead.worker(rank, spec)))
     finally:
         dist.destroy_process_group()
 

@@ -89,6 +89,33 @@ def test_overhead_benchmark_tiny_run(tmp_path: Path) -> None:
 
 @pytest.mark.e2e
 @pytest.mark.timeout(60)
+def test_pipeline_overhead_benchmark_tiny_run(tmp_path: Path) -> None:
+    """``--pp``: both variants ran every round on 2 stages, their ratio is finite, and the
+    sentinel applied every step (the stages end with identical weights)."""
+    out = tmp_path / "pp.json"
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "overhead.py"), "--pp", "--tiny", "--steps", "4",
+         "--warmup", "1", "--microbatches", "2", "--timeout", "45", "--collective-timeout", "20",
+         "--json", str(out)],
+        cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=55,
+    )
+    assert proc.returncode == 0, f"benchmark failed:\n{proc.stdout}\n{proc.stderr}"
+    report = json.loads(out.read_text())
+    summary = report["summary"]
+    assert tuple(summary) == ("baseline", "sentinel")
+    assert report["schedule"] == "gpipe" and report["microbatches"] == 2
+    assert len(report["parameters_per_stage"]) == 2
+    for name, row in summary.items():
+        assert row["steps"] == 4 and row["median_ms"] > 0, name
+        assert math.isfinite(row["ratio_median"]) and row["ratio_median"] > 0, (name, row)
+    assert summary["baseline"]["ratio_median"] == 1.0
+    assert report["weights_max_abs_diff_vs_baseline"]["sentinel"] <= 1e-6
+    for label in ("baseline (plain pipeline", "nansentinel (stages="):
+        assert f"| {label}" in proc.stdout
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(60)
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this checks the no-GPU message")
 def test_gpu_checks_says_clearly_that_it_needs_a_gpu() -> None:
     proc = subprocess.run(
