@@ -19,7 +19,6 @@ import torch
 from nansentinel.checks import local
 
 #: The pipeline boundary flags of the row, in ``view.R_FWD_ORIGIN`` order (pipeline.py).
-FWD_ORIGIN, BWD_ORIGIN, RECV_ACT, RECV_GRAD, LOSS_ORIGIN = range(5)
 BOUNDARY = ("fwd_origin", "bwd_origin", "recv_act", "recv_grad", "loss_origin")
 
 _CONSTANTS: dict[tuple[tuple[float, ...], torch.device], torch.Tensor] = {}
@@ -51,15 +50,15 @@ class LocalHealth:
         self.injected = False
         self.quarantined: torch.Tensor | None = None
         """A 0-d device flag: some batch checked this step is quarantined (None: none can be)."""
-        self.boundary: list[torch.Tensor | None] = [None] * len(BOUNDARY)
-        """0-d device flags of the pipeline boundaries (``BOUNDARY``), None where none fired."""
+        self.boundary: torch.Tensor | None = None
+        """The pipeline boundary flags (``BOUNDARY`` order, fp32 0/1 on the device); None
+        without pipeline stages."""
         self.forward_groups: tuple[str, ...] = ()
         """Process groups that ran a collective in this rank's forward (origins.py)."""
 
-    def add_boundary(self, index: int, flag: torch.Tensor) -> None:
-        """Raise boundary flag ``index`` (``BOUNDARY``) by a 0-d 0/1 device flag (max)."""
-        old = self.boundary[index]
-        self.boundary[index] = flag if old is None else torch.maximum(old, flag)
+    def add_boundaries(self, flags: torch.Tensor) -> None:
+        """Raise the boundary flags by a stage's (``BOUNDARY`` order; element-wise max)."""
+        self.boundary = flags if self.boundary is None else torch.maximum(self.boundary, flags)
 
     def add_batch(self, batch: Any, norms: list[torch.Tensor]) -> None:
         self.batch_norms.extend(norms)
@@ -97,11 +96,9 @@ class LocalHealth:
         values = torch.stack([batch, loss, grad]).to(torch.float32)
         if self.quarantined is not None:
             flags = torch.cat([flags[:3], self.quarantined.reshape(1).to(torch.float32)])
-        if all(b is None for b in self.boundary):
+        if self.boundary is None:
             return torch.cat([values, flags, _constant((0.0,) * len(BOUNDARY), self.device)])
-        edges = torch.stack([zero if b is None else b.to(self.device).reshape(())
-                             for b in self.boundary]).to(torch.float32)
-        return torch.cat([values, flags, edges])
+        return torch.cat([values, flags, self.boundary.to(self.device, torch.float32)])
 
 
 def _combined(norms: list[torch.Tensor], zero: torch.Tensor) -> torch.Tensor:

@@ -38,52 +38,64 @@ from typing import Any
 import torch
 
 from nansentinel import checks
-from nansentinel.local import (
-    BWD_ORIGIN,
-    FWD_ORIGIN,
-    LOSS_ORIGIN,
-    RECV_ACT,
-    RECV_GRAD,
-    LocalHealth,
-)
+from nansentinel.local import LocalHealth
 
 #: The private methods of ``PipelineStage`` (torch 2.13) that run shape inference.
 _INFERENCE = ("_forward_metadata_inference", "_backward_metadata_inference")
 
 
 class _Chunk:
-    """One micro-batch's boundary flags on one stage (0-d device tensors)."""
+    """One micro-batch's boundary norms on one stage (0-d device tensors; None: not seen)."""
 
-    __slots__ = ("inputs_ok", "received_ok")
+    __slots__ = ("inputs", "loss", "output", "received", "sent", "targets")
 
-    def __init__(self, inputs_ok: torch.Tensor) -> None:
-        self.inputs_ok = inputs_ok
-        self.received_ok: torch.Tensor | None = None
+    def __init__(self, inputs: torch.Tensor) -> None:
+        self.inputs = inputs
+        self.output: torch.Tensor | None = None
+        self.received: torch.Tensor | None = None
+        self.sent: torch.Tensor | None = None
+        self.loss: torch.Tensor | None = None
+        self.targets: torch.Tensor | None = None
 
 
 class StageWatch:
     """The boundary checks of one pipeline stage on this rank.
 
+    A hook only takes one norm and keeps it with its micro-batch; :meth:`fold` turns the step's
+    norms into the five flags once, when the health row is packed, in a fixed dozen kernels
+    whatever the number of micro-batches (a flag per hook cost a tenth of a small stage's
+    step on CPU).
+
     Args:
         stage: a ``torch.distributed.pipelining.PipelineStage`` (its ``submod``, ``is_first``
             and ``is_last`` are read; hooks go on ``submod``).
-        health: returns the step's :class:`LocalHealth` (the sentinel's, renewed each step).
-        device: where the flags live.
+        device: where the norms and flags live.
     """
 
-    def __init__(
-        self, stage: Any, health: Callable[[], LocalHealth], device: torch.device
-    ) -> None:
+    def __init__(self, stage: Any, device: torch.device) -> None:
         self.stage = stage
-        self.health = health
         self.device = device
         self.first = bool(stage.is_first)
         self.last = bool(stage.is_last)
         self.inferring = 0
+        #: This step's micro-batches, in the order their forwards ran.
+        self.chunks: list[_Chunk] = []
         #: The micro-batch whose forward is running; on the last stage, the last one run,
         #: which its loss is paired with (:meth:`pair_loss`).
         self.chunk: _Chunk | None = None
         self.handles: list[Any] = []
+        #: The first stage's input norms, checked as the batch (taken by :meth:`fold`).
+        self.batch_norms: list[torch.Tensor] = []
+        # fold()'s columns: inputs 0, output 1, received 2, sent 3, loss 4, targets 5, one 6.
+        # BOUNDARY order: fwd origin = in & !out; bwd origin = received & !sent; received
+        # activation bad = !in (not on the first stage, whose input is the batch); received
+        # gradient bad = !received (not on the last, whose comes from its loss); loss origin
+        # = in & targets & !loss.
+        index = functools.partial(torch.tensor, dtype=torch.long, device=device)
+        self._pairs = (index([0, 2, 6, 6, 0]), index([1, 3, 0, 2, 4]), index([6, 6, 6, 6, 5]))
+        self._mask = torch.tensor([1.0, 1.0, float(not self.first), float(not self.last), 1.0],
+                                  device=device)
+        self._zero = torch.zeros((), device=device)
         for name in _INFERENCE:
             original = getattr(stage, name, None)
             if original is not None:
@@ -102,91 +114,98 @@ class StageWatch:
         return run
 
     def _norm(self, tensors: list[torch.Tensor]) -> torch.Tensor:
-        """One L2 norm of ``tensors`` (one fused norm each, on the device; 0 for none)."""
+        """One L2 norm of ``tensors`` (one fused norm each, on the device; 0 for none).
+        Detached: a norm of an activation that requires grad would join the autograd graph
+        and keep the activation alive with it."""
+        if len(tensors) == 1:
+            return checks.tensor_norm(checks.local(tensors[0]).detach()).to(self.device)
         if not tensors:
             return torch.zeros((), device=self.device)
-        norms = [checks.tensor_norm(checks.local(t)).to(self.device) for t in tensors]
-        return norms[0] if len(norms) == 1 else torch.linalg.vector_norm(torch.stack(norms))
-
-    def _flag_ok(self, tensors: list[torch.Tensor]) -> torch.Tensor:
-        """1.0 where every tensor is finite, else 0.0 (0-d, on the device)."""
-        return torch.isfinite(self._norm(tensors)).to(torch.float32)
+        norms = [checks.tensor_norm(checks.local(t).detach()).to(self.device) for t in tensors]
+        return torch.linalg.vector_norm(torch.stack(norms))
 
     def _before(self, module: torch.nn.Module, args: Any, kwargs: Any) -> None:
         if self.inferring:
             self.chunk = None
             return
         inputs = list(checks.float_tensors((args, kwargs)))
-        norm = self._norm(inputs)
-        ok = torch.isfinite(norm).to(torch.float32)
-        local = self.health()
+        chunk = self.chunk = _Chunk(self._norm(inputs))
         if self.first:  # the stage's input is the batch (a micro-batch of it)
-            local.batch_norms.append(norm)
+            self.batch_norms.append(chunk.inputs)
         else:
-            local.add_boundary(RECV_ACT, 1.0 - ok)
-        chunk = self.chunk = _Chunk(ok)
-        if not self.first:
             for t in inputs:
                 if t.requires_grad:
-                    self._hook(t, self._sent, chunk)
+                    self._hook(t, _SENT, chunk)
 
     def _after(self, module: torch.nn.Module, args: Any, kwargs: Any, output: Any) -> None:
         chunk = self.chunk
         if chunk is None or self.inferring:
             return
         outputs = list(checks.float_tensors(output))
-        out_ok = self._flag_ok(outputs)
-        self.health().add_boundary(FWD_ORIGIN, chunk.inputs_ok * (1.0 - out_ok))
+        chunk.output = self._norm(outputs)
+        self.chunks.append(chunk)
         for t in outputs:
             if t.requires_grad:
-                self._hook(t, self._received, chunk)
+                self._hook(t, _RECEIVED, chunk)
         if not self.last:
             self.chunk = None
 
-    def _hook(
-        self, t: torch.Tensor, fn: Callable[[_Chunk, torch.Tensor], None], chunk: _Chunk
-    ) -> None:
-        """A one-shot gradient hook on ``t`` for ``chunk``. A stage reuses its receive
-        buffers across steps, so a hook left on one would fire again for a later micro-batch
-        with this one's flags: each fires once, and :meth:`reset` removes the rest."""
+    def _hook(self, t: torch.Tensor, slot: str, chunk: _Chunk) -> None:
+        """A one-shot gradient hook on ``t`` that keeps the gradient's norm in ``chunk``'s
+        ``slot`` (several tensors: their joint norm). A stage reuses its receive buffers
+        across steps, so a hook left on one would fire again for a later micro-batch with
+        this one's chunk: each fires once, and :meth:`reset` removes the rest."""
         fired: list[bool] = []
 
         def once(grad: torch.Tensor) -> None:
-            if not fired:
-                fired.append(True)
-                fn(chunk, grad)
+            if fired:
+                return
+            fired.append(True)
+            norm = self._norm([grad])
+            old = getattr(chunk, slot)
+            setattr(chunk, slot, norm if old is None else torch.hypot(old, norm))
 
         self.handles.append(t.register_hook(once))
 
+    def pair_loss(self, loss: torch.Tensor, targets: torch.Tensor | None) -> None:
+        """On the last stage: a micro-batch's loss (0-d) and its targets' norm, kept with the
+        activations it came from (:meth:`fold` pairs them)."""
+        if self.chunk is not None:
+            self.chunk.loss, self.chunk.targets = loss, targets
+
+    def fold(self, local: LocalHealth) -> None:
+        """Turn this step's norms into the row's boundary flags (a dozen kernels on the
+        device, whatever the number of micro-batches; no host sync): a forward output or loss
+        non-finite from finite inputs (and targets), sent gradients non-finite from finite
+        received ones, a non-finite activation or gradient received from another stage. A
+        gradient that never came (a micro-batch without backward) counts as finite."""
+        local.batch_norms.extend(self.batch_norms)
+        self.batch_norms = []
+        chunks = [c for c in self.chunks if c.output is not None]
+        if not chunks:
+            return
+        zero = self._zero
+        finite = torch.isfinite(torch.stack([
+            zero if x is None else x  # never `x or zero`: truth of a tensor is a host sync
+            for c in chunks
+            for x in (c.inputs, c.output, c.received, c.sent, c.loss, c.targets, zero)
+        ]).view(len(chunks), 7)).to(torch.float32)
+        # Per micro-batch, in BOUNDARY order: ok-before x bad-after x ok-beside.
+        before, after, beside = (finite.index_select(1, i) for i in self._pairs)
+        flags = (before * (1.0 - after) * beside).amax(0) * self._mask
+        local.add_boundaries(flags)
+
     def reset(self) -> None:
-        """The step was decided: remove its gradient hooks (fired or not) and its chunk."""
+        """The step was decided: remove its gradient hooks (fired or not) and its chunks."""
         for handle in self.handles:
             handle.remove()
         self.handles = []
+        self.chunks = []
         self.chunk = None
+        self.batch_norms = []
 
-    def _received(self, chunk: _Chunk, grad: torch.Tensor) -> None:
-        """The gradient of the stage's output: from the next stage, or from the loss."""
-        ok = self._flag_ok([grad])
-        chunk.received_ok = ok if chunk.received_ok is None else chunk.received_ok * ok
-        if not self.last:
-            self.health().add_boundary(RECV_GRAD, 1.0 - ok)
 
-    def _sent(self, chunk: _Chunk, grad: torch.Tensor) -> None:
-        """The gradient of the stage's input, sent to the previous stage."""
-        received = chunk.received_ok if chunk.received_ok is not None else chunk.inputs_ok
-        self.health().add_boundary(BWD_ORIGIN, received * (1.0 - self._flag_ok([grad])))
-
-    def pair_loss(self, loss: torch.Tensor, targets: list[torch.Tensor]) -> None:
-        """On the last stage: a micro-batch's loss, paired with the activations it came from
-        and its targets (a non-finite loss from finite ones began here; with a non-finite
-        target it is the batch's: the targets are checked as one)."""
-        chunk = self.chunk
-        if chunk is None:
-            return
-        bad = 1.0 - torch.isfinite(checks.loss_scalar(checks.local(loss))).to(torch.float32)
-        ok = chunk.inputs_ok * self._flag_ok(targets)
-        self.health().add_boundary(LOSS_ORIGIN, ok * bad.to(self.device))
+_RECEIVED, _SENT = "received", "sent"
 
 
 def shape_inference(watches: list[StageWatch]) -> bool:

@@ -188,7 +188,7 @@ class Sentinel:
         #: Set when poisoned steps are skipped on the device (see gate.py); None: host gate.
         self.device_gate = self._choose_gate(optimizer, scaler)
         #: The pipeline boundaries this rank checks (pipeline.py), one per stage it holds.
-        self.stages = [pipeline.StageWatch(s, lambda: self.local, self.device) for s in pipelined]
+        self.stages = [pipeline.StageWatch(s, self.device) for s in pipelined]
         #: The process groups that ran a collective in the forward (origins.py).
         self.forward = ForwardCollectives(exclude=_quiet_groups(model, pipelined))
         self._reset()
@@ -289,10 +289,13 @@ class Sentinel:
             if pipeline.shape_inference(self.stages):
                 return loss
             started = time.perf_counter()
-            targets = list(pipeline.targets((output, *args), kwargs))
-            self.local.batch_norms.extend(checks.tensor_norm(t).to(self.device) for t in targets)
+            norms = [checks.tensor_norm(checks.local(t)).to(self.device)
+                     for t in pipeline.targets((output, *args), kwargs)]
+            self.local.batch_norms.extend(norms)
             if watch is not None and isinstance(loss, torch.Tensor):
-                watch.pair_loss(loss, targets)
+                joint = norms[0] if len(norms) == 1 else (
+                    torch.linalg.vector_norm(torch.stack(norms)) if norms else None)
+                watch.pair_loss(checks.loss_scalar(loss).to(self.device), joint)
             self._seconds += time.perf_counter() - started
             self.check_loss(loss)
             return loss
@@ -623,6 +626,8 @@ class Sentinel:
     def launch_exchange(self) -> None:
         """Pack this rank's health vector and start summing it across ranks (asynchronous)."""
         self.reducing()
+        for watch in self.stages:  # the pipeline boundaries' norms become the row's flags
+            watch.fold(self.local)
         vector = pack(self.local.row(), self._thresholds, self.rank, amp=self.scaler is not None)
         self.exchange.launch(self.step_index, vector)
 

@@ -113,42 +113,50 @@ class _Block(torch.nn.Linear):
         return super().forward(_PoisonGrad.apply(x) if self.poison else x)
 
 
-def _stage(first: bool, last: bool) -> tuple[_Stage, LocalHealth, StageWatch]:
+def _stage(first: bool, last: bool) -> tuple[_Stage, StageWatch]:
     submod = _Block(4, 4)
     stage = _Stage(submod=submod, is_first=first, is_last=last, stage_index=0, group=None)
+    return stage, StageWatch(stage, CPU)
+
+
+def _flags(watch: StageWatch) -> list[float]:
+    """The boundary flags the watch folds from the norms its hooks kept (then reset)."""
     local = LocalHealth(CPU)
-    return stage, local, StageWatch(stage, lambda: local, CPU)
-
-
-def _flags(local: LocalHealth) -> list[float]:
-    return [0.0 if b is None else float(b) for b in local.boundary]
+    watch.fold(local)
+    watch.reset()
+    return [0.0] * 5 if local.boundary is None else local.boundary.tolist()
 
 
 def test_a_middle_stage_pairs_each_micro_batch_on_the_device() -> None:
-    stage, local, _ = _stage(first=False, last=False)
+    stage, watch = _stage(first=False, last=False)
     x = torch.randn(2, 4, requires_grad=True)
     out = stage.submod(x)
     out.backward(torch.full_like(out, NAN))  # non-finite gradients arrive from the next stage
-    assert _flags(local) == [0.0, 0.0, 0.0, 1.0, 0.0]  # received, not begun here
+    assert _flags(watch) == [0.0, 0.0, 0.0, 1.0, 0.0]  # received, not begun here
     stage.submod.poison = True  # its backward turns the input's gradient non-finite
-    local.__init__(CPU)
-    y = torch.randn(2, 4, requires_grad=True)
-    out = stage.submod(y)
-    out.backward(torch.ones_like(out))
-    assert _flags(local) == [0.0, 1.0, 0.0, 0.0, 0.0]  # sent bad from finite received ones
+    for _ in range(3):  # three micro-batches, the last with a NaN activation
+        y = torch.randn(2, 4, requires_grad=True)
+        out = stage.submod(y)
+        out.backward(torch.ones_like(out))
+    stage.submod.poison = False
+    y = torch.full((2, 4), NAN, requires_grad=True)
+    stage.submod(y).sum().backward()
+    assert _flags(watch) == [0.0, 1.0, 1.0, 0.0, 0.0]  # sent bad from finite received ones
 
 
 def test_the_first_stage_checks_its_input_as_the_batch_and_inference_is_skipped() -> None:
-    stage, local, watch = _stage(first=True, last=False)
+    stage, watch = _stage(first=True, last=False)
     stage._forward_metadata_inference(torch.full((2, 4), NAN))  # uninitialised values
-    assert local.batch_norms == [] and watch.chunk is None
+    assert watch.batch_norms == [] and watch.chunk is None and watch.chunks == []
     x = torch.randn(2, 4)
     x[0, 0] = NAN
     stage.submod(x)
+    local = LocalHealth(CPU)
+    watch.fold(local)
     assert len(local.batch_norms) == 1 and math.isnan(float(local.batch_norms[0]))
-    assert _flags(local) == [0.0] * 5  # a bad input is the batch's fault, not an origin here
+    assert local.boundary is not None and local.boundary.tolist() == [0.0] * 5  # the batch's
     watch.reset()
-    assert watch.handles == [] and watch.chunk is None
+    assert watch.handles == [] and watch.chunk is None and watch.chunks == []
 
 
 def test_wrap_loss_checks_each_micro_batch_and_skips_shape_inference() -> None:
@@ -164,7 +172,7 @@ def test_wrap_loss_checks_each_micro_batch_and_skips_shape_inference() -> None:
     out = model(x)
     loss = loss_fn(out, target)
     loss.backward()
-    assert sentinel.local.loss_count == 1 and len(sentinel.local.batch_norms) == 1
+    assert sentinel.local.loss_count == 1 and len(sentinel.local.batch_norms) == 1  # target
     result = sentinel.step()
     assert result.applied and result.reached == []
     x = torch.randn(2, 4, requires_grad=True)
