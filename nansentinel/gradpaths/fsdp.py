@@ -105,6 +105,10 @@ def is_fsdp(model: torch.nn.Module) -> bool:
         return False
     if isinstance(model, FSDPModule):
         return True
+    if isinstance(model, torch.nn.ModuleList) and len(model) and all(
+        isinstance(part, FSDPModule) for part in model
+    ):
+        return True  # a pipeline rank's model parts (several stages), each an FSDP2 root
     inner = next((n for n, m in model.named_modules() if isinstance(m, FSDPModule)), None)
     if inner is not None:
         raise SentinelUsageError(
