@@ -165,6 +165,11 @@ class FSDPPath:
     """Installs a :class:`CheckedReduceScatter` on every FSDP group of an FSDP2 model."""
 
     name = "fsdp"
+    #: The FSDP mesh's process groups (shard, then replicate under HSDP) when they do not span
+    #: the job (pipeline stages hold different parameters): the naming's flag per parameter is
+    #: max-reduced over them, not the job. None: over the job's peers.
+    replica_groups: list[Any] | None = None
+    _replica_peers: list[Any] | None = None
 
     def __init__(self, model: torch.nn.Module, sink: GradientSink) -> None:
         if not hasattr(FSDPModule, "set_custom_reduce_scatter"):
@@ -184,11 +189,6 @@ class FSDPPath:
         #: step in progress; None where the buffer's layout was not known.
         self.norms: list[tuple[int, torch.Tensor, torch.Tensor | None]] = []
         self.reduces = True  # False on a data-parallel world of one: FSDP reduces nothing
-        #: The FSDP mesh's process groups (shard, then replicate under HSDP) when they do not
-        #: span the job (pipeline stages hold different parameters): the naming's flag per
-        #: parameter is max-reduced over them, not the job. None: over the job's peers.
-        self.replica_groups: list[Any] | None = None
-        self._replica_peers: list[Any] | None = None
         for module_name, module in model.named_modules():
             if isinstance(module, FSDPModule):
                 self._install(module_name or "<root>", module, names)
