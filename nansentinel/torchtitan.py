@@ -19,10 +19,16 @@ own ``Trainer`` with the three calls in its loop:
 
 - ``__init__`` — after torchtitan has parallelised the model and built its optimizers, the
   :class:`~nansentinel.sentinel.Sentinel` is built on the model (FSDP2: a checked
-  reduce-scatter on every FSDP group) and torchtitan's ``OptimizersContainer``;
-- ``forward_backward_step`` — ``check_batch`` on the input dict (token ids are integers: only
-  float inputs are checked), ``check_loss`` on the loss as the loss function returns it,
-  before ``loss.backward()``;
+  reduce-scatter on every FSDP group) and torchtitan's ``OptimizersContainer``. Under pipeline
+  parallelism, on this rank's model parts with the schedule's stages (their boundaries are
+  checked, so the stage where a NaN began is named alone and the others go to ``reached``),
+  and the schedule's loss function is wrapped with ``wrap_loss`` (each micro-batch's loss
+  before its backward): torchtitan builds the schedule inside ``Trainer.__init__``, so both are
+  read from the built schedule (:func:`pipeline_stages` names the private seams);
+- ``forward_backward_step`` — ``check_batch`` on the input dict (on the first stage under PP;
+  token ids are integers: only float inputs are checked), ``check_loss`` on the loss as the
+  loss function returns it, before ``loss.backward()``; unreduced local gradients are checked
+  after the last backward, before torchtitan's ``clip_grad_norm_`` mixes the ranks' norms;
 - ``train_step`` — torchtitan's own ``self.optimizers.step()`` first decides the step with
   every rank (``sentinel.step(optimizer_step=False)``, from a step pre-hook of the container):
   on a skip every gradient is set to None, so the container's update that follows changes
@@ -34,10 +40,11 @@ own ``Trainer`` with the three calls in its loop:
 
 ``optimizer_step=False`` rather than ``step()``: torchtitan calls ``self.optimizers.step()``
 itself, between its gradient clipping and the LR schedulers, and there is no GradScaler to
-hand over. Refused at construction, with what to use instead: pipeline parallelism (several
-model parts), rollback (its LR cooldown scales ``param_groups``, which the container does not
-forward to the optimizers it wraps), and CUDA graphs (a captured forward/backward replays the
-kernels, not the sentinel's per-step bookkeeping).
+hand over. Refused at construction, with what to use instead: pipeline schedules other than
+those of :data:`PIPELINE_SCHEDULES` and torchtitan's validator under PP (it runs the watched
+training schedule), rollback (its LR cooldown scales ``param_groups``, which the container
+does not forward to the optimizers it wraps), and CUDA graphs (a captured forward/backward
+replays the kernels, not the sentinel's per-step bookkeeping).
 
 Importing this module imports torchtitan; importing ``nansentinel`` does not.
 """
@@ -133,12 +140,14 @@ class SentinelTrainer(Trainer):
             input_dict=input_dict, labels=labels, global_valid_tokens=global_valid_tokens
         )
         self._groups += 1
-        if self._groups == self.gradient_accumulation_steps and \
-                self.sentinel.gradients.name == "local":
-            # Unreduced local gradients (PP without FSDP) are checked here, after the last
-            # backward and before torchtitan's clip_grad_norm_: its norm is all-reduced over
-            # the pipeline (and TP) ranks, and one rank's NaN norm scales every rank's
-            # gradients to NaN.
+        path = self.sentinel.gradients
+        if self._groups == self.gradient_accumulation_steps and (
+            path.name == "local" or not getattr(path, "reduces", True)
+        ):
+            # Gradients no reduction checked (FSDP on a mesh of one, as under PP on one rank
+            # per stage) are checked here, after the last backward and before torchtitan's
+            # clip_grad_norm_: its norm is all-reduced over the pipeline (and TP) ranks, and
+            # one rank's NaN norm scales every rank's gradients to NaN.
             self.sentinel.check_grads()
         return loss
 
