@@ -19,10 +19,16 @@ own ``Trainer`` with the three calls in its loop:
 
 - ``__init__`` — after torchtitan has parallelised the model and built its optimizers, the
   :class:`~nansentinel.sentinel.Sentinel` is built on the model (FSDP2: a checked
-  reduce-scatter on every FSDP group) and torchtitan's ``OptimizersContainer``;
-- ``forward_backward_step`` — ``check_batch`` on the input dict (token ids are integers: only
-  float inputs are checked), ``check_loss`` on the loss as the loss function returns it,
-  before ``loss.backward()``;
+  reduce-scatter on every FSDP group) and torchtitan's ``OptimizersContainer``. Under pipeline
+  parallelism, on this rank's model parts with the schedule's stages (their boundaries are
+  checked, so the stage where a NaN began is named alone and the others go to ``reached``),
+  and the schedule's loss function is wrapped with ``wrap_loss`` (each micro-batch's loss
+  before its backward): torchtitan builds the schedule inside ``Trainer.__init__``, so both are
+  read from the built schedule (:func:`pipeline_stages` names the private seams);
+- ``forward_backward_step`` — ``check_batch`` on the input dict (on the first stage under PP;
+  token ids are integers: only float inputs are checked), ``check_loss`` on the loss as the
+  loss function returns it, before ``loss.backward()``; unreduced local gradients are checked
+  after the last backward, before torchtitan's ``clip_grad_norm_`` mixes the ranks' norms;
 - ``train_step`` — torchtitan's own ``self.optimizers.step()`` first decides the step with
   every rank (``sentinel.step(optimizer_step=False)``, from a step pre-hook of the container):
   on a skip every gradient is set to None, so the container's update that follows changes
@@ -34,10 +40,11 @@ own ``Trainer`` with the three calls in its loop:
 
 ``optimizer_step=False`` rather than ``step()``: torchtitan calls ``self.optimizers.step()``
 itself, between its gradient clipping and the LR schedulers, and there is no GradScaler to
-hand over. Refused at construction, with what to use instead: pipeline parallelism (several
-model parts), rollback (its LR cooldown scales ``param_groups``, which the container does not
-forward to the optimizers it wraps), and CUDA graphs (a captured forward/backward replays the
-kernels, not the sentinel's per-step bookkeeping).
+hand over. Refused at construction, with what to use instead: pipeline schedules other than
+those of :data:`PIPELINE_SCHEDULES` and torchtitan's validator under PP (it runs the watched
+training schedule), rollback (its LR cooldown scales ``param_groups``, which the container
+does not forward to the optimizers it wraps), and CUDA graphs (a captured forward/backward
+replays the kernels, not the sentinel's per-step bookkeeping).
 
 Importing this module imports torchtitan; importing ``nansentinel`` does not.
 """
@@ -69,6 +76,10 @@ log = logging.getLogger("nansentinel")
 #: Where torchtitan 0.3.0's ``Trainer.train_step`` stops on a non-finite logged loss.
 LOSS_STOP = "Loss is not finite"
 
+#: The pipeline schedules (``--parallelism.pipeline-parallel-schedule``) watched under
+#: torchtitan: one stage per rank (GPipe, 1F1B) or several (Interleaved1F1B).
+PIPELINE_SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B")
+
 
 class SentinelTrainer(Trainer):
     """torchtitan's ``Trainer`` with every rank's batch, loss and gradients checked before
@@ -97,12 +108,20 @@ class SentinelTrainer(Trainer):
         settings = SentinelConfig.from_env(None, **config.sentinel)
         refuse_unsupported(config, settings)
         super().__init__(config)
-        if len(self.model_parts) != 1:
-            raise SentinelUsageError(_pipeline_message(f"{len(self.model_parts)} model parts"))
         self.last = None
         self.skipped = {}
-        self.sentinel = Sentinel(self.model_parts[0], self.optimizers, **config.sentinel)
-        self.loss_fn = _CheckedLoss(self.loss_fn, self.sentinel)
+        self._groups = 0
+        if self.parallel_dims.pp_enabled:
+            schedule = self.pp_schedule
+            parts = self.model_parts
+            self.sentinel = Sentinel(
+                parts[0] if len(parts) == 1 else parts, self.optimizers,
+                stages=pipeline_stages(schedule), **config.sentinel,
+            )
+            schedule._loss_fn = _TrainingLoss(schedule, self.sentinel)
+        else:
+            self.sentinel = Sentinel(self.model_parts[0], self.optimizers, **config.sentinel)
+            self.loss_fn = _CheckedLoss(self.loss_fn, self.sentinel)
         # torchtitan's own `self.optimizers.step()` decides first (see the module docstring).
         self._decide_hook = self.optimizers.register_step_pre_hook(self._decide)
 
@@ -113,15 +132,30 @@ class SentinelTrainer(Trainer):
         labels: torch.Tensor | list[torch.Tensor],
         global_valid_tokens: torch.Tensor,
     ) -> torch.Tensor:
-        self.sentinel.check_batch(input_dict)
-        return super().forward_backward_step(
+        # Under PP the batch enters on the first stage (its micro-batches; the last stage's
+        # targets are checked by the schedule's loss function, with each micro-batch's loss).
+        if not self.parallel_dims.pp_enabled or self.pp_has_first_stage:
+            self.sentinel.check_batch(input_dict)
+        loss = super().forward_backward_step(
             input_dict=input_dict, labels=labels, global_valid_tokens=global_valid_tokens
         )
+        self._groups += 1
+        path = self.sentinel.gradients
+        if self._groups == self.gradient_accumulation_steps and (
+            path.name == "local" or not getattr(path, "reduces", True)
+        ):
+            # Gradients no reduction checked (FSDP on a mesh of one, as under PP on one rank
+            # per stage) are checked here, after the last backward and before torchtitan's
+            # clip_grad_norm_: its norm is all-reduced over the pipeline (and TP) ranks, and
+            # one rank's NaN norm scales every rank's gradients to NaN.
+            self.sentinel.check_grads()
+        return loss
 
     def train_step(
         self, data_iterator: Iterator[tuple[dict[str, torch.Tensor], torch.Tensor]]
     ) -> None:
         self.last = None
+        self._groups = 0
         stopped = False
         try:
             super().train_step(data_iterator)
@@ -177,6 +211,49 @@ class _CheckedLoss:
         return getattr(self.inner, name)
 
 
+class _TrainingLoss:
+    """The pipeline schedule's loss function, checked with :meth:`Sentinel.wrap_loss` on
+    training steps: each micro-batch's loss before its backward.
+
+    ``schedule.eval`` (torchtitan's validator runs the same schedule) sets the schedule's
+    ``_has_backward`` to False for its duration: those losses are not a training step's and
+    go through unchecked (validation under PP is refused for the boundary hooks' sake anyway,
+    see :func:`refuse_unsupported`)."""
+
+    def __init__(self, schedule: Any, sentinel: Sentinel) -> None:
+        self.schedule = schedule
+        self.inner = schedule._loss_fn
+        self.checked = sentinel.wrap_loss(self.inner)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        fn = self.checked if self.schedule._has_backward else self.inner
+        return fn(*args, **kwargs)
+
+
+def pipeline_stages(schedule: Any) -> list[Any]:
+    """This rank's ``PipelineStage`` objects of a built torchtitan pipeline schedule.
+
+    torchtitan 0.3.0 builds the stages and the schedule inside ``Trainer.__init__``
+    (``pipelining_fn``) and keeps only the schedule. Private seams of torch 2.13's
+    ``torch.distributed.pipelining.schedules`` (tested with torch 2.13 and torchtitan 0.3.0):
+    ``PipelineScheduleSingle._stage``, ``PipelineScheduleMulti._stages``, and, for the loss,
+    ``_PipelineSchedule._loss_fn`` (read by ``_compute_loss`` and by the first step's shape
+    inference at call time, so replacing it after the schedule is built takes effect) and
+    ``_has_backward`` (False during ``eval``)."""
+    stages = getattr(schedule, "_stages", None)
+    if stages is None:
+        stage = getattr(schedule, "_stage", None)
+        stages = [] if stage is None else [stage]
+    if not stages or not hasattr(schedule, "_loss_fn"):
+        raise SentinelUsageError(
+            f"nansentinel: the pipeline schedule {type(schedule).__name__} has no "
+            "_stage/_stages or _loss_fn (torch 2.13's private attributes, read to watch the "
+            "stages and check each micro-batch's loss): this torch version is not supported "
+            "under torchtitan's pipeline parallelism."
+        )
+    return list(stages)
+
+
 def with_sentinel(config: Trainer.Config, **overrides: Any) -> SentinelTrainer.Config:
     """``config`` with :class:`SentinelTrainer` as its trainer.
 
@@ -207,11 +284,28 @@ def with_sentinel(config: Trainer.Config, **overrides: Any) -> SentinelTrainer.C
 def refuse_unsupported(config: Trainer.Config, settings: SentinelConfig) -> None:
     """Raise :class:`SentinelUsageError` for a setup the sentinel cannot watch under
     torchtitan's trainer, naming the field and what to use instead."""
-    pp = config.parallelism.pipeline_parallel_degree
-    if pp > 1:
-        raise SentinelUsageError(
-            _pipeline_message(f"parallelism.pipeline_parallel_degree={pp}")
-        )
+    parallelism = config.parallelism
+    if parallelism.pipeline_parallel_degree > 1:
+        schedule = parallelism.pipeline_parallel_schedule
+        if parallelism.pipeline_parallel_schedule_csv or schedule not in PIPELINE_SCHEDULES:
+            what = (f"parallelism.pipeline_parallel_schedule_csv="
+                    f"{parallelism.pipeline_parallel_schedule_csv!r}"
+                    if parallelism.pipeline_parallel_schedule_csv
+                    else f"parallelism.pipeline_parallel_schedule={schedule!r}")
+            raise SentinelUsageError(
+                f"nansentinel: {what}: under torchtitan's trainer the sentinel watches the "
+                f"pipeline schedules {', '.join(PIPELINE_SCHEDULES)}; the others split the "
+                "backward into input and weight passes (or run a custom action list), which "
+                "its stage boundary checks are not tested with. Use one of those."
+            )
+        if config.validator.enable:
+            raise SentinelUsageError(
+                "nansentinel: validator.enable=True with parallelism.pipeline_parallel_degree="
+                f"{parallelism.pipeline_parallel_degree}: torchtitan's validator runs the "
+                "training pipeline schedule, whose stages the sentinel watches: validation "
+                "forwards would count into the next training step's health. Validate "
+                "without the sentinel (a separate run from a checkpoint), or without PP."
+            )
     for field in ("policy", "loss_spike_action", "grad_spike_action"):
         if getattr(settings, field) == "rollback":
             raise SentinelUsageError(
@@ -228,13 +322,3 @@ def refuse_unsupported(config: Trainer.Config, settings: SentinelConfig) -> None
             "captured forward/backward without the sentinel's checks of each step. Keep "
             "--training.disable-cuda-graphs (with_sentinel sets it)."
         )
-
-
-def _pipeline_message(what: str) -> str:
-    return (
-        f"nansentinel: {what}: pipeline parallelism under torchtitan's trainer is not "
-        "supported by this version of nansentinel.torchtitan (only one model part is "
-        "watched, the other stages' gradients would go unchecked). Under torchtitan use "
-        "FSDP, HSDP and tensor parallelism; for pipelines use torch.distributed.pipelining "
-        "directly with the Sentinel (see the README)."
-    )

@@ -27,7 +27,9 @@ layout is not known), the group's norm alone is kept and a detection falls back 
 shards: every rank scans its reduced *sharded* gradients (a non-finite element of rank r's
 local gradient lands, reduced, in some rank's shard of the same parameter), the scans are
 combined in one max-reduce of a flag per parameter (run on every rank after every grad fault,
-so that all ranks issue the same collectives), and the poisoned rank gets the parameters of its
+so that all ranks issue the same collectives; over the FSDP mesh's groups where they are not
+the whole job, as under pipeline parallelism, whose stages hold different parameters), and the
+poisoned rank gets the parameters of its
 non-finite groups that some scan found non-finite.
 
 The exchange leaves at ``step()``, one small all-reduce after backward (measured in
@@ -51,6 +53,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from nansentinel import checks
 from nansentinel.gradpaths import GradientSink
@@ -102,6 +105,10 @@ def is_fsdp(model: torch.nn.Module) -> bool:
         return False
     if isinstance(model, FSDPModule):
         return True
+    if isinstance(model, torch.nn.ModuleList) and len(model) and all(
+        isinstance(part, FSDPModule) for part in model
+    ):
+        return True  # a pipeline rank's model parts (several stages), each an FSDP2 root
     inner = next((n for n, m in model.named_modules() if isinstance(m, FSDPModule)), None)
     if inner is not None:
         raise SentinelUsageError(
@@ -158,6 +165,11 @@ class FSDPPath:
     """Installs a :class:`CheckedReduceScatter` on every FSDP group of an FSDP2 model."""
 
     name = "fsdp"
+    #: The FSDP mesh's process groups (shard, then replicate under HSDP) when they do not span
+    #: the job (pipeline stages hold different parameters): the naming's flag per parameter is
+    #: max-reduced over them, not the job. None: over the job's peers.
+    replica_groups: list[Any] | None = None
+    _replica_peers: list[Any] | None = None
 
     def __init__(self, model: torch.nn.Module, sink: GradientSink) -> None:
         if not hasattr(FSDPModule, "set_custom_reduce_scatter"):
@@ -193,6 +205,7 @@ class FSDPPath:
                 "their reduction. Shard that module on one mesh."
             )
         group = param_groups[0]
+        self._note_mesh(group.mesh_info)
         shard = getattr(group.mesh_info, "shard_mesh_size", 1)
         replicate = getattr(group.mesh_info, "replicate_mesh_size", 1)
         if shard == 1 and replicate > 1:
@@ -232,6 +245,35 @@ class FSDPPath:
         module.set_custom_reduce_scatter(
             CheckedReduceScatter(self, len(self.groups) - 1, inner, where, group)
         )
+
+    def _note_mesh(self, mesh_info: Any) -> None:
+        """Keep the FSDP mesh's groups (from the first FSDP module) where they are not the
+        whole job: under pipeline parallelism each stage's ranks hold other parameters, and
+        a flag per parameter reduced over the job would pair up different lists (gloo:
+        "Received data size doesn't match expected size")."""
+        if self._replica_peers is not None or self.replica_groups is not None:
+            return
+        groups = [g for g in (getattr(mesh_info, "shard_process_group", None),
+                              getattr(mesh_info, "replicate_process_group", None))
+                  if g is not None]
+        if not (dist.is_available() and dist.is_initialized()):
+            return
+        if math.prod(g.size() for g in groups) != dist.get_world_size():
+            self.replica_groups = groups
+
+    def _max_over_replicas(self, peers: Any, values: list[float]) -> list[float]:
+        """Element-wise max of ``values`` over the ranks that hold the same parameters: the
+        job's peers, or the FSDP mesh's groups one after the other (every rank has the same
+        mesh dimensions, so all issue the same collectives)."""
+        if self.replica_groups is None:
+            return peers.max_floats(values)
+        if self._replica_peers is None:
+            from nansentinel.collectives import Peers
+
+            self._replica_peers = [Peers(g, peers.comm_device) for g in self.replica_groups]
+        for group in self._replica_peers:
+            values = group.max_floats(values)
+        return values
 
     def check(
         self, index: int, local_grads: torch.Tensor, *, world: int = 1, predivided: float = 1.0
@@ -283,7 +325,7 @@ class FSDPPath:
         names = [n for n, _ in self.model.named_parameters()]
         scanned = scan_parameters(self.model.named_parameters())
         local = set(scanned)
-        anywhere = peers.max_floats([float(n in local) for n in names])
+        anywhere = self._max_over_replicas(peers, [float(n in local) for n in names])
         reduced = {n for n, flag in zip(names, anywhere, strict=True) if flag > 0}
         if not poisoned:
             return {}

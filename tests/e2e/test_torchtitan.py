@@ -6,7 +6,8 @@ The registry (workers/torchtitan_registry.py) is the user's one function,
 output turns NaN on one rank at torchtitan's step 2. The launcher (workers/torchtitan_train.py)
 applies the CPU patches (torchtitan_cpu.py) before torchtitan is imported. Asserted: the fault
 is named (rank and host, in the log and the incident report), the step is skipped, and
-training runs to the last step with exit code 0.
+training runs to the last step with exit code 0. Under pipeline parallelism (2 stages) the
+stage where the NaN began is named alone, and the stage it reached is ``reached``.
 """
 
 from __future__ import annotations
@@ -109,6 +110,41 @@ def test_fsdp_x_tp_on_four_ranks_names_the_tp_groups_host(
                clean_host="node1")
 
 
+@pytest.mark.timeout(200)
+def test_pipeline_on_two_ranks_names_the_origin_stage_alone(
+    tmp_path: Path, assets: tuple[Path, Path]
+) -> None:
+    """Two pipeline stages (GPipe, 2 micro-batches), one rank and host each: stage 0's first
+    block turns NaN on rank 0 at step 2. The NaN reaches stage 1 (its activations, its loss)
+    and comes back in the gradients; rank 0 alone is named, rank 1 is ``reached``. Only the
+    last stage has a loss: torchtitan logs -1 for it on stage 0, and stops on the last
+    stage's NaN loss, which is passed over there."""
+    proc, reports = train(
+        tmp_path, assets, 2, "pp_fault", "--parallelism.pipeline-parallel-degree", "2",
+        "--parallelism.pipeline-parallel-schedule", "GPipe",
+        "--training.local-batch-size", "2", "--parallelism.pipeline-parallel-microbatch-size",
+        "1",
+    )
+    out = proc.stdout
+    assert proc.returncode == 0, out[-6000:]
+    assert "rank 0 on host node0" in out, out[-6000:]
+    assert "reached from there (not blamed): rank(s) 1" in out
+    assert "host node1" not in out
+    report = json.loads(next(reports.glob("incident-*.json")).read_text())
+    assert report["bad_ranks"] == [0] and report["bad_hosts"] == ["node0"], report
+    assert report["reached"] == [1], report
+    assert report["outcome"] == "skipped" and report["step"] == 1  # torchtitan's step 2
+    assert "torchtitan step 2 (sentinel step 1) skipped, not applied" in out
+    logged = [line for line in out.splitlines() if "step:" in line and "loss:" in line]
+    for step in (1, 3):
+        assert sum(f"step: {step:2d} " in line for line in logged) == 2, logged
+    # Step 2 is logged by stage 0 alone, with no loss of its own (-1).
+    second = [line for line in logged if "step:  2 " in line]
+    assert len(second) == 1 and "loss: -1.00000" in second[0], second
+    assert "Loss is not finite" not in out
+    assert out.count("Training completed") == 2
+
+
 @pytest.mark.timeout(120)
 def test_with_sentinel_through_torchtitans_config_manager(tmp_path: Path) -> None:
     """``--module torchtitan_registry --config sentinel_debugmodel`` is found by torchtitan's
@@ -127,9 +163,12 @@ def test_with_sentinel_through_torchtitans_config_manager(tmp_path: Path) -> Non
                        ("env_rollback", "loss_spike_action")):
         assert f"{field}='rollback' is not supported" in got[key], got[key]
         assert "policy='skip' or 'abort'" in got[key]
-    for key in ("pipeline", "pipeline_cli"):
-        assert "parallelism.pipeline_parallel_degree=2" in got[key], got[key]
-        assert "torch.distributed.pipelining directly" in got[key]
+    assert got["pipeline"] == "no error"  # torchtitan's default schedule, 1F1B
+    for key, schedule in (("pipeline_schedule", "ZBVZeroBubble"), ("pipeline_cli", "DualPipeV")):
+        assert f"parallelism.pipeline_parallel_schedule='{schedule}'" in got[key], got[key]
+        assert "GPipe, 1F1B, Interleaved1F1B" in got[key]
+    assert "validator.enable=True with parallelism.pipeline_parallel_degree=2" in \
+        got["pipeline_validator"], got["pipeline_validator"]
     assert got["typo"].startswith("ConfigError") and "did you mean policy" in got["typo"]
     assert "OtherTrainer.Config" in got["other_trainer"]
     assert "training.disable_cuda_graphs=False" in got["cuda_graphs"]

@@ -9,7 +9,12 @@ torchtitan module is imported (they copy ``device_type`` and ``device_module`` a
 - compiled FlexAttention has no CPU backward: the eager op, with its CPU check lifted;
 - FSDP reduces with PREMUL_SUM at torchtitan's divide factor 1.0, which gloo rejects: a plain
   sum is forced (identical at factor 1.0);
-- ``torch.distributed.set_timeout`` is missing in torch 2.13: the private setter stands in.
+- ``torch.distributed.set_timeout`` is missing in torch 2.13: the private setter stands in;
+- torchtitan hands its pipeline schedule micro-batches already split
+  (``step(arg_mbs=, kwarg_mbs=, target_mbs=)``, trainer.py and validate.py), which torch 2.13's
+  ``step(*args, target=, **kwargs)`` takes as one whole batch to split: those keywords are
+  run as the micro-batches they are (:func:`_patch_pipeline_step`). Not a device patch: an API
+  torch 2.13 lacks, needed on a GPU too.
 
 :func:`write_assets` builds what the network would have given: a small byte-level BPE
 tokenizer with Llama 3's special tokens and a c4-style JSONL dataset.
@@ -96,6 +101,45 @@ def _stub_triton_kernels() -> None:
     sys.modules[name] = stub
 
 
+def _patch_pipeline_step() -> None:
+    """torch 2.13's ``PipelineScheduleSingle.step`` and ``PipelineScheduleMulti.step``
+    (schedules.py) split a whole batch into micro-batches, and put any other keyword into the
+    model's kwargs: torchtitan 0.3.0's ``arg_mbs``/``kwarg_mbs``/``target_mbs`` became one
+    model kwarg each ("Expecting 2 arg_mbs but got 1"). Given those keywords, the step does
+    what torch's does less the split: the per-step reset of each stage, then
+    ``_step_microbatches`` on the lists as given (``eval`` goes through ``step``)."""
+    from torch.distributed.pipelining import schedules
+
+    for cls in (schedules.PipelineScheduleSingle, schedules.PipelineScheduleMulti):
+        split = cls.step
+
+        def step(self: Any, *args: Any, arg_mbs: list[Any] | None = None,
+                 kwarg_mbs: list[Any] | None = None, target_mbs: list[Any] | None = None,
+                 losses: list[Any] | None = None, return_outputs: bool = True,
+                 loss_kwargs: dict[str, Any] | None = None, _split: Any = split,
+                 **kwargs: Any) -> Any:
+            if arg_mbs is None and kwarg_mbs is None and target_mbs is None:
+                return _split(self, *args, losses=losses, return_outputs=return_outputs,
+                              loss_kwargs=loss_kwargs, **kwargs)
+            if args or kwargs:
+                raise TypeError("step: micro-batches (arg_mbs/kwarg_mbs/target_mbs) and a "
+                                f"whole batch at once ({len(args)} args, {sorted(kwargs)})")
+            if self._has_backward and not torch.is_grad_enabled():
+                raise RuntimeError("step() with a backward under torch.no_grad(): use eval()")
+            stages = getattr(self, "_stages", None) or [self._stage]
+            for stage in stages:
+                stage.has_backward = self._has_backward
+                stage.clear_runtime_states()
+            self._step_microbatches(arg_mbs, kwarg_mbs, target_mbs, losses, return_outputs,
+                                    loss_kwargs=loss_kwargs)
+            for stage in stages:
+                if stage.is_last and return_outputs:
+                    return self._merge_outputs(stage.output_chunks)
+            return None
+
+        cls.step = step  # type: ignore[method-assign]
+
+
 def apply() -> None:
     """Patch torchtitan for CPU ranks; call it before anything else of torchtitan is imported."""
     global _applied
@@ -107,6 +151,7 @@ def apply() -> None:
 
     if not hasattr(dist, "set_timeout"):
         dist.set_timeout = c10d._set_pg_timeout  # type: ignore[attr-defined]
+    _patch_pipeline_step()
 
     from torchtitan.tools import utils
 

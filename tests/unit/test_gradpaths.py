@@ -87,6 +87,20 @@ def test_fsdp_names_each_poisoned_rank_from_every_ranks_share() -> None:
     assert alone.naming_detail(True, _OtherShards()) == {"parameters": ["a.bias"]}
 
 
+def test_fsdp_naming_under_a_pipeline_reduces_over_the_fsdp_mesh_not_the_job() -> None:
+    # A pipeline stage's FSDP mesh is not the job: the other stages hold other parameters, so
+    # the flags are reduced over the mesh's groups only (here a mesh of one: none at all).
+    path = _sharded([float("nan"), 1.0], {"a.weight"})
+    path.replica_groups = []
+    job = _OtherShards([0.0, 1.0, 1.0])
+    assert path.naming_detail(True, job) == {"parameters": ["a.weight"]}
+    assert job.calls == 0
+    # Over the mesh's groups, one max-reduce each, in order (shard, then replicate).
+    path._replica_peers = [_OtherShards([0.0, 1.0, 0.0]), _OtherShards([0.0, 0.0, 0.0])]
+    assert path.naming_detail(True, job) == {"parameters": ["a.weight", "a.bias"]}
+    assert [g.calls for g in path._replica_peers] == [1, 1] and job.calls == 0
+
+
 def test_two_poisoned_ranks_in_one_group_each_name_their_own_parameters() -> None:
     # Ranks 1 and 2 both poisoned group a: rank 1 in a.weight, rank 2 in a.bias. Every shard
     # holds both after the reduction; each rank's own per-parameter norms tell them apart.

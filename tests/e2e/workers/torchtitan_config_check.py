@@ -60,6 +60,11 @@ def main() -> dict[str, Any]:
     pp = llama3_debugmodel()
     pp.parallelism.pipeline_parallel_degree = 2
     out["pipeline"] = error(lambda: with_sentinel(pp))
+    pp.parallelism.pipeline_parallel_schedule = "ZBVZeroBubble"
+    out["pipeline_schedule"] = error(lambda: with_sentinel(pp))
+    pp.parallelism.pipeline_parallel_schedule = "GPipe"
+    pp.validator.enable = True
+    out["pipeline_validator"] = error(lambda: with_sentinel(pp))
     out["typo"] = error(lambda: with_sentinel(llama3_debugmodel(), polcy="skip"))
     out["other_trainer"] = error(lambda: with_sentinel(OtherTrainer.Config()))
     graphs = ConfigManager().parse_args([
@@ -70,6 +75,7 @@ def main() -> dict[str, Any]:
     staged = ConfigManager().parse_args([
         "--module", "torchtitan_registry", "--config", "sentinel_debugmodel",
         "--parallelism.pipeline-parallel-degree", "2",
+        "--parallelism.pipeline-parallel-schedule", "DualPipeV",
     ])
     out["pipeline_cli"] = error(lambda: SentinelTrainer(staged))
     return out
