@@ -47,7 +47,16 @@ def one_world(world: int, steps: int, detections: int) -> dict[str, Any]:
 
     import nansentinel
     from nansentinel import collectives, exchange
-    from nansentinel.view import TOTALS, pack
+    from nansentinel.view import (
+        R_BATCH,
+        R_GRAD,
+        R_HAS_GRAD,
+        R_HAS_LOSS,
+        R_LOSS,
+        ROW,
+        TOTALS,
+        pack,
+    )
 
     torch.set_num_threads(1)
     proc = psutil.Process()
@@ -78,7 +87,9 @@ def one_world(world: int, steps: int, detections: int) -> dict[str, Any]:
     def launch(self: Any, step: int, vector: torch.Tensor) -> None:
         real_launch(self, step, vector)
         if poison["on"] and self._vector is not None:
-            row = torch.tensor([1.0, float("nan"), 1.0, 0.0, 1.0, 1.0, 0.0])
+            row = torch.zeros(ROW)
+            row[[R_BATCH, R_LOSS, R_GRAD, R_HAS_LOSS, R_HAS_GRAD]] = torch.tensor(
+                [1.0, float("nan"), 1.0, 1.0, 1.0])
             other = pack(row, torch.full((4,), float("inf")), world - 1, amp=False)
             self._vector[:TOTALS] += other[:TOTALS]
 

@@ -196,13 +196,19 @@ def flip_bit(tensor: torch.Tensor) -> None:
 # --- the side effects ----------------------------------------------------------------------
 
 
-def replica_group(model: torch.nn.Module, path: str, exchange_group: Any) -> tuple[bool, Any]:
+def replica_group(
+    model: torch.nn.Module, path: str, exchange_group: Any, *, pipelined: bool = False
+) -> tuple[bool, Any]:
     """``(covered, group)``: the process group of this rank's replicas. DDP: its group; FSDP2:
     the mesh's replicate dimension (HSDP), none under pure FSDP; local gradients: the
-    exchange's group (the user all-reduces by hand, so the ranks are replicas)."""
+    exchange's group (the user all-reduces by hand, so the ranks are replicas), except under a
+    pipeline (the exchange spans every stage, and stages hold different layers) or with
+    DTensor parameters (tensor-parallel shards differ by design): none there."""
     if path == "ddp":
         return True, model.process_group
     if path != "fsdp":
+        if pipelined or any(hasattr(p, "device_mesh") for p in model.parameters()):
+            return False, None
         return True, exchange_group
     for p in model.parameters():
         mesh, placements = getattr(p, "device_mesh", None), getattr(p, "placements", ())
@@ -412,17 +418,20 @@ class ReplicaCheck:
 def replica_check(
     model: torch.nn.Module, module: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
     path: str, config: Any, peers: Peers, device: torch.device, identity: RankIdentity,
-    inject: Callable[[int], bool] | None,
+    inject: Callable[[int], bool] | None, pipelined: bool = False,
 ) -> ReplicaCheck | None:
-    """The check for this run, or None: ``fingerprint_every=0``, one process, or pure FSDP
-    (no replicas: said once, by rank 0)."""
+    """The check for this run, or None: ``fingerprint_every=0``, one process, pure FSDP, or
+    local gradients under a pipeline or tensor parallelism (no known replicas: said once, by
+    rank 0)."""
     if config.fingerprint_every == 0 or peers.alone:
         return None
-    covered, group = replica_group(model, path, peers.group)
+    covered, group = replica_group(model, path, peers.group, pipelined=pipelined)
     if not covered:
         if identity.rank == 0:
-            log.info("nansentinel: no replica fingerprints under pure FSDP (no replicate "
-                     "dimension: every rank holds a different shard)")
+            why = ("pure FSDP (no replicate dimension: every rank holds a different shard)"
+                   if path == "fsdp" else "a pipeline or DTensor parameters without DDP or "
+                   "HSDP (the ranks of the job are not replicas of each other)")
+            log.info("nansentinel: no replica fingerprints under %s", why)
         return None
     check = ReplicaCheck(
         module, optimizer, group=group, peers=peers, device=device,

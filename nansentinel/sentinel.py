@@ -181,7 +181,7 @@ class Sentinel:
         self.replicas: ReplicaCheck | None = replica_check(
             model, self.module, optimizer, path=self.gradients.name, config=cfg,
             peers=self.exchange.peers, device=self.device, identity=self.identity,
-            inject=lambda step: self.injector.due("bitflip", step),
+            inject=lambda step: self.injector.due("bitflip", step), pipelined=bool(pipelined),
         )
         self._params = params
         self._pending: tuple[Pending, PendingResult] | None = None

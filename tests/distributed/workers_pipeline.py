@@ -131,8 +131,10 @@ def interleaved(rank: int, world: int, *, steps: int, faults: dict[tuple[int, in
     optimizer = torch.optim.AdamW(params, lr=1e-2)
     stages = [PipelineStage(b, i, 4, torch.device("cpu")) for b, i in zip(blocks, indices,
                                                                             strict=True)]
+    # fingerprint_every=1: the stages are not replicas of each other, so the replica check
+    # must stay off here (with it on, every healthy step would "diverge").
     sentinel = nansentinel.Sentinel(blocks, optimizer, stages=stages, hostname=f"host{rank}",
-                                    report_dir=report_dir, replay=False)
+                                    report_dir=report_dir, replay=False, fingerprint_every=1)
     sched = ScheduleInterleaved1F1B(stages, MICRO,
                                     loss_fn=sentinel.wrap_loss(nn.functional.mse_loss))
     records = []
@@ -150,8 +152,10 @@ def interleaved(rank: int, world: int, *, steps: int, faults: dict[tuple[int, in
         records.append({"step": result.step, "applied": result.applied,
                         "bad_ranks": result.bad_ranks, "reached": result.reached,
                         "kinds": result.kinds})
+    replicas = sentinel.replicas
     sentinel.close()
-    return {"records": records, "finite": all(bool(torch.isfinite(p).all()) for p in params)}
+    return {"records": records, "finite": all(bool(torch.isfinite(p).all()) for p in params),
+            "replica_check": replicas is not None}
 
 
 def forward_collective(rank: int, world: int, *, steps: int, poisoned: tuple[int, int],
