@@ -177,6 +177,12 @@ class SentinelTrainer(Trainer):
                     "; torchtitan's stop on its non-finite loss was passed over"
                     if stopped else "",
                 )
+            elif stopped:  # under PP the last stage logs the loss and stops, not rank 0
+                log.info(
+                    "nansentinel: rank %d: torchtitan's stop on its non-finite loss at step %d "
+                    "was passed over (the sentinel skipped the step on every rank)",
+                    self.sentinel.rank, self.step,
+                )
 
     def close(self) -> None:
         sentinel = getattr(self, "sentinel", None)
