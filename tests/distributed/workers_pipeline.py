@@ -19,20 +19,9 @@ import torch.distributed as dist
 from torch import nn
 
 import nansentinel
+from tests.distributed.workers_fsdp import _PoisonGrad
 
 WIDTH, BATCH, MICRO = 16, 8, 2
-
-
-class _PoisonGrad(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
-        return x.clone()
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
-        grad = grad.clone()
-        grad.view(-1)[0] = math.nan
-        return grad
 
 
 class Block(nn.Module):
@@ -58,6 +47,21 @@ def _data(step: int, replica: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(1000 * step + replica)
     x = torch.randn(BATCH, WIDTH, generator=g)
     return x, torch.tanh(x.flip(1))
+
+
+def _step(sentinel: nansentinel.Sentinel, sched: Any, optimizer: torch.optim.Optimizer,
+          first: bool, x: torch.Tensor, y: torch.Tensor) -> dict[str, Any]:
+    """One pipelined training step as a user writes it; what every rank read of it."""
+    if first:
+        sentinel.check_batch(x)
+        sched.step(x)
+    else:
+        sched.step(target=y, losses=[])
+    result = sentinel.step()
+    optimizer.zero_grad(set_to_none=True)
+    return {"step": result.step, "applied": result.applied, "outcome": result.outcome.value,
+            "bad_ranks": result.bad_ranks, "bad_hosts": result.bad_hosts,
+            "reached": result.reached, "kinds": result.kinds, "report": result.report_path}
 
 
 def _full(module: nn.Module) -> list[torch.Tensor]:
@@ -97,17 +101,7 @@ def pipelined(rank: int, world: int, *, schedule: str, steps: int,
                 x[1, 2] = math.nan
             if fault == "target":
                 y[0, 1] = math.inf
-            if stage.is_first:
-                sentinel.check_batch(x)
-                sched.step(x)
-            else:
-                sched.step(target=y, losses=[])
-            result = sentinel.step()
-            optimizer.zero_grad(set_to_none=True)
-            records.append({"step": result.step, "applied": result.applied,
-                            "outcome": result.outcome.value, "bad_ranks": result.bad_ranks,
-                            "bad_hosts": result.bad_hosts, "reached": result.reached,
-                            "kinds": result.kinds, "report": result.report_path})
+            records.append(_step(sentinel, sched, optimizer, stage.is_first, x, y))
     except nansentinel.HostExcludedError as exc:
         error = {"type": "HostExcludedError", "message": str(exc)}
     weights = _full(block)
@@ -142,16 +136,7 @@ def interleaved(rank: int, world: int, *, steps: int, faults: dict[tuple[int, in
         for i, b in zip(indices, blocks, strict=True):
             b.poison = faults.get((step, i))
         x, y = _data(step, 0)
-        if rank == 0:
-            sentinel.check_batch(x)
-            sched.step(x)
-        else:
-            sched.step(target=y, losses=[])
-        result = sentinel.step()
-        optimizer.zero_grad(set_to_none=True)
-        records.append({"step": result.step, "applied": result.applied,
-                        "bad_ranks": result.bad_ranks, "reached": result.reached,
-                        "kinds": result.kinds})
+        records.append(_step(sentinel, sched, optimizer, rank == 0, x, y))
     replicas = sentinel.replicas
     sentinel.close()
     return {"records": records, "finite": all(bool(torch.isfinite(p).all()) for p in params),
