@@ -66,9 +66,11 @@ def tensor_norm(t: torch.Tensor) -> torch.Tensor:
 
     Half-precision tensors are reduced with fp32 accumulation so that an ordinary large batch
     does not overflow fp16's 65504 and raise a false alarm; fp64 in fp64, then cast. A DTensor's
-    norm is its local tensor's (:func:`local`), a plain tensor on this rank's device.
+    norm is its local tensor's (:func:`local`), a plain tensor on this rank's device. Detached:
+    a check's norm of a tensor that requires grad (an activation) must not join the autograd
+    graph, which would keep the tensor alive with it.
     """
-    t = local(t)
+    t = local(t).detach()
     if t.is_complex():
         t = torch.view_as_real(t)
     if t.dtype in _HALF:

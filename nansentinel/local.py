@@ -86,11 +86,11 @@ class LocalHealth:
         ``injected, has_loss, has_grad, quarantined`` and the five boundary flags) as fp32 on
         the device: no host sync."""
         zero = _constant((0.0,), self.device).reshape(())
-        batch = _combined(self.batch_norms, zero)
+        batch = combined(self.batch_norms, zero)
         loss = zero
         if self.loss_sum is not None:
             loss = self.loss_sum if self.loss_count == 1 else self.loss_sum / self.loss_count
-        grad = _combined([n.to(self.device) for n in self.grad_norms], zero)
+        grad = combined([n.to(self.device) for n in self.grad_norms], zero)
         host = (self.injected, self.loss_sum is not None, bool(self.grad_norms))
         flags = _constant((*map(float, host), 0.0), self.device)
         values = torch.stack([batch, loss, grad]).to(torch.float32)
@@ -101,7 +101,7 @@ class LocalHealth:
         return torch.cat([values, flags, self.boundary.to(self.device, torch.float32)])
 
 
-def _combined(norms: list[torch.Tensor], zero: torch.Tensor) -> torch.Tensor:
+def combined(norms: list[torch.Tensor], zero: torch.Tensor) -> torch.Tensor:
     """One L2 norm from several (NaN and Inf propagate); no kernel for zero or one."""
     if not norms:
         return zero

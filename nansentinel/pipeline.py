@@ -32,13 +32,13 @@ from __future__ import annotations
 
 import functools
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from nansentinel import checks
-from nansentinel.local import LocalHealth
+from nansentinel.local import LocalHealth, combined
 
 #: The private methods of ``PipelineStage`` (torch 2.13) that run shape inference.
 _INFERENCE = ("_forward_metadata_inference", "_backward_metadata_inference")
@@ -84,8 +84,6 @@ class StageWatch:
         #: which its loss is paired with (:meth:`pair_loss`).
         self.chunk: _Chunk | None = None
         self.handles: list[Any] = []
-        #: The first stage's input norms, checked as the batch (taken by :meth:`fold`).
-        self.batch_norms: list[torch.Tensor] = []
         # fold()'s columns: inputs 0, output 1, received 2, sent 3, loss 4, targets 5, one 6.
         # BOUNDARY order: fwd origin = in & !out; bwd origin = received & !sent; received
         # activation bad = !in (not on the first stage, whose input is the batch); received
@@ -114,15 +112,8 @@ class StageWatch:
         return run
 
     def _norm(self, tensors: list[torch.Tensor]) -> torch.Tensor:
-        """One L2 norm of ``tensors`` (one fused norm each, on the device; 0 for none).
-        Detached: a norm of an activation that requires grad would join the autograd graph
-        and keep the activation alive with it."""
-        if len(tensors) == 1:
-            return checks.tensor_norm(checks.local(tensors[0]).detach()).to(self.device)
-        if not tensors:
-            return torch.zeros((), device=self.device)
-        norms = [checks.tensor_norm(checks.local(t).detach()).to(self.device) for t in tensors]
-        return torch.linalg.vector_norm(torch.stack(norms))
+        """One L2 norm of ``tensors`` (one fused norm each, on the device; 0 for none)."""
+        return combined(checks.batch_norms(tensors, self.device), self._zero)
 
     def _before(self, module: torch.nn.Module, args: Any, kwargs: Any) -> None:
         if self.inferring:
@@ -130,9 +121,7 @@ class StageWatch:
             return
         inputs = list(checks.float_tensors((args, kwargs)))
         chunk = self.chunk = _Chunk(self._norm(inputs))
-        if self.first:  # the stage's input is the batch (a micro-batch of it)
-            self.batch_norms.append(chunk.inputs)
-        else:
+        if not self.first:  # the first stage's input is the batch: fold() checks it as one
             for t in inputs:
                 if t.requires_grad:
                     self._hook(t, _SENT, chunk)
@@ -167,11 +156,12 @@ class StageWatch:
 
         self.handles.append(t.register_hook(once))
 
-    def pair_loss(self, loss: torch.Tensor, targets: torch.Tensor | None) -> None:
-        """On the last stage: a micro-batch's loss (0-d) and its targets' norm, kept with the
+    def pair_loss(self, loss: torch.Tensor, targets: list[torch.Tensor]) -> None:
+        """On the last stage: a micro-batch's loss (0-d) and its targets' norms, kept with the
         activations it came from (:meth:`fold` pairs them)."""
         if self.chunk is not None:
-            self.chunk.loss, self.chunk.targets = loss, targets
+            self.chunk.loss = loss.to(self.device)
+            self.chunk.targets = combined(targets, self._zero)
 
     def fold(self, local: LocalHealth) -> None:
         """Turn this step's norms into the row's boundary flags (a dozen kernels on the
@@ -179,11 +169,11 @@ class StageWatch:
         non-finite from finite inputs (and targets), sent gradients non-finite from finite
         received ones, a non-finite activation or gradient received from another stage. A
         gradient that never came (a micro-batch without backward) counts as finite."""
-        local.batch_norms.extend(self.batch_norms)
-        self.batch_norms = []
         chunks = [c for c in self.chunks if c.output is not None]
         if not chunks:
             return
+        if self.first:  # the stage's input is the batch (its micro-batches)
+            local.batch_norms.extend(c.inputs for c in chunks)
         zero = self._zero
         finite = torch.isfinite(torch.stack([
             zero if x is None else x  # never `x or zero`: truth of a tensor is a host sync
@@ -202,7 +192,6 @@ class StageWatch:
         self.handles = []
         self.chunks = []
         self.chunk = None
-        self.batch_norms = []
 
 
 _RECEIVED, _SENT = "received", "sent"
@@ -229,7 +218,3 @@ def stages_of(stages: Any) -> list[Any]:
             )
     return items
 
-
-def targets(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Iterator[torch.Tensor]:
-    """The floating-point tensors of a loss function's arguments after the output."""
-    return checks.float_tensors((args[1:], kwargs))

