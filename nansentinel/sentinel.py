@@ -190,7 +190,7 @@ class Sentinel:
         #: The pipeline boundaries this rank checks (pipeline.py), one per stage it holds.
         self.stages = [pipeline.StageWatch(s, self.device) for s in pipelined]
         #: The process groups that ran a collective in the forward (origins.py).
-        self.forward = ForwardCollectives(exclude=_quiet_groups(model, pipelined))
+        self.forward = ForwardCollectives(exclude=_quiet_groups(self.gradients, pipelined))
         self._reset()
         if self.gradients.name == "fsdp" and replay is not None and cfg.replay:
             log.info(
@@ -732,19 +732,11 @@ class Sentinel:
         )
 
 
-def _quiet_groups(model: torch.nn.Module, stages: list[Any]) -> frozenset[str]:
+def _quiet_groups(gradients: gradpaths.GradPath, stages: list[Any]) -> frozenset[str]:
     """Names of the process groups whose collectives in the forward cannot carry one rank's
-    NaN into another rank's loss, or are checked where they land: FSDP2's parameter
-    all-gathers (its shard and replicate groups) and the pipeline's sends and receives."""
-    groups: list[Any] = []
-    for m in model.modules():
-        state = getattr(m, "_get_fsdp_state", None)
-        if state is None:
-            continue
-        for pg in getattr(state(), "_fsdp_param_groups", None) or ():
-            info = pg.mesh_info
-            groups += [getattr(info, "shard_process_group", None),
-                       getattr(info, "replicate_process_group", None)]
+    NaN into another rank's loss, or are checked where they land: the gradient path's own
+    (FSDP2's parameter all-gathers) and the pipeline's sends and receives."""
+    groups = list(gradients.mesh_groups)
     for stage in stages:
         groups.append(stage.group if stage.group is not None else dist.group.WORLD)
     return frozenset(g.group_name for g in groups if g is not None and hasattr(g, "group_name"))

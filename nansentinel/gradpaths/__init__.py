@@ -18,6 +18,7 @@ read (and replaced) without the rest of the step.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
@@ -64,6 +65,9 @@ class GradPath(Protocol):
 
     #: ``ddp``, ``fsdp`` or ``local``.
     name: str
+    #: Process groups the path's own collectives run on in the forward (FSDP2's parameter
+    #: all-gathers): they carry no batch's NaN to another rank's loss (origins.py).
+    mesh_groups: Sequence[Any]
 
     def check_now(self) -> None:
         """Check the local gradients now, at ``check_grads()`` (or at ``step()`` when no

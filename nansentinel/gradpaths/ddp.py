@@ -27,6 +27,7 @@ class DDPPath:
     """Checks DDP's buckets in its communication hook (DDP allows one hook per model)."""
 
     name = "ddp"
+    mesh_groups: tuple[Any, ...] = ()
 
     def __init__(self, model: DistributedDataParallel, sink: GradientSink) -> None:
         self.model = model

@@ -189,6 +189,8 @@ class FSDPPath:
         #: step in progress; None where the buffer's layout was not known.
         self.norms: list[tuple[int, torch.Tensor, torch.Tensor | None]] = []
         self.reduces = True  # False on a data-parallel world of one: FSDP reduces nothing
+        #: The FSDP meshes' shard and replicate groups: its forward all-gathers run there.
+        self.mesh_groups: list[Any] = []
         for module_name, module in model.named_modules():
             if isinstance(module, FSDPModule):
                 self._install(module_name or "<root>", module, names)
@@ -247,15 +249,16 @@ class FSDPPath:
         )
 
     def _note_mesh(self, mesh_info: Any) -> None:
-        """Keep the FSDP mesh's groups (from the first FSDP module) where they are not the
-        whole job: under pipeline parallelism each stage's ranks hold other parameters, and
-        a flag per parameter reduced over the job would pair up different lists (gloo:
-        "Received data size doesn't match expected size")."""
-        if self._replica_peers is not None or self.replica_groups is not None:
-            return
+        """Keep every FSDP module's mesh groups (:attr:`mesh_groups`), and those of the first
+        where they are not the whole job: under pipeline parallelism each stage's ranks hold
+        other parameters, and a flag per parameter reduced over the job would pair up
+        different lists (gloo: "Received data size doesn't match expected size")."""
         groups = [g for g in (getattr(mesh_info, "shard_process_group", None),
                               getattr(mesh_info, "replicate_process_group", None))
                   if g is not None]
+        self.mesh_groups += [g for g in groups if g not in self.mesh_groups]
+        if self._replica_peers is not None or self.replica_groups is not None:
+            return
         if not (dist.is_available() and dist.is_initialized()):
             return
         if math.prod(g.size() for g in groups) != dist.get_world_size():

@@ -67,6 +67,7 @@ class LocalGradPath:
     """Checks the parameters' local ``.grad`` tensors on demand."""
 
     name = "local"
+    mesh_groups: tuple[Any, ...] = ()
 
     def __init__(self, model: torch.nn.Module, sink: GradientSink) -> None:
         self.model = model

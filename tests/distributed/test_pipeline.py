@@ -64,6 +64,7 @@ def test_gpipe_names_the_origin_alone_then_50_healthy_steps_raise_nothing(
     outs = values(run_ranks(pipelined, 4, tmp_path, schedule="gpipe", steps=steps,
                             faults=FAULTS, report_dir=str(tmp_path / "r"), timeout=220))
     assert all(out["error"] is None for out in outs), [o["error"] for o in outs]
+    assert all(out["quiet"] for out in outs)
     _check(outs, EXPECTED, steps)
     kinds = {r["step"]: r["kinds"] for r in outs[0]["records"]}
     assert "activation" in kinds[2] and "activation" not in kinds[4]

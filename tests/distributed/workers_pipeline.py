@@ -106,7 +106,12 @@ def pipelined(rank: int, world: int, *, schedule: str, steps: int,
         error = {"type": "HostExcludedError", "message": str(exc)}
     weights = _full(block)
     sentinel.close()
+    # The forward's collectives that cannot carry a batch's NaN: FSDP's all-gathers (dp) and
+    # the pipeline's sends and receives (pp); any other group would count (origins.py).
+    quiet = sorted(sentinel.forward.exclude) == sorted(
+        mesh[d].get_group().group_name for d in ("dp", "pp"))
     return {"records": records, "weights": weights, "stage": stage_index, "error": error,
+            "quiet": quiet,
             "finite": all(bool(torch.isfinite(w).all()) for w in weights)}
 
 
