@@ -227,8 +227,9 @@ class OwnRow:
     def boundary(self) -> tuple[str, ...]:
         """Where a pipeline boundary saw a non-finite value on this rank, in words."""
         words = ("forward output from finite inputs", "sent gradients from finite received ones",
-                 "received activations", "received gradients")
-        on = (self.fwd_origin, self.bwd_origin, self.recv_act, self.recv_grad)
+                 "received activations", "received gradients",
+                 "loss from finite activations and targets")
+        on = (self.fwd_origin, self.bwd_origin, self.recv_act, self.recv_grad, self.loss_origin)
         return tuple(w for w, f in zip(words, on, strict=True) if f)
 
     @property
