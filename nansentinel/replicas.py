@@ -60,15 +60,46 @@ _NAMED = 8
 # --- the pure parts ------------------------------------------------------------------------
 
 
-def fingerprint(tensors: list[torch.Tensor]) -> torch.Tensor:
-    """One int64 (63-bit) hash per tensor, on the tensors' device; no host sync."""
+def fingerprint(
+    tensors: list[torch.Tensor], device: torch.device | None = None
+) -> torch.Tensor:
+    """One int64 (63-bit) hash per tensor, on ``device`` (default: the first tensor's); no
+    host sync.
+
+    The device rule (the sentinel's, for every tensor it makes): the fingerprint follows the
+    device of the tensors it came from. A tensor that lives elsewhere -- the CPU ``step`` that
+    non-fused, non-capturable Adam and AdamW keep beside CUDA moments, a CPU-offloaded shard --
+    is hashed where it lives (its bytes never move) and the hashes of each other device are
+    moved together, once per device and check: stacking a CUDA hash with a CPU one raises. The
+    move towards an accelerator is non-blocking (a host hash from pageable memory is staged at
+    once; the stream does not wait on the host).
+    """
+    target = device if device is not None else (
+        tensors[0].device if tensors else torch.device("cpu"))
     if not tensors:
-        return torch.zeros(0, dtype=torch.int64)
+        return torch.zeros(0, dtype=torch.int64, device=target)
+    by_device: dict[torch.device, list[int]] = {}
+    for i, t in enumerate(tensors):
+        by_device.setdefault(t.device, []).append(i)
+    parts = {where: _hashes([tensors[i] for i in indices], where, target)
+             for where, indices in by_device.items()}
+    if len(parts) == 1:  # the usual case: one device, one stack, nothing moved
+        return next(iter(parts.values())) & _MASK
+    hashed: dict[int, torch.Tensor] = {}  # back in the tensors' order, on the target
+    for where, indices in by_device.items():
+        hashed.update(zip(indices, parts[where].unbind(), strict=True))
+    return torch.stack([hashed[i] for i in range(len(tensors))]) & _MASK
+
+
+def _hashes(tensors: list[torch.Tensor], where: torch.device, target: torch.device
+            ) -> torch.Tensor:
+    """The int64 hashes of ``tensors`` (all on ``where``), made there and moved to ``target``
+    in one copy."""
     # An empty local shard (FSDP2 shards a bias of 1 over 2 ranks) cannot be hashed: 0.
-    zero = torch.zeros((), dtype=torch.uint64, device=tensors[0].device)
-    hashes = torch.stack([torch.hash_tensor(t.detach()) if t.numel() else zero
-                          for t in tensors])
-    return hashes.view(torch.int64) & _MASK
+    zero = torch.zeros((), dtype=torch.uint64, device=where)
+    here = torch.stack([torch.hash_tensor(t.detach()) if t.numel() else zero
+                        for t in tensors]).view(torch.int64)
+    return here if where == target else here.to(target, non_blocking=target.type != "cpu")
 
 
 def comparand(fp: torch.Tensor) -> torch.Tensor:
@@ -237,6 +268,8 @@ class ReplicaCheck:
         self.module, self.optimizer = module, optimizer
         self.group = group
         self.replicas = Peers(group, device)
+        #: Where the fingerprints are made (replicas.fingerprint's device rule).
+        self.device = device
         self.peers = peers
         self.every, self.action = every, action
         self.identity = identity
@@ -258,7 +291,7 @@ class ReplicaCheck:
         """Fingerprint this rank's state and compare it within the replica group: the state,
         its fingerprints and the slots that differ (the same on every rank of the group)."""
         state = replicated_state(self.module, self.optimizer, self.skip)
-        fp = fingerprint([t for _, t in state])
+        fp = fingerprint([t for _, t in state], self.device)
         both = comparand(fp).to(self.replicas.comm_device)
         if not self.replicas.alone:
             dist.all_reduce(both, dist.ReduceOp.MAX, group=self.group)
