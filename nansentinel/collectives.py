@@ -218,6 +218,15 @@ class ForwardCollectives:
     groups are torch's registry (``distributed_c10d._world.pg_names``, private: tested with
     torch 2.13). A group whose backend keeps no count is left out once and for all.
 
+    A wrapper's own collectives in the forward carry nothing from one rank's batch to another
+    rank's loss: DDP broadcasts its buffers (BatchNorm statistics, rotary caches) from rank 0
+    before it calls the module, and rebuilds its buckets with a broadcast on its second step.
+    Counted, they would put DDP's group in every rank's record, and an independent later
+    fault on another rank would be taken for one reached (never struck). The gradient path
+    brackets them (:meth:`aside` before, :meth:`resume` after: DDP's forward hooks around
+    its module's) and they are subtracted, so that a user's own collective on the same group
+    inside the module still counts. Two more reads per group, only while a forward is counted.
+
     Args:
         exclude: names of groups whose forward collectives cannot carry a batch's NaN to
             another rank's loss, or are checked where they land: FSDP's parameter all-gathers,
@@ -228,17 +237,39 @@ class ForwardCollectives:
         self.exclude = set(exclude)
         self._start: dict[str, int] | None = None
         self._silent: set[str] = set()
+        #: Per group, the collectives counted aside since :meth:`start` (a wrapper's own).
+        self._aside: dict[str, int] = {}
+        self._aside_from: dict[str, int] | None = None
 
     def start(self) -> None:
         self._start = self._counts()
+        self._aside, self._aside_from = {}, None
+
+    def aside(self) -> None:
+        """The collectives from now until :meth:`resume` are a wrapper's own, not the
+        forward's (nothing while no forward is counted)."""
+        if self._start is not None:
+            self._aside_from = self._counts()
+
+    def resume(self) -> None:
+        """End the bracket :meth:`aside` opened; what it counted is left out of :meth:`stop`."""
+        opened, self._aside_from = self._aside_from, None
+        if opened is None or self._start is None:
+            return
+        for name, count in self._counts().items():
+            self._aside[name] = self._aside.get(name, 0) + count - opened.get(name, count)
 
     def stop(self) -> tuple[str, ...]:
-        """The groups that ran a collective since :meth:`start` (once: then empty)."""
+        """The groups that ran a collective since :meth:`start`, less those counted aside
+        (once: then empty). A bracket still open counts as the forward's: a wrapper that
+        skipped its module's hooks must not hide the user's collectives."""
         before, self._start = self._start, None
+        aside, self._aside, self._aside_from = self._aside, {}, None
         if not before:
             return ()
         after = self._counts()
-        return tuple(sorted(n for n, c in after.items() if c != before.get(n, c)))
+        return tuple(sorted(n for n, c in after.items()
+                            if c - before.get(n, c) - aside.get(n, 0) > 0))
 
     def _counts(self) -> dict[str, int]:
         if not (dist.is_available() and dist.is_initialized()):

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 
 if TYPE_CHECKING:
-    from nansentinel.collectives import Peers
+    from nansentinel.collectives import ForwardCollectives, Peers
 
 
 class GradientSink(Protocol):
@@ -32,6 +32,12 @@ class GradientSink(Protocol):
 
     @property
     def step_index(self) -> int: ...
+
+    @property
+    def forward(self) -> ForwardCollectives:
+        """The count of this rank's forward collectives (origins.py): a path whose wrapper
+        issues its own collectives in the forward (DDP's buffer broadcast) brackets them with
+        ``aside()`` and ``resume()``."""
 
     @property
     def inferring(self) -> bool:

@@ -39,6 +39,14 @@ class DDPPath:
         #: How a bucket is averaged (see :func:`averaging`).
         self.averaging = averaging(backend, device.type, self.world_size)
         self.buckets = 0
+        # DDP's own collectives in its forward (the buffer broadcast, the bucket rebuild) lie
+        # between its forward hooks and its module's: bracketed, they are left out of the
+        # forward's collectives (collectives.ForwardCollectives), while a user's collective
+        # inside the module, on the same group, still counts.
+        model.register_forward_pre_hook(self._own_begins)
+        model.module.register_forward_pre_hook(self._own_ends, prepend=True)
+        model.module.register_forward_hook(self._own_begins)
+        model.register_forward_hook(self._own_ends, prepend=True)
         try:
             model.register_comm_hook(self, _comm_hook)
         except RuntimeError as exc:
@@ -47,6 +55,16 @@ class DDPPath:
                 f"{dist.get_rank()}: {exc}. Construct the Sentinel before the first backward and "
                 "do not register another comm hook."
             ) from exc
+
+    def _own_begins(self, *_: Any) -> None:
+        forward = getattr(self.sink, "forward", None)
+        if forward is not None:
+            forward.aside()
+
+    def _own_ends(self, *_: Any) -> None:
+        forward = getattr(self.sink, "forward", None)
+        if forward is not None:
+            forward.resume()
 
     def check_now(self) -> None:
         """No bucket was reduced this step (no backward, or every micro-batch under

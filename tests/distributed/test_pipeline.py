@@ -15,7 +15,12 @@ import pytest
 import torch
 
 from tests.distributed.harness import run_ranks, values
-from tests.distributed.workers_pipeline import forward_collective, interleaved, pipelined
+from tests.distributed.workers_pipeline import (
+    ddp_buffers,
+    forward_collective,
+    interleaved,
+    pipelined,
+)
 
 # (step, rank) -> fault, and what every rank must read at that step: (bad ranks, reached).
 FAULTS = {
@@ -133,3 +138,22 @@ def test_a_collective_in_the_forward_names_the_rank_whose_batch_began_it(
         assert all(torch.isfinite(w).all() for w in out["weights"])
     report = Path(outs[0]["records"][2]["report"]).read_text()
     assert '"reached": [\n    0,\n    2,\n    3\n  ]' in report or '"reached": [0, 2, 3]' in report
+
+
+@pytest.mark.timeout(150)
+def test_ddps_buffer_broadcast_is_not_a_forward_collective(tmp_path: Path) -> None:
+    """DDP broadcasts a BatchNorm's buffers at the start of every forward (and rebuilds its
+    buckets with a broadcast at step 1): its own collectives carry no NaN from one rank's
+    batch to another's loss. Rank 0's batch and rank 1's loss go NaN in the same step: both
+    are blamed, neither is reached. A collective of the user's on DDP's group, beside the
+    broadcast, still makes the other rank reached."""
+    outs = values(run_ranks(ddp_buffers, 2, tmp_path, report_dir=str(tmp_path / "r"),
+                            timeout=130))
+    for out in outs:
+        rec = out["independent"]["records"][1]
+        assert not rec["applied"] and rec["bad_ranks"] == [0, 1] and rec["reached"] == [], rec
+        assert rec["bad_hosts"] == ["node0", "node1"], rec
+        rec = out["centred"]["records"][1]
+        assert not rec["applied"] and rec["bad_ranks"] == [0] and rec["reached"] == [1], rec
+        for run in out.values():
+            assert [r["applied"] for r in run["records"]] == [True, False, True]

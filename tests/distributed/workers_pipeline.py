@@ -149,21 +149,27 @@ def interleaved(rank: int, world: int, *, steps: int, faults: dict[tuple[int, in
 
 
 def forward_collective(rank: int, world: int, *, steps: int, poisoned: tuple[int, int],
-                       report_dir: str) -> dict[str, Any]:
+                       report_dir: str, centred: bool = True, buffers: bool = False,
+                       loss_poisoned: tuple[int, int] | None = None) -> dict[str, Any]:
     """DDP on ``world`` ranks (one host each) with a model that subtracts the mean over every
-    rank's batch in its forward, as SyncBatchNorm's statistics do; ``poisoned``: (step, rank)
-    whose batch holds a NaN."""
+    rank's batch in its forward, as SyncBatchNorm's statistics do (``centred=False``: it does
+    not); ``poisoned``: (step, rank) whose batch holds a NaN; ``loss_poisoned``: (step, rank)
+    whose loss is made NaN. ``buffers``: a BatchNorm after the linear layer, whose buffers DDP
+    broadcasts from rank 0 at the start of every forward (a collective on DDP's group)."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     class Centred(nn.Module):
         def __init__(self) -> None:
             super().__init__()
             self.lin = nn.Linear(WIDTH, WIDTH)
+            self.norm = nn.BatchNorm1d(WIDTH) if buffers else nn.Identity()
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
+            if not centred:
+                return self.norm(self.lin(x))
             mean = x.mean(0, keepdim=True)
             dist.all_reduce(mean)
-            return self.lin(x - mean / dist.get_world_size())
+            return self.norm(self.lin(x - mean / dist.get_world_size()))
 
     torch.manual_seed(0)
     model = DDP(Centred())
@@ -177,6 +183,8 @@ def forward_collective(rank: int, world: int, *, steps: int, poisoned: tuple[int
             x[0, 0] = math.nan
         sentinel.check_batch(x)
         loss = nn.functional.mse_loss(model(x), y)
+        if (step, rank) == loss_poisoned:
+            loss = loss * math.nan
         sentinel.check_loss(loss)
         loss.backward()
         result = sentinel.step()
@@ -188,3 +196,17 @@ def forward_collective(rank: int, world: int, *, steps: int, poisoned: tuple[int
     sentinel.close()
     return {"records": records,
             "weights": [p.detach().clone() for p in model.parameters()]}
+
+
+def ddp_buffers(rank: int, world: int, *, report_dir: str) -> dict[str, Any]:
+    """DDP with a BatchNorm (its buffers broadcast in every forward), twice in one process
+    group: two independent faults at step 1 (the step DDP also rebuilds its buckets with a
+    broadcast) with no collective of the user's in the forward, then the forward all-reduce
+    of the batch mean with rank 0's batch poisoned."""
+    return {
+        "independent": forward_collective(rank, world, steps=3, poisoned=(1, 0),
+                                          loss_poisoned=(1, 1), centred=False, buffers=True,
+                                          report_dir=f"{report_dir}/independent"),
+        "centred": forward_collective(rank, world, steps=3, poisoned=(1, 0), buffers=True,
+                                      report_dir=f"{report_dir}/centred"),
+    }

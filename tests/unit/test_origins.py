@@ -11,6 +11,7 @@ import torch
 
 import nansentinel
 from nansentinel import origins
+from nansentinel.collectives import ForwardCollectives
 from nansentinel.local import LocalHealth
 from nansentinel.pipeline import StageWatch, stages_of
 from nansentinel.policy import is_blamed
@@ -187,3 +188,27 @@ def test_stages_must_be_pipeline_stages() -> None:
     with pytest.raises(TypeError, match=r"stages\[1\] is a Linear"):
         stages_of([_Stage(submod=None, is_first=True, is_last=False, stage_index=0),
                    torch.nn.Linear(2, 2)])
+
+
+def test_a_wrappers_own_collectives_are_left_out_of_the_forwards() -> None:
+    """DDP's buffer broadcast, bracketed by aside()/resume(), is subtracted; the user's
+    collective on the same group is not; a bracket left open hides nothing."""
+    counts = {"0": 0, "tp": 0}
+    forward = ForwardCollectives()
+    forward._counts = lambda: dict(counts)  # type: ignore[method-assign]
+    forward.aside()  # no forward counted yet: nothing to bracket
+    forward.start()
+    forward.aside()
+    counts["0"] += 2  # DDP broadcasts its buffers
+    forward.resume()
+    assert forward.stop() == ()
+    forward.start()
+    forward.aside()
+    counts["0"] += 1
+    forward.resume()
+    counts["0"] += 1  # the user's all-reduce inside the module
+    assert forward.stop() == ("0",)
+    forward.start()
+    forward.aside()
+    counts["tp"] += 1  # the wrapper never reached its module's hook
+    assert forward.stop() == ("tp",)
