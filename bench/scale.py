@@ -4,11 +4,22 @@
 every collective is a no-op, so what is timed is the sentinel's own host work (and a small
 model's), not a network. A healthy step must cost the same at W = 131,072 as at W = 8.
 
-For a detection the fake backend would leave the exchange's sums as this rank sent them, so
-the benchmark writes what a real collective would produce: the totals gain the contribution of
-one poisoned rank (rank W-1, a NaN loss), and the flagged ranks' rows and details, which only
-they send, are filled in as they would arrive. Rank 0 then runs the whole detection path
-(naming, the max-reduce, the report written to disk).
+For a detection the fake backend would leave every collective's tensor as this rank sent it,
+so the benchmark writes what a real collective would return, and only that (what is simulated
+is exactly the reduced values; everything the sentinel does with them is real and timed):
+
+- the exchange's totals gain the other named ranks' contributions (their packed rows, summed);
+- ``Peers.flagged``'s byte per rank comes back with a 1 at every named rank;
+- ``Peers.gather_from``'s two sums come back with the other speakers' lengths and JSON bytes
+  at their offsets (their rows in the detection, their details in the report's gather), so
+  the real gather parses what 131,072 ranks would send.
+
+Three detections: one bad rank (rank W-1's loss), ``min(64, W/2)`` named ranks (the last ones,
+each a NaN loss, one host healthy at least), and every rank named (a global NaN: every rank's
+loss, with DDP's group in every record's forward collectives, as under a forward all-reduce).
+Rank 0 then runs the whole detection path (naming, weighing, the max-reduce, the decision, the
+report written to disk). Writing the simulated values in costs a few memory copies; that time
+is measured and subtracted.
 
 Each world size runs in a fresh process (so that memory is its own), in rounds whose order
 rotates; a step's figures are medians over every round. Memory is the growth of the process's
@@ -35,6 +46,8 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 WORLDS = (8, 1_024, 16_384, 131_072)
+#: The detections timed: one bad rank, min(64, W/2) named, every rank named.
+DETECTIONS = ("one", "some", "every")
 
 
 def one_world(world: int, steps: int, detections: int) -> dict[str, Any]:
@@ -46,7 +59,7 @@ def one_world(world: int, steps: int, detections: int) -> dict[str, Any]:
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     import nansentinel
-    from nansentinel import collectives, exchange
+    from nansentinel import exchange
     from nansentinel.view import (
         R_BATCH,
         R_GRAD,
@@ -54,6 +67,7 @@ def one_world(world: int, steps: int, detections: int) -> dict[str, Any]:
         R_HAS_LOSS,
         R_LOSS,
         ROW,
+        T_FLAGGED_RANK,
         TOTALS,
         pack,
     )
@@ -79,34 +93,35 @@ def one_world(world: int, steps: int, detections: int) -> dict[str, Any]:
 
     dist.all_reduce = counting  # type: ignore[assignment]
 
-    # A detection: the exchange's sums as a real all-reduce would return them with rank W-1
-    # poisoned, and the named ranks' rows and details as they would arrive from them.
-    poison = {"on": False}
+    # A detection: the values the collectives would return (see the module docstring).
+    wire = Wire(world)
     real_launch = exchange.HealthExchange.launch
 
     def launch(self: Any, step: int, vector: torch.Tensor) -> None:
         real_launch(self, step, vector)
-        if poison["on"] and self._vector is not None:
-            row = torch.zeros(ROW)
-            row[[R_BATCH, R_LOSS, R_GRAD, R_HAS_LOSS, R_HAS_GRAD]] = torch.tensor(
-                [1.0, float("nan"), 1.0, 1.0, 1.0])
-            other = pack(row, torch.full((4,), float("inf")), world - 1, amp=False)
-            self._vector[:TOTALS] += other[:TOTALS]
+        if wire.totals is not None and self._vector is not None:
+            t = time.perf_counter()
+            self._vector[:TOTALS] += wire.totals
+            wire.simulated += time.perf_counter() - t
 
-    real_gather = collectives.Peers.gather_from
-
-    def gather_from(self: Any, speakers: list[int], payload: Any) -> dict[int, Any]:
-        out = real_gather(self, speakers, payload)
-        rows = payload is None or "identity" in payload  # the detection's, not the report's
-        for rank in speakers:
-            if out.get(rank) is None and rank != self.rank:
-                text = json.dumps(_arrived(rank, world, rows))
-                sent[0] += len(text)  # what the real sum all-reduce of their bytes carries
-                out[rank] = json.loads(text)
+    def reducing(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        out = counting(tensor, *args, **kwargs)
+        wire.arrive(tensor)
         return out
 
     exchange.HealthExchange.launch = launch  # type: ignore[method-assign]
-    collectives.Peers.gather_from = gather_from  # type: ignore[method-assign]
+    dist.all_reduce = reducing  # type: ignore[assignment]
+
+    def poisoned_totals(ranks: list[int]) -> torch.Tensor:
+        """The summed totals of ``ranks`` other than 0, each with a NaN loss."""
+        row = torch.zeros(ROW)
+        row[[R_BATCH, R_LOSS, R_GRAD, R_HAS_LOSS, R_HAS_GRAD]] = torch.tensor(
+            [1.0, float("nan"), 1.0, 1.0, 1.0])
+        others = [r for r in ranks if r != 0]
+        one = pack(row, torch.full((4,), float("inf")), 1, amp=False)[:TOTALS]
+        total = one * len(others)
+        total[T_FLAGGED_RANK] = float(sum(others))
+        return total
 
     rss_before = proc.memory_info().rss
     started = time.perf_counter()
@@ -123,19 +138,22 @@ def one_world(world: int, steps: int, detections: int) -> dict[str, Any]:
         own[0] += time.perf_counter() - t
         return out
 
-    def one_step() -> tuple[float, int, str]:
+    def one_step(nan_loss: bool = False) -> tuple[float, int, str]:
         sent[0] = 0
         own[0] = 0.0
+        wire.simulated = 0.0
         t0 = time.perf_counter()
         data = {"x": torch.randn(32, 64), "y": torch.randint(0, 10, (32,))}
         batch = timed(sentinel.check_batch, data)
         loss = torch.nn.functional.cross_entropy(model(batch["x"]), batch["y"])
+        if nan_loss:
+            loss = loss * float("nan")
         timed(sentinel.check_loss, loss)
         loss.backward()  # the comm hook's share of the sentinel is in the step, not in own
         result = timed(sentinel.step)  # with the (small) SGD step it launches
         opt.zero_grad(set_to_none=True)
         sentinel_ms.append(own[0] * 1e3)
-        return time.perf_counter() - t0, sent[0] - grad_bytes, result.outcome
+        return time.perf_counter() - t0 - wire.simulated, sent[0] - grad_bytes, result.outcome
 
     sentinel_ms: list[float] = []
 
@@ -145,15 +163,22 @@ def one_world(world: int, steps: int, detections: int) -> dict[str, Any]:
     healthy = [one_step() for _ in range(steps)]
     healthy_own = list(sentinel_ms)
     assert all(o == "applied" for _, _, o in healthy), healthy
-    detected = []
-    for _ in range(detections):
-        poison["on"] = True
-        seconds, nbytes, outcome = one_step()
-        poison["on"] = False
-        assert outcome == "skipped", outcome
-        detected.append((seconds, nbytes))
-        for _ in range(3):  # healthy steps between detections
-            one_step()
+    some = min(64, world // 2)
+    scenarios = {"one": [world - 1], "some": list(range(world - some, world)),
+                 "every": list(range(world))}
+    detected: dict[str, list[tuple[float, int]]] = {}
+    for name, ranks in scenarios.items():
+        totals = poisoned_totals(ranks)
+        detected[name] = []
+        for _ in range(detections):
+            wire.expect(ranks, totals)
+            seconds, nbytes, outcome = one_step(nan_loss=0 in ranks)
+            wire.expect(None, None)
+            assert outcome == "skipped", outcome
+            assert wire.unused() == 0, f"{name}: {wire.unused()} simulated collectives unused"
+            detected[name].append((seconds, nbytes))
+            for _ in range(3):  # healthy steps between detections
+                one_step()
     rss_after = proc.memory_info().rss
     sentinel.close()
     return {
@@ -161,29 +186,101 @@ def one_world(world: int, steps: int, detections: int) -> dict[str, Any]:
         "healthy_ms": [s * 1e3 for s, _, _ in healthy],
         "healthy_own_ms": healthy_own,
         "healthy_bytes": max(b for _, b, _ in healthy),
-        "detection_ms": [s * 1e3 for s, _ in detected],
-        "detection_bytes": max(b for _, b in detected),
+        **{f"{name}_ms": [s * 1e3 for s, _ in runs] for name, runs in detected.items()},
+        "named": {name: len(ranks) for name, ranks in scenarios.items()},
+        "detection_bytes": max(b for _, b in detected["one"]),
+        "every_bytes": max(b for _, b in detected["every"]),
         "construction_s": construction,
         "rss_mb": rss_after / 2**20,
         "rss_growth_mb": (rss_after - rss_before) / 2**20,
     }
 
 
-def _arrived(rank: int, world: int, rows: bool) -> dict[str, Any]:
-    """What a named rank would send: its row (the detection), or its incident detail."""
-    if rows:
-        bad = rank == world - 1
-        return {
-            "identity": {"rank": rank, "local_rank": rank % 8, "world_size": world,
-                         "hostname": f"node{rank // 8:05d}", "device": f"cuda:{rank % 8}",
-                         "gpu": str(rank % 8), "gpu_uuid": f"GPU-{rank:08x}"},
-            "kinds": ["loss"] if bad else [], "injected": False,
-            "loss": float("nan") if bad else 2.5, "grad_norm": 1.0, "quarantined": False,
-            "spikes": {},
-        }
-    if rank == world - 1:
-        return {"batch_path": f"/reports/incident-step-rank{rank}-batch.pt"}
-    return {}
+class Wire:
+    """What the collectives of one detection return, written into the tensors the fake
+    backend hands back unchanged: the totals, ``Peers.flagged``'s bytes, and the two sums of
+    each ``Peers.gather_from`` (the detection's rows, then the report's details). A sum with
+    this rank's own contribution is exact, so each is an addition or a copy beside it."""
+
+    def __init__(self, world: int) -> None:
+        self.world = world
+        self.totals: Any = None
+        self.simulated = 0.0
+        self._plan: list[tuple[str, Any]] = []
+
+    def expect(self, ranks: list[int] | None, totals: Any) -> None:
+        """The next step's detection names ``ranks`` (None: a healthy step)."""
+        self.totals = totals
+        self._plan = []
+        if ranks is None:
+            return
+        named = set(ranks)
+        if len(ranks) > 1:
+            self._plan.append(("flagged", ranks))
+        speakers = sorted({*ranks, *([] if len(ranks) == self.world else [_candidate(ranks,
+                                                                                    self.world)])})
+        self._plan.append(("sizes", [_encoded(r, self.world, r in named, True)
+                                     for r in speakers if r != 0]))
+        self._plan.append(("bytes", None))
+        reported = sorted({*ranks[:64], *([] if len(ranks) == self.world else [_candidate(
+            ranks, self.world)])})
+        self._plan.append(("sizes", [_encoded(r, self.world, r in named, False)
+                                     for r in reported if r != 0]))
+        self._plan.append(("bytes", None))
+        self._speakers_of = [speakers, reported]
+
+    def unused(self) -> int:
+        return len(self._plan)
+
+    def arrive(self, tensor: Any) -> None:
+        """``tensor`` after its (no-op) all-reduce: add what the other ranks would have."""
+        import torch
+
+        if not self._plan:
+            return
+        t = time.perf_counter()
+        kind, data = self._plan[0]
+        if kind == "flagged" and tensor.dtype == torch.uint8 and tensor.numel() == self.world:
+            tensor[data] = 1
+        elif kind == "sizes" and tensor.dtype == torch.int64:
+            blobs = data
+            mine = tensor.numel() - len(blobs)  # 1 when rank 0 speaks (it is the first)
+            tensor[mine:] = torch.tensor([len(b) for b in blobs], dtype=torch.int64)
+            self._plan[1] = ("bytes", (int(tensor[0]) if mine else 0, b"".join(blobs)))
+        elif kind == "bytes" and tensor.dtype == torch.uint8 and data is not None:
+            start, blob = data
+            tensor[start:] = torch.frombuffer(bytearray(blob), dtype=torch.uint8)
+        else:
+            self.simulated += time.perf_counter() - t
+            return
+        self._plan.pop(0)
+        self.simulated += time.perf_counter() - t
+
+
+def _candidate(ranks: list[int], world: int) -> int:
+    from nansentinel.detection import replay_candidate
+
+    candidate = replay_candidate(ranks, world)
+    assert candidate is not None
+    return candidate
+
+
+def _encoded(rank: int, world: int, bad: bool, rows: bool) -> bytes:
+    """What a named rank sends: its row (the detection), or its incident detail."""
+    if rows:  # RankHealth.to_wire
+        return json.dumps([
+            rank, rank % 8, f"node{rank // 8:05d}", f"cuda:{rank % 8}", str(rank % 8),
+            f"GPU-{rank:08x}", ["loss"] if bad else [], False,
+            float("nan") if bad else 2.5, 1.0, False, {}, False, [], ["0"] if bad else [],
+        ]).encode()
+    record: dict[str, Any]
+    if bad:
+        record = {"batch_path": f"/reports/incident-step-rank{rank}-batch.pt",
+                  "history": {"steps": list(range(200)), "loss": [2.5] * 200,
+                              "grad_norm": [1.0] * 200}}
+    else:
+        record = {}
+    return json.dumps(record).encode()
 
 
 def _summary(runs: list[dict[str, Any]], worlds: list[int]) -> list[dict[str, Any]]:
@@ -192,20 +289,24 @@ def _summary(runs: list[dict[str, Any]], worlds: list[int]) -> list[dict[str, An
         mine = [r for r in runs if r["world"] == w]
         healthy = [x for r in mine for x in r["healthy_ms"]]
         own = [x for r in mine for x in r["healthy_own_ms"]]
-        detection = [x for r in mine for x in r["detection_ms"]]
-        rows.append({
+        row: dict[str, Any] = {
             "world": w,
             "healthy_median_ms": statistics.median(healthy),
             "healthy_max_ms": max(healthy),
             "own_median_ms": statistics.median(own),
-            "detection_median_ms": statistics.median(detection),
-            "detection_max_ms": max(detection),
             "construction_s": statistics.median(r["construction_s"] for r in mine),
             "rss_mb": statistics.median(r["rss_mb"] for r in mine),
             "rss_growth_mb": statistics.median(r["rss_growth_mb"] for r in mine),
             "healthy_bytes": max(r["healthy_bytes"] for r in mine),
             "detection_bytes": max(r["detection_bytes"] for r in mine),
-        })
+            "every_bytes": max(r["every_bytes"] for r in mine),
+            "named": mine[0]["named"],
+        }
+        for name in DETECTIONS:
+            times = [x for r in mine for x in r[f"{name}_ms"]]
+            row[f"{name}_median_ms"] = statistics.median(times)
+            row[f"{name}_max_ms"] = max(times)
+        rows.append(row)
     base = rows[0]
     for row in rows:
         row["healthy_ratio"] = row["healthy_median_ms"] / base["healthy_median_ms"]
@@ -215,20 +316,28 @@ def _summary(runs: list[dict[str, Any]], worlds: list[int]) -> list[dict[str, An
 
 
 def _table(rows: list[dict[str, Any]]) -> str:
-    head = ("| W | healthy step: median ms | max ms | ratio vs W={w0} | the sentinel's calls: "
-            "median ms (ratio) | one bad rank: median ms "
-            "| max ms | construction s | RSS growth MB from the Sentinel on (vs W={w0}) "
-            "| process RSS MB | bytes sent per step: healthy / detection |"
-            ).format(w0=f"{rows[0]['world']:,}")
-    lines = [head, "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    w0 = f"{rows[0]['world']:,}"
+    head = (f"| W | healthy step: median ms | max ms | ratio vs W={w0} | the sentinel's calls: "
+            "median ms (ratio) | construction s | RSS growth MB from the Sentinel on "
+            f"(vs W={w0}) | process RSS MB | bytes sent per step: healthy |")
+    lines = [head, "|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         lines.append(
             f"| {r['world']:,} | {r['healthy_median_ms']:.2f} | {r['healthy_max_ms']:.2f} | "
             f"{r['healthy_ratio']:.3f} | {r['own_median_ms']:.3f} ({r['own_ratio']:.3f}) | "
-            f"{r['detection_median_ms']:.2f} | "
-            f"{r['detection_max_ms']:.2f} | {r['construction_s']:.3f} | "
+            f"{r['construction_s']:.3f} | "
             f"{r['rss_growth_mb']:.1f} ({r['growth_vs_first_mb']:+.1f}) | {r['rss_mb']:.0f} | "
-            f"{r['healthy_bytes']} / {r['detection_bytes']:,} |"
+            f"{r['healthy_bytes']} |"
+        )
+    lines += ["", "| W | one bad rank: median ms (max) | named ranks | some named: median ms "
+              "(max) | every rank named: median ms (max) | bytes sent: one bad rank / every "
+              "rank named |", "|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        lines.append(
+            f"| {r['world']:,} | {r['one_median_ms']:.1f} ({r['one_max_ms']:.1f}) | "
+            f"{r['named']['some']} | {r['some_median_ms']:.1f} ({r['some_max_ms']:.1f}) | "
+            f"{r['every_median_ms']:.1f} ({r['every_max_ms']:.1f}) | "
+            f"{r['detection_bytes']:,} / {r['every_bytes']:,} |"
         )
     return "\n".join(lines)
 

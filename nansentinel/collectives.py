@@ -11,6 +11,7 @@ diagnosis.
 from __future__ import annotations
 
 import bisect
+import ctypes
 import io
 import json
 import logging
@@ -86,12 +87,12 @@ class Peers:
             data[offsets[mine]: offsets[mine + 1]] = torch.frombuffer(
                 bytearray(text), dtype=torch.uint8).to(self.comm_device)
         dist.all_reduce(data, group=self.group)
-        raw = bytes(data.cpu().contiguous().untyped_storage()) if data.numel() else b""
-        out: dict[int, object] = {}
-        for i, rank in enumerate(speakers):
-            chunk = raw[offsets[i]: offsets[i + 1]]
-            out[rank] = json.loads(chunk) if chunk else None
-        return out
+        raw = host_bytes(data)
+        # One parse of one JSON array, not one per speaker: 131,072 rows parse in a fraction
+        # of a second. A silent speaker (no bytes) reads as null.
+        array = b"[" + b",".join(raw[offsets[i]: offsets[i + 1]] or b"null"
+                                 for i in range(len(speakers))) + b"]"
+        return dict(zip(speakers, json.loads(array), strict=True))
 
     def flagged(self, flag: bool) -> list[int]:
         """The ranks whose ``flag`` is set, on every rank: one sum all-reduce of a byte per
@@ -153,7 +154,7 @@ class Peers:
         dist.recv(size, peer, group=self.group)
         data = torch.empty(int(size), dtype=torch.uint8, device=self.comm_device)
         dist.recv(data, peer, group=self.group)
-        return bytes(data.cpu().contiguous().untyped_storage())
+        return host_bytes(data)
 
     def sum_floats(self, values: list[float]) -> list[float]:
         """Element-wise sum of a short float list across ranks (identity alone)."""
@@ -161,6 +162,19 @@ class Peers:
         if not self.alone:
             dist.all_reduce(t, group=self.group)
         return t.tolist()
+
+
+def host_bytes(data: torch.Tensor) -> bytes:
+    """The bytes of a uint8 tensor, read on the host in one copy.
+
+    ``bytes(tensor.untyped_storage())`` reads a storage element by element through Python
+    (130 s for the 41 MB of rows that 131,072 named ranks send), and ``numpy()`` is not there
+    on torch's CPU build without numpy; a memory copy from the tensor's data pointer is.
+    """
+    host = data.detach().cpu().contiguous()
+    if not host.numel():
+        return b""
+    return ctypes.string_at(host.data_ptr(), host.numel() * host.element_size())
 
 
 #: Leaf types that travel between ranks and load with ``torch.load(weights_only=True)``.

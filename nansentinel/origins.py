@@ -46,26 +46,36 @@ def weigh(named: Sequence[RankHealth]) -> tuple[RankHealth, ...]:
 
     A rank not yet reached is reached when another named rank, not reached itself, held a
     non-finite value at an earlier point of the step and ran a collective of the same process
-    group in its forward. The comparison is against the ranks as they came in, so the answer
-    does not depend on their order; it costs O(named²) over the named ranks only (a
-    detection), nothing on a healthy step.
+    group in its forward; the cause named is the first such rank in ``named``. The comparison
+    is against the ranks as they came in, so the answer does not depend on their order.
+
+    Linear in the named ranks (times their groups): the sources are indexed once, per group
+    and point, by the first of them, and each rank asks only its own groups at the points
+    before its own. A detection where every rank is named (a global NaN at 131,072 ranks, each
+    with a forward collective) stays within a watchdog's patience; nothing runs on a healthy
+    step.
     """
-    sources = [(r, first_point(r)) for r in named if not r.reached]
+    # group -> point -> (position in named, the first source there)
+    first: dict[str, dict[int, tuple[int, RankHealth]]] = {}
+    points = [first_point(r) for r in named]
+    for i, (src, point) in enumerate(zip(named, points, strict=True)):
+        if src.reached or point is None:
+            continue
+        for group in src.forward_groups:
+            first.setdefault(group, {}).setdefault(point, (i, src))
     out = []
-    for rank in named:
-        mine = first_point(rank)
+    for rank, mine in zip(named, points, strict=True):
         if rank.reached or mine is None or not rank.forward_groups:
             out.append(rank)
             continue
-        groups = set(rank.forward_groups)
-        cause = next((src for src, point in sources
-                      if src.rank != rank.rank and point is not None and point < mine
-                      and groups & set(src.forward_groups)), None)
-        if cause is None:
+        found = [first[g][p] for g in rank.forward_groups if g in first
+                 for p in range(mine) if p in first[g]]
+        if not found:
             out.append(rank)
             continue
-        shared = sorted(groups & set(cause.forward_groups))
+        i, cause = min(found, key=lambda f: f[0])  # an earlier point: never the rank itself
+        shared = sorted(set(rank.forward_groups) & set(cause.forward_groups))
         word = f"a forward collective (group {shared[0]}) after rank {cause.rank}'s " + (
-            "batch" if first_point(cause) == 0 else "forward")
+            "batch" if points[i] == 0 else "forward")
         out.append(dataclasses.replace(rank, reached=True, boundary=(*rank.boundary, word)))
     return tuple(out)

@@ -149,14 +149,20 @@ def blamed_hosts(view: ClusterView, decision: Decision, verdict: str | None = No
     return sorted(bad)
 
 
+#: The kinds a rank is blamed for, without and with GradScaler (a detection may ask 131,072
+#: times: no set is built per rank).
+_BLAMED = frozenset(ALL_KINDS)
+_AMP_BLAMED = frozenset(("batch", "loss", ACTIVATION))
+
+
 def is_blamed(rank: RankHealth, *, amp: bool = False) -> bool:
     """A rank the step blames. Under AMP, non-finite gradients alone are GradScaler's fp16
     overflow, not a fault; a batch quarantined earlier (verdict data) is skipped, not blamed a
     second time; a rank a non-finite value only reached from another rank (a pipeline
     boundary, a collective in the forward: origins.py) is named, not blamed. (``view.pack``
     computes the same flag on the device, before the forward collectives are weighed.)"""
-    kinds = ("batch", "loss", ACTIVATION) if amp else ALL_KINDS
-    return bool(set(rank.kinds) & set(kinds)) and not rank.quarantined and not rank.reached
+    kinds = _AMP_BLAMED if amp else _BLAMED
+    return not (rank.quarantined or rank.reached or kinds.isdisjoint(rank.kinds))
 
 
 def blamed(view: ClusterView, *, amp: bool = False) -> tuple[RankHealth, ...]:

@@ -16,6 +16,7 @@ sum of a flag is a count, and NCCL reduces no bool.
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import math
 from typing import Any
@@ -297,6 +298,27 @@ class RankHealth:
             "forward_groups": list(self.forward_groups),
         }
 
+    def to_wire(self) -> list[object]:
+        """What a named rank sends in a detection: :meth:`to_json`'s fields by position, its
+        world size left out (the receiver's own). Positional because a detection may name
+        every rank: 131,072 records of keys would be three times the bytes and the parse."""
+        i = self.identity
+        return [i.rank, i.local_rank, i.hostname, i.device, i.gpu, i.gpu_uuid, list(self.kinds),
+                self.injected, self.loss, self.grad_norm, self.quarantined, dict(self.spikes),
+                self.reached, list(self.boundary), list(self.forward_groups)]
+
+    @classmethod
+    def from_wire(cls, w: list[Any], world_size: int) -> RankHealth:
+        """The row :meth:`to_wire` sent, from a rank of a group of ``world_size``."""
+        (rank, local_rank, host, device, gpu, uuid, kinds, injected, loss, grad_norm,
+         quarantined, spikes, reached, boundary, groups) = w
+        return cls(
+            RankIdentity(int(rank), int(local_rank), world_size, host, device, gpu, uuid),
+            tuple(kinds), bool(injected), loss, grad_norm, bool(quarantined),
+            {str(k): float(v) for k, v in spikes.items()} if spikes else {}, bool(reached),
+            tuple(boundary), tuple(groups),
+        )
+
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> RankHealth:
         return cls(
@@ -337,8 +359,10 @@ class ClusterView:
         return [r.rank for r in self.flagged if r.reached]
 
     def named(self, rank: int) -> RankHealth | None:
-        """The named rank ``rank`` (flagged or the replay peer), if it is named."""
-        return next((r for r in self.listed if r.rank == rank), None)
+        """The named rank ``rank`` (flagged or the replay peer), if it is named: a binary
+        search (``listed`` is by rank), so a report's few look-ups cost nothing at 131,072."""
+        i = bisect.bisect_left(self.listed, rank, key=_rank_of)
+        return self.listed[i] if i < len(self.listed) and self.listed[i].rank == rank else None
 
     @property
     def injected(self) -> bool:
@@ -352,3 +376,7 @@ class ClusterView:
     def needs_detection(self) -> bool:
         """Some rank was blamed or spiked: its name must be gathered."""
         return self.totals.flagged > 0
+
+
+def _rank_of(r: RankHealth) -> int:
+    return r.rank

@@ -56,3 +56,40 @@ def test_several_flagged_ranks_and_worlds_past_fp32_indices_ask_every_rank() -> 
     huge = Peers(2**24 + 8, flagged=[2**24 + 3])  # 2**24 + 3 is no fp32 number
     view = detector(huge).view(3, Totals(flagged=1, flagged_rank=float(2**24 + 4)), HEALTHY, {})
     assert [r.rank for r in view.flagged] == [2**24 + 3] and huge.asked[0] == "flagged"
+
+
+def test_a_named_rows_wire_is_its_row() -> None:
+    from nansentinel.view import RankHealth
+
+    row = RankHealth(RankIdentity(5, 1, 8, "node2", "cuda:1", "1", "GPU-5"), ("loss", "grad"),
+                     True, float("inf"), 2.0, True, {"loss": 3.5}, True, ("received gradients",),
+                     ("0", "tp"))
+    assert RankHealth.from_wire(row.to_wire(), 8) == row
+
+
+def test_a_detection_naming_every_rank_is_linear() -> None:
+    """A global NaN at 20,000 ranks, each with a forward collective in its record: the rows
+    are built and weighed in well under a second (the quadratic weighing alone took 30 s)."""
+    import time
+
+    from nansentinel.view import RankHealth
+
+    world = 20_000
+    records = {r: RankHealth(RankIdentity(r, r % 8, world, f"node{r // 8}", "cpu"), ("loss",),
+                             False, float("nan"), 1.0, forward_groups=("0",)).to_wire()
+               for r in range(world)}
+
+    class Everyone(Peers):
+        def gather_from(self, speakers: list[int], payload: Any) -> dict[int, Any]:
+            self.asked.append(f"gather_from {len(speakers)}")
+            return records
+
+    peers = Everyone(world, flagged=list(range(world)))
+    bad = OwnRow(1.0, float("nan"), 1.0, False, True, True, False, False, False, False, True)
+    started = time.perf_counter()
+    view = detector(peers).view(3, Totals(bad_loss=world, blamed=world, flagged=world), bad, {},
+                                ("0",))
+    assert time.perf_counter() - started < 1.0
+    assert len(view.flagged) == world and not view.reached and view.replay_peer is None
+    assert peers.asked == ["flagged", f"gather_from {world}", "max_floats"]
+    assert view.named(world - 1) is view.flagged[-1] and view.named(world) is None
