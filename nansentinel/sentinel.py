@@ -203,6 +203,7 @@ class Sentinel:
                 watchdog_deadline(cfg.exchange_timeout), self._on_timeout, settled=self._settled,
                 on_late=self.exchange.check_in, late_after=late_after(cfg.exchange_timeout),
             )
+            self.exchange.armed_for = self.watchdog.armed_for  # a diagnosis's wait (exchange.py)
             # Inside the group's own timeout, now and whenever it changes (watchdog.py).
             fit = TimeoutFit(self.exchange, cfg.exchange_timeout, self.watchdog,
                              speak=self.rank == 0)

@@ -7,12 +7,16 @@ first collective is launched and disarmed when the step's exchange completes; if
 passes, it calls ``on_expire`` from its own thread — the sentinel names the missing ranks there
 and ends the process, as NCCL's own watchdog does, so that torchrun can restart or end the job.
 
-It also speaks for its rank while the step is merely slow. A live rank can be blocked in C++
+It also speaks for its rank when the step has stalled. A live rank can be blocked in C++
 waiting on a live peer (gloo's ring: rank 0 waits on rank 1, which is busy naming the dead rank
 2) and only notice the failure after that peer has given up, so "it noticed in time" cannot be
-the test of life. Once a step has been armed ``late_after`` seconds, the watchdog calls
+the test of life. Once a step has been armed ``late_after`` seconds (the exchange's timeout:
+``exchange.late_after``) with its collectives still unfinished, the watchdog calls
 ``on_late(step)`` once — the exchange checks this rank in at the store, from this thread, which
-no collective blocks. A killed or frozen (SIGSTOP) process has no running thread to do so.
+no collective blocks. A killed or frozen (SIGSTOP) process has no running thread to do so. A
+step that is merely slow (a long backward, a pause before ``step()``) never gets there, so a
+healthy step never talks to the store; the first rank to diagnose a failure waits for that
+point, counted from its own arming (:meth:`Watchdog.armed_for`).
 
 Arming and disarming are two attribute writes: the normal step pays nothing else.
 
@@ -59,10 +63,11 @@ class Watchdog:
         on_expire: called from the watchdog thread with the armed step.
         settled: says whether the armed collectives have in fact completed; a step whose
             collectives completed but that the loop never decided (it stopped after backward)
-            must not kill the process later, so expiry asks this first.
+            must not kill the process later, so expiry asks this first, and neither is such a
+            step late.
         on_late: called once per armed step, from the watchdog thread, when the step has been
-            armed ``late_after`` seconds (before expiry), in a thread of its own so that it
-            cannot delay the expiry; exceptions are the callee's to handle.
+            armed ``late_after`` seconds (before expiry) and is not settled, in a thread of its
+            own so that it cannot delay the expiry; exceptions are the callee's to handle.
         late_after: seconds from :meth:`arm` to ``on_late``.
         clock: monotonic clock (injected by tests).
         poll: how often the thread looks, in seconds.
@@ -89,8 +94,8 @@ class Watchdog:
         self.on_poll = on_poll
         self._max_poll = poll
         self.retime(timeout, late_after)
-        # (step, deadline, time of on_late)
-        self._armed: tuple[int, float, float] | None = None
+        # (step, deadline, time of on_late, time armed)
+        self._armed: tuple[int, float, float, float] | None = None
         self._late_done: int | None = None
         self._stop = threading.Event()
         self.expired: int | None = None
@@ -110,7 +115,7 @@ class Watchdog:
         """Start the deadline for ``step`` unless it is already running."""
         if self._armed is None:
             now = self.clock()
-            self._armed = (step, now + self.timeout, now + self.late_after)
+            self._armed = (step, now + self.timeout, now + self.late_after, now)
 
     def restart(self, step: int) -> None:
         """Count the deadline of ``step`` from now: a collective was just launched. Under
@@ -118,7 +123,13 @@ class Watchdog:
         only at ``step()``; the deadline bounds the wait on the collectives, never the user's
         own time between micro-batches."""
         now = self.clock()
-        self._armed = (step, now + self.timeout, now + self.late_after)
+        self._armed = (step, now + self.timeout, now + self.late_after, now)
+
+    def armed_for(self, step: int) -> float | None:
+        """Seconds ``step`` has been armed (since its last :meth:`restart`), None when it is
+        not the armed step."""
+        armed = self._armed
+        return self.clock() - armed[3] if armed is not None and armed[0] == step else None
 
     def disarm(self) -> None:
         self._armed = None
@@ -142,7 +153,8 @@ class Watchdog:
             if armed is None:
                 continue
             now = self.clock()
-            if self.on_late is not None and now > armed[2] and self._late_done != armed[0]:
+            if (self.on_late is not None and now > armed[2] and self._late_done != armed[0]
+                    and not self.settled()):
                 self._late_done = armed[0]
                 # Its own thread: a store that does not answer must not delay the expiry.
                 self._late_thread = threading.Thread(
@@ -167,9 +179,11 @@ def watchdog_deadline(timeout: float) -> float:
 
 def naming_seconds(timeout: float) -> float:
     """Seconds from a step's arming until a rank that noticed nothing has named the missing
-    ranks: the watchdog's deadline, then the diagnosis, which waits up to two graces at the
-    store (the check-ins, then the first diagnosing rank's answer)."""
-    return watchdog_deadline(timeout) + 2 * diagnosis_grace(timeout)
+    ranks: the watchdog's deadline, then the diagnosis. By the deadline the live ranks have
+    checked in (at ``late_after``, the timeout) and the first diagnosing rank's own look is
+    due (its arming, the timeout and a grace): it looks at once, and the others wait up to
+    one grace for its answer."""
+    return watchdog_deadline(timeout) + diagnosis_grace(timeout)
 
 
 def group_timeout(group: dist.ProcessGroup | None) -> float | None:
@@ -196,7 +210,7 @@ def fitted_timeout(configured: float, group_seconds: float | None) -> float | No
     """The longest exchange timeout, at most ``configured`` and in tenths of a second, whose
     naming (:func:`naming_seconds`) ends a second (the flight recorder's dump, the exit) before
     the group's own timeout; ``configured`` when it fits or the group's is unknown, None when
-    none fits (a group timeout under 18 s)."""
+    none fits (a group timeout under about 13 s)."""
     if group_seconds is None:
         return configured
     limit = group_seconds - _EXIT_MARGIN_S

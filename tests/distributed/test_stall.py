@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from nansentinel.exitcodes import EXIT_EXCHANGE_TIMEOUT
-from tests.distributed.harness import run_ranks
+from tests.distributed.harness import run_ranks, values
 from tests.distributed.workers import stall
 
 TIMEOUT = 4.0
@@ -42,3 +42,21 @@ def test_frozen_rank_is_named_and_the_others_exit_within_the_timeout(tmp_path: P
         assert verdict["outcome"] == "exchange_timeout" and verdict["missing"] == [1]
         assert "no answer from rank 1 (host1)" in verdict["message"]
     assert not (run_dir / "verdicts" / "rank-1.json").exists()
+
+
+@pytest.mark.timeout(120)
+def test_slow_healthy_steps_never_talk_to_the_store(tmp_path: Path) -> None:
+    """Two healthy steps 4 s slow on 2 ranks, with an 8 s exchange timeout: one slow inside
+    the backward (the step armed, its exchange not yet launched), one between backward and
+    step() (armed, collectives done). Before, a step armed 2.5 s checked every rank in at the
+    store (set, add, delete_key), leaving keys behind; now nothing is asked of the store."""
+    from tests.distributed.workers import slow_steps
+
+    results = values(run_ranks(slow_steps, 2, tmp_path, exchange_timeout=8.0, pause=4.0,
+                               report_dir=str(tmp_path / "r"), timeout=100))
+    for r in results:
+        assert r["outcomes"] == ["applied"] * 4, r
+        assert r["requests"] == {}, r
+        assert r["late_after"] == 8.0
+        armed = r["armed_in_backward"]  # the pause in the backward came after the first bucket
+        assert armed == [True], r

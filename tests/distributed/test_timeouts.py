@@ -51,8 +51,8 @@ def test_a_shorter_group_timeout_shortens_the_deadline_on_every_rank(tmp_path: P
 
     results = values(run_ranks(fitted, 2, tmp_path, timeout=90))
     for r in results:
-        assert r["first"] == (27.0, watchdog_deadline(27.0))  # 27 + 3 * 10 + 2 < 60
-        assert r["later"] == 14.8  # 14.8 + 3 * 7.4 + 2 = 40 - 1
+        assert r["first"] == (37.0, watchdog_deadline(37.0))  # 37 + 2 * 10 + 2 = 60 - 1
+        assert r["later"] == 18.5  # 18.5 + 2 * 9.25 + 2 = 40 - 1
     assert len(results[0]["warnings"]) == 2 and not results[1]["warnings"]
     assert "group's timeout (60 s)" in results[0]["warnings"][0]
     assert "group's timeout (40 s)" in results[0]["warnings"][1]

@@ -174,3 +174,92 @@ def slow_report(rank: int, world: int, *, report_dir: str) -> dict[str, Any]:
         on_disk = sorted(p.name for p in pathlib.Path(report_dir).glob("incident-*step*.json"))
         return {"step": exc.result.step, "reports_on_disk": on_disk}
     return {"step": None, "reports_on_disk": []}
+
+
+#: Seconds _SlowBackward sleeps in the backward, and what it calls first (a probe).
+_SLOW: list[Any] = [0.0, None]
+
+
+class _SlowBackward(torch.autograd.Function):
+    """Sleeps ``_SLOW[0]`` seconds in the backward: a slow backward between two buckets."""
+
+    @staticmethod
+    def forward(ctx, x):  # type: ignore[no-untyped-def]
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[no-untyped-def]
+        import time
+
+        if _SLOW[1] is not None:
+            _SLOW[1]()
+        time.sleep(_SLOW[0])
+        return grad
+
+
+def slow_steps(rank: int, world: int, *, exchange_timeout: float, pause: float,
+               report_dir: str) -> dict[str, Any]:
+    """Healthy steps made ``pause`` seconds slow, once inside the backward (between two
+    gradient buckets: armed, the exchange not launched yet) and once between backward and
+    ``step()`` (armed, the collectives done): every store request the sentinel makes after
+    its construction is counted."""
+    import collections
+
+    from nansentinel import exchange
+
+    class Counting:
+        def __init__(self, store: Any) -> None:
+            self.store = store
+
+        def __getattr__(self, name: str) -> Any:
+            method = getattr(self.store, name)
+
+            def counted(*args: Any, **kwargs: Any) -> Any:
+                requests[name] += 1
+                return method(*args, **kwargs)
+
+            return counted
+
+    requests: collections.Counter[str] = collections.Counter()
+    torch.manual_seed(0)
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            # The last layer fills DDP's first bucket (1 MB) alone: the pause comes after it.
+            self.first, self.last = nn.Linear(64, 600), nn.Linear(600, 600)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.last(_SlowBackward.apply(torch.relu(self.first(x))))
+
+    model = DDP(Net(), bucket_cap_mb=0.01)  # a bucket per layer: the pause lies between them
+    armed: list[bool] = []
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    sentinel = nansentinel.Sentinel(model, opt, report_dir=report_dir,
+                                    exchange_timeout=exchange_timeout)
+    real = exchange._default_store
+    exchange._default_store = lambda: (lambda s: Counting(s) if s is not None else None)(real())
+    late_after = exchange.late_after(sentinel.exchange.timeout)
+    outcomes = []
+    try:
+        for step in range(4):
+            _SLOW[0] = pause if step == 1 else 0.0
+            probe = lambda: armed.append(sentinel.watchdog._armed is not None)  # noqa: E731
+            _SLOW[1] = probe if step == 1 else None
+            seed = torch.Generator().manual_seed(step * world + rank)
+            x = sentinel.check_batch(torch.randn(8, 64, generator=seed))
+            loss = model(x).square().mean()
+            sentinel.check_loss(loss)
+            loss.backward()
+            if step == 2:
+                import time
+
+                time.sleep(pause)
+            outcomes.append(str(sentinel.step().outcome))
+            opt.zero_grad()
+        sentinel.close()
+    finally:
+        exchange._default_store = real
+        _SLOW[:] = [0.0, None]
+    return {"requests": dict(requests), "outcomes": outcomes, "late_after": late_after,
+            "armed_in_backward": armed}

@@ -185,3 +185,52 @@ def test_a_failed_bucket_future_becomes_the_steps_diagnosis() -> None:
     with pytest.raises(RuntimeError, match="collectives of step 3 failed or timed out") as info:
         chained.wait()
     assert "Connection reset by peer" in str(info.value)
+
+
+class _Store:
+    """Records the store requests of the late check-in."""
+
+    def __init__(self) -> None:
+        self.keys: dict[str, int] = {}
+        self.requests: list[str] = []
+
+    def set(self, key: str, value: str) -> None:
+        self.requests.append(f"set {key}")
+        self.keys[key] = 1
+
+    def add(self, key: str, n: int) -> int:
+        self.requests.append(f"add {key}")
+        self.keys[key] = self.keys.get(key, 0) + n
+        return self.keys[key]
+
+    def delete_key(self, key: str) -> bool:
+        self.requests.append(f"delete {key}")
+        return self.keys.pop(key, None) is not None
+
+
+def test_check_ins_leave_a_bounded_number_of_keys(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each check-in removes this rank's key and the count and answer of the step it last
+    checked in for: however many steps check in, the keys stay those of the last."""
+    from nansentinel import exchange as module
+
+    store = _Store()
+    monkeypatch.setattr(module, "_default_store", lambda: store)
+    exchange = HealthExchange(None, CPU, 4.0)
+    exchange.world_size = 1  # the count completes: the answer key is written too
+    for step in range(5, 50, 4):
+        exchange.check_in(step)
+        exchange.check_in(step)  # once per step
+    prefix = f"nansentinel/arrived/{exchange._attempt}/49"
+    assert sorted(store.keys) == [f"{prefix}/0", f"{prefix}/count", f"{prefix}/missing"]
+    assert len(store.requests) == 3 + 6 * 11  # no second request for a step checked in
+
+
+def test_the_first_diagnosing_rank_looks_after_the_blocked_ranks_checked_in() -> None:
+    """They check in once their step has been armed the timeout (late_after): the first rank
+    to diagnose waits until its own arming plus the timeout and a grace."""
+    exchange = HealthExchange(None, CPU, 4.0)  # grace 5 s
+    assert exchange._look_in(3) == 9.0  # no watchdog: from now
+    exchange.armed_for = lambda step: {3: 0.5, 4: 20.0}.get(step)
+    assert exchange._look_in(3) == 8.5  # a peer died at once: wait for the blocked ones
+    assert exchange._look_in(4) == 0.1  # the watchdog's expiry: they have checked in
+    assert exchange._look_in(5) == 9.0  # not the armed step

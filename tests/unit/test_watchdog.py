@@ -63,6 +63,43 @@ def test_a_late_step_is_reported_once_before_expiry() -> None:
     dog.close()
 
 
+def test_a_slow_step_whose_collectives_finished_is_not_late() -> None:
+    """A pause after backward, before ``step()``: the collectives completed, so the rank is
+    not blocked in one and its watchdog never checks it in (no store request)."""
+    late: list[int] = []
+    dog = Watchdog(5.0, lambda step: None, on_late=late.append, late_after=0.05, poll=0.01,
+                   settled=lambda: True)
+    dog.arm(1)
+    time.sleep(0.3)
+    assert late == []
+    dog.close()
+
+
+def test_armed_for_counts_from_the_arming_of_that_step_only() -> None:
+    now = [100.0]
+    dog = Watchdog(5.0, lambda step: None, clock=lambda: now[0], poll=10.0)
+    assert dog.armed_for(3) is None
+    dog.arm(3)
+    now[0] = 102.5
+    assert dog.armed_for(3) == 2.5 and dog.armed_for(4) is None
+    dog.restart(3)  # a collective launched now: counted from here
+    assert dog.armed_for(3) == 0.0
+    dog.disarm()
+    assert dog.armed_for(3) is None
+    dog.close()
+
+
+def test_the_late_check_in_is_at_the_timeout_and_the_naming_fits_after_it() -> None:
+    from nansentinel.exchange import diagnosis_grace, late_after
+    from nansentinel.watchdog import naming_seconds, watchdog_deadline
+
+    for timeout in (4.0, 27.0, 300.0):
+        assert late_after(timeout) == timeout  # a slow healthy step never checks in
+        # The first diagnosing rank's look (arming + timeout + grace) is due by the deadline.
+        assert late_after(timeout) + diagnosis_grace(timeout) <= watchdog_deadline(timeout)
+        assert naming_seconds(timeout) == watchdog_deadline(timeout) + diagnosis_grace(timeout)
+
+
 def test_each_launched_collective_restarts_the_deadline() -> None:
     """Gradient accumulation under FSDP2: a reduce-scatter per micro-batch, the user's own work
     between them. The deadline counts from the last collective launched, not the first."""
@@ -93,7 +130,7 @@ def test_fitted_timeout_ends_the_naming_before_the_groups_timeout() -> None:
     assert fitted_timeout(300.0, 1800.0) == 300.0  # gloo's default: it fits
     fitted = fitted_timeout(300.0, 100.0)  # torchtitan after step 1
     assert fitted is not None and 60.0 < fitted < 100.0
-    assert fitted == 67.0 and naming_seconds(fitted) == 99.0  # a second left to exit in
+    assert fitted == 77.0 and naming_seconds(fitted) == 99.0  # a second left to exit in
     assert fitted_timeout(10.0, 12.0) is None  # no timeout leaves room to name anyone
 
 
@@ -134,7 +171,7 @@ def test_a_short_gloo_group_timeout_clamps_the_deadline_and_is_rechecked(
         with caplog.at_level(logging.INFO, logger="nansentinel"):
             fit = TimeoutFit(exchange, 300.0, dog, speak=True)
         clamped = exchange.timeout
-        assert clamped == 27.0 and naming_seconds(clamped) == 59.0
+        assert clamped == 37.0 and naming_seconds(clamped) == 59.0
         assert dog.timeout == watchdog_deadline(clamped)
         assert dog.late_after == late_after(clamped)
         # The default shortened is said (INFO); a value the user chose is warned about.
@@ -142,12 +179,12 @@ def test_a_short_gloo_group_timeout_clamps_the_deadline_and_is_rechecked(
         (warning,) = [r.getMessage() for r in caplog.records]
         assert "group's timeout (60 s)" in warning and "exchange_timeout=300 s" in warning
         assert "NANSENTINEL_EXCHANGE_TIMEOUT" in warning
-        assert "waits 27 s" in warning and "at most 27 s" in warning
+        assert "waits 37 s" in warning and "at most 37 s" in warning
         caplog.clear()
         with caplog.at_level(logging.INFO, logger="nansentinel"):
             chosen = SimpleNamespace(group=None, timeout=200.0)
             TimeoutFit(chosen, 200.0, Watchdog(1.0, lambda step: None), speak=True).watchdog.close()
-        assert chosen.timeout == 27.0 and [r.levelno for r in caplog.records] == [logging.WARNING]
+        assert chosen.timeout == 37.0 and [r.levelno for r in caplog.records] == [logging.WARNING]
         assert "exchange_timeout=200 s" in caplog.records[0].getMessage()
         caplog.clear()
         fit.check()  # unchanged: nothing said again
