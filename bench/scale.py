@@ -25,7 +25,8 @@ Each world size runs in a fresh process (so that memory is its own), in rounds w
 rotates; a step's figures are medians over every round. Memory is the growth of the process's
 RSS from just before the Sentinel is built to the end of the run: the process's own RSS also
 grows with W before that (torch's DDP on the fake backend: about +70 MB at 131,072), which is
-not the sentinel's.
+not the sentinel's. Beside each detection's wall time, its CPU time in the training thread
+(``time.thread_time``): on a shared box other processes stretch the first, hardly the second.
 
     python bench/scale.py                      # W = 8, 1,024, 16,384, 131,072; 3 rounds
     python bench/scale.py --worlds 8,131072 --rounds 2 --json out.json
@@ -142,6 +143,7 @@ def one_world(world: int, steps: int, detections: int) -> dict[str, Any]:
         sent[0] = 0
         own[0] = 0.0
         wire.simulated = 0.0
+        cpu0 = time.thread_time()
         t0 = time.perf_counter()
         data = {"x": torch.randn(32, 64), "y": torch.randint(0, 10, (32,))}
         batch = timed(sentinel.check_batch, data)
@@ -153,9 +155,11 @@ def one_world(world: int, steps: int, detections: int) -> dict[str, Any]:
         result = timed(sentinel.step)  # with the (small) SGD step it launches
         opt.zero_grad(set_to_none=True)
         sentinel_ms.append(own[0] * 1e3)
+        cpu_ms.append((time.thread_time() - cpu0 - wire.simulated) * 1e3)
         return time.perf_counter() - t0 - wire.simulated, sent[0] - grad_bytes, result.outcome
 
     sentinel_ms: list[float] = []
+    cpu_ms: list[float] = []  # the step's CPU time in this thread: what a busy box inflates least
 
     for _ in range(5):
         one_step()
@@ -167,6 +171,7 @@ def one_world(world: int, steps: int, detections: int) -> dict[str, Any]:
     scenarios = {"one": [world - 1], "some": list(range(world - some, world)),
                  "every": list(range(world))}
     detected: dict[str, list[tuple[float, int]]] = {}
+    detected_cpu: dict[str, list[float]] = {}
     for name, ranks in scenarios.items():
         totals = poisoned_totals(ranks)
         detected[name] = []
@@ -177,6 +182,7 @@ def one_world(world: int, steps: int, detections: int) -> dict[str, Any]:
             assert outcome == "skipped", outcome
             assert wire.unused() == 0, f"{name}: {wire.unused()} simulated collectives unused"
             detected[name].append((seconds, nbytes))
+            detected_cpu.setdefault(name, []).append(cpu_ms[-1])
             for _ in range(3):  # healthy steps between detections
                 one_step()
     rss_after = proc.memory_info().rss
@@ -187,6 +193,7 @@ def one_world(world: int, steps: int, detections: int) -> dict[str, Any]:
         "healthy_own_ms": healthy_own,
         "healthy_bytes": max(b for _, b, _ in healthy),
         **{f"{name}_ms": [s * 1e3 for s, _ in runs] for name, runs in detected.items()},
+        **{f"{name}_cpu_ms": runs for name, runs in detected_cpu.items()},
         "named": {name: len(ranks) for name, ranks in scenarios.items()},
         "detection_bytes": max(b for _, b in detected["one"]),
         "every_bytes": max(b for _, b in detected["every"]),
@@ -306,6 +313,7 @@ def _summary(runs: list[dict[str, Any]], worlds: list[int]) -> list[dict[str, An
             times = [x for r in mine for x in r[f"{name}_ms"]]
             row[f"{name}_median_ms"] = statistics.median(times)
             row[f"{name}_max_ms"] = max(times)
+            row[f"{name}_cpu_ms"] = statistics.median(x for r in mine for x in r[f"{name}_cpu_ms"])
         rows.append(row)
     base = rows[0]
     for row in rows:
@@ -329,14 +337,14 @@ def _table(rows: list[dict[str, Any]]) -> str:
             f"{r['rss_growth_mb']:.1f} ({r['growth_vs_first_mb']:+.1f}) | {r['rss_mb']:.0f} | "
             f"{r['healthy_bytes']} |"
         )
-    lines += ["", "| W | one bad rank: median ms (max) | named ranks | some named: median ms "
-              "(max) | every rank named: median ms (max) | bytes sent: one bad rank / every "
-              "rank named |", "|---:|---:|---:|---:|---:|---:|"]
+    lines += ["", "| W | one bad rank: median ms (max) / CPU ms | named ranks | some named: "
+              "median ms (max) / CPU ms | every rank named: median ms (max) / CPU ms | bytes "
+              "sent: one bad rank / every rank named |", "|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
+        cells = [f"{r[f'{n}_median_ms']:.1f} ({r[f'{n}_max_ms']:.1f}) / {r[f'{n}_cpu_ms']:.1f}"
+                 for n in DETECTIONS]
         lines.append(
-            f"| {r['world']:,} | {r['one_median_ms']:.1f} ({r['one_max_ms']:.1f}) | "
-            f"{r['named']['some']} | {r['some_median_ms']:.1f} ({r['some_max_ms']:.1f}) | "
-            f"{r['every_median_ms']:.1f} ({r['every_max_ms']:.1f}) | "
+            f"| {r['world']:,} | {cells[0]} | {r['named']['some']} | {cells[1]} | {cells[2]} | "
             f"{r['detection_bytes']:,} / {r['every_bytes']:,} |"
         )
     return "\n".join(lines)

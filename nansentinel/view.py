@@ -314,9 +314,9 @@ class RankHealth:
          quarantined, spikes, reached, boundary, groups) = w
         return cls(
             RankIdentity(int(rank), int(local_rank), world_size, host, device, gpu, uuid),
-            tuple(kinds), bool(injected), loss, grad_norm, bool(quarantined),
+            _shared(kinds), bool(injected), loss, grad_norm, bool(quarantined),
             {str(k): float(v) for k, v in spikes.items()} if spikes else {}, bool(reached),
-            tuple(boundary), tuple(groups),
+            _shared(boundary), _shared(groups),
         )
 
     @classmethod
@@ -380,3 +380,17 @@ class ClusterView:
 
 def _rank_of(r: RankHealth) -> int:
     return r.rank
+
+
+#: The few distinct kinds, boundaries and group lists of named rows, each held once.
+_SHARED: dict[tuple[str, ...], tuple[str, ...]] = {}
+
+
+def _shared(items: list[str]) -> tuple[str, ...]:
+    """``tuple(items)``, one object for equal tuples: 131,072 rows naming the same kinds and
+    groups hold two tuples, not 262,144, which the garbage collector would walk once more
+    after the detection."""
+    t = tuple(items)
+    if len(_SHARED) > 4096:  # bounded: a stray variety cannot grow it
+        _SHARED.clear()
+    return _SHARED.setdefault(t, t)
