@@ -51,8 +51,10 @@ WORLDS = (8, 1_024, 16_384, 131_072)
 DETECTIONS = ("one", "some", "every")
 
 
-def one_world(world: int, steps: int, detections: int) -> dict[str, Any]:
-    """Rank 0 of ``world`` on the fake backend: construction, healthy steps, detections."""
+def one_world(world: int, steps: int, detections: int,
+              kinds: tuple[str, ...] = DETECTIONS) -> dict[str, Any]:
+    """Rank 0 of ``world`` on the fake backend: construction, healthy steps, detections (of
+    ``kinds``: see :data:`DETECTIONS`)."""
     import psutil
     import torch
     import torch.distributed as dist
@@ -168,8 +170,9 @@ def one_world(world: int, steps: int, detections: int) -> dict[str, Any]:
     healthy_own = list(sentinel_ms)
     assert all(o == "applied" for _, _, o in healthy), healthy
     some = min(64, world // 2)
-    scenarios = {"one": [world - 1], "some": list(range(world - some, world)),
-                 "every": list(range(world))}
+    scenarios = {name: ranks for name, ranks in (
+        ("one", [world - 1]), ("some", list(range(world - some, world))),
+        ("every", list(range(world)))) if name in kinds}
     detected: dict[str, list[tuple[float, int]]] = {}
     detected_cpu: dict[str, list[float]] = {}
     for name, ranks in scenarios.items():
@@ -195,8 +198,7 @@ def one_world(world: int, steps: int, detections: int) -> dict[str, Any]:
         **{f"{name}_ms": [s * 1e3 for s, _ in runs] for name, runs in detected.items()},
         **{f"{name}_cpu_ms": runs for name, runs in detected_cpu.items()},
         "named": {name: len(ranks) for name, ranks in scenarios.items()},
-        "detection_bytes": max(b for _, b in detected["one"]),
-        "every_bytes": max(b for _, b in detected["every"]),
+        **{f"{name}_bytes": max(b for _, b in runs) for name, runs in detected.items()},
         "construction_s": construction,
         "rss_mb": rss_after / 2**20,
         "rss_growth_mb": (rss_after - rss_before) / 2**20,
@@ -305,15 +307,18 @@ def _summary(runs: list[dict[str, Any]], worlds: list[int]) -> list[dict[str, An
             "rss_mb": statistics.median(r["rss_mb"] for r in mine),
             "rss_growth_mb": statistics.median(r["rss_growth_mb"] for r in mine),
             "healthy_bytes": max(r["healthy_bytes"] for r in mine),
-            "detection_bytes": max(r["detection_bytes"] for r in mine),
-            "every_bytes": max(r["every_bytes"] for r in mine),
             "named": mine[0]["named"],
         }
-        for name in DETECTIONS:
+        for name in mine[0]["named"]:
+            row[f"{name}_bytes"] = max(r[f"{name}_bytes"] for r in mine)
             times = [x for r in mine for x in r[f"{name}_ms"]]
             row[f"{name}_median_ms"] = statistics.median(times)
             row[f"{name}_max_ms"] = max(times)
             row[f"{name}_cpu_ms"] = statistics.median(x for r in mine for x in r[f"{name}_cpu_ms"])
+        if "one" in row["named"]:  # the names of the figures from before the other detections
+            row["detection_median_ms"], row["detection_max_ms"] = (row["one_median_ms"],
+                                                                   row["one_max_ms"])
+            row["detection_bytes"] = row["one_bytes"]
         rows.append(row)
     base = rows[0]
     for row in rows:
@@ -337,16 +342,17 @@ def _table(rows: list[dict[str, Any]]) -> str:
             f"{r['rss_growth_mb']:.1f} ({r['growth_vs_first_mb']:+.1f}) | {r['rss_mb']:.0f} | "
             f"{r['healthy_bytes']} |"
         )
-    lines += ["", "| W | one bad rank: median ms (max) / CPU ms | named ranks | some named: "
-              "median ms (max) / CPU ms | every rank named: median ms (max) / CPU ms | bytes "
-              "sent: one bad rank / every rank named |", "|---:|---:|---:|---:|---:|---:|"]
+    kinds = [n for n in DETECTIONS if n in rows[0]["named"]]
+    words = {"one": "one bad rank", "some": "some named", "every": "every rank named"}
+    lines += ["", "| W | " + " | ".join(
+        f"{words[n]}{' (named)' if n == 'some' else ''}: median ms (max) / CPU ms"
+        for n in kinds) + " | bytes sent: " + " / ".join(words[n] for n in kinds) + " |",
+        "|---:|" + "---:|" * (len(kinds) + 1)]
     for r in rows:
         cells = [f"{r[f'{n}_median_ms']:.1f} ({r[f'{n}_max_ms']:.1f}) / {r[f'{n}_cpu_ms']:.1f}"
-                 for n in DETECTIONS]
-        lines.append(
-            f"| {r['world']:,} | {cells[0]} | {r['named']['some']} | {cells[1]} | {cells[2]} | "
-            f"{r['detection_bytes']:,} / {r['every_bytes']:,} |"
-        )
+                 + (f" ({r['named']['some']})" if n == "some" else "") for n in kinds]
+        lines.append(f"| {r['world']:,} | " + " | ".join(cells) + " | "
+                     + " / ".join(f"{r[f'{n}_bytes']:,}" for n in kinds) + " |")
     return "\n".join(lines)
 
 
@@ -357,11 +363,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=3, help="processes per world size")
     parser.add_argument("--steps", type=int, default=55, help="healthy steps per process")
     parser.add_argument("--detections", type=int, default=5, help="detections per process")
+    parser.add_argument("--detect", default=",".join(DETECTIONS),
+                        help="the detections to time: one (rank W-1), some (min(64, W/2) "
+                             "named), every (every rank named: a global NaN)")
     parser.add_argument("--json", help="write the figures here too")
     parser.add_argument("--one", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.one:
-        print(json.dumps(one_world(args.one, args.steps, args.detections)))
+        print(json.dumps(one_world(args.one, args.steps, args.detections,
+                                   tuple(args.detect.split(",")))))
         return 0
     worlds = [int(w) for w in args.worlds.split(",")]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(
@@ -372,7 +382,7 @@ def main(argv: list[str] | None = None) -> int:
         for w in order:
             out = subprocess.run(
                 [sys.executable, __file__, "--one", str(w), "--steps", str(args.steps),
-                 "--detections", str(args.detections)],
+                 "--detections", str(args.detections), "--detect", args.detect],
                 capture_output=True, text=True, env=env, check=False, timeout=600,
             )
             if out.returncode != 0:
