@@ -228,12 +228,12 @@ class Wire:
             self._plan.append(("flagged", ranks))
         speakers = sorted({*ranks, *([] if len(ranks) == self.world else [_candidate(ranks,
                                                                                     self.world)])})
-        self._plan.append(("sizes", [_encoded(r, self.world, r in named, True)
+        self._plan.append(("sizes", [_encoded(r, r in named, True)
                                      for r in speakers if r != 0]))
         self._plan.append(("bytes", None))
         reported = sorted({*ranks[:64], *([] if len(ranks) == self.world else [_candidate(
             ranks, self.world)])})
-        self._plan.append(("sizes", [_encoded(r, self.world, r in named, False)
+        self._plan.append(("sizes", [_encoded(r, r in named, False)
                                      for r in reported if r != 0]))
         self._plan.append(("bytes", None))
         self._speakers_of = [speakers, reported]
@@ -274,7 +274,7 @@ def _candidate(ranks: list[int], world: int) -> int:
     return candidate
 
 
-def _encoded(rank: int, world: int, bad: bool, rows: bool) -> bytes:
+def _encoded(rank: int, bad: bool, rows: bool) -> bytes:
     """What a named rank sends: its row (the detection), or its incident detail."""
     if rows:  # RankHealth.to_wire
         return json.dumps([
