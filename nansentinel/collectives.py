@@ -70,7 +70,7 @@ class Peers:
             return {}
         mine = bisect.bisect_left(speakers, self.rank)
         speaking = mine < len(speakers) and speakers[mine] == self.rank
-        text = json.dumps(payload).encode() if speaking else b""
+        text = _dumps(payload, self.rank) if speaking else b""
         if self.alone:
             return {self.rank: json.loads(text)} if speaking else {}
         sizes = torch.zeros(len(speakers), dtype=torch.int64, device=self.comm_device)
@@ -161,6 +161,18 @@ class Peers:
         if not self.alone:
             dist.all_reduce(t, group=self.group)
         return t.tolist()
+
+
+def _dumps(payload: object, rank: int) -> bytes:
+    """``payload`` as JSON bytes (NaN allowed on this wire); one that JSON cannot hold becomes
+    an ``{"error": …}`` object instead of an exception, since a speaker that raised here would
+    leave every other rank waiting in the gather."""
+    try:
+        return json.dumps(payload).encode()
+    except (TypeError, ValueError) as exc:
+        log.error("nansentinel: rank %d could not share its detail (%s); sent without it",
+                  rank, exc)
+        return json.dumps({"error": f"{type(exc).__name__}: {exc}"}).encode()
 
 
 #: Leaf types that travel between ranks and load with ``torch.load(weights_only=True)``.
