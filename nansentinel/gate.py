@@ -35,15 +35,24 @@ from nansentinel.view import T_BAD_BATCH, T_BAD_GRAD, T_QUARANTINED, OwnRow, Tot
 
 
 def device_gate_refusal(
-    optimizer: torch.optim.Optimizer, *, scaler: Any, config: Any, path: str
+    optimizer: torch.optim.Optimizer, *, scaler: Any, config: Any, path: str,
+    pipelined: bool = False,
 ) -> str | None:
     """Why the device gate cannot take this run (None: it can).
 
     The gate needs an optimizer that reads ``found_inf`` (torch's fused ones set
     ``_step_supports_amp_scaling``), a decision the device can take (no spike action other than
-    ``warn``), no GradScaler (its own ``found_inf`` would have to be merged) and a DDP or local
-    gradient path (FSDP2's sharded optimizer state is not measured yet).
+    ``warn``), no GradScaler (its own ``found_inf`` would have to be merged), a DDP or local
+    gradient path (FSDP2's sharded optimizer state is not measured yet), and no pipeline: the
+    gate decides a step at each rank's next sentinel call, and under a pipeline schedule the
+    stages make their next call at different points (the first stage at ``check_batch``
+    before the schedule, the last at ``check_loss`` inside it, middle stages at ``step()``),
+    so a detection's collectives on one stage would wait for activations the others cannot
+    send until it returns.
     """
+    if pipelined:
+        return ("pipeline stages reach their next sentinel call at different points of the "
+                "schedule, where a detection's collectives would not pair up")
     if not getattr(optimizer, "_step_supports_amp_scaling", False):
         return (
             f"{type(optimizer).__name__} is not fused (it cannot skip a step on the device); "
@@ -149,6 +158,8 @@ class Pending:
     reads them even when the user has already zeroed (set to None) the gradients."""
     skipped: bool = False
     """The host had decided to skip already (batches discarded after a rollback)."""
+    buffers: int = 0
+    """Floating buffers put back on the device if the step was skipped (buffers.py)."""
 
     def values(self) -> list[float]:
         """The summed vector as host floats. Waits for the copy only if it has not landed
@@ -174,6 +185,11 @@ class Pending:
             return totals.injected > 0
         return {"local_kinds": list(own.kinds), "local_loss": own.loss,
                 "local_grad_norm": own.grad_norm}[name]
+
+    def drop_grads(self) -> None:
+        """Let go of the held gradients once the parameters are named: a replay that follows
+        then needs no more memory than a training step (the user may hold them still)."""
+        self.grads = [(p, None) for p, _ in self.grads]
 
     @contextlib.contextmanager
     def grads_restored(self) -> Iterator[None]:

@@ -81,9 +81,11 @@ class SentinelCallback(pl.Callback):
             )
         self._close()  # a second fit() on the same callback starts afresh
         scaler = getattr(trainer.precision_plugin, "scaler", None)
+        overrides = dict(self.overrides)
+        replay = _replay_training_step if overrides.pop("replay", True) else False
         self.sentinel = Sentinel(
-            trainer.strategy.model, trainer.optimizers[0], scaler=scaler,
-            replay=_replay_training_step, **self.overrides,
+            trainer.strategy.model, trainer.optimizers[0], scaler=scaler, replay=replay,
+            **overrides,
         )
         if self._state is not None:
             self.sentinel.load_state_dict(self._state)
@@ -113,7 +115,10 @@ class SentinelCallback(pl.Callback):
     def on_exception(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
     ) -> None:
-        self._close()
+        # No collective: the exception may be this rank's alone (an abort is every rank's,
+        # and its own stop path already met the others).
+        if self.sentinel is not None:
+            self.sentinel.abandon()
 
     # --- checkpoints: the sentinel's counters travel with Lightning's ------------------------
 

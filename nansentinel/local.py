@@ -43,8 +43,9 @@ class LocalHealth:
         self.loss_count = 0
         self.batch: Any = None
         """The last batch checked (kept by reference, for the report and the replay)."""
-        self.ids: Any = None
-        """Its sample ids, one per row, when the caller gave them (kept by reference)."""
+        self.ids: list[tuple[Any, Any]] = []
+        """``(batch, sample ids)`` of every batch checked with ids this step (every
+        micro-batch under gradient accumulation; kept by reference, read after a detection)."""
         self.grad_norms: list[torch.Tensor] = []
         """One 0-d gradient norm per DDP bucket or (device, dtype) group of parameters."""
         self.injected = False

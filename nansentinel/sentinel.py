@@ -28,7 +28,8 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from nansentinel import checks, gradpaths, incident, pipeline, skip_list, stop
+from nansentinel import checks, gradpaths, incident, pipeline, scaling, skip_list, stop
+from nansentinel.buffers import FloatingBuffers
 from nansentinel.collectives import ForwardCollectives, Peers
 from nansentinel.config import SentinelConfig, resolve_hostname
 from nansentinel.curves import Curves
@@ -50,6 +51,7 @@ from nansentinel.result import (
 )
 from nansentinel.scaling import record_skip
 from nansentinel.spikes import SpikeDetector, Spikes
+from nansentinel.verdicts import CLOSED
 from nansentinel.view import ClusterView, OwnRow, Totals, pack
 from nansentinel.watchdog import TimeoutFit, Watchdog, watchdog_deadline
 
@@ -72,7 +74,8 @@ class Sentinel:
             else none: one process).
         registry: a ``prometheus_client.CollectorRegistry`` for the metrics (tests inject one).
         replay: ``fn(module, batch) -> loss``, the forward and loss of one step on the
-            unwrapped module; with it, a detection is replayed to tell data, host and
+            unwrapped module (``False``: the config's ``replay`` off, no replay); with it, a
+            detection is replayed to tell data, host and
             transient faults apart and to find the first non-finite module and parameter.
             Every rank replays in lockstep, so collectives inside ``fn`` pair up. Off under
             FSDP2 (its backward would reduce-scatter through the gradient path being judged).
@@ -98,11 +101,13 @@ class Sentinel:
         group: dist.ProcessGroup | None = None,
         registry: Any = None,
         env: dict[str, str] | None = None,
-        replay: ReplayFn | None = None,
+        replay: ReplayFn | bool | None = None,
         snapshots: tuple[Any, Any] | SnapshotStore | None = None,
         stages: Any = None,
         **overrides: Any,
     ) -> None:
+        if isinstance(replay, bool):  # the config field (keyword > env), not a function
+            overrides["replay"], replay = replay, None
         self.config = cfg = SentinelConfig.from_env(env, **overrides)
         if isinstance(model, list | tuple):  # a pipeline rank's model parts
             model = torch.nn.ModuleList(model)
@@ -176,6 +181,7 @@ class Sentinel:
             gradients=self.gradients, incidents=self.incidents, module=self.module,
             replay=replay if cfg.replay and self.gradients.name != "fsdp" else None,
             anomaly=cfg.replay_anomaly, guarded=self._guarded,
+            spike_report_every=cfg.spike_window,
         )
         #: The replica fingerprint check (replicas.py); None: off, alone, or pure FSDP.
         self.replicas: ReplicaCheck | None = replica_check(
@@ -185,8 +191,14 @@ class Sentinel:
         )
         self._params = params
         self._pending: tuple[Pending, PendingResult] | None = None
+        #: A read-decided step's collective tail, run at the next sentinel call (_resolve).
+        self._tail: Callable[[], None] | None = None
+        #: The floating buffers (BatchNorm statistics) as they were before the step's forward.
+        self.buffers = FloatingBuffers(self.module)
+        self._closed = False
+        self._stopped = False  # the run was stopped here (its verdict is left already)
         #: Set when poisoned steps are skipped on the device (see gate.py); None: host gate.
-        self.device_gate = self._choose_gate(optimizer, scaler)
+        self.device_gate = self._choose_gate(optimizer, scaler, pipelined=bool(pipelined))
         #: The pipeline boundaries this rank checks (pipeline.py), one per stage it holds.
         self.stages = [pipeline.StageWatch(s, self.device) for s in pipelined]
         #: The process groups that ran a collective in the forward (origins.py).
@@ -211,6 +223,7 @@ class Sentinel:
         if cfg.metrics_port:
             self.metrics = _start_metrics(self, registry)
             self.incidents.failed = self.metrics.observe_report_failure
+            self.detector.suppressed = self.metrics.observe_suppressed_report
 
     # --- the three calls of a training loop -------------------------------------------------
 
@@ -232,7 +245,8 @@ class Sentinel:
         if self.local.batch is None and self.local.loss_count == 0:
             self.forward.start()  # the forward begins after the step's first batch check
         if ids is not None:
-            self.local.ids = skip_list.check_ids(ids, batch, rank=self.rank, step=self.step_index)
+            self.local.ids.append(
+                (batch, skip_list.check_ids(ids, batch, rank=self.rank, step=self.step_index)))
         first = next(checks.float_tensors(batch), None)
         if self.injector.poison("batch", self.step_index, first):
             self.local.injected = True
@@ -353,9 +367,10 @@ class Sentinel:
         self._disarm()
         # Waiting for the exchange is waiting for the gradient all-reduce beside it: not ours.
         seconds = self._seconds - (time.perf_counter() - started)
-        result, decision = self._judge(
+        result, decision, tail = self._judge(
             step, values, self.local, seconds, started, optimizer_step=optimizer_step
         )
+        result, decision = tail(result, decision)
         self._reset()
         self.step_index += 1
         self._stop_if(decision, result)
@@ -375,9 +390,11 @@ class Sentinel:
         gate.step(found_inf)
         opt_seconds = time.perf_counter() - opt_started
         self.cooldown.restore(self.optimizer, saved_lr)  # counted at the decision, if applied
+        self.buffers.restore_where(found_inf)  # a skipped step's forward leaves no trace
         grads = held_grads(self._params)
         seconds = self._seconds + time.perf_counter() - started - opt_seconds
-        pending = Pending(step, self.local, seconds, host, event, grads, skip)
+        pending = Pending(step, self.local, seconds, host, event, grads, skip,
+                          buffers=self.buffers.copied)
         self._reset()
         self.step_index += 1
         result = PendingResult(self._decide_if_local, pending.early)
@@ -390,7 +407,9 @@ class Sentinel:
 
     def _decide_if_local(self) -> None:
         """A read of a pending result: decide it now if that needs no collective (nothing
-        was flagged), else say when it will be decided. Never starts a collective."""
+        was flagged), else say when it will be decided. Never starts a collective: what a
+        decided step still owes every rank together (the replica check, a snapshot) waits
+        for this rank's next sentinel call, where every other rank runs it too."""
         if self._pending is None:
             return
         pending, _ = self._pending
@@ -402,12 +421,17 @@ class Sentinel:
                 "Until then only step, applied (the device already skipped it), injected and "
                 "local_* can be read."
             )
-        self._resolve()
+        self._resolve(reading=True)
 
-    def _resolve(self) -> None:
+    def _resolve(self, *, reading: bool = False) -> None:
         """The fixed point of the device gate: decide the step pending there, if any (raises
         its abort). Called on every rank at its next sentinel call, so that a detection's
-        collectives run at the same point everywhere."""
+        collectives run at the same point everywhere. ``reading``: called from a read of the
+        result on this rank alone; the step's collective tail is then left for the next
+        sentinel call."""
+        if not reading and self._tail is not None:
+            tail, self._tail = self._tail, None
+            tail()
         if self._pending is None:
             return
         pending, result = self._pending
@@ -420,9 +444,26 @@ class Sentinel:
         if self.exchange.launched:  # resolved at the next step(): its collectives are armed
             self._arm()
         try:
-            decided, decision = self._judge(
+            decided, decision, tail = self._judge(
                 pending.step, values, pending.local, seconds, started, pending
             )
+            result.set(decided)
+            if reading:  # the tail's collectives run at the next sentinel call, everywhere
+                self._tail = functools.partial(self._deferred, tail, result)
+                return
+            decided, decision = tail(decided, decision)
+            result.set(decided)
+            self._stop_if(decision, decided)
+        except BaseException as exc:
+            result.set(exc)
+            raise
+
+    def _deferred(self, tail: Callable[..., tuple[StepResult, Decision]],
+                  result: PendingResult) -> None:
+        """Run a read-decided step's tail at the next sentinel call (see :meth:`_resolve`)."""
+        decided = result.resolve()
+        try:
+            decided, decision = tail(decided, None)
             result.set(decided)
             self._stop_if(decision, decided)
         except BaseException as exc:
@@ -432,10 +473,15 @@ class Sentinel:
     def _judge(
         self, step: int, values: list[float], local: LocalHealth, seconds: float,
         started: float, pending: Pending | None = None, *, optimizer_step: bool = True,
-    ) -> tuple[StepResult, Decision]:
-        """Decide one step from its exchanged vector and act on it (report, metrics,
-        optimizer or rollback). ``pending``: the optimizer step already ran gated on the
-        device. A healthy step reads the totals alone; a flagged one runs the detection."""
+    ) -> tuple[StepResult, Decision, Callable[..., tuple[StepResult, Decision]]]:
+        """Decide one step from its exchanged vector and act on it (report, optimizer,
+        buffers, scaler or rollback). ``pending``: the optimizer step already ran gated on the
+        device. A healthy step reads the totals alone; a flagged one runs the detection.
+
+        Returns the result, the decision and the step's tail: ``tail(result, decision)``
+        keeps the snapshot, runs the replica check (both may be collectives) and records the
+        metrics, returning the final result and decision. The caller runs it at once, or
+        (a device-gated step decided by a read on one rank) at the next sentinel call."""
         totals, own = Totals.from_values(values), OwnRow.from_values(values)
         view = ClusterView(step, self.world_size, totals)
         if self._needs_detection(totals):
@@ -451,6 +497,7 @@ class Sentinel:
         verdict, detail = self.detector.evidence(
             view, bad, spikes, batch=local.batch,
             grads_restored=pending.grads_restored if pending else contextlib.nullcontext,
+            discard=pending.drop_grads if pending else self._discard_grads,
         ) if bad or spikes else (None, {})
         snapshot_step = self.snapshots.step if self.snapshots is not None else None
         decision = decide(
@@ -462,6 +509,8 @@ class Sentinel:
         )
         rolled_back_to = None
         not_ours = 0.0
+        restored = 0
+        snapshot = False
         if decision.applies and not optimizer_step:
             # The caller steps the optimizer right after: the cooldown is undone and the
             # snapshot taken from the optimizer's post-hook (_callers_step).
@@ -481,31 +530,51 @@ class Sentinel:
                 not_ours = time.perf_counter() - opt_started
             else:
                 self.cooldown.count()
-            self._maybe_snapshot(view)
+            snapshot = True
         else:
             if pending is None:
                 # Discard the poisoned gradients on every rank: weights never take them. (The
                 # device gate skipped them already; by now they may be the next step's.)
                 self.optimizer.zero_grad(set_to_none=True)
-                if not optimizer_step and self.scaler is not None:
+                restored = self.buffers.restore()
+                if self.scaler is not None and not optimizer_step:
                     record_skip(self.scaler, self.optimizer)  # the caller's scaler.step
+                elif self.scaler is not None:
+                    scaling.settle(self.scaler)  # the next step's unscale_ must work
+            else:
+                restored = pending.buffers  # put back on the device at the gated step
             if decision.action == ROLLBACK and self.snapshots is not None:
                 rolled_back_to = self.snapshots.load()
                 self.cooldown.start(self.config.rollback_lr_factor, self.config.rollback_lr_steps)
-        result = self._result(view, own, decision, spikes, verdict, rolled_back_to)
+        result = self._result(view, own, decision, spikes, verdict, rolled_back_to, restored)
         if decision.bad or spikes or decision.action == ROLLBACK:
             result = self.detector.record(
                 view, decision, result, spikes, detail=detail, batch=local.batch,
                 ids=local.ids, quarantine=self.quarantine, curves=self.curves,
             )
-        if self.replicas is not None and not decision.stops:  # after the optimizer step
-            result, decision = self.replicas.check(
-                step, result, decision, self.history, config=self.config, guarded=self._guarded
-            )
-        seconds += time.perf_counter() - started - not_ours
-        if self.metrics is not None:
-            self.metrics.observe_step(result, seconds)
-        return result, decision
+        spent = seconds + time.perf_counter() - started - not_ours
+        judged = decision
+
+        def tail(result: StepResult, decision: Decision | None
+                 ) -> tuple[StepResult, Decision]:
+            tail_started = time.perf_counter()
+            decision = decision if decision is not None else judged
+            if snapshot:
+                self._maybe_snapshot(view)
+            if self.replicas is not None and not decision.stops:  # after the optimizer step
+                result, decision = self.replicas.check(
+                    step, result, decision, self.history, config=self.config,
+                    guarded=self._guarded,
+                )
+            if self.metrics is not None:
+                self.metrics.observe_step(result, spent + time.perf_counter() - tail_started)
+            return result, decision
+
+        return result, decision, tail
+
+    def _discard_grads(self) -> None:
+        """Free the poisoned gradients of a step no policy applies (before its replay)."""
+        self.optimizer.zero_grad(set_to_none=True)
 
     def _send_thresholds(self) -> None:
         """Hand this rank's spike thresholds to the device when its references changed (every
@@ -516,6 +585,7 @@ class Sentinel:
 
     def _stop_if(self, decision: Decision, result: StepResult) -> None:
         if decision.stops:
+            self._stopped = True
             if self.metrics is not None:  # the final state is served at once, not a second late
                 self.metrics.flush()
             stop.stop(
@@ -579,13 +649,40 @@ class Sentinel:
         self.quarantine.load_state_dict(state.get("quarantine", []), self.step_index)
 
     def close(self) -> None:
-        """Decide a step still pending on the device gate (its report and metrics are
-        written; call it on every rank), then stop the metrics server and the watchdog (the
-        gradient path stays: DDP cannot unregister a comm hook)."""
+        """End the run on this rank; call it on every rank when training is over.
+
+        Decides a step still pending on the device gate (its report and metrics are written),
+        then waits for every rank at one barrier, leaves the launcher a ``closed`` verdict
+        (``nansentinel run`` then tells a rank that died at exit from one that failed
+        mid-run), and stops the metrics server and the watchdog. The barrier is what lets a
+        finished job exit 0: torch 2.13's gloo aborts the process ("terminate called without
+        an active exception") when a rank tears its process group down while a peer still
+        uses it, and after a common point no rank does. Tearing the group down yourself
+        (``destroy_process_group()``) is safe after ``close()``. A second call does nothing;
+        the gradient path stays (DDP cannot unregister a comm hook). After the loop raised
+        on this rank alone, call :meth:`abandon` instead: no collective then.
+        """
+        if self._closed:
+            return
+        self._closed = True
         try:
             self._resolve()
+            if not self.exchange.failed:
+                with self._guarded():
+                    self.exchange.peers.barrier()
+                if not self._stopped:
+                    stop.leave_verdict(self.config, self.identity, self.step_index - 1,
+                                       CLOSED, "the sentinel closed cleanly: training finished")
         finally:
             self._shut()
+
+    def abandon(self) -> None:
+        """Stop the metrics server and the watchdog without any collective: the loop failed
+        on this rank, and the other ranks may be gone or elsewhere."""
+        self._closed = True
+        self._pending = None
+        self._tail = None
+        self._shut()
 
     def _shut(self) -> None:
         if self.metrics is not None:
@@ -602,8 +699,7 @@ class Sentinel:
         if exc_type is None:
             self.close()
         else:  # the loop failed: no collective now, the other ranks may be gone
-            self._pending = None
-            self._shut()
+            self.abandon()
 
     # --- what the gradient paths report to (gradpaths.GradientSink) -------------------------
 
@@ -644,13 +740,15 @@ class Sentinel:
 
     # --- internals ---------------------------------------------------------------------------
 
-    def _choose_gate(self, optimizer: torch.optim.Optimizer, scaler: Any) -> DeviceGate | None:
+    def _choose_gate(self, optimizer: torch.optim.Optimizer, scaler: Any, *,
+                     pipelined: bool = False) -> DeviceGate | None:
         """The device gate where ``config.gate`` and the run allow it; said once at start."""
         mode = self.config.gate
         if mode == "host" or (mode == "auto" and self.device.type != "cuda"):
             return None
         refusal = device_gate_refusal(
-            optimizer, scaler=scaler, config=self.config, path=self.gradients.name
+            optimizer, scaler=scaler, config=self.config, path=self.gradients.name,
+            pipelined=pipelined,
         )
         if refusal is None:
             return DeviceGate(optimizer, self.device)
@@ -667,6 +765,7 @@ class Sentinel:
         return self.exchange.settled() or (pending is not None and pending[0].settled())
 
     def _reset(self) -> None:
+        self.buffers.reset()
         self.local = LocalHealth(self.device)
         self._seconds = 0.0
         self.gradients.reset()
@@ -705,7 +804,7 @@ class Sentinel:
 
     def _result(
         self, view: ClusterView, mine: OwnRow, decision: Decision, spikes: Spikes,
-        verdict: str | None, rolled_back_to: int | None,
+        verdict: str | None, rolled_back_to: int | None, buffers_restored: int = 0,
     ) -> StepResult:
         return StepResult(
             step=view.step,
@@ -729,6 +828,7 @@ class Sentinel:
             lr_factor=self.cooldown.lr_factor,
             reason=decision.reason,
             reached=view.reached,
+            buffers_restored=buffers_restored,
         )
 
 

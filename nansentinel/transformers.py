@@ -104,8 +104,10 @@ class SentinelCallback(TrainerCallback):
         ]
 
     def _build(self, model: torch.nn.Module) -> None:
+        overrides = dict(self.overrides)
+        replay = self._replay if overrides.pop("replay", True) else False
         self.sentinel = Sentinel(
-            model, self._raw, scaler=self._scaler, replay=self._replay, **self.overrides,
+            model, self._raw, scaler=self._scaler, replay=replay, **overrides,
         )
 
     def _find_wrapper(self, module: torch.nn.Module, args: Any) -> None:
