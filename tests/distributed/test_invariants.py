@@ -147,7 +147,6 @@ def test_every_invariant_in_every_combination(tmp_path: Path, capsys: Any) -> No
             run_combos, WORLD,
             tmp_path, combos=chunk, report_dir=str(tmp_path / f"r{start}"),
             timeout=60 + 20 * len(chunk),
-            env={"TORCH_DISTRIBUTED_DEBUG": "DETAIL"},
         ))
         for i, combo in enumerate(chunk):
             where = f"seed {seed}, combination {start + i}: {combo}"

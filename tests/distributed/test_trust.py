@@ -1,7 +1,7 @@
 """Trust on gloo ranks (issues 26 and 27): a NaN costs one step and nothing else, and every
 rank stays in step whatever one rank reads. Each test failed on the main branch before the
-fix it names; the ranks run under TORCH_DISTRIBUTED_DEBUG=DETAIL, so a collective issued on
-some ranks only is named at once instead of hanging."""
+fix it names; the ranks run under TORCH_DISTRIBUTED_DEBUG=DETAIL (harness.py), so a
+collective issued on some ranks only is named at once instead of hanging."""
 
 from __future__ import annotations
 
@@ -14,8 +14,6 @@ import torch
 from tests.distributed.harness import run_ranks, values
 from tests.distributed.workers_trust import batchnorm_ddp, nan_batch_replay, reads_on_rank0
 
-DETAIL = {"TORCH_DISTRIBUTED_DEBUG": "DETAIL"}
-
 
 @pytest.mark.timeout(150)
 def test_a_nan_batch_with_a_replay_and_a_forward_collective_costs_one_step(
@@ -24,7 +22,7 @@ def test_a_nan_batch_with_a_replay_and_a_forward_collective_costs_one_step(
     """Issue 26 item 1: rank 0 died writing the report (NaN in the quarantine signature) and
     every rank exited 1."""
     runs = run_ranks(nan_batch_replay, 4, tmp_path, steps=6, report_dir=str(tmp_path / "r"),
-                     timeout=120, env=DETAIL)
+                     timeout=120)
     assert [r["exitcode"] for r in runs] == [0, 0, 0, 0]
     outs = values(runs)
     for out in outs:
@@ -42,7 +40,7 @@ def test_an_out_of_memory_replay_on_one_rank_is_no_replay_on_every_rank(tmp_path
     """Issue 26 item 5: the rank whose replay failed went on to the detection's next small
     collective, which paired with the others' collective inside their replay."""
     runs = run_ranks(nan_batch_replay, 3, tmp_path, steps=6, report_dir=str(tmp_path / "r"),
-                     oom_rank=2, timeout=120, env=DETAIL)
+                     oom_rank=2, timeout=120)
     assert [r["exitcode"] for r in runs] == [0, 0, 0]
     outs = values(runs)
     for out in outs:
@@ -59,7 +57,7 @@ def test_a_skipped_step_leaves_batchnorm_finite_on_every_rank(tmp_path: Path) ->
     """Issue 26 item 3: rank 0's NaN batch reached its running statistics in the forward, DDP
     broadcast them at the next forward, and every rank's model output NaN in eval()."""
     outs = values(run_ranks(batchnorm_ddp, 2, tmp_path, steps=6,
-                            report_dir=str(tmp_path / "r"), timeout=120, env=DETAIL))
+                            report_dir=str(tmp_path / "r"), timeout=120))
     for out in outs:
         assert [r["applied"] for r in out["records"]] == [True] * 3 + [False] + [True] * 2
         assert out["records"][3]["buffers_restored"] == 2
@@ -75,8 +73,7 @@ def test_a_read_on_one_rank_runs_no_collective_under_the_device_gate(
     step there, and the replica check's all-reduce (and the first snapshot's) ran on rank 0
     alone: "Connection reset by peer". Every rank then all-reduces a metric."""
     outs = values(run_ranks(reads_on_rank0, 2, tmp_path, steps=5, gate="device",
-                            fault_step=fault_step, report_dir=str(tmp_path / "r"), timeout=120,
-                            env=DETAIL))
+                            fault_step=fault_step, report_dir=str(tmp_path / "r"), timeout=120))
     assert all(o["gate"] == "device" for o in outs)
     want = ["applied"] * 5 if fault_step is None else [
         "applied", "applied", "rolled_back", "applied", "applied"]
