@@ -264,3 +264,14 @@ class ForwardCollectives:
             except (RuntimeError, AttributeError, NotImplementedError):
                 self._silent.add(name)
         return counts
+
+
+def quiet_groups(gradient_groups: list[object], stages: list[object]) -> frozenset[str]:
+    """Names of the process groups whose collectives in the forward cannot carry one rank's
+    NaN into another rank's loss, or are checked where they land: the gradient path's own
+    (FSDP2's parameter all-gathers) and the pipeline stages' sends and receives."""
+    groups = list(gradient_groups)
+    for stage in stages:
+        group = getattr(stage, "group", None)
+        groups.append(group if group is not None else dist.group.WORLD)
+    return frozenset(g.group_name for g in groups if g is not None and hasattr(g, "group_name"))

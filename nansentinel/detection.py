@@ -80,6 +80,23 @@ class Detector:
         #: Told about each warn-level spike logged without a report (the metrics counter).
         self.suppressed: Callable[[], None] | None = None
 
+    @classmethod
+    def for_run(
+        cls, config: Any, peers: Peers, identity: RankIdentity, *, gradients: GradPath,
+        incidents: IncidentWriter, module: torch.nn.Module, amp: bool,
+        replay: ReplayFn | None, guarded: Callable[[], Any],
+    ) -> Detector:
+        """The detection of a run, from its config. The replay is off under FSDP2: its
+        backward would reduce-scatter through the gradient path being judged."""
+        if gradients.name == "fsdp" and replay is not None and config.replay:
+            log.info("nansentinel: replay is off under FSDP2 (its backward would "
+                     "reduce-scatter through the gradient path being judged); detections get "
+                     "verdict None")
+        on = config.replay and gradients.name != "fsdp"
+        return cls(peers, identity, amp=amp, gradients=gradients, incidents=incidents,
+                   module=module, replay=replay if on else None, anomaly=config.replay_anomaly,
+                   guarded=guarded, spike_report_every=config.spike_window)
+
     def view(
         self, step: int, totals: Totals, own: OwnRow, ratios: dict[str, float],
         forward_groups: tuple[str, ...] = (),

@@ -298,6 +298,18 @@ class IncidentWriter:
             )
         return result, details
 
+    def write_report(self, step: int, suffix: str, content: dict[str, Any]) -> Path | None:
+        """Write an incident report that is not a step's NaN (``suffix`` ``-replicas``: a
+        replica divergence) as every report is written: atomically, never over a file, a
+        failure one line and a count. Rank 0 calls it; returns the path, None on failure."""
+        stem = report.incident_stem(self.job_id, step)
+        path, _ = report.attempt(
+            "report", lambda: report.write_json(
+                Path(self.config.report_dir) / f"{stem}{suffix}.json", content),
+            rank=self.identity.rank, step=step, failed=self.failed,
+        )
+        return path
+
     def _own_detail(
         self, detail: dict[str, Any], view: ClusterView, result: StepResult, base: Path,
         stem: str, batch: Any, ids: Any, curves: Curves | None,

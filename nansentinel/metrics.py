@@ -518,6 +518,15 @@ def _first_line(server: subprocess.Popen[bytes], timeout: float) -> str:
 _SERVING: weakref.WeakSet[SentinelMetrics] = weakref.WeakSet()
 
 
+def serve_rank(identity: RankIdentity, config: Any, registry: CollectorRegistry | None,
+               device: torch.device) -> SentinelMetrics:
+    """This rank's exporter, serving on ``metrics_port`` + its local rank."""
+    metrics = SentinelMetrics(identity, registry=registry, device=device)
+    metrics.serve(config.metrics_addr, config.metrics_port + identity.local_rank,
+                  config.metrics_certfile, config.metrics_keyfile)
+    return metrics
+
+
 @atexit.register
 def _close_all() -> None:
     for metrics in list(_SERVING):

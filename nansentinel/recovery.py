@@ -519,6 +519,15 @@ class Cooldown:
             group["lr"] = group["lr"] * self.factor
         return saved
 
+    @contextlib.contextmanager
+    def stepping(self, optimizer: torch.optim.Optimizer) -> Iterator[None]:
+        """Around our own optimizer step: the factor applied, then undone and counted."""
+        saved = self.apply(optimizer)
+        try:
+            yield
+        finally:
+            self.undo(optimizer, saved)
+
     def undo(self, optimizer: torch.optim.Optimizer, saved: list[float] | None) -> None:
         """Restore the LRs :meth:`apply` scaled and count one applied step of the cooldown."""
         if saved is None:
@@ -540,3 +549,33 @@ class Cooldown:
         self.steps_left -= 1
         if self.steps_left <= 0:
             self.factor = 1.0
+
+
+def snapshot_store(
+    snapshots: tuple[Any, Any] | SnapshotStore | None, config: Any, *, model: torch.nn.Module,
+    module: torch.nn.Module, optimizer: torch.optim.Optimizer, scaler: Any, peers: Peers,
+    device: torch.device, hostname: str,
+) -> SnapshotStore | None:
+    """Where this run's last good state goes: the user's ``(save, load)`` pair or store, else
+    host memory when a rollback is configured, else nowhere (no copies made).
+
+    Under DDP every replica holds the same weights and optimizer state, so each rank keeps 1/W
+    of them (:class:`MemorySnapshots`), over DDP's own group."""
+    if isinstance(snapshots, tuple):
+        return UserSnapshots(*snapshots)
+    if snapshots is not None:
+        return snapshots
+    if "rollback" not in (config.policy, config.loss_spike_action, config.grad_spike_action):
+        return None
+    from torch.nn.parallel import DistributedDataParallel
+
+    from nansentinel.collectives import Peers
+
+    replicas = None
+    if isinstance(model, DistributedDataParallel):
+        replicas = (peers if model.process_group is peers.group
+                    else Peers(model.process_group, device))
+    return MemorySnapshots(
+        module, optimizer, scaler, peers=peers, replicas=replicas,
+        unreplicated=getattr(model, "parameters_to_ignore", ()), hostname=hostname,
+    )
