@@ -119,6 +119,21 @@ def loss_scalar(loss: torch.Tensor) -> torch.Tensor:
     return detached.float().mean()
 
 
+def as_loss(loss: object, device: torch.device, where: str) -> torch.Tensor:
+    """``loss`` as a tensor to check: a number becomes a 0-d tensor made on ``device`` (no host
+    copy on CUDA); anything else than a non-empty floating tensor is a ``TypeError`` naming
+    ``where`` (rank and step)."""
+    if isinstance(loss, int | float) and not isinstance(loss, bool):
+        return torch.full((), float(loss), device=device)
+    if not isinstance(loss, torch.Tensor):
+        raise TypeError(f"nansentinel: check_loss expects a tensor or a number, got "
+                        f"{type(loss).__name__} ({where})")
+    if not (loss.is_floating_point() or loss.is_complex()) or loss.numel() == 0:
+        raise TypeError(f"nansentinel: check_loss expects a non-empty floating-point loss, got "
+                        f"dtype {loss.dtype} with {loss.numel()} elements ({where})")
+    return loss
+
+
 def grad_norms(grads: Sequence[torch.Tensor]) -> torch.Tensor:
     """Per-tensor L2 norms of ``grads`` (one device and dtype, as in a DDP bucket) as one
     fp32 vector, using the fused multi-tensor kernel (one launch on CUDA), so a bucket costs

@@ -71,7 +71,7 @@ class Peers:
             return {}
         mine = bisect.bisect_left(speakers, self.rank)
         speaking = mine < len(speakers) and speakers[mine] == self.rank
-        text = json.dumps(payload).encode() if speaking else b""
+        text = _dumps(payload, self.rank) if speaking else b""
         if self.alone:
             return {self.rank: json.loads(text)} if speaking else {}
         sizes = torch.zeros(len(speakers), dtype=torch.int64, device=self.comm_device)
@@ -175,6 +175,18 @@ def host_bytes(data: torch.Tensor) -> bytes:
     if not host.numel():
         return b""
     return ctypes.string_at(host.data_ptr(), host.numel() * host.element_size())
+
+
+def _dumps(payload: object, rank: int) -> bytes:
+    """``payload`` as JSON bytes (NaN allowed on this wire); one that JSON cannot hold becomes
+    an ``{"error": …}`` object instead of an exception, since a speaker that raised here would
+    leave every other rank waiting in the gather."""
+    try:
+        return json.dumps(payload).encode()
+    except (TypeError, ValueError) as exc:
+        log.error("nansentinel: rank %d could not share its detail (%s); sent without it",
+                  rank, exc)
+        return json.dumps({"error": f"{type(exc).__name__}: {exc}"}).encode()
 
 
 #: Leaf types that travel between ranks and load with ``torch.load(weights_only=True)``.
@@ -297,3 +309,14 @@ class ForwardCollectives:
             except (RuntimeError, AttributeError, NotImplementedError):
                 self._silent.add(name)
         return counts
+
+
+def quiet_groups(gradient_groups: list[object], stages: list[object]) -> frozenset[str]:
+    """Names of the process groups whose collectives in the forward cannot carry one rank's
+    NaN into another rank's loss, or are checked where they land: the gradient path's own
+    (FSDP2's parameter all-gathers) and the pipeline stages' sends and receives."""
+    groups = list(gradient_groups)
+    for stage in stages:
+        group = getattr(stage, "group", None)
+        groups.append(group if group is not None else dist.group.WORLD)
+    return frozenset(g.group_name for g in groups if g is not None and hasattr(g, "group_name"))

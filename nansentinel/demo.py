@@ -106,7 +106,9 @@ def main(argv: list[str] | None = None) -> int:
     sentinel = nansentinel.Sentinel(model, optimizer, replay=step_loss)
     start = _resume(args, model, optimizer, sentinel)
     results: list[nansentinel.StepResult] = []
-    try:
+    # Closed on every rank at the end (a common point: a finished job exits 0), or
+    # abandoned without a collective if this rank's loop raised.
+    with sentinel:
         for step in range(start, args.steps):
             batch = sentinel.check_batch(synthetic_batch(rank, step))
             loss = step_loss(model, batch)
@@ -136,10 +138,8 @@ def main(argv: list[str] | None = None) -> int:
             raise RuntimeError(f"rank {rank}: after training, the weights are {checked}")
         if rank == 0 and args.out:
             write_new(Path(args.out), lambda tmp: torch.save(weights, tmp))
-    finally:
-        sentinel.close()
-        if distributed:
-            dist.destroy_process_group()
+    if distributed:
+        dist.destroy_process_group()  # safe after close(): every rank has passed its barrier
     return 0
 
 

@@ -22,23 +22,26 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import logging
 import math
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 
-from nansentinel import origins
+from nansentinel import incident, origins
 from nansentinel.collectives import Peers
 from nansentinel.curves import Curves
 from nansentinel.gradpaths import GradPath
 from nansentinel.incident import IncidentWriter
-from nansentinel.policy import Decision, is_blamed
+from nansentinel.policy import APPLY, Decision, is_blamed
 from nansentinel.quarantine import Quarantine, Signature
 from nansentinel.replay import ReplayFn, blame
 from nansentinel.result import RankIdentity, StepResult
 from nansentinel.spikes import Spikes
 from nansentinel.view import SIGNALS, ClusterView, OwnRow, RankHealth, Totals
+
+log = logging.getLogger("nansentinel")
 
 _EXACT_INDICES = 2**24
 
@@ -61,7 +64,7 @@ class Detector:
     def __init__(
         self, peers: Peers, identity: RankIdentity, *, amp: bool, gradients: GradPath,
         incidents: IncidentWriter, module: torch.nn.Module, replay: ReplayFn | None,
-        anomaly: bool, guarded: Callable[[], Any],
+        anomaly: bool, guarded: Callable[[], Any], spike_report_every: int = 100,
     ) -> None:
         self.peers = peers
         self.identity = identity
@@ -72,6 +75,28 @@ class Detector:
         self.replay = replay
         self.anomaly = anomaly
         self.guarded = guarded
+        #: At most one warn-level spike report per this many steps (``spike_window``).
+        self.spike_report_every = spike_report_every
+        self._last_spike_report: int | None = None
+        #: Told about each warn-level spike logged without a report (the metrics counter).
+        self.suppressed: Callable[[], None] | None = None
+
+    @classmethod
+    def for_run(
+        cls, config: Any, peers: Peers, identity: RankIdentity, *, gradients: GradPath,
+        incidents: IncidentWriter, module: torch.nn.Module, amp: bool,
+        replay: ReplayFn | None, guarded: Callable[[], Any],
+    ) -> Detector:
+        """The detection of a run, from its config. The replay is off under FSDP2: its
+        backward would reduce-scatter through the gradient path being judged."""
+        if gradients.name == "fsdp" and replay is not None and config.replay:
+            log.info("nansentinel: replay is off under FSDP2 (its backward would "
+                     "reduce-scatter through the gradient path being judged); detections get "
+                     "verdict None")
+        on = config.replay and gradients.name != "fsdp"
+        return cls(peers, identity, amp=amp, gradients=gradients, incidents=incidents,
+                   module=module, replay=replay if on else None, anomaly=config.replay_anomaly,
+                   guarded=guarded, spike_report_every=config.spike_window)
 
     def view(
         self, step: int, totals: Totals, own: OwnRow, ratios: dict[str, float],
@@ -120,15 +145,23 @@ class Detector:
     def evidence(
         self, view: ClusterView, bad: tuple[RankHealth, ...], spikes: Spikes, *, batch: Any,
         grads_restored: Callable[[], Any] = contextlib.nullcontext,
+        discard: Callable[[], None] = lambda: None,
     ) -> tuple[str | None, dict[str, Any]]:
-        """The replay's verdict and this rank's share of the report, taken before the
-        gradients are discarded: the names of its non-finite parameters (``grads_restored``
-        puts back the gradients the device gate held), its replay and the peer's."""
+        """The replay's verdict and this rank's share of the report: the names of its
+        non-finite parameters (``grads_restored`` puts back the gradients the device gate
+        held), its replay and the peer's.
+
+        The parameters are named from the poisoned gradients; then, when a rank is blamed (no
+        policy applies such a step), ``discard()`` frees them before the replay, which takes a
+        set of gradients of its own: a detection then needs no more memory than a training
+        step."""
         detail: dict[str, Any] = {}
         if any("grad" in r.kinds for r in bad):
             poisoned = any(r.rank == self.peers.rank and "grad" in r.kinds for r in bad)
             with grads_restored(), self.guarded():
                 detail = self.gradients.naming_detail(poisoned, self.peers)
+        if bad:
+            discard()
         if not (bad or spikes):
             return None, detail
         with self.guarded():
@@ -145,7 +178,21 @@ class Detector:
     ) -> StepResult:
         """Write the incident (report on rank 0, the poisoned batch, log lines); a ``data``
         verdict adds the batch's signature to ``quarantine``. Returns ``result`` with its
-        parameters and report path."""
+        parameters and report path.
+
+        A warn-level spike (nothing blamed, the step applied) on an unstable run can come
+        every few steps, and a report each time is noise: at most one is written per
+        ``spike_report_every`` steps; the others are one log line on rank 0 and a count
+        (``nansentinel_spike_reports_suppressed_total``). Every rank keeps the same count
+        from the same decisions, so every rank skips the report's gather alike."""
+        if not self._worth_a_report(view.step, decision, spikes):
+            if self.peers.rank == 0:
+                log.warning("%s (no report: one warn-level spike report per %d steps)",
+                            incident.describe(view, decision, result, spikes),
+                            self.spike_report_every)
+            if self.suppressed is not None:
+                self.suppressed()
+            return result
         result, details = self.incidents.write(
             view, decision, result, spikes, detail=detail, batch=batch, ids=ids, curves=curves,
             guarded=self.guarded,
@@ -155,6 +202,16 @@ class Detector:
                 if d.get("signature"):
                     quarantine.add(Signature.from_json(d["signature"]), view.step)
         return result
+
+
+    def _worth_a_report(self, step: int, decision: Decision, spikes: Spikes) -> bool:
+        if decision.bad or decision.action != APPLY or not spikes:
+            return True
+        last = self._last_spike_report
+        if last is not None and step - last < self.spike_report_every:
+            return False
+        self._last_spike_report = step
+        return True
 
 
 def replay_candidate(flagged: list[int], world: int) -> int | None:

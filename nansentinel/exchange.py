@@ -106,6 +106,12 @@ class HealthExchange:
     def launched(self) -> bool:
         return self._vector is not None
 
+    @property
+    def failed(self) -> bool:
+        """A collective of this exchange failed or timed out (and was diagnosed): the group
+        cannot be trusted with another one."""
+        return self._diagnosed is not None
+
     def settled(self) -> bool:
         """True when this step's exchange was launched and its collective has completed.
 

@@ -24,26 +24,44 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
+import logging
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from nansentinel.local import LocalHealth
-from nansentinel.result import StepResult
+from nansentinel.result import ResultPending, StepResult
 from nansentinel.view import T_BAD_BATCH, T_BAD_GRAD, T_QUARANTINED, OwnRow, Totals
+
+log = logging.getLogger("nansentinel")
+
+if TYPE_CHECKING:
+    from nansentinel.buffers import FloatingBuffers
+    from nansentinel.judge import StepJudge, Tail
+    from nansentinel.policy import Decision
 
 
 def device_gate_refusal(
-    optimizer: torch.optim.Optimizer, *, scaler: Any, config: Any, path: str
+    optimizer: torch.optim.Optimizer, *, scaler: Any, config: Any, path: str,
+    pipelined: bool = False,
 ) -> str | None:
     """Why the device gate cannot take this run (None: it can).
 
     The gate needs an optimizer that reads ``found_inf`` (torch's fused ones set
     ``_step_supports_amp_scaling``), a decision the device can take (no spike action other than
-    ``warn``), no GradScaler (its own ``found_inf`` would have to be merged) and a DDP or local
-    gradient path (FSDP2's sharded optimizer state is not measured yet).
+    ``warn``), no GradScaler (its own ``found_inf`` would have to be merged), a DDP or local
+    gradient path (FSDP2's sharded optimizer state is not measured yet), and no pipeline: the
+    gate decides a step at each rank's next sentinel call, and under a pipeline schedule the
+    stages make their next call at different points (the first stage at ``check_batch``
+    before the schedule, the last at ``check_loss`` inside it, middle stages at ``step()``),
+    so a detection's collectives on one stage would wait for activations the others cannot
+    send until it returns.
     """
+    if pipelined:
+        return ("pipeline stages reach their next sentinel call at different points of the "
+                "schedule, where a detection's collectives would not pair up")
     if not getattr(optimizer, "_step_supports_amp_scaling", False):
         return (
             f"{type(optimizer).__name__} is not fused (it cannot skip a step on the device); "
@@ -140,8 +158,7 @@ class Pending:
 
     step: int
     local: LocalHealth
-    seconds: float
-    """The sentinel's own time spent on this step so far."""
+    """The step's own health record (its ``seconds`` the sentinel's time so far)."""
     host: torch.Tensor
     event: Any
     grads: list[tuple[torch.Tensor, torch.Tensor | None]]
@@ -149,6 +166,8 @@ class Pending:
     reads them even when the user has already zeroed (set to None) the gradients."""
     skipped: bool = False
     """The host had decided to skip already (batches discarded after a rollback)."""
+    buffers: int = 0
+    """Floating buffers put back on the device if the step was skipped (buffers.py)."""
 
     def values(self) -> list[float]:
         """The summed vector as host floats. Waits for the copy only if it has not landed
@@ -174,6 +193,11 @@ class Pending:
             return totals.injected > 0
         return {"local_kinds": list(own.kinds), "local_loss": own.loss,
                 "local_grad_norm": own.grad_norm}[name]
+
+    def drop_grads(self) -> None:
+        """Let go of the held gradients once the parameters are named: a replay that follows
+        then needs no more memory than a training step (the user may hold them still)."""
+        self.grads = [(p, None) for p, _ in self.grads]
 
     @contextlib.contextmanager
     def grads_restored(self) -> Iterator[None]:
@@ -254,3 +278,138 @@ class PendingResult:
         return self.resolve() == other
 
     __hash__ = None  # type: ignore[assignment]
+
+
+class GatedSteps:
+    """The steps of the device gate: launched on the device, decided at the next sentinel call.
+
+    :meth:`launch` runs the optimizer step gated by a device-side ``found_inf`` and hands back
+    a :class:`PendingResult`; :meth:`resolve`, called on every rank at its next sentinel call,
+    decides it with every other rank. A read of the result decides it earlier only when that
+    needs no collective (:meth:`decide_if_local`), and then leaves the step's collective tail
+    (the replica check, a snapshot) for the next sentinel call.
+
+    Args:
+        gate: the device gate. judge: decides a step (judge.py).
+        buffers: the floating buffers, put back on the device when a step is skipped.
+        params: every parameter, whose gradients are held until the decision.
+        guarded: a context manager arming the watchdog around a collective.
+        rearm: re-arms the watchdog when a step is decided inside the next step's collectives.
+        stop_if: raises the decision's abort (the stop path).
+    """
+
+    def __init__(
+        self, gate: DeviceGate, judge: StepJudge, *, buffers: FloatingBuffers,
+        params: list[torch.Tensor], guarded: Callable[[], Any], rearm: Callable[[], None],
+        stop_if: Callable[[Decision, StepResult], None],
+    ) -> None:
+        self.gate, self.judge, self.buffers, self.params = gate, judge, buffers, params
+        self.guarded, self.rearm, self.stop_if = guarded, rearm, stop_if
+        self._pending: tuple[Pending, PendingResult] | None = None
+        self._tail: Callable[[], None] | None = None
+
+    def ready(self) -> bool:
+        return self.gate.ready()
+
+    def launch(self, step: int, vector: torch.Tensor, local: LocalHealth) -> PendingResult:
+        """Launch the optimizer step gated by a device-side found_inf; decide later."""
+        judge, opt = self.judge, self.gate.optimizer
+        with local.timed():
+            skip = judge.history.skip_batches > 0  # known on the host: no need to look
+            found_inf = self.gate.found_inf(vector, skip)
+            host, event = self.gate.to_host(vector)  # queued before the optimizer: lands early
+            saved_lr = judge.cooldown.apply(opt)
+        self.gate.step(found_inf)  # the optimizer's time is not the sentinel's
+        with local.timed():
+            judge.cooldown.restore(opt, saved_lr)  # counted at the decision, if applied
+            self.buffers.restore_where(found_inf)  # a skipped step's forward leaves no trace
+            pending = Pending(step, local, host, event, held_grads(self.params), skip,
+                              buffers=self.buffers.copied)
+        result = PendingResult(self.decide_if_local, pending.early)
+        self._pending = (pending, result)
+        return result
+
+    def settled(self) -> bool:
+        return self._pending is not None and self._pending[0].settled()
+
+    def decide_if_local(self) -> None:
+        """A read of a pending result: decide it now if that needs no collective (nothing
+        was flagged), else say when it will be decided. Never starts a collective."""
+        if self._pending is None:
+            return
+        pending, _ = self._pending
+        if self.judge.needs_detection(Totals.from_values(pending.values())):
+            raise ResultPending(
+                f"nansentinel: step {pending.step} found a non-finite value or a spike; rank "
+                f"{self.judge.rank} names and decides it with every other rank at its next "
+                "sentinel call (check_batch, check_loss, step or close), where an abort is "
+                "raised. Until then only step, applied (the device already skipped it), "
+                "injected and local_* can be read."
+            )
+        self.resolve(reading=True)
+
+    def resolve(self, *, reading: bool = False) -> None:
+        """Decide the step pending here, if any (raises its abort). Called on every rank at
+        its next sentinel call, so that a detection's collectives run at the same point
+        everywhere; ``reading``: from a read on this rank alone (the tail then waits)."""
+        if not reading and self._tail is not None:
+            tail, self._tail = self._tail, None
+            tail()
+        if self._pending is None:
+            return
+        pending, result = self._pending
+        self._pending = None
+        with self.guarded():
+            values = pending.values()
+        self.rearm()
+        try:
+            decided, decision, tail = self.judge.judge(pending.step, values, pending.local,
+                                                       pending)
+            result.set(decided)
+            if reading:  # the tail's collectives run at the next sentinel call, everywhere
+                self._tail = functools.partial(self._deferred, tail, result)
+                return
+            self._finish(tail, decided, decision, result)
+        except BaseException as exc:
+            result.set(exc)
+            raise
+
+    def _deferred(self, tail: Tail, result: PendingResult) -> None:
+        try:
+            self._finish(tail, result.resolve(), None, result)
+        except BaseException as exc:
+            result.set(exc)
+            raise
+
+    def _finish(self, tail: Tail, decided: StepResult, decision: Decision | None,
+                result: PendingResult) -> None:
+        decided, final = tail(decided, decision)
+        result.set(decided)
+        self.stop_if(final, decided)
+
+    def abandon(self) -> None:
+        """Forget the pending step and its tail (the loop failed: no collective now)."""
+        self._pending = None
+        self._tail = None
+
+
+def gated_steps(
+    config: Any, optimizer: torch.optim.Optimizer, device: torch.device, *, scaler: Any,
+    path: str, pipelined: bool, speak: bool, judge: StepJudge, buffers: FloatingBuffers,
+    params: list[torch.Tensor], guarded: Callable[[], Any], rearm: Callable[[], None],
+    stop_if: Callable[[Decision, StepResult], None],
+) -> GatedSteps | None:
+    """The device gate where ``config.gate`` and the run allow it, else None (the host gate);
+    a refusal is said once, by rank 0 (``speak``)."""
+    mode = config.gate
+    if mode == "host" or (mode == "auto" and device.type != "cuda"):
+        return None
+    refusal = device_gate_refusal(optimizer, scaler=scaler, config=config, path=path,
+                                  pipelined=pipelined)
+    if refusal is not None:
+        if speak:
+            log.info("nansentinel: host gate (one host sync before every optimizer step): %s",
+                     refusal)
+        return None
+    return GatedSteps(DeviceGate(optimizer, device), judge, buffers=buffers, params=params,
+                      guarded=guarded, rearm=rearm, stop_if=stop_if)

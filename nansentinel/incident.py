@@ -173,6 +173,7 @@ def payload(
         "spikes": spikes.to_json(),
         "rolled_back_to": result.rolled_back_to,
         "lr_factor": result.lr_factor,
+        "buffers_restored": result.buffers_restored,
         "first_nonfinite_module": replay.get("first_module") if replay else None,
         "first_nonfinite_parameter": replay.get("first_parameter") if replay else None,
         "poisoned": [rank_entry(r) for r in decision.bad[:REPORTED]],
@@ -241,8 +242,9 @@ class IncidentWriter:
         ``detail`` is this rank's share (the gradient path's parameter naming, the replay's
         findings); it travels if this rank is one of the first ``REPORTED`` blamed ranks or
         the replay's peer, and the batch of a blamed rank is saved beside the report. A blamed
-        rank adds its curves and, with ``ids``, the ids of its rows at fault; rank 0 appends
-        those to the skip list when the batch is at fault (see :func:`skipped_ids`).
+        rank adds its curves and, with ``ids`` (``[(batch, ids), …]``, every batch checked
+        with ids this step), the ids of its rows at fault; rank 0 appends those to the skip
+        list when the batch is at fault (see :func:`skipped_ids`).
         """
         rank = self.identity.rank
         stem = report.incident_stem(self.job_id, view.step)
@@ -251,18 +253,16 @@ class IncidentWriter:
         speakers = sorted({*bad[:REPORTED], *([view.replay_peer] if view.replay_peer is not
                                                None else [])})
         detail = dict(detail)
-        if rank in bad and curves is not None:
-            detail["history"] = curves.own()
-        if rank in bad and ids is not None and batch is not None:
-            detail.update(sample_detail(batch, ids, result.verdict))
-        if rank in bad and batch is not None and not self.config.save_batches:
-            detail["batch_not_saved"] = "save_batches=False"
-        elif rank in bad and batch is not None:
-            path, error = report.attempt(
-                "batch", lambda: report.save_batch(base / f"{stem}-rank{rank}-batch.pt", batch),
+        if rank in bad:
+            # Local work only, before the gather every rank joins: whatever fails here is
+            # said in the report, never raised (a rank that raised would miss the gather).
+            _, error = report.attempt(
+                "detail", lambda: self._own_detail(detail, view, result, base, stem, batch,
+                                                   ids, curves),
                 rank=rank, step=view.step, failed=self.failed,
             )
-            detail.update({"batch_path": str(path)} if path else {"batch_error": error})
+            if error is not None:
+                detail["detail_error"] = error
         with guarded():
             gathered = self.peers.gather_from(speakers, detail)
         details = {r: d for r, d in gathered.items() if isinstance(d, dict)}
@@ -270,17 +270,9 @@ class IncidentWriter:
         result = dataclasses.replace(result, parameters=parameters)
         message = describe(view, decision, result, spikes)
         if rank == 0:
-            content = payload(
-                view, decision, result, spikes, details, message, job_id=self.job_id,
-                policy=self.config.policy,
-            )
-            if curves is not None:
-                content["history"] = curves.cluster()
-            skipped = skipped_ids(details, result.verdict)
-            if skipped:
-                content.update(self._skip(view.step, skipped, result.verdict))
             path, _ = report.attempt(
-                "report", lambda: report.write_json(base / f"{stem}.json", content),
+                "report", lambda: self._report(view, decision, result, spikes, details,
+                                               message, curves, base / f"{stem}.json"),
                 rank=rank, step=view.step, failed=self.failed,
             )
             if path is not None:
@@ -306,6 +298,55 @@ class IncidentWriter:
             )
         return result, details
 
+    def write_report(self, step: int, suffix: str, content: dict[str, Any]) -> Path | None:
+        """Write an incident report that is not a step's NaN (``suffix`` ``-replicas``: a
+        replica divergence) as every report is written: atomically, never over a file, a
+        failure one line and a count. Rank 0 calls it; returns the path, None on failure."""
+        stem = report.incident_stem(self.job_id, step)
+        path, _ = report.attempt(
+            "report", lambda: report.write_json(
+                Path(self.config.report_dir) / f"{stem}{suffix}.json", content),
+            rank=self.identity.rank, step=step, failed=self.failed,
+        )
+        return path
+
+    def _own_detail(
+        self, detail: dict[str, Any], view: ClusterView, result: StepResult, base: Path,
+        stem: str, batch: Any, ids: Any, curves: Curves | None,
+    ) -> Path:
+        """A blamed rank's share: its curves, its sample ids, its batch saved beside the
+        report (``detail`` is filled in place). Returns the report directory."""
+        rank = self.identity.rank
+        if curves is not None:
+            detail["history"] = curves.own()
+        if ids:
+            detail.update(sample_detail(ids, verdict=result.verdict))
+        if batch is not None and not self.config.save_batches:
+            detail["batch_not_saved"] = "save_batches=False"
+        elif batch is not None:
+            path, error = report.attempt(
+                "batch", lambda: report.save_batch(base / f"{stem}-rank{rank}-batch.pt", batch),
+                rank=rank, step=view.step, failed=self.failed,
+            )
+            detail.update({"batch_path": str(path)} if path else {"batch_error": error})
+        return base
+
+    def _report(
+        self, view: ClusterView, decision: Decision, result: StepResult, spikes: Spikes,
+        details: dict[int, dict[str, Any]], message: str, curves: Curves | None, path: Path,
+    ) -> Path:
+        """Rank 0: the report's content, the skip list's new lines, the file."""
+        content = payload(
+            view, decision, result, spikes, details, message, job_id=self.job_id,
+            policy=self.config.policy,
+        )
+        if curves is not None:
+            content["history"] = curves.cluster()
+        skipped = skipped_ids(details, result.verdict)
+        if skipped:
+            content.update(self._skip(view.step, skipped, result.verdict))
+        return report.write_json(path, content)
+
     def _skip(self, step: int, skipped: dict[int, list[Any]], verdict: str | None
               ) -> dict[str, Any]:
         """Append the ids at fault to the job's skip list (rank 0 alone writes it)."""
@@ -324,17 +365,26 @@ class IncidentWriter:
         return {"skip_list": str(path), "skipped_ids": {str(r): ids for r, ids in skipped.items()}}
 
 
-def sample_detail(batch: Any, ids: Any, verdict: str | None) -> dict[str, Any]:
+def sample_detail(samples: Any, ids: Any = None, verdict: str | None = None
+                  ) -> dict[str, Any]:
     """A blamed rank's sample ids: the rows holding non-finite values (``sample_ids``), and
     when there are none but the batch itself is at fault (verdict ``data``: it made NaN on
-    another host too) every row's (``batch_ids``). At most ``MAX_IDS`` each."""
-    every = skip_list.as_ids(ids)
-    rows = skip_list.nonfinite_rows(batch)
-    out: dict[str, Any] = {"sample_ids": [every[i] for i in rows[:skip_list.MAX_IDS]]}
-    if len(rows) > skip_list.MAX_IDS:
-        out["sample_ids_not_listed"] = len(rows) - skip_list.MAX_IDS
-    if not rows and verdict == "data":
-        out["batch_ids"] = every[:skip_list.MAX_IDS]
+    another host too) every row's of the last batch, the one replayed (``batch_ids``). At
+    most ``MAX_IDS`` each.
+
+    ``samples``: ``[(batch, ids), …]``, one pair per batch checked with ids this step (every
+    micro-batch under gradient accumulation); a single ``(batch, ids)`` may be passed as
+    ``sample_detail(batch, ids, verdict)``."""
+    pairs = [(samples, ids)] if ids is not None else list(samples)
+    found: list[Any] = []
+    for batch, batch_ids in pairs:
+        every = skip_list.as_ids(batch_ids)
+        found.extend(every[i] for i in skip_list.nonfinite_rows(batch))
+    out: dict[str, Any] = {"sample_ids": found[:skip_list.MAX_IDS]}
+    if len(found) > skip_list.MAX_IDS:
+        out["sample_ids_not_listed"] = len(found) - skip_list.MAX_IDS
+    if not found and verdict == "data" and pairs:
+        out["batch_ids"] = skip_list.as_ids(pairs[-1][1])[:skip_list.MAX_IDS]
     return out
 
 

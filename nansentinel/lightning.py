@@ -36,33 +36,19 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 
-from nansentinel.config import SentinelConfig
-from nansentinel.result import SentinelUsageError, StepResult
+from nansentinel.callbacks import SentinelState
+from nansentinel.result import SentinelUsageError
 from nansentinel.sentinel import Sentinel
 
 
-class SentinelCallback(pl.Callback):
+class SentinelCallback(SentinelState, pl.Callback):
     """Checks every rank's batch, loss and gradients before the all-reduce; skips, rolls back
-    or aborts the step cluster-wide.
-
-    Args:
-        **overrides: fields of :class:`~nansentinel.config.SentinelConfig` (keyword > env >
-            default), checked here so that a typo fails before the job starts. With
-            ``replay=True`` (the default) a detection is replayed through the
-            LightningModule's own ``training_step``.
-
-    Attributes:
-        sentinel: the :class:`Sentinel`, once training has started.
-        last: the :class:`StepResult` of the latest optimizer step.
-        skipped: ``{step: result}`` of every step that was not applied (skip or rollback).
-    """
+    or aborts the step cluster-wide. ``**overrides`` and the attributes: see
+    :class:`~nansentinel.callbacks.SentinelState`; a detection is replayed through the
+    LightningModule's own ``training_step`` (``replay=False``: not)."""
 
     def __init__(self, **overrides: Any) -> None:
-        SentinelConfig.from_env(None, **overrides)  # fail now, not on every rank at fit start
-        self.overrides = overrides
-        self.sentinel: Sentinel | None = None
-        self.last: StepResult | None = None
-        self.skipped: dict[int, StepResult] = {}
+        SentinelState.__init__(self, **overrides)
         self._state: dict[str, Any] | None = None
 
     # --- Lightning hooks, in the order they run ----------------------------------------------
@@ -81,10 +67,8 @@ class SentinelCallback(pl.Callback):
             )
         self._close()  # a second fit() on the same callback starts afresh
         scaler = getattr(trainer.precision_plugin, "scaler", None)
-        self.sentinel = Sentinel(
-            trainer.strategy.model, trainer.optimizers[0], scaler=scaler,
-            replay=_replay_training_step, **self.overrides,
-        )
+        self.build(trainer.strategy.model, trainer.optimizers[0], scaler=scaler,
+                   replay=_replay_training_step)
         if self._state is not None:
             self.sentinel.load_state_dict(self._state)
             self._state = None
@@ -102,10 +86,7 @@ class SentinelCallback(pl.Callback):
     def on_before_optimizer_step(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any
     ) -> None:
-        result = self._require().step(optimizer_step=False)
-        self.last = result
-        if not result.applied:
-            self.skipped[result.step] = result
+        self.decided(self._require().step(optimizer_step=False))
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._close()
@@ -113,7 +94,10 @@ class SentinelCallback(pl.Callback):
     def on_exception(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
     ) -> None:
-        self._close()
+        # No collective: the exception may be this rank's alone (an abort is every rank's,
+        # and its own stop path already met the others).
+        if self.sentinel is not None:
+            self.sentinel.abandon()
 
     # --- checkpoints: the sentinel's counters travel with Lightning's ------------------------
 

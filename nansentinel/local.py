@@ -12,11 +12,15 @@ collective.
 
 from __future__ import annotations
 
+import contextlib
+import time
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 
 from nansentinel.checks import local
+from nansentinel.result import RankIdentity
 
 #: The pipeline boundary flags of the row, in ``view.R_FWD_ORIGIN`` order (pipeline.py).
 BOUNDARY = ("fwd_origin", "bwd_origin", "recv_act", "recv_grad", "loss_origin")
@@ -43,8 +47,9 @@ class LocalHealth:
         self.loss_count = 0
         self.batch: Any = None
         """The last batch checked (kept by reference, for the report and the replay)."""
-        self.ids: Any = None
-        """Its sample ids, one per row, when the caller gave them (kept by reference)."""
+        self.ids: list[tuple[Any, Any]] = []
+        """``(batch, sample ids)`` of every batch checked with ids this step (every
+        micro-batch under gradient accumulation; kept by reference, read after a detection)."""
         self.grad_norms: list[torch.Tensor] = []
         """One 0-d gradient norm per DDP bucket or (device, dtype) group of parameters."""
         self.injected = False
@@ -55,6 +60,17 @@ class LocalHealth:
         without pipeline stages."""
         self.forward_groups: tuple[str, ...] = ()
         """Process groups that ran a collective in this rank's forward (origins.py)."""
+        self.seconds = 0.0
+        """The sentinel's own time spent on this step so far (``nansentinel_check_seconds``)."""
+
+    @contextlib.contextmanager
+    def timed(self) -> Iterator[None]:
+        """Count the time inside as the sentinel's own, for this step."""
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds += time.perf_counter() - started
 
     def add_boundaries(self, flags: torch.Tensor) -> None:
         """Raise the boundary flags by a stage's (``BOUNDARY`` order; element-wise max)."""
@@ -117,3 +133,35 @@ def to_device(values: list[float], device: torch.device) -> torch.Tensor:
     if device.type != "cuda":
         return host.to(device)
     return host.pin_memory().to(device, non_blocking=True)
+
+
+def local_device(params: list[torch.Tensor]) -> torch.device:
+    """The device this rank computes on, from its parameters (CPU without any).
+
+    Usually where a parameter lives (a DTensor's local shard). Under FSDP2 with
+    ``CPUOffloadPolicy`` the shard lives in host memory while gradients are computed and
+    reduce-scattered on the mesh's device: the sentinel's tensors and collectives belong there
+    (an NCCL group cannot gather host tensors, and host norms of device buffers cost a blocking
+    copy per FSDP group), so the device is taken from the mesh as FSDP does
+    (``_get_device_from_mesh``: the mesh's device type, that backend's current device)."""
+    if not params:
+        return torch.device("cpu")
+    param = params[0]
+    if not hasattr(param, "to_local"):
+        return param.device
+    here = param.to_local().device
+    mesh_type = getattr(getattr(param, "device_mesh", None), "device_type", here.type)
+    if mesh_type == here.type or mesh_type == "cpu":
+        return here
+    return torch.device(mesh_type, torch.get_device_module(mesh_type).current_device())
+
+
+def identify(rank: int, world_size: int, hostname: str, local_rank: int,
+             device: torch.device) -> RankIdentity:
+    """Who this rank is, with its GPU's index and UUID on CUDA (the DCGM join key)."""
+    gpu = gpu_uuid = ""
+    if device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        gpu = str(index)
+        gpu_uuid = str(getattr(torch.cuda.get_device_properties(index), "uuid", ""))
+    return RankIdentity(rank, local_rank, world_size, hostname, str(device), gpu, gpu_uuid)

@@ -58,7 +58,7 @@ PREFIX = "nansentinel"
 STEP_OUTCOMES = OUTCOMES
 
 #: Values of the ``file`` label of ``nansentinel_report_failures_total``.
-REPORT_FILES = ("report", "batch", "skip_list")
+REPORT_FILES = ("report", "batch", "skip_list", "detail")
 
 #: ``check_seconds`` buckets: the sentinel's own time per step spans ~10 µs (a flag read on a
 #: small model) to ~1 s (a detection that writes an incident report).
@@ -279,6 +279,12 @@ class SentinelMetrics:
             registry=r,
         )
         self._report_failures = {f: failures.labels(file=f) for f in REPORT_FILES}
+        self._reports_suppressed = Counter(
+            f"{PREFIX}_spike_reports_suppressed",
+            "Warn-level spikes (the step applied) logged without an incident report, because "
+            "one such report was written within the last spike_window steps.",
+            registry=r,
+        )
         info = Info(f"{PREFIX}_rank", "Where this rank runs; join key with DCGM.", registry=r)
         info.info(
             {
@@ -354,8 +360,13 @@ class SentinelMetrics:
             for host in result.excluded_hosts:
                 self._host_excluded.labels(hostname=host).set(1)
 
+    def observe_suppressed_report(self) -> None:
+        """Count a warn-level spike logged without a report (the rate limit, detection.py)."""
+        self._reports_suppressed.inc()
+
     def observe_report_failure(self, file: str) -> None:
-        """Count an incident file (``report``, ``batch``, ``skip_list``) not written."""
+        """Count an incident file (``report``, ``batch``, ``skip_list``) not written, or a
+        blamed rank's share of it (``detail``: its sample ids, curves) not taken."""
         counter = self._report_failures.get(file)
         if counter is None:
             raise ValueError(f"report failure of {file!r}: expected one of {REPORT_FILES}")
@@ -505,6 +516,15 @@ def _first_line(server: subprocess.Popen[bytes], timeout: float) -> str:
 #: the registry's collectors (psutil, torch.cuda) while the interpreter finalizes, and the
 #: server process ends with its rank.
 _SERVING: weakref.WeakSet[SentinelMetrics] = weakref.WeakSet()
+
+
+def serve_rank(identity: RankIdentity, config: Any, registry: CollectorRegistry | None,
+               device: torch.device) -> SentinelMetrics:
+    """This rank's exporter, serving on ``metrics_port`` + its local rank."""
+    metrics = SentinelMetrics(identity, registry=registry, device=device)
+    metrics.serve(config.metrics_addr, config.metrics_port + identity.local_rank,
+                  config.metrics_certfile, config.metrics_keyfile)
+    return metrics
 
 
 @atexit.register

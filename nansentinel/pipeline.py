@@ -218,3 +218,34 @@ def stages_of(stages: Any) -> list[Any]:
             )
     return items
 
+
+
+def wrap_loss(
+    loss_fn: Callable[..., Any], stages: list[StageWatch], add_loss: Callable[[Any], Any],
+    health: Callable[[], LocalHealth], device: torch.device,
+) -> Callable[..., Any]:
+    """``loss_fn`` checked, for a pipeline schedule (``Sentinel.wrap_loss``).
+
+    Each micro-batch's loss is checked (``add_loss``, the sentinel's ``check_loss``) before its
+    backward, and paired with the activations it came from, so a loss that went non-finite on
+    the last stage from finite received activations is named there and one that arrived
+    non-finite is not; the targets (the arguments after the output) are checked as a batch of
+    the step (``health()``: this step's record). The schedule's shape-inference call on its
+    first step, made on uninitialised values, is passed through unchecked."""
+    watch = next((w for w in stages if w.last), None)
+
+    @functools.wraps(loss_fn)
+    def checked(output: Any, *args: Any, **kwargs: Any) -> Any:
+        loss = loss_fn(output, *args, **kwargs)
+        if shape_inference(stages):
+            return loss
+        value = add_loss(loss)
+        local = health()
+        with local.timed():
+            targets = checks.batch_norms((args, kwargs), device)
+            local.batch_norms.extend(targets)
+            if watch is not None:
+                watch.pair_loss(value, targets)
+        return loss
+
+    return checked

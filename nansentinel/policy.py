@@ -106,6 +106,33 @@ class History:
             skip_batches=int(state.get("skip_batches", 0)),
         )
 
+    def strikes_within(self, host: str, step: int, config: SentinelConfig) -> int:
+        """Strikes against ``host`` within the strike window that ends at ``step``."""
+        horizon = step - config.strike_window
+        return sum(1 for s in self.strikes.get(host, ()) if s > horizon)
+
+    def strike(self, hosts: list[str], step: int, config: SentinelConfig) -> tuple[str, int] | None:
+        """One strike at ``step`` against each of ``hosts`` (strikes older than the window are
+        forgotten); the first of them that now reaches ``host_strikes`` and is not excluded
+        yet, with its strikes, or None. The one place strikes are counted: the NaN path and
+        the replica fingerprints (replicas.py) both strike here."""
+        for host in hosts:
+            self.strikes.setdefault(host, []).append(step)
+        horizon = step - config.strike_window
+        for host in list(self.strikes):
+            self.strikes[host] = [s for s in self.strikes[host] if s > horizon]
+            if not self.strikes[host]:
+                del self.strikes[host]
+        for host in sorted(set(hosts)):
+            n = len(self.strikes.get(host, ()))
+            if n >= config.host_strikes and host not in self.excluded:
+                return host, n
+        return None
+
+    def exclude(self, host: str) -> None:
+        if host not in self.excluded:
+            self.excluded.append(host)
+
     def record(
         self,
         view: ClusterView,
@@ -120,15 +147,9 @@ class History:
             self.consecutive_skips += 1
         elif decision.applies:
             self.consecutive_skips = 0
-        for host in blamed_hosts(view, decision, verdict):
-            self.strikes.setdefault(host, []).append(view.step)
-        horizon = view.step - config.strike_window
-        for host in list(self.strikes):
-            self.strikes[host] = [s for s in self.strikes[host] if s > horizon]
-            if not self.strikes[host]:
-                del self.strikes[host]
-        if decision.exclude_host and decision.exclude_host not in self.excluded:
-            self.excluded.append(decision.exclude_host)
+        self.strike(blamed_hosts(view, decision, verdict), view.step, config)
+        if decision.exclude_host:
+            self.exclude(decision.exclude_host)
         if decision.cause == AFTER_ROLLBACK:
             self.skip_batches -= 1
         if decision.action == ROLLBACK and snapshot_step is not None:
@@ -231,9 +252,8 @@ def _nonfinite(
     snapshot_step: int | None,
 ) -> Decision:
     provisional = Decision(SKIP, bad, cause=NONFINITE, overflow=overflow)
-    horizon = view.step - config.strike_window
     for host in blamed_hosts(view, provisional, verdict):
-        strikes = sum(1 for s in history.strikes.get(host, ()) if s > horizon) + 1
+        strikes = history.strikes_within(host, view.step, config) + 1
         if strikes >= config.host_strikes and host not in history.excluded:
             return dataclasses.replace(
                 provisional,

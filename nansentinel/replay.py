@@ -67,7 +67,7 @@ class ReplayResult:
 
 def replay(
     module: torch.nn.Module, batch: Any, fn: ReplayFn, *, anomaly: bool = False,
-    localise: bool = True,
+    localise: bool = True, peers: Peers | None = None,
 ) -> ReplayResult:
     """Replay ``fn(module, batch)`` forward and backward with localisation hooks.
 
@@ -78,25 +78,28 @@ def replay(
     that replays only so that the collectives inside ``fn`` pair up). ``collectives`` counts
     the collectives the replay issued. ``anomaly``: a second pass under anomaly mode when the
     first was not finite (alone only: see the module docstring).
+
+    The hooks keep one 0-d flag per module output and parameter gradient on the device, and
+    the host reads them, with the loss, once at the end: a replay costs one host sync however
+    many modules it passes, not one per hook. ``peers``: every rank replays in lockstep, and a
+    rank whose ``fn`` fails (an out-of-memory error, say) makes every rank stop its replay at
+    the same point (:class:`_Lockstep`), so that no rank's next collective pairs with another
+    rank's collective inside ``fn``.
     """
-    found: dict[str, str] = {}
-    grads_finite = True
+    seen: list[tuple[str, str, torch.Tensor]] = []  # (what, name, 0-d "finite" flag), in order
 
     def forward_hook(name: str) -> Callable[..., None]:
         def hook(_mod: torch.nn.Module, _inp: Any, out: Any) -> None:
-            if "module" not in found and any(
-                not bool(torch.isfinite(t).all()) for t in checks.float_tensors(out)
-            ):
-                found["module"] = name or type(module).__name__
+            norms = [checks.tensor_norm(t) for t in checks.float_tensors(out)]
+            if norms:
+                flag = torch.isfinite(torch.stack([n.to(norms[0].device) for n in norms])).all()
+                seen.append(("module", name or type(module).__name__, flag))
 
         return hook
 
     def grad_hook(name: str) -> Callable[[torch.Tensor], None]:
         def hook(grad: torch.Tensor) -> None:
-            nonlocal grads_finite
-            if not bool(torch.isfinite(grad).all()):
-                grads_finite = False
-                found.setdefault("parameter", name)
+            seen.append(("parameter", name, torch.isfinite(checks.tensor_norm(grad))))
 
         return hook
 
@@ -107,26 +110,46 @@ def replay(
         handles += [p.register_hook(grad_hook(n)) for n, p in module.named_parameters()
                     if p.requires_grad]
     result = ReplayResult(finite=False)
-    counter = _Collectives()
+    counter = _Lockstep(peers)
+    failure: BaseException | None = None
+    values: list[float] = []
     try:
         with _preserved(module), counter:
             loss = fn(module, batch)
-            loss_finite = bool(torch.isfinite(loss.detach()).all())
-            result.loss = float(loss.detach().float().mean())
+            detached = loss.detach().float()
+            grads_ok = torch.ones((), dtype=torch.bool, device=detached.device)
             if loss.requires_grad and params:
                 grads = torch.autograd.grad(loss.float().sum(), params, allow_unused=True)
                 if not localise:
-                    grads_finite = all(bool(torch.isfinite(g).all()) for g in grads
-                                       if g is not None)
-        result.finite = loss_finite and grads_finite and "module" not in found
+                    norms = [checks.tensor_norm(g).to(detached.device) for g in grads
+                             if g is not None]
+                    if norms:
+                        grads_ok = torch.isfinite(torch.stack(norms)).all()
+            dev = detached.device
+            flags = [f.to(dev) for _, _, f in seen]
+            # The replay's one host read: loss mean, loss finite, gradients finite, the hooks.
+            values = torch.stack([detached.mean(), torch.isfinite(detached).all().float(),
+                                  grads_ok.float(), *(f.float() for f in flags)]).tolist()
     except Exception as exc:  # the user's replay function may fail in any way
-        result.error = f"{type(exc).__name__}: {exc}"
+        failure = exc
     finally:
         for h in handles:
             h.remove()
+        counter.finish(failure is None)  # every rank leaves the replay at the same round
+    if counter.aborted_by_peer:
+        result.error = "stopped: another rank's replay failed (every rank stops together)"
+    elif failure is not None:
+        result.error = f"{type(failure).__name__}: {failure}"
+    else:
+        result.loss = values[0]
+        firsts: dict[str, str] = {}
+        for (what, name, _), ok in zip(seen, values[3:], strict=True):
+            if not ok:
+                firsts.setdefault(what, name)
+        result.first_module = firsts.get("module")
+        result.first_parameter = firsts.get("parameter")
+        result.finite = bool(values[1]) and bool(values[2]) and not firsts
     result.collectives = counter.count
-    result.first_module = found.get("module")
-    result.first_parameter = found.get("parameter")
     if anomaly and not result.finite and result.error is None:
         # A second pass: anomaly mode raises at the first bad backward op, before the
         # parameter hooks above could see anything, so it cannot share their pass.
@@ -134,20 +157,66 @@ def replay(
     return result
 
 
-class _Collectives(TorchDispatchMode):
-    """Counts the collectives (``c10d`` operations) run while it is active, forward and
-    backward: whether a replay may run on some ranks alone."""
+class _PeerFailed(Exception):
+    """Raised inside a rank's replay when another rank's replay failed: stop here too."""
 
-    def __init__(self) -> None:
+
+class _Lockstep(TorchDispatchMode):
+    """Counts the collectives (``c10d`` operations) a replay runs, forward and backward, and
+    keeps every rank's replay in step when one of them fails.
+
+    Every rank runs the user's function at once, and the function may hold collectives. A rank
+    whose function raises (an out-of-memory error, a bug on one rank's data) would otherwise
+    go straight to the detection's next small collective, which would pair with another
+    rank's collective inside the function. So, with peers, each collective of the replay is
+    preceded by a round: a sum of ``[ok, done]`` over every rank (``ok`` 0: this rank failed;
+    ``done`` 1: it finished). A rank that finished or failed keeps answering rounds until one
+    says so for all: every rank ends at the same round, the first where some rank failed or
+    every rank is done, and a rank inside its function at that round stops there
+    (:class:`_PeerFailed`). A healthy replay pays one extra tiny all-reduce per collective,
+    on the rare path only. Ranks whose functions issue different numbers of collectives would
+    not pair in training either; they are not helped here.
+    """
+
+    _OPS = frozenset({"c10d", "_c10d_functional", "c10d_functional"})
+
+    def __init__(self, peers: Peers | None = None) -> None:
         super().__init__()
         self.count = 0
+        self.peers = peers if peers is not None and not peers.alone else None
+        self.ended = False
+        self.aborted_by_peer = False
+
+    def _round(self, ok: bool, done: bool) -> tuple[bool, bool]:
+        """One round: (every rank ok, every rank done)."""
+        assert self.peers is not None
+        total = self.peers.sum_floats([float(ok), float(done)])
+        world = self.peers.world_size
+        every_ok, every_done = total[0] == world, total[1] == world
+        if not every_ok or every_done:
+            self.ended = True
+        return every_ok, every_done
 
     def __torch_dispatch__(
         self, func: Any, types: Any, args: Any = (), kwargs: Any = None
     ) -> Any:
-        if func.namespace in ("c10d", "_c10d_functional", "c10d_functional"):
+        if func.namespace in self._OPS and "wait" not in func.__name__:
             self.count += 1
+            if self.peers is not None and not self.ended:
+                every_ok, _ = self._round(True, False)
+                if not every_ok:
+                    self.aborted_by_peer = True
+                    raise _PeerFailed("another rank's replay failed")
         return func(*args, **(kwargs or {}))
+
+    def finish(self, ok: bool) -> None:
+        """This rank's replay is over: answer rounds until every rank's is (or one failed)."""
+        if self.peers is None:
+            return
+        while not self.ended:
+            every_ok, _ = self._round(ok and not self.aborted_by_peer, True)
+            if not every_ok:
+                self.aborted_by_peer = self.aborted_by_peer or ok
 
 
 def _anomaly_trace(
@@ -185,9 +254,10 @@ def blame(
     Otherwise, with a replay function, the first blamed rank's batch goes to the view's
     healthy peer (another host, where ranks are laid out host by host), point to point, and
     every rank replays in lockstep: the blamed rank and every other rank their own batch, the
-    peer the blamed one. Small collectives (a sum of one flag, then of five) check that every
-    rank has a batch to replay and make the outcome common knowledge. Called on every rank,
-    after a detection only.
+    peer the blamed one. Small collectives (a sum of one flag, then of six) check that every
+    rank has a batch to replay and make the outcome common knowledge; a replay that failed on
+    any rank (an out-of-memory error, say) gives no verdict on every rank. Called on every
+    rank, after a detection only.
     """
     world = peers.world_size
     if world > 1 and (len(blamed) == world or spikes.cluster_wide):
@@ -198,8 +268,7 @@ def blame(
     peer = view.replay_peer
     mine, detail = batch, {}
     if peers.rank == subject.rank and batch is not None:
-        sig = signature(batch)
-        detail = {"fingerprint": sig.fingerprint, "signature": sig.to_json()}
+        detail = _signed(batch)
     if peer is not None:
         outgoing = None
         if peers.rank == subject.rank and batch is not None:
@@ -224,7 +293,7 @@ def blame(
         return None, detail
     ours = peers.rank == subject.rank
     theirs = peers.rank == peer and "peer_replay_skipped" not in detail
-    result = replay(module, mine, fn, localise=ours or theirs)
+    result = replay(module, mine, fn, localise=ours or theirs, peers=peers)
     if ours:
         detail["replay"] = result.to_json()
     elif theirs:
@@ -235,7 +304,18 @@ def blame(
         float(theirs and result.error is None),
         float(theirs and result.finite),
         float(result.collectives),
+        float(result.error is not None),
     ])
+    if flags[5]:
+        # Some rank's replay failed (its own error, or stopped with the others at the same
+        # round): no verdict on every rank alike, however the two ranks at stake fared.
+        if ours or theirs:
+            detail["replay_failed"] = (
+                f"the replay failed on {int(flags[5])} of {world} rank(s) (an error or an "
+                "out-of-memory error on some rank); every rank stopped at the same point "
+                "and the step has no verdict"
+            )
+        return None, detail
     if anomaly and (ours or theirs) and not result.finite and result.error is None:
         key = "replay" if ours else "peer_replay"
         if flags[4]:
@@ -250,6 +330,16 @@ def blame(
     if not flags[0]:
         return None, detail
     return verdict_of(bool(flags[1]), bool(flags[3]) if flags[2] else None), detail
+
+
+def _signed(batch: Any) -> dict[str, Any]:
+    """The blamed batch's fingerprint and signature (for the quarantine), or why not: local
+    work before the replay's collectives, so it must not raise."""
+    try:
+        sig = signature(batch)
+    except Exception as exc:  # a batch the signature cannot read must not stop the replay
+        return {"signature_error": f"{type(exc).__name__}: {exc}"}
+    return {"fingerprint": sig.fingerprint, "signature": sig.to_json()}
 
 
 def verdict_of(own_finite: bool, peer_finite: bool | None) -> str:

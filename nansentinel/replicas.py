@@ -31,13 +31,11 @@ import collections
 import dataclasses
 import logging
 from collections.abc import Callable, Iterable
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from nansentinel import report
 from nansentinel.collectives import Peers
 from nansentinel.policy import ABORT, APPLY, EXCLUDE, Decision, History
 from nansentinel.result import RankIdentity, StepResult
@@ -258,12 +256,14 @@ class ReplicaCheck:
         every: ``fingerprint_every``; action: ``divergence_action``.
         identity: this rank; inject: ``fn(step) -> bool``, a bitflip drill due now.
         skip: parameters that are not replicated.
+        incidents: the run's incident writer, for rank 0's report (None: no report).
     """
 
     def __init__(
         self, module: torch.nn.Module, optimizer: torch.optim.Optimizer, *, group: Any,
         peers: Peers, device: torch.device, every: int, action: str, identity: RankIdentity,
         inject: Callable[[int], bool] | None = None, skip: Iterable[str] = (),
+        incidents: Any = None,
     ) -> None:
         self.module, self.optimizer = module, optimizer
         self.group = group
@@ -274,6 +274,8 @@ class ReplicaCheck:
         self.every, self.action = every, action
         self.identity = identity
         self.inject = inject
+        #: Rank 0's reports go through the run's one incident writer (incident.py).
+        self.incidents = incidents
         self.skip = tuple(skip)
         #: The replica group is the whole job (DDP): no second flag is needed.
         self.whole_job = self.replicas.world_size == peers.world_size
@@ -385,16 +387,8 @@ class ReplicaCheck:
         lasted, since = lasted_since
         bad = sorted({r for f in findings for r in f.bad})
         hosts = sorted({h for f in findings for h in f.bad_hosts})
-        strike = [h for f in findings if f.majority for h in f.bad_hosts]
-        horizon = step - config.strike_window
-        excluded = None
-        for host in sorted(set(strike)):
-            marks = history.strikes.setdefault(host, [])
-            marks.append(step)
-            history.strikes[host] = [s for s in marks if s > horizon]
-            if (len(history.strikes[host]) >= config.host_strikes
-                    and host not in history.excluded and excluded is None):
-                excluded = (host, len(history.strikes[host]))
+        strike = sorted({h for f in findings if f.majority for h in f.bad_hosts})
+        excluded = history.strike(strike, step, config)
         what = "; ".join(f.describe() for f in findings)
         nxt = {"repair": "repaired from the majority in place", "abort": "aborting on every rank",
                "warn": "not repaired (divergence_action=warn)"}[act]
@@ -404,7 +398,7 @@ class ReplicaCheck:
                   f"the last agreeing check): {what} — {nxt}")
         if excluded is not None:
             host, n = excluded
-            history.excluded.append(host)
+            history.exclude(host)
             decision = Decision(EXCLUDE, (), reason, cause=KIND, exclude_host=host, strikes=n)
         elif act == "abort":
             decision = Decision(ABORT, (), reason, cause=KIND)
@@ -427,7 +421,6 @@ class ReplicaCheck:
                       self.identity.rank, self.identity.hostname, step,
                       ", ".join(params[self.identity.rank][:_NAMED]))
         if self.identity.rank == 0:
-            stem = report.incident_stem(getattr(config, "job_id", None), step)
             content = {
                 "version": 2, "message": message, "step": step, "verdict": VERDICT,
                 "kinds": [KIND], "action": act, "outcome": str(result.outcome),
@@ -435,12 +428,10 @@ class ReplicaCheck:
                 "last_agreed_step": since,
                 "groups": [f.to_json() for f in findings],
                 "excluded_host": decision.exclude_host, "strikes": {
-                    h: len(history.strikes.get(h, [])) for h in sorted(set(strike))},
+                    h: len(history.strikes.get(h, [])) for h in strike},
             }
-            path, _ = report.attempt(
-                "report", lambda: report.write_json(
-                    Path(config.report_dir) / f"{stem}-replicas.json", content),
-                rank=0, step=step)
+            path = (self.incidents.write_report(step, "-replicas", content)
+                    if self.incidents is not None else None)
             if path is not None:
                 result = dataclasses.replace(result, report_path=str(path))
             log.log(logging.ERROR if decision.stops or act != "repair" else logging.WARNING,
@@ -451,7 +442,7 @@ class ReplicaCheck:
 def replica_check(
     model: torch.nn.Module, module: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
     path: str, config: Any, peers: Peers, device: torch.device, identity: RankIdentity,
-    inject: Callable[[int], bool] | None, pipelined: bool = False,
+    inject: Callable[[int], bool] | None, pipelined: bool = False, incidents: Any = None,
 ) -> ReplicaCheck | None:
     """The check for this run, or None: ``fingerprint_every=0``, one process, pure FSDP, or
     local gradients under a pipeline or tensor parallelism (no known replicas: said once, by
@@ -469,7 +460,7 @@ def replica_check(
     check = ReplicaCheck(
         module, optimizer, group=group, peers=peers, device=device,
         every=config.fingerprint_every, action=config.divergence_action, identity=identity,
-        inject=inject, skip=getattr(model, "parameters_to_ignore", ()),
+        inject=inject, skip=getattr(model, "parameters_to_ignore", ()), incidents=incidents,
     )
     return None if check.replicas.alone else check
 

@@ -7,7 +7,9 @@ suffix, so re-running a job in the same directory keeps the earlier incidents.
 A saved batch is the user's training data, and a report names parameters and hosts: files are
 created 0600 and the directories the sentinel creates 0700 (narrower still under a stricter
 umask; a directory that already exists keeps its mode). A report that cannot be written (a
-full disk) is one log line and a counted failure, never an exception in the training loop.
+full disk, a value JSON cannot hold, anything else) is one log line and a counted failure,
+never an exception in the training loop. JSON has no NaN or Inf: :func:`json_safe` spells every
+non-finite number as a string (``"nan"``, ``"inf"``, ``"-inf"``) wherever it sits in a report.
 """
 
 from __future__ import annotations
@@ -91,10 +93,14 @@ def attempt(
     """Run ``write()`` (which writes an incident file); a failure such as a full disk is one
     error line naming the rank, step and file, a call of ``failed(what)`` (the metrics
     counter), and ``(None, reason)`` — never an exception: the training goes on.
+
+    Any ``Exception`` counts (a full disk's ``OSError``, torch.save's ``RuntimeError``, a
+    value JSON cannot hold): what guards the job must not end it over a file. Only what is
+    not an ``Exception`` (KeyboardInterrupt, SystemExit) passes through.
     """
     try:
         return write(), None
-    except (OSError, RuntimeError) as exc:  # torch.save reports a failed write as RuntimeError
+    except Exception as exc:
         reason = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
         log.error(
             "nansentinel: rank %d could not write the incident %s of step %d (%s); training "
@@ -113,11 +119,27 @@ def json_float(x: float | None) -> float | str | None:
     return str(x)
 
 
+def json_safe(obj: Any) -> Any:
+    """``obj`` with every non-finite float, at any depth of dicts, lists and tuples, replaced
+    by :func:`json_float`'s string; tuples become lists, as JSON has them. The one place a
+    report's content is made JSON-able, so that a NaN somewhere new (a batch's sums, a loss)
+    cannot fail the write."""
+    if isinstance(obj, float):
+        return json_float(obj)
+    if isinstance(obj, dict):
+        return {k: json_safe(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return [json_safe(v) for v in obj]
+    return obj
+
+
 def write_json(path: Path, payload: dict) -> Path:
-    """Atomically write ``payload`` as JSON to a new file at ``path`` (see :func:`write_new`)."""
+    """Atomically write ``payload`` as JSON to a new file at ``path`` (see :func:`write_new`);
+    non-finite numbers are written as strings (:func:`json_safe`)."""
+    text = json.dumps(json_safe(payload), indent=2, sort_keys=True, allow_nan=False) + "\n"
 
     def dump(tmp: Path) -> None:
-        tmp.write_text(json.dumps(payload, indent=2, sort_keys=True, allow_nan=False) + "\n")
+        tmp.write_text(text)
 
     return write_new(path, dump)
 

@@ -124,6 +124,9 @@ class StepResult:
     """Ranks whose values went non-finite only downstream of a ``bad_ranks`` rank within the
     step (a pipeline stage's received activations or gradients, or a collective in the
     forward): named, never blamed or struck. Sorted."""
+    buffers_restored: int = 0
+    """Floating buffers (BatchNorm running statistics, EMA buffers) put back as they were
+    before this step's forward, because the step was not applied (0 when it was)."""
 
     @property
     def healthy(self) -> bool:

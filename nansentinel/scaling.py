@@ -1,4 +1,12 @@
-"""The caller's GradScaler after a step the sentinel skipped.
+"""The GradScaler after a step the sentinel skipped.
+
+Our own step (``Sentinel(..., scaler=)``, ``step()`` calling ``scaler.step`` and
+``scaler.update``): a skipped or rolled-back step calls neither, but the loop may already have
+called ``scaler.unscale_(optimizer)`` (PyTorch's AMP recipe with gradient clipping), and the
+scaler then refuses the next step's ``unscale_`` ("has already been called on this optimizer
+since the last update()"). :func:`settle` ends the scaler's step as ``update`` would, keeping
+its scale and growth count as they were: a NaN the sentinel blamed on a rank is not an fp16
+overflow, so the scale is not halved for it.
 
 With ``step(optimizer_step=False)`` the framework steps the optimizer itself, through its
 GradScaler (Lightning's ``16-mixed``, the Hugging Face Trainer's fp16). A skip sets every
@@ -17,6 +25,22 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+
+
+def settle(scaler: Any) -> None:
+    """End ``scaler``'s step after a skip: its per-optimizer records (``unscale_`` called, inf
+    checks) are cleared, so the next step can unscale, and the scale and growth count stay as
+    they were. A disabled scaler, or one that never scaled this run, is left alone.
+
+    ``update(new_scale)`` does exactly that in torch 2.3 to 2.13: it sets the scale (to its
+    own value here), leaves the growth tracker, and refreshes the per-optimizer states. The
+    scale is read on the host (one sync, on a skipped step only).
+    """
+    if not getattr(scaler, "is_enabled", lambda: True)():
+        return
+    if getattr(scaler, "_scale", True) is None:  # nothing scaled yet: nothing to settle
+        return
+    scaler.update(float(scaler.get_scale()))
 
 
 def record_skip(scaler: Any, optimizer: torch.optim.Optimizer) -> bool:

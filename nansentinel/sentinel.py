@@ -1,57 +1,47 @@
-"""The Sentinel: the one path of a step, composed from the layers.
+"""The Sentinel: the one path of a step, as the training loop calls it.
 
 ::
 
     check_batch ─┐
-    check_loss ──┤ local flags, kept on the device
-    backward ────┤ the gradient path (gradpaths/, chosen once): each DDP bucket or FSDP group
-                 │ is checked before its reduction; the health exchange leaves with the last
-                 │ DDP bucket, or at step() (FSDP, local gradients)
-    step() ──────┘ wait for the totals (the one host sync) → [flagged: name them] → decide → act
+    check_loss ──┤ this rank's flags, kept on the device (current.py, local.py, checks.py)
+    backward ────┤ the gradient path (gradpaths/): each DDP bucket or FSDP group checked
+                 │ before its reduction; the health exchange leaves with the last one
+    step() ──────┘ the totals (exchange.py: the one host sync) → judge.py: [flagged: name
+                   them, detection.py] → decide (policy.py) → act; on the device gate the
+                   optimizer steps at once and the host decides at the next call (gate.py)
 
-Everything expensive (naming ranks and parameters, the replay, saving the batch, writing the
-report) runs only after a detection, in detection.py; the healthy step pays for a few fused
-reductions and one fixed-size collective that travels beside the gradients.
+Each layer builds and wires itself; this class composes them in the order of a step, and holds
+no policy, layout or I/O of its own (docs/design.md).
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import logging
 import os
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from nansentinel import checks, gradpaths, incident, pipeline, skip_list, stop
-from nansentinel.collectives import ForwardCollectives, Peers
+from nansentinel import gradpaths, incident, pipeline, stop, watchdog
+from nansentinel.buffers import FloatingBuffers
 from nansentinel.config import SentinelConfig, resolve_hostname
-from nansentinel.curves import Curves
+from nansentinel.current import CurrentStep
 from nansentinel.detection import Detector
-from nansentinel.exchange import HealthExchange, late_after
-from nansentinel.gate import DeviceGate, Pending, PendingResult, device_gate_refusal, held_grads
+from nansentinel.exchange import HealthExchange
+from nansentinel.gate import gated_steps
 from nansentinel.inject import Injector, parse_inject
-from nansentinel.local import LocalHealth, to_device
-from nansentinel.policy import ROLLBACK, Decision, History, blamed, decide
+from nansentinel.judge import StepJudge
+from nansentinel.local import identify, local_device
+from nansentinel.policy import Decision
 from nansentinel.quarantine import Quarantine
-from nansentinel.recovery import Cooldown, MemorySnapshots, SnapshotStore, UserSnapshots
+from nansentinel.recovery import SnapshotStore, snapshot_store
 from nansentinel.replay import ReplayFn
-from nansentinel.replicas import ReplicaCheck, replica_check
-from nansentinel.result import (
-    RankIdentity,
-    ResultPending,
-    SentinelUsageError,
-    StepResult,
-)
-from nansentinel.scaling import record_skip
-from nansentinel.spikes import SpikeDetector, Spikes
-from nansentinel.view import ClusterView, OwnRow, Totals, pack
-from nansentinel.watchdog import TimeoutFit, Watchdog, watchdog_deadline
+from nansentinel.replicas import replica_check
+from nansentinel.result import ResultPending, StepResult
 
 log = logging.getLogger("nansentinel")
 
@@ -60,725 +50,251 @@ class Sentinel:
     """Watches one rank's batch, loss and gradients; decides each step with every other rank.
 
     Args:
-        model: the module being trained: plain, wrapped in ``DistributedDataParallel``, or an
-            FSDP2 (``fully_shard``) root module, 1-D or HSDP. With DDP a communication hook is
-            registered, with FSDP2 a custom reduce-scatter on every FSDP module (construct the
-            sentinel before the first backward, and register no other comm hook / custom
-            reduce-scatter).
+        model: plain, ``DistributedDataParallel`` or an FSDP2 root (1-D, HSDP); with ``stages``
+            the list of a pipeline rank's stage modules. Construct the sentinel before the first
+            backward: it installs a DDP comm hook or FSDP2 custom reduce-scatters.
         optimizer: stepped by :meth:`step` only when every rank is healthy.
-        scaler: a ``torch.amp.GradScaler``; :meth:`step` then calls ``scaler.step`` and
-            ``scaler.update``, and non-finite gradients alone count as fp16 overflow.
-        group: the process group (default: DDP's, else the default group if initialised,
-            else none: one process).
-        registry: a ``prometheus_client.CollectorRegistry`` for the metrics (tests inject one).
-        replay: ``fn(module, batch) -> loss``, the forward and loss of one step on the
-            unwrapped module; with it, a detection is replayed to tell data, host and
-            transient faults apart and to find the first non-finite module and parameter.
-            Every rank replays in lockstep, so collectives inside ``fn`` pair up. Off under
-            FSDP2 (its backward would reduce-scatter through the gradient path being judged).
-        snapshots: ``(save, load)`` — the user's own checkpoint pair for rollbacks
-            (``save(step)``; ``load() -> step``) — or a ``SnapshotStore``; default: host memory.
-        stages: this rank's ``torch.distributed.pipelining`` ``PipelineStage`` (or a list of
-            them, for an interleaved schedule; ``model`` is then the list of their modules, in
-            any wrapping the gradient path accepts, e.g. each ``fully_shard``-ed). Each stage's
-            boundaries are checked (pipeline.py), so the rank where a NaN began is named alone
-            and the ranks it reached go to ``StepResult.reached``; hand the schedule
-            :meth:`wrap_loss`. The exchange then spans the whole job (the default group), so
-            every rank of every stage takes the same decision.
-        env: environment to read ``NANSENTINEL_*`` from (default ``os.environ``).
-        **overrides: fields of :class:`SentinelConfig`; keyword > env > default.
+        scaler: a ``torch.amp.GradScaler``, stepped and updated by :meth:`step`.
+        group: the process group (default: DDP's, else the default group, else none).
+        registry: a ``prometheus_client.CollectorRegistry`` for the metrics.
+        replay: ``fn(module, batch) -> loss``: a detection is replayed in lockstep to tell data,
+            host and transient faults apart (off under FSDP2); ``False``: the replay off.
+        snapshots: ``(save, load)`` or a ``SnapshotStore`` for rollbacks (default: host memory).
+        stages: this rank's ``PipelineStage`` (or a list): its boundaries are checked.
+        env: where ``NANSENTINEL_*`` is read (default ``os.environ``).
+        **overrides: :class:`SentinelConfig` fields; keyword > env > default.
     """
 
     def __init__(
-        self,
-        model: torch.nn.Module | list[torch.nn.Module],
-        optimizer: torch.optim.Optimizer,
-        *,
-        scaler: Any = None,
-        group: dist.ProcessGroup | None = None,
-        registry: Any = None,
-        env: dict[str, str] | None = None,
-        replay: ReplayFn | None = None,
-        snapshots: tuple[Any, Any] | SnapshotStore | None = None,
-        stages: Any = None,
+        self, model: torch.nn.Module | list[torch.nn.Module], optimizer: torch.optim.Optimizer,
+        *, scaler: Any = None, group: dist.ProcessGroup | None = None, registry: Any = None,
+        env: dict[str, str] | None = None, replay: ReplayFn | bool | None = None,
+        snapshots: tuple[Any, Any] | SnapshotStore | None = None, stages: Any = None,
         **overrides: Any,
     ) -> None:
+        if isinstance(replay, bool):  # the config field (keyword > env), not a function
+            overrides["replay"], replay = replay, None
         self.config = cfg = SentinelConfig.from_env(env, **overrides)
-        if isinstance(model, list | tuple):  # a pipeline rank's model parts
-            model = torch.nn.ModuleList(model)
-        self.model = model
-        self.optimizer = optimizer
-        self.scaler = scaler
-        is_ddp = isinstance(model, DistributedDataParallel)
         pipelined = pipeline.stages_of(stages) if stages is not None else []
-        if group is None and is_ddp and not pipelined:
+        self._place(model, optimizer, scaler, group, pipelined, os.environ if env is None else env)
+        peers, model = self.exchange.peers, self.model
+        self.snapshots = snapshot_store(
+            snapshots, cfg, model=model, module=self.module, optimizer=optimizer, scaler=scaler,
+            peers=peers, device=self.device, hostname=self.identity.hostname)
+        self.quarantine = Quarantine(self.device, size=cfg.quarantine_size,
+                                     steps=cfg.quarantine_steps)
+        self.buffers = FloatingBuffers(self.module)
+        self.current = CurrentStep(
+            device=self.device, rank=self.rank, exchange=self.exchange, injector=self.injector,
+            quarantine=self.quarantine, buffers=self.buffers, deadline=self.deadline,
+            thresholds=lambda: self.judge.thresholds(), amp=scaler is not None)
+        self.gradients: gradpaths.GradPath = gradpaths.attach(model, self.current)
+        self.current.attach(self.gradients, pipelined)
+        self.incidents = incident.IncidentWriter(cfg, self.identity, peers, self.job_id)
+        self.detector = Detector.for_run(
+            cfg, peers, self.identity, gradients=self.gradients, incidents=self.incidents,
+            module=self.module, amp=scaler is not None, replay=replay, guarded=self._guarded)
+        self.replicas = replica_check(
+            model, self.module, optimizer, path=self.gradients.name, config=cfg, peers=peers,
+            device=self.device, identity=self.identity, pipelined=bool(pipelined),
+            inject=lambda step: self.injector.due("bitflip", step), incidents=self.incidents)
+        self.judge = StepJudge(
+            cfg, world_size=self.world_size, rank=self.rank, device=self.device,
+            optimizer=optimizer, scaler=scaler, detector=self.detector, snapshots=self.snapshots,
+            buffers=self.buffers, replicas=self.replicas, quarantine=self.quarantine,
+            guarded=self._guarded)
+        #: The device gate's steps (gate.py); None: the host gate.
+        self.device_gate = gated_steps(
+            cfg, optimizer, self.device, scaler=scaler, path=self.gradients.name,
+            pipelined=bool(pipelined), speak=self.rank == 0, judge=self.judge,
+            buffers=self.buffers, params=self._params, guarded=self._guarded,
+            rearm=self._rearm, stop_if=self._stop_if)
+        self.end = stop.RunEnd(cfg, self.identity, self.exchange, self.job_id,
+                               deadline=self.deadline, judge=self.judge)
+        if cfg.metrics_port:
+            self._serve(registry)
+
+    def _place(self, model: Any, optimizer: torch.optim.Optimizer, scaler: Any, group: Any,
+               pipelined: list[Any], environ: Any) -> None:
+        """Where this rank runs: its model (and the module inside DDP), device, process group
+        and identity (left at the store: nothing is gathered at start), its drills, and the
+        deadline on its collectives."""
+        cfg = self.config
+        self.model = model = torch.nn.ModuleList(model) if isinstance(model, list | tuple) \
+            else model
+        self.optimizer, self.scaler = optimizer, scaler
+        ddp = isinstance(model, DistributedDataParallel)
+        self.module = model.module if ddp else model
+        if group is None and ddp and not pipelined:
             group = model.process_group  # under a pipeline: the whole job (the default group)
-        params = list(model.parameters())
-        self.device = _local_device(params[0]) if params else torch.device("cpu")
+        self._params = list(model.parameters())
+        self.device = local_device(self._params)
         self.exchange = HealthExchange(group, self.device, cfg.exchange_timeout)
-        self.rank = self.exchange.rank
-        self.world_size = self.exchange.world_size
-        environ = os.environ if env is None else env
-        self.identity = _identity(
-            self.rank, self.world_size, resolve_hostname(cfg.hostname, environ),
-            int(environ.get("LOCAL_RANK", "0") or 0), self.device,
-        )
-        # Nothing is gathered at start: a detection names the flagged ranks when it happens,
-        # and a failed collective reads the missing ranks' identities from the store.
+        self.rank, self.world_size = self.exchange.rank, self.exchange.world_size
+        self.identity = identify(self.rank, self.world_size,
+                                 resolve_hostname(cfg.hostname, environ),
+                                 int(environ.get("LOCAL_RANK", "0") or 0), self.device)
         self.exchange.publish(self.identity)
         self.job_id = cfg.job_id or environ.get("TORCHELASTIC_RUN_ID")
-        faults = parse_inject(cfg.inject) if cfg.inject else []
-        self.injector = Injector(faults, self.rank, self.identity.hostname)
-        self.history = History()
-        self.step_index = 0
-        self.module = model.module if is_ddp else model
-        self.spikes = SpikeDetector(
-            window=cfg.spike_window, warmup=cfg.spike_warmup, ratio=cfg.spike_ratio,
-            zscore=cfg.spike_zscore,
-        )
-        self._thresholds = to_device(self.spikes.thresholds(), self.device)
-        self._thresholds_version = self.spikes.version
-        self.snapshots: SnapshotStore | None
-        if isinstance(snapshots, tuple):
-            self.snapshots = UserSnapshots(*snapshots)
-        elif snapshots is not None:
-            self.snapshots = snapshots
-        elif "rollback" in (cfg.policy, cfg.loss_spike_action, cfg.grad_spike_action):
-            # Under DDP every replica holds the same weights and optimizer state: each rank
-            # keeps 1/W of them (recovery.py), over DDP's own group.
-            replicas = None
-            if is_ddp:
-                replicas = (self.exchange.peers if group is model.process_group
-                            else Peers(model.process_group, self.device))
-            self.snapshots = MemorySnapshots(
-                self.module, optimizer, scaler, peers=self.exchange.peers, replicas=replicas,
-                unreplicated=getattr(model, "parameters_to_ignore", ()),
-                hostname=self.identity.hostname,
-            )
-        else:
-            self.snapshots = None  # no rollback possible: no copies made
-        self.cooldown = Cooldown()
-        #: The last steps' loss and gradient norm, this rank's and the cluster's (reports).
-        self.curves = Curves()
-        self._after_step: tuple[Any, ClusterView] | None = None
-        self._post_hook: Any = None
-        #: Batches with a ``data`` verdict, recognised on the device (quarantine.py).
-        self.quarantine = Quarantine(
-            self.device, size=cfg.quarantine_size, steps=cfg.quarantine_steps
-        )
-        self.incidents = incident.IncidentWriter(
-            cfg, self.identity, self.exchange.peers, self.job_id
-        )
-        #: Where the gradients are checked before their reduction: ``ddp``, ``fsdp``, ``local``.
-        self.gradients: gradpaths.GradPath = gradpaths.attach(model, self)
-        self.detector = Detector(
-            self.exchange.peers, self.identity, amp=scaler is not None,
-            gradients=self.gradients, incidents=self.incidents, module=self.module,
-            replay=replay if cfg.replay and self.gradients.name != "fsdp" else None,
-            anomaly=cfg.replay_anomaly, guarded=self._guarded,
-        )
-        #: The replica fingerprint check (replicas.py); None: off, alone, or pure FSDP.
-        self.replicas: ReplicaCheck | None = replica_check(
-            model, self.module, optimizer, path=self.gradients.name, config=cfg,
-            peers=self.exchange.peers, device=self.device, identity=self.identity,
-            inject=lambda step: self.injector.due("bitflip", step), pipelined=bool(pipelined),
-        )
-        self._params = params
-        self._pending: tuple[Pending, PendingResult] | None = None
-        #: Set when poisoned steps are skipped on the device (see gate.py); None: host gate.
-        self.device_gate = self._choose_gate(optimizer, scaler)
-        #: The pipeline boundaries this rank checks (pipeline.py), one per stage it holds.
-        self.stages = [pipeline.StageWatch(s, self.device) for s in pipelined]
-        #: The process groups that ran a collective in the forward (origins.py).
-        self.forward = ForwardCollectives(exclude=_quiet_groups(self.gradients, pipelined))
-        self._reset()
-        if self.gradients.name == "fsdp" and replay is not None and cfg.replay:
-            log.info(
-                "nansentinel: replay is off under FSDP2 (its backward would reduce-scatter "
-                "through the gradient path being judged); detections get verdict None"
-            )
-        self.watchdog: Watchdog | None = None
-        if self.world_size > 1:
-            self.watchdog = Watchdog(
-                watchdog_deadline(cfg.exchange_timeout), self._on_timeout, settled=self._settled,
-                on_late=self.exchange.check_in, late_after=late_after(cfg.exchange_timeout),
-            )
-            self.exchange.armed_for = self.watchdog.armed_for  # a diagnosis's wait (exchange.py)
-            # Inside the group's own timeout, now and whenever it changes (watchdog.py).
-            fit = TimeoutFit(self.exchange, cfg.exchange_timeout, self.watchdog,
-                             speak=self.rank == 0)
-            self.watchdog.on_poll = fit.check
-        self.metrics = None
-        if cfg.metrics_port:
-            self.metrics = _start_metrics(self, registry)
-            self.incidents.failed = self.metrics.observe_report_failure
+        self.injector = Injector(parse_inject(cfg.inject) if cfg.inject else [], self.rank,
+                                 self.identity.hostname)
+        self.deadline = watchdog.StepDeadline(
+            self.exchange, cfg.exchange_timeout, step=lambda: self.step_index,
+            settled=self._settled, speak=self.rank == 0,
+            on_expire=functools.partial(stop.on_timeout, config=cfg, identity=self.identity,
+                                        exchange=self.exchange))
 
-    # --- the three calls of a training loop -------------------------------------------------
+    def _serve(self, registry: Any) -> None:
+        from nansentinel.metrics import serve_rank
+
+        self.metrics = serve_rank(self.identity, self.config, registry, self.device)
+        self.incidents.failed = self.metrics.observe_report_failure
+        self.detector.suppressed = self.metrics.observe_suppressed_report
+
+    # --- the calls of a training loop --------------------------------------------------------
 
     def check_batch(self, batch: Any, *, ids: Any = None) -> Any:
-        """Check every floating-point tensor of ``batch`` (any nesting of dict/list/tuple).
-
-        Non-float parts (ints, bools, strings, None) are ignored; a batch without float tensors
-        is harmless and checks nothing. Returns ``batch`` (with a drill fault written into it
-        when one is due). Call it before ``backward``.
-
-        ``ids``: one sample id per row of the batch's leading dimension (dataset indices, or
-        ``(shard, offset)`` pairs; a list or a tensor, read only after a detection). A
-        detection then names the rows at fault, and the skip list keeps them across restarts
-        (``nansentinel.skip_list``).
-        """
+        """Check every floating-point tensor of ``batch`` (any nesting of dict/list/tuple;
+        other parts are ignored) before ``backward``; returns it (a due drill written in).
+        ``ids``: one sample id per row, read after a detection only (the skip list)."""
         self._resolve()
-        started = time.perf_counter()
-        self._require_open("check_batch")
-        if self.local.batch is None and self.local.loss_count == 0:
-            self.forward.start()  # the forward begins after the step's first batch check
-        if ids is not None:
-            self.local.ids = skip_list.check_ids(ids, batch, rank=self.rank, step=self.step_index)
-        first = next(checks.float_tensors(batch), None)
-        if self.injector.poison("batch", self.step_index, first):
-            self.local.injected = True
-        quarantined = self.quarantine.match(batch, self.step_index)
-        if quarantined is not None:
-            self.local.add_quarantined(quarantined)
-        self.local.add_batch(batch, checks.batch_norms(batch, self.device))
-        self._seconds += time.perf_counter() - started
+        self.current.check_batch(batch, ids)
         return batch
 
     def check_loss(self, loss: torch.Tensor | float) -> None:
-        """Check the loss (a tensor or a number; a non-scalar loss is checked element-wise and
-        its mean recorded). Call it before ``backward`` so the result can travel with the
-        gradient all-reduce."""
-        self._add_loss(loss)
-
-    def _add_loss(self, loss: torch.Tensor | float) -> torch.Tensor:
-        """:meth:`check_loss`; returns the 0-d value it recorded (on the device)."""
+        """Check the loss (a tensor or a number; a non-scalar one element-wise, its mean
+        recorded) before ``backward``, so that its flag leaves with the gradients."""
         self._resolve()
-        started = time.perf_counter()
-        self._require_open("check_loss")
-        if isinstance(loss, int | float) and not isinstance(loss, bool):
-            loss = torch.full((), float(loss), device=self.device)  # no host copy on CUDA
-        if not isinstance(loss, torch.Tensor):
-            raise TypeError(
-                f"nansentinel: check_loss expects a tensor or a number, got {type(loss).__name__} "
-                f"(rank {self.rank}, step {self.step_index})"
-            )
-        if not (loss.is_floating_point() or loss.is_complex()) or loss.numel() == 0:
-            raise TypeError(
-                f"nansentinel: check_loss expects a non-empty floating-point loss, got dtype "
-                f"{loss.dtype} with {loss.numel()} elements "
-                f"(rank {self.rank}, step {self.step_index})"
-            )
-        if self.injector.poison("loss", self.step_index, loss.detach()):
-            self.local.injected = True
-        if self.local.loss_count == 0:
-            self.local.forward_groups = self.forward.stop()
-        value = checks.loss_scalar(loss)
-        self.local.add_loss(value)
-        self._seconds += time.perf_counter() - started
-        return value
+        self.current.add_loss(loss)
 
     def wrap_loss(self, loss_fn: Callable[..., Any]) -> Callable[..., Any]:
-        """``loss_fn`` checked: the loss function to hand a pipeline schedule
-        (``ScheduleGPipe(stage, n, loss_fn=sentinel.wrap_loss(loss_fn))``).
+        """``loss_fn`` checked, for a pipeline schedule (``loss_fn=sentinel.wrap_loss(fn)``)."""
 
-        Each micro-batch's loss is checked (:meth:`check_loss`) before its backward, and paired
-        with the activations it came from, so a loss that went non-finite on the last stage
-        from finite received activations is named there and one that arrived non-finite is
-        not; the targets (the arguments after the output) are checked as a batch. The
-        schedule's shape-inference call on its first step, made on uninitialised values, is
-        passed through unchecked.
-        """
-        watch = next((w for w in self.stages if w.last), None)
+        def add_loss(loss: Any) -> torch.Tensor:
+            self._resolve()
+            return self.current.add_loss(loss)
 
-        @functools.wraps(loss_fn)
-        def checked(output: Any, *args: Any, **kwargs: Any) -> Any:
-            loss = loss_fn(output, *args, **kwargs)
-            if pipeline.shape_inference(self.stages):
-                return loss
-            value = self._add_loss(loss)
-            started = time.perf_counter()
-            targets = checks.batch_norms((args, kwargs), self.device)
-            self.local.batch_norms.extend(targets)
-            if watch is not None:
-                watch.pair_loss(value, targets)
-            self._seconds += time.perf_counter() - started
-            return loss
-
-        return checked
+        return pipeline.wrap_loss(loss_fn, self.current.stages, add_loss,
+                                  lambda: self.current.local, self.device)
 
     def check_grads(self) -> None:
-        """Check this rank's local gradients now and start the health exchange.
-
-        DDP and FSDP2 users never call this (their gradient path does it before each
-        reduction). Call it yourself only if you reduce gradients by hand: after ``backward``
-        and *before* your own all-reduce, or blame is lost. ``step()`` calls it when nothing
-        else did.
-        """
+        """Check the local gradients now and start the exchange: only if you reduce
+        gradients by hand, after ``backward`` and *before* your all-reduce (DDP and FSDP2
+        check them themselves; ``step()`` calls this when nothing did)."""
         self._resolve()
-        self._require_open("check_grads")
+        self.current.require_open("check_grads")
         self.gradients.check_now()
-        self.launch_exchange()
+        self.current.launch_exchange()
 
     def step(self, *, optimizer_step: bool = True) -> StepResult:
-        """Decide this step with every rank and act on it.
-
-        Applies the optimizer (or GradScaler) step only when every rank is healthy; otherwise
-        discards the gradients on every rank, rolls every rank back to the last-good snapshot,
-        or raises :class:`NonFiniteError` on every rank when the policy aborts (or
-        :class:`HostExcludedError` when a host is excluded).
-
-        Args:
-            optimizer_step: ``False`` when the caller steps the optimizer itself right after
-                (a framework such as Lightning or the Hugging Face Trainer). On apply the
-                sentinel then only scales the LR for a rollback cooldown; the cooldown is undone
-                and the snapshot kept from an optimizer step post-hook, after the caller's
-                update. On a skip or rollback every gradient is set to ``None``, so the
-                caller's step leaves weights and optimizer state exactly as they are. Such a
-                step always takes the host gate.
-
-        With the device gate (``gate="device"``: a fused optimizer on CUDA, see ``gate.py``)
-        the optimizer step is launched at once, skipped on the device when any rank is
-        poisoned, and a :class:`~nansentinel.gate.PendingResult` is returned: its fields are
-        decided on first read, else at the next sentinel call (where an abort is then raised).
-        """
+        """Decide this step with every rank and act: the optimizer (or GradScaler) steps only
+        when every rank is healthy; otherwise every rank skips, rolls back, or raises
+        :class:`NonFiniteError` (:class:`HostExcludedError`). ``optimizer_step=False``: the
+        caller (a framework) steps the optimizer itself right after; on a skip the gradients
+        are then ``None``. On the device gate a :class:`~nansentinel.gate.PendingResult` comes
+        back, decided at the next sentinel call (or on a read that needs no collective)."""
         self._resolve()
-        if self._after_step is not None:  # the caller did not step (its GradScaler skipped)
-            self.cooldown.undo(self.optimizer, self._after_step[0])
-            self._after_step = None
+        self.judge.caller_did_not_step()
         if not self.exchange.launched:
             self.check_grads()
+        local = self.current.local
         if optimizer_step and self.device_gate is not None and self.device_gate.ready():
-            return self._gate_on_device()
-        started = time.perf_counter()
-        step, values = self.exchange.wait()
-        self._disarm()
-        # Waiting for the exchange is waiting for the gradient all-reduce beside it: not ours.
-        seconds = self._seconds - (time.perf_counter() - started)
-        result, decision = self._judge(
-            step, values, self.local, seconds, started, optimizer_step=optimizer_step
-        )
-        self._reset()
-        self.step_index += 1
+            step, vector = self.exchange.take()
+            pending: Any = self.device_gate.launch(step, vector, local)
+            self.current.next()
+            return pending
+        step, values = self.exchange.wait()  # waiting for the all-reduce beside it: not ours
+        self.deadline.disarm()
+        result, decision, tail = self.judge.judge(step, values, local,
+                                                  optimizer_step=optimizer_step)
+        result, decision = tail(result, decision)
+        self.current.next()
         self._stop_if(decision, result)
         return result
 
-    def _gate_on_device(self) -> StepResult:
-        """Launch the optimizer step gated by a device-side found_inf; decide later."""
-        started = time.perf_counter()
-        gate = self.device_gate
-        assert gate is not None
-        step, vector = self.exchange.take()
-        skip = self.history.skip_batches > 0  # known on the host: no need to look
-        found_inf = gate.found_inf(vector, skip)
-        host, event = gate.to_host(vector)  # queued before the optimizer, so it lands early
-        saved_lr = self.cooldown.apply(self.optimizer)
-        opt_started = time.perf_counter()
-        gate.step(found_inf)
-        opt_seconds = time.perf_counter() - opt_started
-        self.cooldown.restore(self.optimizer, saved_lr)  # counted at the decision, if applied
-        grads = held_grads(self._params)
-        seconds = self._seconds + time.perf_counter() - started - opt_seconds
-        pending = Pending(step, self.local, seconds, host, event, grads, skip)
-        self._reset()
-        self.step_index += 1
-        result = PendingResult(self._decide_if_local, pending.early)
-        self._pending = (pending, result)
-        return result  # type: ignore[return-value]
-
-    def _needs_detection(self, totals: Totals) -> bool:
-        """The step flagged a rank or the cluster mean spiked: naming it takes collectives."""
-        return totals.flagged > 0 or self.spikes.cluster_spikes(totals)
-
-    def _decide_if_local(self) -> None:
-        """A read of a pending result: decide it now if that needs no collective (nothing
-        was flagged), else say when it will be decided. Never starts a collective."""
-        if self._pending is None:
-            return
-        pending, _ = self._pending
-        if self._needs_detection(Totals.from_values(pending.values())):
-            raise ResultPending(
-                f"nansentinel: step {pending.step} found a non-finite value or a spike; rank "
-                f"{self.rank} names and decides it with every other rank at its next sentinel "
-                "call (check_batch, check_loss, step or close), where an abort is raised. "
-                "Until then only step, applied (the device already skipped it), injected and "
-                "local_* can be read."
-            )
-        self._resolve()
-
-    def _resolve(self) -> None:
-        """The fixed point of the device gate: decide the step pending there, if any (raises
-        its abort). Called on every rank at its next sentinel call, so that a detection's
-        collectives run at the same point everywhere."""
-        if self._pending is None:
-            return
-        pending, result = self._pending
-        self._pending = None
-        started = time.perf_counter()
-        with self._guarded():
-            values = pending.values()
-        # Waiting for the copy is waiting for the gradient all-reduce: not ours.
-        seconds = pending.seconds - (time.perf_counter() - started)
-        if self.exchange.launched:  # resolved at the next step(): its collectives are armed
-            self._arm()
-        try:
-            decided, decision = self._judge(
-                pending.step, values, pending.local, seconds, started, pending
-            )
-            result.set(decided)
-            self._stop_if(decision, decided)
-        except BaseException as exc:
-            result.set(exc)
-            raise
-
-    def _judge(
-        self, step: int, values: list[float], local: LocalHealth, seconds: float,
-        started: float, pending: Pending | None = None, *, optimizer_step: bool = True,
-    ) -> tuple[StepResult, Decision]:
-        """Decide one step from its exchanged vector and act on it (report, metrics,
-        optimizer or rollback). ``pending``: the optimizer step already ran gated on the
-        device. A healthy step reads the totals alone; a flagged one runs the detection."""
-        totals, own = Totals.from_values(values), OwnRow.from_values(values)
-        view = ClusterView(step, self.world_size, totals)
-        if self._needs_detection(totals):
-            with self._guarded():
-                view = self.detector.view(step, totals, own, self.spikes.ratios(own),
-                                          local.forward_groups)
-        spikes = self.spikes.judge(view)
-        self.spikes.record(own, totals, spikes)
-        self.curves.add(step, own, totals)
-        self._send_thresholds()
-        amp = self.scaler is not None
-        bad = blamed(view, amp=amp)
-        verdict, detail = self.detector.evidence(
-            view, bad, spikes, batch=local.batch,
-            grads_restored=pending.grads_restored if pending else contextlib.nullcontext,
-        ) if bad or spikes else (None, {})
-        snapshot_step = self.snapshots.step if self.snapshots is not None else None
-        decision = decide(
-            view, self.history, self.config, amp=amp, spikes=spikes, verdict=verdict,
-            snapshot_step=snapshot_step,
-        )
-        self.history.record(
-            view, decision, self.config, verdict=verdict, snapshot_step=snapshot_step
-        )
-        rolled_back_to = None
-        not_ours = 0.0
-        if decision.applies and not optimizer_step:
-            # The caller steps the optimizer right after: the cooldown is undone and the
-            # snapshot taken from the optimizer's post-hook (_callers_step).
-            self._after_step = (self.cooldown.apply(self.optimizer), view)
-            if self._post_hook is None:  # once: a hook cannot remove itself while it runs
-                self._post_hook = self.optimizer.register_step_post_hook(self._callers_step)
-        elif decision.applies:
-            if pending is None:  # the host gate; the device gate has stepped already
-                opt_started = time.perf_counter()
-                saved_lr = self.cooldown.apply(self.optimizer)
-                if self.scaler is not None:
-                    self.scaler.step(self.optimizer)
-                    self.scaler.update()
-                else:
-                    self.optimizer.step()
-                self.cooldown.undo(self.optimizer, saved_lr)
-                not_ours = time.perf_counter() - opt_started
-            else:
-                self.cooldown.count()
-            self._maybe_snapshot(view)
-        else:
-            if pending is None:
-                # Discard the poisoned gradients on every rank: weights never take them. (The
-                # device gate skipped them already; by now they may be the next step's.)
-                self.optimizer.zero_grad(set_to_none=True)
-                if not optimizer_step and self.scaler is not None:
-                    record_skip(self.scaler, self.optimizer)  # the caller's scaler.step
-            if decision.action == ROLLBACK and self.snapshots is not None:
-                rolled_back_to = self.snapshots.load()
-                self.cooldown.start(self.config.rollback_lr_factor, self.config.rollback_lr_steps)
-        result = self._result(view, own, decision, spikes, verdict, rolled_back_to)
-        if decision.bad or spikes or decision.action == ROLLBACK:
-            result = self.detector.record(
-                view, decision, result, spikes, detail=detail, batch=local.batch,
-                ids=local.ids, quarantine=self.quarantine, curves=self.curves,
-            )
-        if self.replicas is not None and not decision.stops:  # after the optimizer step
-            result, decision = self.replicas.check(
-                step, result, decision, self.history, config=self.config, guarded=self._guarded
-            )
-        seconds += time.perf_counter() - started - not_ours
-        if self.metrics is not None:
-            self.metrics.observe_step(result, seconds)
-        return result, decision
-
-    def _send_thresholds(self) -> None:
-        """Hand this rank's spike thresholds to the device when its references changed (every
-        tenth of a window): the next step's own verdict is taken there."""
-        if self.spikes.version != self._thresholds_version:
-            self._thresholds = to_device(self.spikes.thresholds(), self.device)
-            self._thresholds_version = self.spikes.version
-
-    def _stop_if(self, decision: Decision, result: StepResult) -> None:
-        if decision.stops:
-            if self.metrics is not None:  # the final state is served at once, not a second late
-                self.metrics.flush()
-            stop.stop(
-                decision, result, incident.describe_abort(decision, result), config=self.config,
-                identity=self.identity, exchange=self.exchange, job_id=self.job_id,
-                guarded=self._guarded, lingering=self.metrics is not None,
-            )
-
-    def _callers_step(self, *_: Any) -> None:
-        """Optimizer step post-hook for ``step(optimizer_step=False)``: undo the cooldown and
-        keep the snapshot after the caller's own update, as :meth:`step` does after its own."""
-        pending, self._after_step = self._after_step, None
-        if pending is not None:
-            saved_lr, view = pending
-            self.cooldown.undo(self.optimizer, saved_lr)
-            self._maybe_snapshot(view)
-
-    def _maybe_snapshot(self, view: ClusterView) -> None:
-        """Keep the state after a healthy, quiet step as the last good one, every N steps."""
-        snaps = self.snapshots
-        if snaps is None or self.history.skip_batches > 0 or not self.spikes.quiet(view.totals):
-            return
-        if snaps.step is None or view.step - snaps.step >= self.config.snapshot_every:
-            snaps.save(view.step)
-
-    # --- state for checkpoints ---------------------------------------------------------------
+    # --- state for checkpoints, and the end ---------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
-        """Step counter, policy history, spike references, cooldown and quarantine, to be saved
-        with the training checkpoint so that a restarted job carries on where it left off.
-
-        Never runs a collective, so it may be called on one rank alone. A step still pending
-        on the device gate is decided first when it found nothing; one that found something
-        is decided with every rank at the next sentinel call, so the state saved now holds
-        the history before it (its skip has happened on the device already)."""
+        """Step counter, policy history, spike references, cooldown and quarantine, to save
+        with the checkpoint. Never runs a collective (it may be called on one rank): a step
+        pending on the device gate that found something is decided later, and the history
+        saved now is the one before it (its skip has happened on the device already)."""
         try:
-            self._decide_if_local()
+            if self.device_gate is not None:
+                self.device_gate.decide_if_local()
         except ResultPending:
-            log.warning(
-                "nansentinel: state_dict() on rank %d while step %d's detection is pending "
-                "(decided at the next sentinel call on every rank); the saved history is the "
-                "one before it", self.rank, self.step_index - 1,
-            )
-        return {
-            "step": self.step_index,
-            **self.history.state_dict(),
-            "spikes": self.spikes.state_dict(),
-            "cooldown": self.cooldown.state_dict(),
-            "quarantine": self.quarantine.state_dict(),
-        }
+            log.warning("nansentinel: state_dict() on rank %d while step %d's detection is "
+                        "pending (decided at the next sentinel call on every rank); the saved "
+                        "history is the one before it", self.rank, self.step_index - 1)
+        return {"step": self.step_index, **self.judge.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what :meth:`state_dict` saved."""
-        self.step_index = int(state["step"])
-        self.history = History.from_state_dict(state)
-        if "spikes" in state:
-            self.spikes.load_state_dict(state["spikes"], self.rank)
-            self._send_thresholds()
-        if "cooldown" in state:
-            self.cooldown.load_state_dict(state["cooldown"])
-        self.quarantine.load_state_dict(state.get("quarantine", []), self.step_index)
+        self.current.index = int(state["step"])
+        self.judge.load_state_dict(state, self.step_index)
 
     def close(self) -> None:
-        """Decide a step still pending on the device gate (its report and metrics are
-        written; call it on every rank), then stop the metrics server and the watchdog (the
-        gradient path stays: DDP cannot unregister a comm hook)."""
-        try:
-            self._resolve()
-        finally:
-            self._shut()
+        """End the run on this rank; call it on every rank. Decides a step still pending,
+        waits for every rank at one barrier (so that a finished job exits 0: torch 2.13's gloo
+        aborts a process that tears its group down while a peer still uses it), leaves the
+        launcher a ``closed`` verdict, and stops the exporter and the watchdog. A second call
+        does nothing; after a loop that raised on this rank, :meth:`abandon` instead."""
+        self.end.close(self._resolve, self.step_index - 1)
 
-    def _shut(self) -> None:
-        if self.metrics is not None:
-            self.metrics.close()
-            self.metrics = None
-        if self.watchdog is not None:
-            self.watchdog.close()
-            self.watchdog = None
+    def abandon(self) -> None:
+        """Stop the exporter and the watchdog without any collective: the loop failed on
+        this rank, and the other ranks may be gone or elsewhere."""
+        if self.device_gate is not None:
+            self.device_gate.abandon()
+        self.end.shut()
 
     def __enter__(self) -> Sentinel:
         return self
 
     def __exit__(self, exc_type: object, *rest: object) -> None:
-        if exc_type is None:
-            self.close()
-        else:  # the loop failed: no collective now, the other ranks may be gone
-            self._pending = None
-            self._shut()
+        self.close() if exc_type is None else self.abandon()
 
-    # --- what the gradient paths report to (gradpaths.GradientSink) -------------------------
+    # --- the layers' state, read here as before ------------------------------------------------
 
-    def before_reduction(self, local_grads: torch.Tensor) -> None:
-        """The step's first local gradients are about to be reduced: arm the watchdog on the
-        step's collectives and write a due grad drill into them (before the reduction, as a
-        real fault would be)."""
-        self._arm()
-        if self.injector.poison("grad", self.step_index, local_grads):
-            self.local.injected = True
+    step_index = property(lambda self: self.current.index)
+    local = property(lambda self: self.current.local)
+    stages = property(lambda self: self.current.stages)
+    forward = property(lambda self: self.current.forward)
+    history = property(lambda self: self.judge.history)
+    cooldown = property(lambda self: self.judge.cooldown)
+    spikes = property(lambda self: self.judge.spikes)
+    curves = property(lambda self: self.judge.curves)
+    watchdog = property(lambda self: self.deadline.dog)
 
     @property
-    def inferring(self) -> bool:
-        return any(w.inferring for w in self.stages)
+    def metrics(self) -> Any:
+        """This rank's exporter (metrics.py), None without ``metrics_port`` or once closed."""
+        return self.judge.metrics
 
-    def reducing(self) -> None:
-        if self.watchdog is not None:
-            self.watchdog.restart(self.step_index)
-
-    def add_grad_norm(self, norm: torch.Tensor) -> None:
-        self.local.add_grads(norm)
-
-    def launch_exchange(self) -> None:
-        """Pack this rank's health vector and start summing it across ranks (asynchronous)."""
-        self.reducing()
-        for watch in self.stages:  # the pipeline boundaries' norms become the row's flags
-            watch.fold(self.local)
-        vector = pack(self.local.row(), self._thresholds, self.rank, amp=self.scaler is not None)
-        self.exchange.launch(self.step_index, vector)
-
-    def diagnosed(
-        self, future: torch.futures.Future, step: int, reduced_in_place: torch.Tensor
-    ) -> torch.futures.Future:
-        return self.exchange.diagnosed(future, step, reduced_in_place)
-
-    def spent(self, seconds: float) -> None:
-        self._seconds += seconds
+    @metrics.setter
+    def metrics(self, value: Any) -> None:
+        self.judge.metrics = value
 
     # --- internals ---------------------------------------------------------------------------
 
-    def _choose_gate(self, optimizer: torch.optim.Optimizer, scaler: Any) -> DeviceGate | None:
-        """The device gate where ``config.gate`` and the run allow it; said once at start."""
-        mode = self.config.gate
-        if mode == "host" or (mode == "auto" and self.device.type != "cuda"):
-            return None
-        refusal = device_gate_refusal(
-            optimizer, scaler=scaler, config=self.config, path=self.gradients.name
-        )
-        if refusal is None:
-            return DeviceGate(optimizer, self.device)
-        if self.rank == 0:
-            log.info(
-                "nansentinel: host gate (one host sync before every optimizer step): %s",
-                refusal,
-            )
-        return None
+    def _resolve(self) -> None:
+        """Decide a step pending on the device gate (at a call every rank makes)."""
+        if self.device_gate is not None:
+            self.device_gate.resolve()
+
+    def _rearm(self) -> None:
+        """A step decided inside the next step's armed collectives re-arms the watchdog."""
+        if self.exchange.launched:
+            self.deadline.arm()
+
+    def _stop_if(self, decision: Decision, result: StepResult) -> None:
+        self.end.stop_if(decision, result)
 
     def _settled(self) -> bool:
         """The armed collectives have completed (the watchdog asks before it fires)."""
-        pending = self._pending
-        return self.exchange.settled() or (pending is not None and pending[0].settled())
+        gated = self.device_gate
+        return self.exchange.settled() or (gated is not None and gated.settled())
 
-    def _reset(self) -> None:
-        self.local = LocalHealth(self.device)
-        self._seconds = 0.0
-        self.gradients.reset()
-        for watch in self.stages:
-            watch.reset()
-        self.forward.start()  # no check_batch this step: the forward begins now
-
-    def _arm(self) -> None:
-        if self.watchdog is not None:
-            self.watchdog.arm(self.step_index)
-
-    def _disarm(self) -> None:
-        if self.watchdog is not None:
-            self.watchdog.disarm()
-
-    @contextlib.contextmanager
-    def _guarded(self) -> Iterator[None]:
-        """The watchdog armed around a collective outside the step's own (replay, gather,
-        barrier), so that a rank that dies there is named too."""
-        self._arm()
-        try:
-            yield
-        finally:
-            self._disarm()
-
-    def _on_timeout(self, step: int) -> None:
-        stop.on_timeout(step, config=self.config, identity=self.identity, exchange=self.exchange)
-
-    def _require_open(self, what: str) -> None:
-        if self.exchange.launched:
-            raise SentinelUsageError(
-                f"nansentinel: {what}() called on rank {self.rank} at step {self.step_index} "
-                "after this step's health exchange already left with the gradients; call "
-                "check_batch/check_loss before loss.backward(), then step()"
-            )
-
-    def _result(
-        self, view: ClusterView, mine: OwnRow, decision: Decision, spikes: Spikes,
-        verdict: str | None, rolled_back_to: int | None,
-    ) -> StepResult:
-        return StepResult(
-            step=view.step,
-            applied=decision.applies,
-            outcome=decision.outcome,
-            bad_ranks=decision.bad_ranks,
-            bad_hosts=decision.bad_hosts,
-            kinds=decision.kinds,
-            local_kinds=list(mine.kinds),
-            local_loss=mine.loss,
-            local_grad_norm=mine.grad_norm,
-            consecutive_skips=self.history.consecutive_skips,
-            injected=view.injected,
-            overflow=decision.overflow,
-            excluded_hosts=list(self.history.excluded),
-            verdict=verdict,
-            spikes={k: list(v) for k, v in spikes.ranks.items()},
-            local_spikes=spikes.of_rank(self.rank),
-            quarantined=view.quarantined,
-            rolled_back_to=rolled_back_to,
-            lr_factor=self.cooldown.lr_factor,
-            reason=decision.reason,
-            reached=view.reached,
-        )
-
-
-def _quiet_groups(gradients: gradpaths.GradPath, stages: list[Any]) -> frozenset[str]:
-    """Names of the process groups whose collectives in the forward cannot carry one rank's
-    NaN into another rank's loss, or are checked where they land: the gradient path's own
-    (FSDP2's parameter all-gathers) and the pipeline's sends and receives."""
-    groups = list(gradients.mesh_groups)
-    for stage in stages:
-        groups.append(stage.group if stage.group is not None else dist.group.WORLD)
-    return frozenset(g.group_name for g in groups if g is not None and hasattr(g, "group_name"))
-
-
-def _local_device(param: torch.Tensor) -> torch.device:
-    """The device this rank computes on, from one of its parameters.
-
-    Usually where the parameter lives (a DTensor's local shard). Under FSDP2 with
-    ``CPUOffloadPolicy`` the shard lives in host memory while gradients are computed and
-    reduce-scattered on the mesh's device: the sentinel's tensors and collectives belong there
-    (an NCCL group cannot gather host tensors, and host norms of device buffers cost a blocking
-    copy per FSDP group), so the device is taken from the mesh as FSDP does
-    (``_get_device_from_mesh``: the mesh's device type, that backend's current device)."""
-    if not hasattr(param, "to_local"):
-        return param.device
-    local = param.to_local().device
-    mesh_type = getattr(getattr(param, "device_mesh", None), "device_type", local.type)
-    if mesh_type == local.type or mesh_type == "cpu":
-        return local
-    return torch.device(mesh_type, torch.get_device_module(mesh_type).current_device())
-
-
-def _identity(
-    rank: int, world_size: int, hostname: str, local_rank: int, device: torch.device
-) -> RankIdentity:
-    gpu = gpu_uuid = ""
-    if device.type == "cuda":
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        gpu = str(index)
-        gpu_uuid = str(getattr(torch.cuda.get_device_properties(index), "uuid", ""))
-    return RankIdentity(rank, local_rank, world_size, hostname, str(device), gpu, gpu_uuid)
-
-
-def _start_metrics(sentinel: Sentinel, registry: Any) -> Any:
-    from nansentinel.metrics import SentinelMetrics
-
-    metrics = SentinelMetrics(sentinel.identity, registry=registry, device=sentinel.device)
-    port = sentinel.config.metrics_port + sentinel.identity.local_rank
-    metrics.serve(
-        sentinel.config.metrics_addr, port, sentinel.config.metrics_certfile,
-        sentinel.config.metrics_keyfile,
-    )
-    return metrics
+    def _guarded(self) -> Any:
+        """The watchdog armed around a collective outside the step's own (watchdog.py)."""
+        return self.deadline.guarded()

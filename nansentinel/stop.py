@@ -26,7 +26,7 @@ from nansentinel.result import (
     RankIdentity,
     StepResult,
 )
-from nansentinel.verdicts import EXCHANGE_TIMEOUT, RankVerdict, write_verdict
+from nansentinel.verdicts import CLOSED, EXCHANGE_TIMEOUT, RankVerdict, write_verdict
 
 log = logging.getLogger("nansentinel")
 
@@ -182,3 +182,64 @@ def _global_rank(fallback: int) -> int:
     import torch.distributed as dist
 
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else fallback
+
+
+class RunEnd:
+    """How this rank's run ends: stopped by a decision (:meth:`stop_if`), closed at a common
+    point of every rank (:meth:`close`), or abandoned after this rank's loop failed.
+
+    Args:
+        config, identity, exchange, job_id: the run's, as :func:`stop` takes them.
+        deadline: the step deadline (watchdog.py): it arms the barriers and is closed last.
+        judge: holds the exporter (``judge.metrics``), flushed before a stop and closed last.
+    """
+
+    def __init__(self, config: SentinelConfig, identity: RankIdentity,
+                 exchange: HealthExchange, job_id: str | None, *, deadline: Any,
+                 judge: Any) -> None:
+        self.config, self.identity, self.exchange, self.job_id = (
+            config, identity, exchange, job_id)
+        self.deadline, self.judge = deadline, judge
+        self.closed = False
+        self.stopped = False
+        """The run was stopped here: this rank's verdict is left already."""
+
+    def stop_if(self, decision: Decision, result: StepResult) -> None:
+        """Raise the decision's abort (or exclusion) on this rank, everything on disk first."""
+        if not decision.stops:
+            return
+        self.stopped = True
+        metrics = self.judge.metrics
+        if metrics is not None:  # the final state is served at once, not a second late
+            metrics.flush()
+        from nansentinel.incident import describe_abort
+
+        stop(decision, result, describe_abort(decision, result), config=self.config,
+             identity=self.identity, exchange=self.exchange, job_id=self.job_id,
+             guarded=self.deadline.guarded, lingering=metrics is not None)
+
+    def close(self, resolve: Callable[[], None], last_step: int) -> None:
+        """``resolve()`` the pending step, meet every rank at one barrier (unless a collective
+        failed: the group cannot be trusted with another), leave a ``closed`` verdict, shut.
+        Once only."""
+        if self.closed:
+            return
+        self.closed = True
+        try:
+            resolve()
+            if not self.exchange.failed:
+                with self.deadline.guarded():
+                    self.exchange.peers.barrier()
+                if not self.stopped:
+                    leave_verdict(self.config, self.identity, last_step, CLOSED,
+                                  "the sentinel closed cleanly: training finished")
+        finally:
+            self.shut()
+
+    def shut(self) -> None:
+        """Stop the exporter and the watchdog (no collective)."""
+        self.closed = True
+        metrics, self.judge.metrics = self.judge.metrics, None
+        if metrics is not None:
+            metrics.close()
+        self.deadline.close()

@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import sys
 from collections.abc import Iterator
 from typing import Annotated, Any
 
@@ -185,9 +186,15 @@ class SentinelTrainer(Trainer):
                 )
 
     def close(self) -> None:
+        """torchtitan's ``main`` calls this after training and from its ``except`` block:
+        after an exception (possibly this rank's alone) the sentinel is abandoned without a
+        collective, else closed at a common point of every rank (``Sentinel.close``)."""
         sentinel = getattr(self, "sentinel", None)
         if sentinel is not None:
-            sentinel.close()
+            if sys.exc_info()[0] is not None:
+                sentinel.abandon()
+            else:
+                sentinel.close()
         super().close()
 
     def _decide(self, optimizer: Any, args: Any, kwargs: Any) -> None:

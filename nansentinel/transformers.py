@@ -45,33 +45,19 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 from transformers import TrainerCallback
 
-from nansentinel.config import SentinelConfig
-from nansentinel.result import SentinelUsageError, StepResult
+from nansentinel.callbacks import SentinelState
+from nansentinel.result import SentinelUsageError
 from nansentinel.sentinel import Sentinel
 
 
-class SentinelCallback(TrainerCallback):
+class SentinelCallback(SentinelState, TrainerCallback):
     """Checks every rank's batch, loss and gradients before the all-reduce; skips, rolls back
-    or aborts the step cluster-wide.
-
-    Args:
-        **overrides: fields of :class:`~nansentinel.config.SentinelConfig` (keyword > env >
-            default), checked here so that a typo fails before the job starts. With
-            ``replay=True`` (the default) a detection is replayed through the model's forward
-            with the saved inputs, when the model returns its loss.
-
-    Attributes:
-        sentinel: the :class:`Sentinel`, once training has started.
-        last: the :class:`StepResult` of the latest optimizer step.
-        skipped: ``{step: result}`` of every step that was not applied (skip or rollback).
-    """
+    or aborts the step cluster-wide. ``**overrides`` and the attributes: see
+    :class:`~nansentinel.callbacks.SentinelState`; a detection is replayed through the model's
+    forward with the saved inputs, when the model returns its loss (``replay=False``: not)."""
 
     def __init__(self, **overrides: Any) -> None:
-        SentinelConfig.from_env(None, **overrides)  # fail now, not on every rank at train start
-        self.overrides = overrides
-        self.sentinel: Sentinel | None = None
-        self.last: StepResult | None = None
-        self.skipped: dict[int, StepResult] = {}
+        SentinelState.__init__(self, **overrides)
         self._hooks: list[Any] = []
         self._replaying = False
         self._marked: Any = None
@@ -104,9 +90,7 @@ class SentinelCallback(TrainerCallback):
         ]
 
     def _build(self, model: torch.nn.Module) -> None:
-        self.sentinel = Sentinel(
-            model, self._raw, scaler=self._scaler, replay=self._replay, **self.overrides,
-        )
+        self.build(model, self._raw, scaler=self._scaler, replay=self._replay)
 
     def _find_wrapper(self, module: torch.nn.Module, args: Any) -> None:
         """Global forward pre-hook, armed from train begin until the DDP wrapper of the model
@@ -128,10 +112,7 @@ class SentinelCallback(TrainerCallback):
             self._finder = None
 
     def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        result = self._require().step(optimizer_step=False)
-        self.last = result
-        if not result.applied:
-            self.skipped[result.step] = result
+        self.decided(self._require().step(optimizer_step=False))
 
     def on_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         optimizer = kwargs.get("optimizer")

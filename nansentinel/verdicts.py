@@ -8,7 +8,8 @@ verdicts of the last attempt to print a per-rank root-cause summary and to choos
 code (see :mod:`nansentinel.exitcodes`).
 
 A verdict is a :class:`RankVerdict`; its JSON keys are its fields: ``rank, local_rank,
-hostname, step, outcome`` (``"aborted"`` | ``"excluded"`` | ``"exchange_timeout"``),
+hostname, step, outcome`` (``"aborted"`` | ``"excluded"`` | ``"exchange_timeout"`` |
+``"closed"``: the rank's sentinel closed cleanly, training was over),
 ``message, bad_ranks, bad_hosts, kinds, excluded_host`` (or null), ``report_path`` (or null)
 and ``missing`` (the ranks an exchange timeout names).
 
@@ -27,7 +28,7 @@ import logging
 import os
 import re
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -43,8 +44,14 @@ log = logging.getLogger("nansentinel")
 
 #: A verdict's outcome when the step's collectives failed or hung (no step was decided).
 EXCHANGE_TIMEOUT = "exchange_timeout"
-#: The values of a verdict's ``outcome``: the two ways the cluster stops, and a timeout.
-VERDICT_OUTCOMES = (Outcome.ABORTED.value, Outcome.EXCLUDED.value, EXCHANGE_TIMEOUT)
+#: A verdict's outcome when the rank's sentinel closed cleanly (``Sentinel.close()``): the
+#: rank finished training; a failure after it is a failure at exit, not mid-run.
+CLOSED = "closed"
+#: The values of a verdict's ``outcome``: the two ways the cluster stops, a timeout, and the
+#: clean end.
+VERDICT_OUTCOMES = (
+    Outcome.ABORTED.value, Outcome.EXCLUDED.value, EXCHANGE_TIMEOUT, CLOSED,
+)
 
 VERDICTS_SUBDIR = "verdicts"
 _RANK_FILE = re.compile(r"^rank-(\d+)\.json$")
@@ -213,14 +220,18 @@ class VerdictOutcome:
     """The verdict the decision rests on (None when there was none)."""
 
 
-def outcome_from_verdicts(verdicts: Mapping[int, RankVerdict], hostname: str) -> VerdictOutcome:
+def outcome_from_verdicts(
+    verdicts: Mapping[int, RankVerdict], hostname: str, failed: Collection[int] = ()
+) -> VerdictOutcome:
     """Map the verdicts of a failed attempt to this host's exit code.
 
     Precedence, strongest first: this host excluded (4) > the sentinel stopped the run,
     by abort or by excluding another host (3) > a rank missed the health exchange (5) >
     no verdict at all, an ordinary worker failure (1). An abort outranks a timeout because
     the sentinel aborts on every rank at the same step, so a timeout next to an abort is a
-    consequence of it, not the cause.
+    consequence of it, not the cause. ``failed``: the ranks that failed; when every one of
+    them had closed its sentinel cleanly, the failure came at exit, after training: still
+    exit 1 (a failed process is one), but the explanation says so.
     """
     by_outcome: dict[str, list[RankVerdict]] = {}
     for rank in sorted(verdicts):
@@ -259,6 +270,15 @@ def outcome_from_verdicts(verdicts: Mapping[int, RankVerdict], hostname: str) ->
             EXIT_EXCHANGE_TIMEOUT,
             f"the sentinel's health exchange timed out: {v.message}".rstrip(": "),
             verdict=v,
+        )
+    closed = {v.rank for v in by_outcome.get(CLOSED, [])}
+    if failed and set(failed) <= closed:
+        ranks = ", ".join(str(r) for r in sorted(failed))
+        return VerdictOutcome(
+            EXIT_WORKER_FAILED,
+            f"rank(s) {ranks} failed at exit, after the sentinel had closed cleanly (training "
+            "had finished); the process ended badly while shutting down (see its output)",
+            verdict=verdicts[min(failed)],
         )
     return VerdictOutcome(
         EXIT_WORKER_FAILED, "a worker failed without a sentinel verdict (see its traceback)"

@@ -29,6 +29,7 @@ fit, at construction and again from the watchdog's thread whenever the group's t
 from __future__ import annotations
 
 import atexit
+import contextlib
 import dataclasses
 import datetime
 import logging
@@ -36,7 +37,7 @@ import math
 import threading
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch.distributed as dist
@@ -286,6 +287,62 @@ class TimeoutFit:
                 "stays %g s (%s). Lengthen the group's timeout to get the ranks named",
                 seconds, naming_seconds(0.0), self.configured, env_var("exchange_timeout"),
             )
+
+
+class StepDeadline:
+    """The deadline on a run's collectives, as the step flow uses it: armed when a step's
+    first collective leaves, restarted at each reduction, disarmed when the step's exchange
+    completes, and around the rare path's own collectives (:meth:`guarded`). Alone (world
+    size 1) there is nothing to wait for, and every call is a no-op.
+
+    Args:
+        exchange: the run's exchange (its world, check-in, group timeout).
+        configured: ``exchange_timeout``; the watchdog is kept inside the group's own timeout
+            (:class:`TimeoutFit`, now and whenever it changes).
+        step: the step in progress (the sentinel's counter).
+        on_expire: ``fn(step)`` from the watchdog's thread when the deadline passes.
+        settled: whether the armed collectives have in fact completed.
+        speak: rank 0 says when the timeout is clamped.
+    """
+
+    def __init__(self, exchange: Any, configured: float, *, step: Callable[[], int],
+                 on_expire: Callable[[int], None], settled: Callable[[], bool],
+                 speak: bool) -> None:
+        self.step = step
+        self.dog: Watchdog | None = None
+        if exchange.world_size > 1:
+            self.dog = Watchdog(watchdog_deadline(configured), on_expire, settled=settled,
+                                on_late=exchange.check_in, late_after=late_after(configured))
+            self.dog.on_poll = TimeoutFit(exchange, configured, self.dog, speak=speak).check
+            # A diagnosis waits for the live ranks' check-ins from the step's arming on.
+            exchange.armed_for = self.dog.armed_for
+
+    def arm(self) -> None:
+        if self.dog is not None:
+            self.dog.arm(self.step())
+
+    def restart(self) -> None:
+        if self.dog is not None:
+            self.dog.restart(self.step())
+
+    def disarm(self) -> None:
+        if self.dog is not None:
+            self.dog.disarm()
+
+    @contextlib.contextmanager
+    def guarded(self) -> Iterator[None]:
+        """Armed around a collective outside the step's own (replay, gather, barrier), so
+        that a rank that dies there is named too."""
+        self.arm()
+        try:
+            yield
+        finally:
+            self.disarm()
+
+    def close(self) -> None:
+        if self.dog is not None:
+            self.dog.close()
+            self.dog = None
 
 
 @atexit.register

@@ -28,7 +28,7 @@ if TYPE_CHECKING:
 
 
 class GradientSink(Protocol):
-    """What a gradient path reports to (the Sentinel)."""
+    """What a gradient path reports to (the step in progress: current.CurrentStep)."""
 
     @property
     def step_index(self) -> int: ...

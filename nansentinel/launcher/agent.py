@@ -28,7 +28,7 @@ from nansentinel.exitcodes import (
 from nansentinel.launcher.console import PROG, format_time, say
 from nansentinel.launcher.on_exclude import run_hook
 from nansentinel.launcher.rendezvous_guard import ExclusionGuard, HostExcludedExit
-from nansentinel.verdicts import RankVerdict, outcome_from_verdicts, read_verdicts
+from nansentinel.verdicts import CLOSED, RankVerdict, outcome_from_verdicts, read_verdicts
 
 
 def launch(
@@ -51,7 +51,7 @@ def launch(
         return EXIT_HOST_EXCLUDED
     except ChildFailedError as exc:
         verdicts = read_verdicts(guard.run_dir)
-        outcome = outcome_from_verdicts(verdicts, guard.hostname)
+        outcome = outcome_from_verdicts(verdicts, guard.hostname, failed=list(exc.failures))
         print_summary(guard, exc.failures, verdicts, outcome.exit_code, outcome.explanation)
         if outcome.exit_code == EXIT_HOST_EXCLUDED:
             # No restart was left to reach the guard: record the exclusion here.
@@ -108,7 +108,9 @@ def print_summary(
         f"exit {code} ({NAMES.get(code, '?')})",
         f"Root cause: {root_cause}",
     ]
-    for rank in sorted(set(failures) | set(verdicts)):
+    # A rank that closed cleanly and did not fail is not part of the story.
+    told = {r for r, v in verdicts.items() if v.outcome != CLOSED or r in failures}
+    for rank in sorted(set(failures) | told):
         failure, verdict = failures.get(rank), verdicts.get(rank)
         host = (verdict.hostname if verdict else "") or guard.hostname
         if failure is not None:

@@ -1,6 +1,7 @@
 """Run a function on N gloo ranks in spawned processes, bounded in time.
 
-Every rank's return value comes back through a file; a rank that raises, hangs or dies fails
+Every rank runs under ``TORCH_DISTRIBUTED_DEBUG=DETAIL``. Every rank's return value comes back
+through a file; a rank that raises, hangs or dies fails
 the test with its traceback, and every process is killed before returning: nothing hangs CI.
 """
 
@@ -54,7 +55,11 @@ def run_ranks(fn: Callable[..., Any], world: int, tmp: Path, *, timeout: float =
     ``wait_for``: the ranks whose end is awaited (default all); the rest are killed then."""
     out = tmp / f"ranks-{time.monotonic_ns()}"
     out.mkdir()
-    env = {"NANSENTINEL_METRICS_PORT": "0", "OMP_NUM_THREADS": "1", **(env or {})}
+    # DETAIL: torch checks every collective's op and shapes across ranks and names a mismatch
+    # at once, where a collective issued on some ranks only would otherwise hang or pair
+    # with the wrong one (DESIGN.md, "Collectives: the one rule").
+    env = {"NANSENTINEL_METRICS_PORT": "0", "OMP_NUM_THREADS": "1",
+           "TORCH_DISTRIBUTED_DEBUG": "DETAIL", **(env or {})}
     ctx = mp.start_processes(
         _entry, args=(fn, world, free_port(), str(out), env, kwargs), nprocs=world,
         join=False, start_method="spawn",

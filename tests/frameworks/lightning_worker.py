@@ -81,11 +81,12 @@ def main() -> None:
     parser.add_argument("--precision", default="32-true")
     parser.add_argument("--faults", default="")
     parser.add_argument("--no-callback", action="store_true")
+    parser.add_argument("--no-replay", action="store_true")
     args = parser.parse_args()
     torch.manual_seed(0)
     data = TensorDataset(torch.randn(256, 8), torch.randn(256, 1))
     model = Net(parse_faults(args.faults))
-    sentinel = SentinelCallback()
+    sentinel = SentinelCallback(**({"replay": False} if args.no_replay else {}))
     probe = Probe(args.accumulate)
     trainer = pl.Trainer(
         accelerator="cpu", devices=args.devices, strategy=args.strategy, max_steps=args.steps,
@@ -112,6 +113,7 @@ def main() -> None:
         "unchanged": {str(k): v for k, v in probe.unchanged.items()},
         "weights": [p.detach().flatten().tolist() for p in model.parameters()],
         "sentinel_model": type(sentinel.sentinel.model).__name__ if sentinel.sentinel else None,
+        "replays": sentinel.sentinel.detector.replay is not None if sentinel.sentinel else None,
     }
     Path(args.out, f"rank{rank}.json").write_text(json.dumps(payload))
 

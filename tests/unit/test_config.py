@@ -75,9 +75,10 @@ def test_the_variable_named_is_the_one_at_fault_not_one_the_message_mentions() -
     assert str(info.value).endswith("(from environment variable NANSENTINEL_SPIKE_WARMUP)")
 
 
-def test_each_field_is_its_variable_and_the_readme_table_lists_them_all() -> None:
-    """One source: the dataclass. The variable is derived from the field, and the README's
-    configuration table names exactly the fields there are, each with its variable."""
+def test_each_field_is_its_variable_and_the_reference_table_lists_them_all() -> None:
+    """One source: the dataclass. The variable is derived from the field, and the configuration
+    reference's table (docs/configuration.md, linked from the README) names exactly the fields
+    there are, each with its variable."""
     import dataclasses
     import re
     from pathlib import Path
@@ -93,9 +94,18 @@ def test_each_field_is_its_variable_and_the_readme_table_lists_them_all() -> Non
     cfg = SentinelConfig.from_env({env_var("strike_window"): "7", env_var("replay"): "0"})
     assert cfg.strike_window == 7 and cfg.replay is False
 
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text(encoding="utf-8")
-    section = readme.split("## Configuration", 1)[1].split("\n## ", 1)[0]
-    rows = [line for line in section.splitlines() if line.startswith("| `")]
+    root = Path(__file__).resolve().parents[2]
+    reference = root / "docs" / "configuration.md"
+    assert "](docs/configuration.md)" in (root / "README.md").read_text(encoding="utf-8")
+    lines = reference.read_text(encoding="utf-8").splitlines()
+    header = next(i for i, line in enumerate(lines)
+                  if line.startswith("| field | environment variable |"))
+    rows = []
+    for line in lines[header + 2:]:
+        if not line.startswith("|"):
+            break
+        rows.append(line)
+    assert all(row.startswith("| `") for row in rows), rows
     listed: dict[str, str] = {}
     for row in rows:
         cells = [c.strip() for c in row.strip("|").split("|")]

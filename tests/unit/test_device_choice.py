@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from nansentinel.sentinel import _local_device
+from nansentinel.local import local_device
 
 
 class _Offloaded:
@@ -27,13 +27,13 @@ class _Offloaded:
 def test_an_offloaded_shard_takes_the_device_of_its_mesh(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
     param = _Offloaded(torch.zeros(2), "cuda")
-    assert _local_device(param) == torch.device("cuda", 3)  # type: ignore[arg-type]
+    assert local_device([param]) == torch.device("cuda", 3)  # type: ignore[arg-type]
 
 
 def test_a_shard_on_its_mesh_device_and_plain_tensors_keep_theirs() -> None:
-    assert _local_device(_Offloaded(torch.zeros(2), "cpu")) == torch.device("cpu")  # type: ignore[arg-type]
-    assert _local_device(torch.zeros(2, device="meta")) == torch.device("meta")
-    assert _local_device(torch.nn.Parameter(torch.zeros(2))) == torch.device("cpu")
+    assert local_device([_Offloaded(torch.zeros(2), "cpu")]) == torch.device("cpu")  # type: ignore[arg-type]
+    assert local_device([torch.zeros(2, device="meta")]) == torch.device("meta")
+    assert local_device([torch.nn.Parameter(torch.zeros(2))]) == torch.device("cpu")
 
 
 def test_a_real_dtensor_on_a_cpu_mesh_is_on_the_cpu() -> None:
@@ -46,7 +46,7 @@ def test_a_real_dtensor_on_a_cpu_mesh_is_on_the_cpu() -> None:
     try:
         mesh = init_device_mesh("cpu", (2,))
         param = distribute_tensor(torch.zeros(4), mesh, [Shard(0)])
-        assert _local_device(param) == torch.device("cpu")
+        assert local_device([param]) == torch.device("cpu")
         assert param.device_mesh.device_type == "cpu"  # the attribute the choice reads
     finally:
         dist.destroy_process_group()

@@ -177,7 +177,8 @@ def test_a_dtensor_batchs_signature_is_taken_on_its_local_tensor(
 
     batch = {"x": dt(torch.tensor([1.0, -2.0]), mesh, placement), "y": torch.ones(2)}
     stats = plain_and_silent(lambda: signature_stats(batch, CPU).float())
-    assert stats.tolist() == [-1.0, 3.0, 5.0, 2.0, 2.0, 2.0]
+    root5 = float(torch.tensor(5.0).sqrt())  # the norm of [1, -2], in fp32 as checks take it
+    assert stats.tolist() == pytest.approx([root5, -1.0, 3.0, 5.0, 2 ** 0.5, 2.0, 2.0, 2.0])
     assert signature(batch).stats == signature({"x": torch.tensor([1.0, -2.0]),
                                                 "y": torch.ones(2)}).stats
 

@@ -23,9 +23,33 @@ def test_write_json_never_overwrites(tmp_path: Path) -> None:
 
 
 def test_failed_write_leaves_nothing(tmp_path: Path) -> None:
-    with pytest.raises(ValueError):
-        report.write_json(tmp_path / "x.json", {"bad": float("nan")})
+    with pytest.raises(TypeError):
+        report.write_json(tmp_path / "x.json", {"bad": object()})
     assert list(tmp_path.iterdir()) == []
+
+
+def test_non_finite_numbers_anywhere_are_written_as_strings(tmp_path: Path) -> None:
+    """Issue 26 item 1: a NaN batch's quarantine sums sat deep in the report and JSON has no
+    NaN; the write failed and the exception left step()."""
+    content = {"poisoned": [{"signature": {"stats": (1.0, float("nan"), -float("inf"))}}],
+               "ranks": {"1": {"loss": float("inf"), "ok": 2.5}}}
+    path = report.write_json(tmp_path / "x.json", content)
+    back = json.loads(path.read_text())
+    assert back["poisoned"][0]["signature"]["stats"] == [1.0, "nan", "-inf"]
+    assert back["ranks"]["1"] == {"loss": "inf", "ok": 2.5}
+
+
+def test_any_failure_to_write_is_one_line_and_a_count_never_an_exception(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    failed: list[str] = []
+    path, reason = report.attempt(
+        "report", lambda: report.write_json(tmp_path / "x.json", {"bad": object()}),
+        rank=3, step=7, failed=failed.append,
+    )
+    assert path is None and reason and reason.startswith("TypeError")
+    assert failed == ["report"]
+    assert "rank 3 could not write the incident report of step 7" in caplog.text
 
 
 def test_save_batch_roundtrip(tmp_path: Path) -> None:

@@ -1,0 +1,151 @@
+"""This rank's step in progress: what the checks record, and what the gradient paths report to.
+
+``check_batch`` and ``check_loss`` add to the step's :class:`~nansentinel.local.LocalHealth`;
+the gradient path (gradpaths/) checks each reduction's local gradients and, with the last one,
+launches the exchange of the step's health vector (``view.pack``). Everything here stays on
+the device: no host sync, no collective but the exchange's own sum.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from nansentinel import checks, skip_list
+from nansentinel.buffers import FloatingBuffers
+from nansentinel.collectives import ForwardCollectives, quiet_groups
+from nansentinel.exchange import HealthExchange
+from nansentinel.inject import Injector
+from nansentinel.local import LocalHealth
+from nansentinel.pipeline import StageWatch
+from nansentinel.quarantine import Quarantine
+from nansentinel.result import SentinelUsageError
+from nansentinel.view import pack
+
+
+class CurrentStep:
+    """The step this rank is in (``index``), and its health so far (``local``).
+
+    Implements :class:`~nansentinel.gradpaths.GradientSink` for the gradient path, which is
+    attached after it (:meth:`attach`), since the path needs a sink at construction.
+
+    Args:
+        device, rank: this rank's. exchange: the step's health exchange.
+        injector: the run's drills. quarantine: batches known to be bad (quarantine.py).
+        buffers: the floating buffers, copied again for every step (buffers.py).
+        deadline: the watchdog of the step's collectives (watchdog.StepDeadline).
+        thresholds: this rank's spike thresholds on the device (judge.py), read at packing.
+        amp: a GradScaler is in use (non-finite gradients alone are not blame).
+    """
+
+    def __init__(
+        self, *, device: torch.device, rank: int, exchange: HealthExchange, injector: Injector,
+        quarantine: Quarantine, buffers: FloatingBuffers, deadline: Any,
+        thresholds: Callable[[], torch.Tensor], amp: bool,
+    ) -> None:
+        self.device, self.rank, self.exchange, self.injector = device, rank, exchange, injector
+        self.quarantine, self.buffers, self.deadline = quarantine, buffers, deadline
+        self.thresholds, self.amp = thresholds, amp
+        self.index = 0
+        self.local = LocalHealth(device)
+        self.gradients: Any = None
+        self.stages: list[StageWatch] = []
+        self.forward = ForwardCollectives()
+
+    def attach(self, gradients: Any, stages: list[Any]) -> None:
+        """The run's gradient path and pipeline stages (whose boundaries are checked, and
+        whose groups' collectives, like the gradient path's own, are no forward's)."""
+        self.gradients = gradients
+        self.stages = [StageWatch(s, self.device) for s in stages]
+        self.forward = ForwardCollectives(exclude=quiet_groups(list(gradients.mesh_groups),
+                                                               stages))
+        self.reset()
+
+    @property
+    def step_index(self) -> int:
+        return self.index
+
+    def check_batch(self, batch: Any, ids: Any) -> None:
+        with self.local.timed():
+            self.require_open("check_batch")
+            if self.local.batch is None and self.local.loss_count == 0:
+                self.forward.start()  # the forward begins after the step's first batch check
+            if ids is not None:
+                self.local.ids.append((batch, skip_list.check_ids(
+                    ids, batch, rank=self.rank, step=self.index)))
+            if self.injector.poison("batch", self.index, next(checks.float_tensors(batch), None)):
+                self.local.injected = True
+            norms = checks.batch_norms(batch, self.device)
+            quarantined = self.quarantine.match(batch, self.index, norms)
+            if quarantined is not None:
+                self.local.add_quarantined(quarantined)
+            self.local.add_batch(batch, norms)
+
+    def add_loss(self, loss: torch.Tensor | float) -> torch.Tensor:
+        """Record the loss; returns the 0-d value recorded (on the device)."""
+        with self.local.timed():
+            self.require_open("check_loss")
+            loss = checks.as_loss(loss, self.device, f"rank {self.rank}, step {self.index}")
+            if self.injector.poison("loss", self.index, loss.detach()):
+                self.local.injected = True
+            if self.local.loss_count == 0:
+                self.local.forward_groups = self.forward.stop()
+            value = checks.loss_scalar(loss)
+            self.local.add_loss(value)
+        return value
+
+    def require_open(self, what: str) -> None:
+        if self.exchange.launched:
+            raise SentinelUsageError(
+                f"nansentinel: {what}() called on rank {self.rank} at step {self.index} "
+                "after this step's health exchange already left with the gradients; call "
+                "check_batch/check_loss before loss.backward(), then step()")
+
+    def next(self) -> None:
+        """The step was decided (or handed to the device gate): the next one begins."""
+        self.reset()
+        self.index += 1
+
+    def reset(self) -> None:
+        self.buffers.reset()
+        self.local = LocalHealth(self.device)
+        self.gradients.reset()
+        for watch in self.stages:
+            watch.reset()
+        self.forward.start()  # no check_batch this step: the forward begins now
+
+    # --- gradpaths.GradientSink ---------------------------------------------------------------
+
+    @property
+    def inferring(self) -> bool:
+        return any(w.inferring for w in self.stages)
+
+    def before_reduction(self, local_grads: torch.Tensor) -> None:
+        """The step's first gradients are about to be reduced: arm the watchdog, and write a
+        due grad drill into them (before the reduction, as a real fault would be)."""
+        self.deadline.arm()
+        if self.injector.poison("grad", self.index, local_grads):
+            self.local.injected = True
+
+    def reducing(self) -> None:
+        self.deadline.restart()
+
+    def add_grad_norm(self, norm: torch.Tensor) -> None:
+        self.local.add_grads(norm)
+
+    def launch_exchange(self) -> None:
+        """Pack this rank's health vector and start summing it across ranks (asynchronous)."""
+        self.reducing()
+        for watch in self.stages:  # the pipeline boundaries' norms become the row's flags
+            watch.fold(self.local)
+        self.exchange.launch(self.index, pack(self.local.row(), self.thresholds(), self.rank,
+                                              amp=self.amp))
+
+    def diagnosed(self, future: torch.futures.Future, step: int,
+                  reduced_in_place: torch.Tensor) -> torch.futures.Future:
+        return self.exchange.diagnosed(future, step, reduced_in_place)
+
+    def spent(self, seconds: float) -> None:
+        self.local.seconds += seconds
