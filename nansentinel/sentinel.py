@@ -32,6 +32,7 @@ from nansentinel import checks, gradpaths, incident, pipeline, skip_list, stop
 from nansentinel.collectives import ForwardCollectives, Peers
 from nansentinel.config import SentinelConfig, resolve_hostname
 from nansentinel.curves import Curves
+from nansentinel.deepspeed import adapt as adapt_engine
 from nansentinel.detection import Detector
 from nansentinel.exchange import HealthExchange, late_after
 from nansentinel.gate import DeviceGate, Pending, PendingResult, device_gate_refusal, held_grads
@@ -64,8 +65,11 @@ class Sentinel:
             FSDP2 (``fully_shard``) root module, 1-D or HSDP. With DDP a communication hook is
             registered, with FSDP2 a custom reduce-scatter on every FSDP module (construct the
             sentinel before the first backward, and register no other comm hook / custom
-            reduce-scatter).
-        optimizer: stepped by :meth:`step` only when every rank is healthy.
+            reduce-scatter). Or a ``deepspeed.DeepSpeedEngine`` (ZeRO 0-3, nansentinel/
+            deepspeed.py): its optimizer and loss scale are the engine's, and :meth:`step`
+            drives ``engine.step()``.
+        optimizer: stepped by :meth:`step` only when every rank is healthy (none for a
+            DeepSpeed engine).
         scaler: a ``torch.amp.GradScaler``; :meth:`step` then calls ``scaler.step`` and
             ``scaler.update``, and non-finite gradients alone count as fp16 overflow.
         group: the process group (default: DDP's, else the default group if initialised,
@@ -92,7 +96,7 @@ class Sentinel:
     def __init__(
         self,
         model: torch.nn.Module | list[torch.nn.Module],
-        optimizer: torch.optim.Optimizer,
+        optimizer: torch.optim.Optimizer | None = None,
         *,
         scaler: Any = None,
         group: dist.ProcessGroup | None = None,
@@ -104,6 +108,15 @@ class Sentinel:
         **overrides: Any,
     ) -> None:
         self.config = cfg = SentinelConfig.from_env(env, **overrides)
+        #: A DeepSpeed engine's optimizer, loss scale and micro-batches (deepspeed.py); None.
+        self.engine = adapt_engine(model, optimizer, cfg, os.environ if env is None else env,
+                                   scaler=scaler, group=group, replay=replay,
+                                   snapshots=snapshots, stages=stages)
+        if self.engine is not None:
+            optimizer, scaler = self.engine.optimizer, self.engine.scaler
+        elif optimizer is None:
+            raise SentinelUsageError("nansentinel: Sentinel(model, optimizer) needs the optimizer "
+                                     "(only a DeepSpeed engine brings its own)")
         if isinstance(model, list | tuple):  # a pipeline rank's model parts
             model = torch.nn.ModuleList(model)
         self.model = model
@@ -131,7 +144,7 @@ class Sentinel:
         self.injector = Injector(faults, self.rank, self.identity.hostname)
         self.history = History()
         self.step_index = 0
-        self.module = model.module if is_ddp else model
+        self.module = model.module if is_ddp or self.engine is not None else model
         self.spikes = SpikeDetector(
             window=cfg.spike_window, warmup=cfg.spike_warmup, ratio=cfg.spike_ratio,
             zscore=cfg.spike_zscore,
@@ -318,7 +331,7 @@ class Sentinel:
         self.gradients.check_now()
         self.launch_exchange()
 
-    def step(self, *, optimizer_step: bool = True) -> StepResult:
+    def step(self, *, optimizer_step: bool = True) -> StepResult | None:
         """Decide this step with every rank and act on it.
 
         Applies the optimizer (or GradScaler) step only when every rank is healthy; otherwise
@@ -339,8 +352,14 @@ class Sentinel:
         the optimizer step is launched at once, skipped on the device when any rank is
         poisoned, and a :class:`~nansentinel.gate.PendingResult` is returned: its fields are
         decided on first read, else at the next sentinel call (where an abort is then raised).
+
+        With a DeepSpeed engine this replaces ``engine.step()``; under gradient accumulation
+        it returns None for each micro-batch before the boundary (counted by ``engine.step()``,
+        decided with the rest at the boundary).
         """
         self._resolve()
+        if self.engine is not None and self.engine.accumulating(optimizer_step=optimizer_step):
+            return None
         if self._after_step is not None:  # the caller did not step (its GradScaler skipped)
             self.cooldown.undo(self.optimizer, self._after_step[0])
             self._after_step = None
