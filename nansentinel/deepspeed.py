@@ -110,13 +110,6 @@ class EngineStep:
         with forced_overflow(self.engine, self.kind):
             self.engine.step()
 
-    def register_step_post_hook(self, hook: Any) -> Any:
-        raise SentinelUsageError(
-            "nansentinel: step(optimizer_step=False) is not supported with a DeepSpeed engine: "
-            "the sentinel drives engine.step() itself, to apply or to skip; call "
-            "sentinel.step() in place of engine.step()"
-        )
-
 
 class LossScale:
     """DeepSpeed's fp16 loss scale, seen by the Sentinel as a GradScaler: the Sentinel steps
@@ -145,19 +138,23 @@ class LossScale:
 class EngineAdapter:
     """What the Sentinel takes from a DeepSpeed engine (built by :func:`adapt`)."""
 
-    def __init__(self, engine: Any) -> None:
+    def __init__(self, engine: Any, where: str = "rank 0") -> None:
         self.engine = engine
+        self.where = where
         self.optimizer = EngineStep(engine)
         self.scaler = LossScale(engine) if engine.fp16_enabled() else None
-        #: The engine's model: what the reports name parameters after.
-        self.module = engine.module
 
-    def accumulating(self, *, optimizer_step: bool) -> bool:
+    def accumulating(self, *, optimizer_step: bool, step: int) -> bool:
         """True when this ``step()`` is a micro-batch before DeepSpeed's accumulation boundary:
         ``engine.step()`` counts it (as DeepSpeed users call it every micro-batch) and nothing
         is decided. False at the boundary, where the Sentinel decides and steps."""
         if not optimizer_step:
-            self.optimizer.register_step_post_hook(None)  # raises: the message is there
+            raise SentinelUsageError(
+                f"nansentinel: step(optimizer_step=False) on {self.where} at step {step}: not "
+                "supported with a DeepSpeed engine, whose step the sentinel drives itself (to "
+                "apply or to skip); nothing was decided or stepped. Call sentinel.step() in "
+                "place of engine.step()."
+            )
         if self.engine.is_gradient_accumulation_boundary():
             return False
         self.engine.step()
@@ -181,7 +178,7 @@ def adapt(
             f"nansentinel: cannot watch this DeepSpeed engine on {where} (before step 0): "
             f"{refusal}. Nothing was installed; the job stops here."
         )
-    return EngineAdapter(model)
+    return EngineAdapter(model, where)
 
 
 def refusal_of(
@@ -235,8 +232,9 @@ def _setup_refusal(engine: Any) -> str | None:
                       ("offload_param", engine.zero_offload_param())):
         device = getattr(getattr(cfg, "device", None), "value", getattr(cfg, "device", None))
         if cfg is not None and device not in (None, "none"):
-            return (f"ZeRO-Offload ({what} on {device}) reduces gradients into host buffers "
-                    "through a path nansentinel does not check; drop the offload")
+            return (f"ZeRO-Offload ({what} on {device}) is untested with nansentinel (its "
+                    "gradients go to host buffers, its overflow flag is kept apart); drop the "
+                    "offload to use the sentinel")
     features = {
         "torch autocast (torch_autocast)": engine.torch_autocast_enabled(),
         "MoE layers": getattr(engine, "has_moe_layers", False),

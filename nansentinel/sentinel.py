@@ -358,7 +358,8 @@ class Sentinel:
         decided with the rest at the boundary).
         """
         self._resolve()
-        if self.engine is not None and self.engine.accumulating(optimizer_step=optimizer_step):
+        if self.engine is not None and self.engine.accumulating(
+                optimizer_step=optimizer_step, step=self.step_index):
             return None
         if self._after_step is not None:  # the caller did not step (its GradScaler skipped)
             self.cooldown.undo(self.optimizer, self._after_step[0])

@@ -52,7 +52,7 @@ def config(stage: int, dtype: str = "fp32", accumulate: int = 1, **zero: Any) ->
         cfg["bf16"] = {"enabled": True}
     if dtype == "fp16":
         # A high initial scale: the first steps overflow in fp16, as real runs' first steps do.
-        cfg["fp16"] = {"enabled": True, "initial_scale_power": 24, "loss_scale_window": 1000,
+        cfg["fp16"] = {"enabled": True, "initial_scale_power": 20, "loss_scale_window": 1000,
                        "hysteresis": 1, "min_loss_scale": 1}
     return cfg
 
@@ -197,3 +197,55 @@ def _record(r: Any) -> dict[str, Any]:
         "local_kinds": r.local_kinds, "injected": r.injected, "report_path": r.report_path,
         "parameters": r.parameters, "local_grad_norm": r.local_grad_norm,
     }
+
+
+def run_cases(rank: int, world: int, *, cases: list[dict[str, Any]],
+              report_dir: str) -> list[dict[str, Any]]:
+    """:func:`train_deepspeed` for each case in turn, in these processes (one spawn and one
+    import of DeepSpeed for all: a fresh engine per case); each case's reports in its own
+    directory, ``report_dir/<index>``."""
+    runs = {"train": train_deepspeed, "refusals": refusals}
+    return [runs[case.get("run", "train")](
+                rank, world, report_dir=f"{report_dir}/{i}",
+                **{k: v for k, v in case.items() if k != "run"})
+            for i, case in enumerate(cases)]
+
+
+def refusals(rank: int, world: int, *, report_dir: str) -> dict[str, str]:
+    """What each refused setup says, on real engines: ``{case: message}`` ("" if accepted)."""
+    import deepspeed
+
+    said: dict[str, str] = {}
+
+    def attempt(case: str, engine: Any, **kwargs: Any) -> Any:
+        try:
+            watcher = nansentinel.Sentinel(engine, report_dir=report_dir, **kwargs)
+        except nansentinel.SentinelUsageError as exc:
+            said[case] = str(exc)
+            return None
+        said[case] = ""
+        return watcher
+
+    engine = engine_for(config(1))
+    attempt("rollback", engine, policy="rollback")
+    attempt("optimizer", engine, optimizer=torch.optim.SGD(engine.module.parameters(), lr=0.1))
+    attempt("replay", engine, replay=lambda module, batch: module(batch))
+    attempt("device gate", engine, gate="device")
+    released = deepspeed.__version__
+    deepspeed.__version__ = "0.20.0"
+    try:
+        attempt("version", engine)
+    finally:
+        deepspeed.__version__ = released
+    watcher = attempt("accepted", engine)
+    try:
+        watcher.step(optimizer_step=False)
+    except nansentinel.SentinelUsageError as exc:
+        said["optimizer_step=False"] = str(exc)
+    watcher.close()
+    offload = config(2, offload_optimizer={"device": "cpu"})
+    offload["zero_force_ds_cpu_optimizer"] = False
+    attempt("offload", engine_for(offload))
+    bf16_fp32_accumulation = {**config(1, "bf16"), "data_types": {"grad_accum_dtype": "fp32"}}
+    attempt("BF16_Optimizer", engine_for(bf16_fp32_accumulation))
+    return said
