@@ -130,10 +130,6 @@ class LossScale:
     def update(self) -> None:
         """Nothing: DeepSpeed updated its scale inside ``engine.step()``."""
 
-    def get_scale(self) -> float:
-        """The current loss scale (the engine's own reading, ``_get_optimizer_loss_scale``)."""
-        return float(self.engine._get_optimizer_loss_scale())
-
 
 class EngineAdapter:
     """What the Sentinel takes from a DeepSpeed engine (built by :func:`adapt`)."""

@@ -34,9 +34,10 @@ buckets a backward reduces is not known up front (as with FSDP2).
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -121,10 +122,37 @@ class DeepSpeedPath:
         original = getattr(self.optimizer, method)
 
         def checked(*args: Any, **kwargs: Any) -> Any:
-            self.check_bucket(grads_of((*args, *kwargs.values())))
+            with self._ordered():
+                self.check_bucket(grads_of((*args, *kwargs.values())))
             return original(*args, **kwargs)
 
         setattr(self.optimizer, method, checked)
+
+    @contextlib.contextmanager
+    def _ordered(self) -> Iterator[None]:
+        """On CUDA, the check's kernels go where the bucket's bytes are ready and before
+        DeepSpeed's reduction can change them, with no host sync. ZeRO-3 copies the gradients
+        into its bucket on its ``reduce_and_partition_stream`` and reduce-scatters there: the
+        norms are taken on that stream, between the two. ZeRO-1/2 copy on the streams that ran
+        the gradient hooks (``IPGBucket.copy_streams`` under ``overlap_comm``) and reduce on a
+        stream that waits for the current one: the current stream waits for those copies."""
+        opt = self.optimizer
+        if not torch.cuda.is_available():
+            yield
+            return
+        if self.seam == PARTITION:
+            stream = getattr(opt, "reduce_and_partition_stream", None)
+            if isinstance(stream, torch.cuda.Stream):
+                with torch.cuda.stream(stream):
+                    yield
+                return
+        else:
+            current = torch.cuda.current_stream()
+            for bucket in opt.ipg_buckets.values():
+                for producer in getattr(bucket, "copy_streams", ()):
+                    if isinstance(producer, torch.cuda.Stream) and producer != current:
+                        current.wait_stream(producer)
+        yield
 
     def _bucket_grads(self, args: tuple[Any, ...]) -> Iterable[tuple[Any, torch.Tensor]]:
         """ZeRO-1/2: the buckets ``reduce_ipg_grads(comm_dtype=None)`` is about to reduce (one
@@ -157,8 +185,14 @@ class DeepSpeedPath:
 
     def _record(self, names: list[str], grads: list[torch.Tensor]) -> None:
         for idx, norms in checks.grouped_norms(grads):
+            norm = torch.linalg.vector_norm(norms)
+            if norms.is_cuda:
+                # Made on the current stream (ZeRO-3: its reduce stream), read on the default
+                # stream at step(): the allocator must not reuse them before that.
+                for kept in (norms, norm):
+                    kept.record_stream(torch.cuda.default_stream(norms.device))
             self.norms.append(([names[i] for i in idx], norms))
-            self.sink.add_grad_norm(torch.linalg.vector_norm(norms))
+            self.sink.add_grad_norm(norm)
 
     def check_now(self) -> None:
         """At ``step()`` (the accumulation boundary). ``allreduce``: check every local gradient,
