@@ -329,7 +329,8 @@ class Sentinel:
         self._resolve()
         self._require_open("check_grads")
         self.gradients.check_now()
-        self.launch_exchange()
+        if not self.exchange.launched:  # DeepSpeed's path launches it before its all-reduce
+            self.launch_exchange()
 
     def step(self, *, optimizer_step: bool = True) -> StepResult | None:
         """Decide this step with every rank and act on it.
@@ -614,6 +615,9 @@ class Sentinel:
         if self.watchdog is not None:
             self.watchdog.close()
             self.watchdog = None
+        release = getattr(self.gradients, "release", None)
+        if release is not None:  # DeepSpeed: the engine reduces on its own again
+            release()
 
     def __enter__(self) -> Sentinel:
         return self

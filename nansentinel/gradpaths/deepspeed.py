@@ -28,8 +28,12 @@ accepts; :func:`seam_refusal` says what is missing when a release moves them.
 Each check is one foreach norm over the bucket's gradients (a single read of their bytes; NaN
 and Inf propagate), kept per parameter with the parameters' names so that a detection names
 them without a second read, and the bucket's norm goes to the sink. Nothing is read on the host
-on a healthy step. The health exchange leaves at ``step()`` on every stage: the number of
-buckets a backward reduces is not known up front (as with FSDP2).
+on a healthy step. The health exchange leaves beside DeepSpeed's last reduction of the step:
+``allreduce`` just before ``allreduce_gradients()``; ``bucket`` from the backward's epilogue
+(``reduce_ipg_grads()`` for every dtype at the accumulation boundary) before its last buckets
+are reduced; ``partition`` at ``step()``, one small all-reduce after backward as with FSDP2
+(ZeRO-3's epilogue may run once per phase of a reentrant checkpointed backward, so the last
+bucket is not known before the backward returns).
 """
 
 from __future__ import annotations
@@ -107,6 +111,10 @@ class DeepSpeedPath:
         #: ZeRO-3 all-gathers parameters in the forward over its partition group: that carries
         #: no batch's NaN into another rank's loss (origins.py), as FSDP2's all-gathers.
         self.mesh_groups: list[Any] = []
+        #: The optimizer methods wrapped, and the engine's switch as found (:meth:`release`).
+        self._wrapped: list[str] = []
+        self._launched = False  # this step's exchange left from the epilogue (``bucket``)
+        self._allreduce = engine.enable_backward_allreduce
         if self.seam == ALLREDUCE:
             engine.enable_backward_allreduce = False  # public: the reduction runs at step()
         elif self.seam == BUCKET:
@@ -122,11 +130,20 @@ class DeepSpeedPath:
         original = getattr(self.optimizer, method)
 
         def checked(*args: Any, **kwargs: Any) -> Any:
+            values = (*args, *kwargs.values())
             with self._ordered():
-                self.check_bucket(grads_of((*args, *kwargs.values())))
+                self.check_bucket(grads_of(values))
+            if (self.seam == BUCKET and not any(v is not None for v in values)
+                    and not self._launched and self.engine.is_gradient_accumulation_boundary()):
+                # ``reduce_ipg_grads()`` for every dtype: the backward's epilogue flushing the
+                # last buckets at the boundary. Every bucket of the step is checked now, so the
+                # exchange leaves here, beside DeepSpeed's last reduction, not after it.
+                self._launched = True
+                self.sink.launch_exchange()
             return original(*args, **kwargs)
 
         setattr(self.optimizer, method, checked)
+        self._wrapped.append(method)
 
     @contextlib.contextmanager
     def _ordered(self) -> Iterator[None]:
@@ -195,9 +212,11 @@ class DeepSpeedPath:
             self.sink.add_grad_norm(norm)
 
     def check_now(self) -> None:
-        """At ``step()`` (the accumulation boundary). ``allreduce``: check every local gradient,
-        then run DeepSpeed's all-reduce. The bucket seams checked each bucket already; when
-        none was reduced (no backward) there is nothing DeepSpeed will reduce either."""
+        """At ``step()`` (the accumulation boundary), when the exchange has not left yet.
+        ``allreduce``: check every local gradient, launch the exchange, then run DeepSpeed's
+        all-reduce. The bucket seams checked each bucket already; when none was reduced (no
+        backward) there is nothing DeepSpeed will reduce either, and ``step()`` launches the
+        exchange."""
         if self.seam != ALLREDUCE:
             return
         started = time.perf_counter()
@@ -211,6 +230,7 @@ class DeepSpeedPath:
             self.sink.reducing()
             self._record([n for n, _ in pairs], [g for _, g in pairs])
         self.sink.spent(time.perf_counter() - started)
+        self.sink.launch_exchange()  # beside DeepSpeed's all-reduce, not after it
         self.engine.allreduce_gradients()  # public; DeepSpeed's own cost, not the sentinel's
 
     def naming_detail(self, poisoned: bool, peers: Any) -> dict[str, Any]:
@@ -227,3 +247,12 @@ class DeepSpeedPath:
 
     def reset(self) -> None:
         self.norms = []
+        self._launched = False
+
+    def release(self) -> None:
+        """Give the engine back as DeepSpeed made it (at ``Sentinel.close``): its own
+        all-reduce in backward, its optimizer's own methods. Idempotent."""
+        self.engine.enable_backward_allreduce = self._allreduce
+        for method in self._wrapped:
+            vars(self.optimizer).pop(method, None)
+        self._wrapped = []

@@ -97,6 +97,8 @@ def test_every_stage_on_four_ranks_of_two_hosts(tmp_path: Path) -> None:
         # Only the backward-made NaN's parameters, named by the rank that made it.
         assert poisoned["parameters"] == {3: ["pos", "embed.weight"]}, (what, poisoned)
         assert ranks[0]["records"][6]["injected"], what
+        # close() gave the engine back: its own all-reduce in backward, no wrapped method.
+        assert all(o["released"] == (True, []) for o in ranks), what
 
 
 @pytest.mark.timeout(300)

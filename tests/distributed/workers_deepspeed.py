@@ -33,6 +33,9 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 #: (step, rank) -> kind of fault (``all``: every rank, so the rank is ignored: (step, -1)).
 Faults = dict[tuple[int, int], str]
+#: The optimizer methods the gradient path wraps (gone again after Sentinel.close()).
+SEAM_METHODS = ("reduce_ipg_grads",
+                "_DeepSpeedZeroOptimizer_Stage3__reduce_and_partition_ipg_grads")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -96,7 +99,7 @@ def train_deepspeed(rank: int, world: int, *, stage: int, steps: int, report_dir
                if sentinel else None)
     loss_fn = nn.CrossEntropyLoss()
     records: list[dict[str, Any]] = []
-    error = None
+    error = released = None
     try:
         for step in range(steps):
             before = fingerprint(engine)
@@ -119,6 +122,8 @@ def train_deepspeed(rank: int, world: int, *, stage: int, steps: int, report_dir
             })
         if watcher is not None:
             watcher.close()
+            released = (engine.enable_backward_allreduce,
+                        sorted(set(vars(engine.optimizer)) & set(SEAM_METHODS)))
     except nansentinel.NonFiniteError as exc:
         error = {"type": type(exc).__name__, "message": str(exc), "step": exc.result.step,
                  "report_path": exc.result.report_path}
@@ -126,7 +131,7 @@ def train_deepspeed(rank: int, world: int, *, stage: int, steps: int, report_dir
     return {"records": records, "error": error, "weights": weights,
             "hostname": watcher.identity.hostname if watcher is not None else None,
             "path": watcher.gradients.seam if watcher is not None else None,  # type: ignore[attr-defined]
-            "optimizer": type(engine.optimizer).__name__}
+            "optimizer": type(engine.optimizer).__name__, "released": released}
 
 
 def _micro(engine: Any, watcher: Any, loss_fn: nn.Module, rank: int, index: int,
