@@ -81,7 +81,14 @@ def seam_refusal(engine: Any) -> str | None:
     seam = seam_of(engine)
     opt = engine.optimizer
     if seam == ALLREDUCE:
+        if not engine.enable_backward_allreduce:
+            return ("engine.enable_backward_allreduce is off already (another Sentinel on this "
+                    "engine, not closed?); construct one Sentinel per engine")
         return None
+    method = "reduce_ipg_grads" if seam == BUCKET else _Z3_REDUCE
+    if method in vars(opt):
+        return (f"{type(opt).__name__}.{method} is wrapped already (another Sentinel on this "
+                "engine, not closed?); construct one Sentinel per engine")
     needed = ["ipg_buckets", "reduce_ipg_grads" if seam == BUCKET else _Z3_REDUCE]
     missing = [n for n in needed if not hasattr(opt, n)]
     if seam == PARTITION and not missing and any(

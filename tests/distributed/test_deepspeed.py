@@ -174,9 +174,11 @@ def test_unsupported_setups_are_refused_by_name(tmp_path: Path) -> None:
         "replay": "replay= is not supported", "device gate": "gate='device'",
         "version": "DeepSpeed 0.20.0 is untested", "offload": "ZeRO-Offload (offload_optimizer",
         "BF16_Optimizer": "BF16_Optimizer", "optimizer_step=False": "optimizer_step=False",
+        "second sentinel": "one Sentinel per engine",
     }
     for rank, messages in enumerate(said):
         assert messages["accepted"] == ""
+        assert messages["after close"] == "accepted"  # close() gave the engine back
         for case, words in expected.items():
             message = messages[case]
             assert words in message and f"rank {rank}" in message, (case, message)

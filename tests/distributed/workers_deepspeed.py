@@ -243,11 +243,16 @@ def refusals(rank: int, world: int, *, report_dir: str) -> dict[str, str]:
     finally:
         deepspeed.__version__ = released
     watcher = attempt("accepted", engine)
+    attempt("second sentinel", engine)
     try:
         watcher.step(optimizer_step=False)
     except nansentinel.SentinelUsageError as exc:
         said["optimizer_step=False"] = str(exc)
     watcher.close()
+    again = attempt("after close", engine)  # close() gave the engine back: accepted again
+    if again is not None:
+        said["after close"] = "accepted"
+        again.close()
     offload = config(2, offload_optimizer={"device": "cpu"})
     offload["zero_force_ds_cpu_optimizer"] = False
     attempt("offload", engine_for(offload))
