@@ -44,15 +44,17 @@ and how a skip is done, and refuses what it has not been tested with:
   blamed, and ``engine.step()`` skips them and lowers the scale itself; a non-finite batch or
   loss is still blamed. bf16 and fp32 have no loss scale: non-finite gradients are blamed.
 
-Refused, by a :class:`SentinelUsageError` naming what and what to do, at construction: a
-DeepSpeed other than 0.19.8, pipeline engines, ZeRO-Offload, optimizer wrappers not listed
+Refused, by a :class:`SentinelUsageError` naming what, where and what to do, at construction:
+a DeepSpeed other than 0.19.8, pipeline engines, ZeRO-Offload, optimizer wrappers not listed
 above (BF16_Optimizer, the fused FP16_Optimizer, ZenFlow), torch autocast, MoE, tensor or
-sequence parallelism, DeepCompile, unmanaged gradient accumulation, ``step(optimizer_step=
-False)``, rollbacks (the policy and the spike actions), replay, the device gate, and an own
-optimizer, scaler, group or pipeline stages beside the engine.
+sequence parallelism, DeepCompile, unmanaged gradient accumulation, rollbacks (the policy and
+the spike actions), replay, the device gate, a second Sentinel on the same engine, and an own
+optimizer, scaler, group or pipeline stages beside the engine; at the call,
+``step(optimizer_step=False)``.
 
-Importing this module does not import DeepSpeed; it is imported where an engine is handed to
-the Sentinel, in a process that has DeepSpeed already.
+Importing this module (sentinel.py does) does not import DeepSpeed: DeepSpeed is imported only
+inside the functions that run once an engine is handed to the Sentinel, in a process that has
+imported it already.
 """
 
 from __future__ import annotations
