@@ -2,10 +2,10 @@
 
 The 4-rank test is one spawn of real ranks that runs an engine per stage in turn (``run_cases``:
 one import of DeepSpeed for all); the 2-rank tests share one such spawn (``two_ranks``). Every
-stage is covered on 2 and on 4 ranks: the poisoned rank and its host named on every rank, the step skipped as DeepSpeed
-skips an overflow (its counters, LR schedule and loss scale as after its own skip, weights
-and optimizer state untouched), every healthy step applied, training to the end, the same
-finite weights on every rank.
+stage is covered on 2 and on 4 ranks: the poisoned rank and its host named on every rank,
+the step skipped as DeepSpeed skips an overflow (its counters, LR schedule and loss scale as
+after its own skip, weights and optimizer state untouched), every healthy step applied,
+training to the end, the same finite weights on every rank.
 """
 
 from __future__ import annotations
