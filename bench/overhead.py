@@ -20,10 +20,12 @@ Usage::
     python bench/overhead.py --markdown > table.md # markdown only on stdout
     python bench/overhead.py --profile             # + where the sentinel's time goes
     python bench/overhead.py --pp                  # pipeline parallel: 2 stages, GPipe
+    python bench/overhead.py --deepspeed 2         # DeepSpeed ZeRO-2 alone vs + the sentinel
 
 ``--pp`` runs pipeline_overhead.py instead: the model split into two pipeline stages, one per
 rank, plain pipeline against the sentinel (``--schedule``, ``--microbatches``; no memory or
-check-cost phase).
+check-cost phase). ``--deepspeed STAGE`` runs deepspeed_overhead.py: a DeepSpeed engine at that
+ZeRO stage alone against the same engine under ``Sentinel(engine)`` (step time only).
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import benchlib  # sibling modules of this script, not an installed package
+import deepspeed_overhead
 import pipeline_overhead
 import sentinel_parts
 
@@ -114,6 +117,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         choices=pipeline_overhead.SCHEDULES,
         default="gpipe",
         help="with --pp: the pipeline schedule (default gpipe)",
+    )
+    p.add_argument(
+        "--deepspeed",
+        type=int,
+        choices=deepspeed_overhead.STAGES,
+        metavar="STAGE",
+        help="DeepSpeed instead: an engine at this ZeRO stage (0-3) alone vs under "
+        "Sentinel(engine), fp32 (deepspeed_overhead.py; --variants, memory and check-cost "
+        "phases do not apply)",
     )
     p.add_argument(
         "--microbatches",
@@ -181,6 +193,8 @@ def main(argv: list[str] | None = None) -> int:
     cfg = dataclasses.replace(base, **{k: v for k, v in sizes.items() if v is not None})
     if args.pp:
         return _main_pipeline(args, cfg, say)
+    if args.deepspeed is not None:
+        return _main_deepspeed(args, cfg, say)
     if args.fsdp and args.variants == ",".join(benchlib.DEFAULT_VARIANTS):
         args.variants = "baseline,sentinel"
     variants = tuple(benchlib.parse_variants(args.variants))
@@ -261,6 +275,26 @@ def _main_pipeline(
     report = pipeline_overhead.report(spec, ranks, _merge_times)
     _finish(args, {**report, **_context(args, started, load_before)},
             pipeline_overhead.render, say)
+    return 0
+
+
+def _main_deepspeed(
+    args: argparse.Namespace, cfg: benchlib.ModelConfig, say: Callable[..., None]
+) -> int:
+    """``--deepspeed STAGE``: DeepSpeed alone vs under the sentinel (deepspeed_overhead.py)."""
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")  # inherited by the spawned ranks
+    started = time.perf_counter()
+    load_before = os.getloadavg()
+    with tempfile.TemporaryDirectory(prefix="nansentinel-bench-ds-") as tmp:
+        spec = deepspeed_overhead.DeepSpeedSpec(**_run_spec(args, cfg, tmp), stage=args.deepspeed)
+        say(
+            f"DeepSpeed ZeRO-{args.deepspeed} timing: baseline and sentinel x {args.steps} rounds "
+            f"(+{args.warmup} warm-up) on {WORLD_SIZE} gloo ranks, {args.threads} thread(s) each"
+        )
+        ranks = _spawn(_deepspeed_worker, spec, args.timeout)
+    report = deepspeed_overhead.report(spec, ranks, _merge_times)
+    _finish(args, {**report, **_context(args, started, load_before)},
+            deepspeed_overhead.render, say)
     return 0
 
 
@@ -498,6 +532,14 @@ def _pipeline_worker(rank: int, spec: pipeline_overhead.PipeSpec) -> None:
     _init_rank(rank, spec)
     try:
         _result_path(spec, rank).write_text(json.dumps(pipeline_overhead.worker(rank, spec)))
+    finally:
+        dist.destroy_process_group()
+
+
+def _deepspeed_worker(rank: int, spec: deepspeed_overhead.DeepSpeedSpec) -> None:
+    _init_rank(rank, spec)
+    try:
+        _result_path(spec, rank).write_text(json.dumps(deepspeed_overhead.worker(rank, spec)))
     finally:
         dist.destroy_process_group()
 

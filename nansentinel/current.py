@@ -34,7 +34,7 @@ class CurrentStep:
     Args:
         device, rank: this rank's. exchange: the step's health exchange.
         injector: the run's drills. quarantine: batches known to be bad (quarantine.py).
-        buffers: the floating buffers, copied again for every step (buffers.py).
+        module: the unwrapped model, whose floating buffers a skipped step puts back.
         deadline: the watchdog of the step's collectives (watchdog.StepDeadline).
         thresholds: this rank's spike thresholds on the device (judge.py), read at packing.
         amp: a GradScaler is in use (non-finite gradients alone are not blame).
@@ -42,11 +42,13 @@ class CurrentStep:
 
     def __init__(
         self, *, device: torch.device, rank: int, exchange: HealthExchange, injector: Injector,
-        quarantine: Quarantine, buffers: FloatingBuffers, deadline: Any,
+        quarantine: Quarantine, module: torch.nn.Module, deadline: Any,
         thresholds: Callable[[], torch.Tensor], amp: bool,
     ) -> None:
         self.device, self.rank, self.exchange, self.injector = device, rank, exchange, injector
-        self.quarantine, self.buffers, self.deadline = quarantine, buffers, deadline
+        #: The floating buffers of ``module``, copied again for every step (buffers.py).
+        self.buffers = FloatingBuffers(module)
+        self.quarantine, self.deadline = quarantine, deadline
         self.thresholds, self.amp = thresholds, amp
         self.index = 0
         self.local = LocalHealth(device)

@@ -152,15 +152,15 @@ class Detector:
         held), its replay and the peer's.
 
         The parameters are named from the poisoned gradients; then, when a rank is blamed (no
-        policy applies such a step), ``discard()`` frees them before the replay, which takes a
-        set of gradients of its own: a detection then needs no more memory than a training
-        step."""
+        policy applies such a step) and a replay is to run, ``discard()`` frees them first:
+        the replay takes a set of gradients of its own, and a detection then needs no more
+        memory than a training step."""
         detail: dict[str, Any] = {}
         if any("grad" in r.kinds for r in bad):
             poisoned = any(r.rank == self.peers.rank and "grad" in r.kinds for r in bad)
             with grads_restored(), self.guarded():
                 detail = self.gradients.naming_detail(poisoned, self.peers)
-        if bad:
+        if bad and self.replay is not None:
             discard()
         if not (bad or spikes):
             return None, detail

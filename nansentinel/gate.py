@@ -75,6 +75,8 @@ def device_gate_refusal(
         return "a spike action can skip the step, and spikes are judged on the host"
     if path == "fsdp":
         return "the FSDP2 gradient path keeps the host gate"
+    if path == "deepspeed":
+        return "engine.step() takes DeepSpeed's own overflow decision on the host"
     return None
 
 

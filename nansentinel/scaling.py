@@ -36,8 +36,8 @@ def settle(scaler: Any) -> None:
     own value here), leaves the growth tracker, and refreshes the per-optimizer states. The
     scale is read on the host (one sync, on a skipped step only).
     """
-    if not getattr(scaler, "is_enabled", lambda: True)():
-        return
+    if not hasattr(scaler, "unscale_") or not scaler.is_enabled():
+        return  # not a GradScaler (DeepSpeed's loss scale settles itself), or off
     if getattr(scaler, "_scale", True) is None:  # nothing scaled yet: nothing to settle
         return
     scaler.update(float(scaler.get_scale()))

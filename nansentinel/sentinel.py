@@ -10,8 +10,7 @@
                    them, detection.py] → decide (policy.py) → act; on the device gate the
                    optimizer steps at once and the host decides at the next call (gate.py)
 
-Each layer builds and wires itself; this class composes them in the order of a step, and holds
-no policy, layout or I/O of its own (docs/design.md).
+Each layer builds and wires itself; this class composes them (docs/design.md).
 """
 
 from __future__ import annotations
@@ -27,16 +26,15 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from nansentinel import gradpaths, incident, pipeline, stop, watchdog
-from nansentinel.buffers import FloatingBuffers
 from nansentinel.config import SentinelConfig, resolve_hostname
 from nansentinel.current import CurrentStep
+from nansentinel.deepspeed import steps_of
 from nansentinel.detection import Detector
 from nansentinel.exchange import HealthExchange
 from nansentinel.gate import gated_steps
 from nansentinel.inject import Injector, parse_inject
 from nansentinel.judge import StepJudge
 from nansentinel.local import identify, local_device
-from nansentinel.policy import Decision
 from nansentinel.quarantine import Quarantine
 from nansentinel.recovery import SnapshotStore, snapshot_store
 from nansentinel.replay import ReplayFn
@@ -50,10 +48,10 @@ class Sentinel:
     """Watches one rank's batch, loss and gradients; decides each step with every other rank.
 
     Args:
-        model: plain, ``DistributedDataParallel`` or an FSDP2 root (1-D, HSDP); with ``stages``
-            the list of a pipeline rank's stage modules. Construct the sentinel before the first
-            backward: it installs a DDP comm hook or FSDP2 custom reduce-scatters.
-        optimizer: stepped by :meth:`step` only when every rank is healthy.
+        model: plain, ``DistributedDataParallel``, an FSDP2 root (1-D, HSDP) or a DeepSpeed
+            engine (ZeRO 0-3: its optimizer, deepspeed.py); with ``stages`` the list of a
+            pipeline rank's stage modules. Construct the sentinel before the first backward.
+        optimizer: stepped by :meth:`step` only when every rank is healthy (none for engines).
         scaler: a ``torch.amp.GradScaler``, stepped and updated by :meth:`step`.
         group: the process group (default: DDP's, else the default group, else none).
         registry: a ``prometheus_client.CollectorRegistry`` for the metrics.
@@ -66,8 +64,9 @@ class Sentinel:
     """
 
     def __init__(
-        self, model: torch.nn.Module | list[torch.nn.Module], optimizer: torch.optim.Optimizer,
-        *, scaler: Any = None, group: dist.ProcessGroup | None = None, registry: Any = None,
+        self, model: torch.nn.Module | list[torch.nn.Module],
+        optimizer: torch.optim.Optimizer | None = None, *, scaler: Any = None,
+        group: dist.ProcessGroup | None = None, registry: Any = None,
         env: dict[str, str] | None = None, replay: ReplayFn | bool | None = None,
         snapshots: tuple[Any, Any] | SnapshotStore | None = None, stages: Any = None,
         **overrides: Any,
@@ -76,55 +75,60 @@ class Sentinel:
             overrides["replay"], replay = replay, None
         self.config = cfg = SentinelConfig.from_env(env, **overrides)
         pipelined = pipeline.stages_of(stages) if stages is not None else []
-        self._place(model, optimizer, scaler, group, pipelined, os.environ if env is None else env)
-        peers, model = self.exchange.peers, self.model
+        self._place(model, optimizer, scaler, group, pipelined, os.environ if env is None else env,
+                    replay=replay, snapshots=snapshots, stages=stages)
+        peers, model, opt, scaler = self.exchange.peers, self.model, self.optimizer, self.scaler
         self.snapshots = snapshot_store(
-            snapshots, cfg, model=model, module=self.module, optimizer=optimizer, scaler=scaler,
+            snapshots, cfg, model=model, module=self.module, optimizer=opt, scaler=scaler,
             peers=peers, device=self.device, hostname=self.identity.hostname)
         self.quarantine = Quarantine(self.device, size=cfg.quarantine_size,
                                      steps=cfg.quarantine_steps)
-        self.buffers = FloatingBuffers(self.module)
         self.current = CurrentStep(
             device=self.device, rank=self.rank, exchange=self.exchange, injector=self.injector,
-            quarantine=self.quarantine, buffers=self.buffers, deadline=self.deadline,
+            quarantine=self.quarantine, module=self.module, deadline=self.deadline,
             thresholds=lambda: self.judge.thresholds(), amp=scaler is not None)
         self.gradients: gradpaths.GradPath = gradpaths.attach(model, self.current)
         self.current.attach(self.gradients, pipelined)
         self.incidents = incident.IncidentWriter(cfg, self.identity, peers, self.job_id)
         self.detector = Detector.for_run(
             cfg, peers, self.identity, gradients=self.gradients, incidents=self.incidents,
-            module=self.module, amp=scaler is not None, replay=replay, guarded=self._guarded)
+            module=self.module, amp=scaler is not None, replay=replay,
+            guarded=self.deadline.guarded)
         self.replicas = replica_check(
-            model, self.module, optimizer, path=self.gradients.name, config=cfg, peers=peers,
+            model, self.module, opt, path=self.gradients.name, config=cfg, peers=peers,
             device=self.device, identity=self.identity, pipelined=bool(pipelined),
             inject=lambda step: self.injector.due("bitflip", step), incidents=self.incidents)
         self.judge = StepJudge(
             cfg, world_size=self.world_size, rank=self.rank, device=self.device,
-            optimizer=optimizer, scaler=scaler, detector=self.detector, snapshots=self.snapshots,
-            buffers=self.buffers, replicas=self.replicas, quarantine=self.quarantine,
-            guarded=self._guarded)
+            optimizer=opt, scaler=scaler, detector=self.detector, snapshots=self.snapshots,
+            buffers=self.current.buffers, replicas=self.replicas, quarantine=self.quarantine,
+            guarded=self.deadline.guarded)
+        self.end = stop.RunEnd(cfg, self.identity, self.exchange, self.job_id,
+                               deadline=self.deadline, judge=self.judge,
+                               release=getattr(self.gradients, "release", None))
         #: The device gate's steps (gate.py); None: the host gate.
         self.device_gate = gated_steps(
-            cfg, optimizer, self.device, scaler=scaler, path=self.gradients.name,
+            cfg, opt, self.device, scaler=scaler, path=self.gradients.name,
             pipelined=bool(pipelined), speak=self.rank == 0, judge=self.judge,
-            buffers=self.buffers, params=self._params, guarded=self._guarded,
-            rearm=self._rearm, stop_if=self._stop_if)
-        self.end = stop.RunEnd(cfg, self.identity, self.exchange, self.job_id,
-                               deadline=self.deadline, judge=self.judge)
-        if cfg.metrics_port:
-            self._serve(registry)
+            buffers=self.current.buffers, params=self._params, guarded=self.deadline.guarded,
+            rearm=self._rearm, stop_if=self.end.stop_if)
+        self._serve(registry)
 
-    def _place(self, model: Any, optimizer: torch.optim.Optimizer, scaler: Any, group: Any,
-               pipelined: list[Any], environ: Any) -> None:
-        """Where this rank runs: its model (and the module inside DDP), device, process group
-        and identity (left at the store: nothing is gathered at start), its drills, and the
-        deadline on its collectives."""
+    def _place(self, model: Any, optimizer: Any, scaler: Any, group: Any, pipelined: list[Any],
+               environ: Any, **engine_args: Any) -> None:
+        """Where this rank runs: what it steps (a DeepSpeed engine's own optimizer), its model
+        (and the module inside DDP or the engine), device, process group and identity (left at
+        the store: nothing is gathered at start), its drills, the deadline on its
+        collectives."""
         cfg = self.config
+        #: A DeepSpeed engine's adapter (its optimizer, loss scale, micro-batches); else None.
+        self.engine, optimizer, scaler = steps_of(model, optimizer, cfg, environ, scaler=scaler,
+                                                  group=group, **engine_args)
         self.model = model = torch.nn.ModuleList(model) if isinstance(model, list | tuple) \
             else model
         self.optimizer, self.scaler = optimizer, scaler
         ddp = isinstance(model, DistributedDataParallel)
-        self.module = model.module if ddp else model
+        self.module = model.module if ddp or self.engine is not None else model
         if group is None and ddp and not pipelined:
             group = model.process_group  # under a pipeline: the whole job (the default group)
         self._params = list(model.parameters())
@@ -145,7 +149,9 @@ class Sentinel:
                                         exchange=self.exchange))
 
     def _serve(self, registry: Any) -> None:
-        from nansentinel.metrics import serve_rank
+        if not self.config.metrics_port:
+            return
+        from nansentinel.metrics import serve_rank  # prometheus only where metrics are on
 
         self.metrics = serve_rank(self.identity, self.config, registry, self.device)
         self.incidents.failed = self.metrics.observe_report_failure
@@ -154,16 +160,15 @@ class Sentinel:
     # --- the calls of a training loop --------------------------------------------------------
 
     def check_batch(self, batch: Any, *, ids: Any = None) -> Any:
-        """Check every floating-point tensor of ``batch`` (any nesting of dict/list/tuple;
-        other parts are ignored) before ``backward``; returns it (a due drill written in).
-        ``ids``: one sample id per row, read after a detection only (the skip list)."""
+        """Check every floating-point tensor of ``batch`` (any nesting) before ``backward``;
+        returns it. ``ids``: a sample id per row, read after a detection (the skip list)."""
         self._resolve()
         self.current.check_batch(batch, ids)
         return batch
 
     def check_loss(self, loss: torch.Tensor | float) -> None:
-        """Check the loss (a tensor or a number; a non-scalar one element-wise, its mean
-        recorded) before ``backward``, so that its flag leaves with the gradients."""
+        """Check the loss (a tensor, a number; a non-scalar one element-wise) before
+        ``backward``, so that its flag leaves with the gradients."""
         self._resolve()
         self.current.add_loss(loss)
 
@@ -184,16 +189,22 @@ class Sentinel:
         self._resolve()
         self.current.require_open("check_grads")
         self.gradients.check_now()
-        self.current.launch_exchange()
+        if not self.exchange.launched:  # DeepSpeed's path launches it before its all-reduce
+            self.current.launch_exchange()
 
-    def step(self, *, optimizer_step: bool = True) -> StepResult:
+    def step(self, *, optimizer_step: bool = True) -> StepResult | None:
         """Decide this step with every rank and act: the optimizer (or GradScaler) steps only
         when every rank is healthy; otherwise every rank skips, rolls back, or raises
         :class:`NonFiniteError` (:class:`HostExcludedError`). ``optimizer_step=False``: the
         caller (a framework) steps the optimizer itself right after; on a skip the gradients
         are then ``None``. On the device gate a :class:`~nansentinel.gate.PendingResult` comes
-        back, decided at the next sentinel call (or on a read that needs no collective)."""
+        back, decided at the next sentinel call (or on a read that needs no collective). With
+        a DeepSpeed engine it replaces ``engine.step()``, and returns None on a micro-batch
+        before the accumulation boundary (counted, decided at the boundary)."""
         self._resolve()
+        if self.engine is not None and self.engine.accumulating(
+                optimizer_step=optimizer_step, step=self.step_index):
+            return None
         self.judge.caller_did_not_step()
         if not self.exchange.launched:
             self.check_grads()
@@ -209,7 +220,7 @@ class Sentinel:
                                                   optimizer_step=optimizer_step)
         result, decision = tail(result, decision)
         self.current.next()
-        self._stop_if(decision, result)
+        self.end.stop_if(decision, result)
         return result
 
     # --- state for checkpoints, and the end ---------------------------------------------------
@@ -242,8 +253,7 @@ class Sentinel:
         self.end.close(self._resolve, self.step_index - 1)
 
     def abandon(self) -> None:
-        """Stop the exporter and the watchdog without any collective: the loop failed on
-        this rank, and the other ranks may be gone or elsewhere."""
+        """Stop the exporter and the watchdog without a collective (the loop failed here)."""
         if self.device_gate is not None:
             self.device_gate.abandon()
         self.end.shut()
@@ -265,15 +275,11 @@ class Sentinel:
     spikes = property(lambda self: self.judge.spikes)
     curves = property(lambda self: self.judge.curves)
     watchdog = property(lambda self: self.deadline.dog)
+    buffers = property(lambda self: self.current.buffers)
 
-    @property
-    def metrics(self) -> Any:
-        """This rank's exporter (metrics.py), None without ``metrics_port`` or once closed."""
-        return self.judge.metrics
-
-    @metrics.setter
-    def metrics(self, value: Any) -> None:
-        self.judge.metrics = value
+    #: The exporter (metrics.py); None without ``metrics_port``, or once closed.
+    metrics = property(lambda self: self.judge.metrics,
+                       lambda self, value: setattr(self.judge, "metrics", value))
 
     # --- internals ---------------------------------------------------------------------------
 
@@ -287,14 +293,8 @@ class Sentinel:
         if self.exchange.launched:
             self.deadline.arm()
 
-    def _stop_if(self, decision: Decision, result: StepResult) -> None:
-        self.end.stop_if(decision, result)
-
     def _settled(self) -> bool:
         """The armed collectives have completed (the watchdog asks before it fires)."""
         gated = self.device_gate
         return self.exchange.settled() or (gated is not None and gated.settled())
 
-    def _guarded(self) -> Any:
-        """The watchdog armed around a collective outside the step's own (watchdog.py)."""
-        return self.deadline.guarded()

@@ -192,14 +192,16 @@ class RunEnd:
         config, identity, exchange, job_id: the run's, as :func:`stop` takes them.
         deadline: the step deadline (watchdog.py): it arms the barriers and is closed last.
         judge: holds the exporter (``judge.metrics``), flushed before a stop and closed last.
+        release: gives the model back as its framework made it (DeepSpeed's all-reduce
+            switch), once the run is over.
     """
 
     def __init__(self, config: SentinelConfig, identity: RankIdentity,
                  exchange: HealthExchange, job_id: str | None, *, deadline: Any,
-                 judge: Any) -> None:
+                 judge: Any, release: Callable[[], None] | None = None) -> None:
         self.config, self.identity, self.exchange, self.job_id = (
             config, identity, exchange, job_id)
-        self.deadline, self.judge = deadline, judge
+        self.deadline, self.judge, self.release = deadline, judge, release
         self.closed = False
         self.stopped = False
         """The run was stopped here: this rank's verdict is left already."""
@@ -243,3 +245,6 @@ class RunEnd:
         if metrics is not None:
             metrics.close()
         self.deadline.close()
+        release, self.release = self.release, None
+        if release is not None:
+            release()

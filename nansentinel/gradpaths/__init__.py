@@ -8,6 +8,9 @@ One path is chosen once, at construction, from the model the user hands the Sent
 - ``fsdp``: an FSDP2 (``fully_shard``) model, 1-D or HSDP. A custom reduce-scatter checks each
   FSDP group's flat, padded, unsharded gradient buffer, then runs FSDP's own reduce-scatter
   unchanged; the exchange leaves at ``step()``.
+- ``deepspeed``: a ``deepspeed.DeepSpeedEngine``. Each ZeRO stage's local gradients, before
+  DeepSpeed reduces them: all of them before its all-reduce (ZeRO-0/1), each IPG bucket before
+  its reduce (ZeRO-2), each bucket before its reduce-scatter into partitions (ZeRO-3).
 - ``local``: anything else (one process, or users who reduce gradients by hand and call
   ``check_grads()`` before their reduction): one fused norm per (device, dtype) group of the
   local ``.grad`` tensors.
@@ -69,7 +72,7 @@ class GradientSink(Protocol):
 class GradPath(Protocol):
     """One way of checking the local gradients before their reduction."""
 
-    #: ``ddp``, ``fsdp`` or ``local``.
+    #: ``ddp``, ``fsdp``, ``deepspeed`` or ``local``.
     name: str
     #: Process groups the path's own collectives run on in the forward (FSDP2's parameter
     #: all-gathers): they carry no batch's NaN to another rank's loss (origins.py).
@@ -98,8 +101,10 @@ def attach(model: torch.nn.Module, sink: GradientSink) -> GradPath:
         from nansentinel.gradpaths.ddp import DDPPath
 
         return DDPPath(model, sink)
-    from nansentinel.gradpaths import fsdp
+    from nansentinel.gradpaths import deepspeed, fsdp
 
+    if deepspeed.is_engine(model):
+        return deepspeed.DeepSpeedPath(model, sink)
     if fsdp.is_fsdp(model):
         return fsdp.FSDPPath(model, sink)
     from nansentinel.gradpaths.local_grads import LocalGradPath

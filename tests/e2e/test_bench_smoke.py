@@ -9,6 +9,7 @@ does the same arithmetic, so a difference means a guard changed training).
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import os
@@ -208,3 +209,26 @@ def test_snapshot_memory_benchmark_shows_a_sharded_snapshot_per_rank(tmp_path: P
     # The large tensors (embedding, head, feed-forward) are halved; the small ones stay whole.
     assert 0.5 < two["after"]["bytes"] / two["before"]["bytes"] < 0.65
     assert "| W | before: held MB |" in proc.stdout
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(120)
+def test_deepspeed_overhead_benchmark_tiny_run(tmp_path: Path) -> None:
+    """``overhead.py --deepspeed 2``: DeepSpeed alone against the same engine under the
+    sentinel, toy-sized; both variants timed, the sentinel applied every step (same weights)."""
+    if importlib.util.find_spec("deepspeed") is None:  # pinned in the test extra
+        pytest.skip("deepspeed is not installed")
+    out = tmp_path / "deepspeed.json"
+    cmd = [sys.executable, str(ROOT / "bench" / "overhead.py"), "--deepspeed", "2", "--tiny",
+           "--steps", "4", "--warmup", "1", "--timeout", "90", "--collective-timeout", "30",
+           "--json", str(out)]
+    proc = subprocess.run(cmd, cwd=ROOT, env={**_env(), "DS_ACCELERATOR": "cpu"},
+                          capture_output=True, text=True, timeout=110)
+    assert proc.returncode == 0, f"benchmark failed:\n{proc.stdout}\n{proc.stderr}"
+    report = json.loads(out.read_text())
+    assert tuple(report["summary"]) == ("baseline", "sentinel")
+    assert report["gradient_path"] == "bucket" and report["stage"] == 2
+    for name, row in report["summary"].items():
+        assert row["steps"] == 4 and row["median_ms"] > 0, name
+        assert math.isfinite(row["ratio_median"]) and row["ratio_median"] > 0, name
+    assert report["weights_max_abs_diff_vs_baseline"]["sentinel"] == 0.0
