@@ -34,7 +34,7 @@ LANGUAGES = {"python", "bash", "console", "text"}
 #: Modules a python block may import: the package, torch, the project's dependencies and
 #: extras (pyproject.toml), and the standard library. Extras not installed are skipped.
 CORE = {"nansentinel", "torch", "psutil", "prometheus_client", "numpy"}
-EXTRAS = {"lightning", "transformers", "accelerate", "torchtitan", "matplotlib"}
+EXTRAS = {"lightning", "transformers", "accelerate", "torchtitan", "matplotlib", "deepspeed"}
 PLACEHOLDERS = {"…", "..."}
 
 
