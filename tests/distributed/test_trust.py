@@ -82,3 +82,13 @@ def test_a_read_on_one_rank_runs_no_collective_under_the_device_gate(
     reads = outs[0]["reads"]
     assert reads == [("pending" if o == "rolled_back" else o) for o in want], reads
     assert torch.equal(outs[0]["weights"], outs[1]["weights"])
+
+
+@pytest.mark.timeout(60)
+def test_the_distributed_tests_really_run_under_detail(tmp_path: Path) -> None:
+    """TORCH_DISTRIBUTED_DEBUG=DETAIL is on in every rank the harness starts: a collective
+    whose shapes differ across ranks is named at once, not paired with the wrong one."""
+    from tests.distributed.workers_trust import mismatched
+
+    for message in values(run_ranks(mismatched, 2, tmp_path, timeout=50)):
+        assert "mismatch between collectives" in message, message

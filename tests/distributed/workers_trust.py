@@ -130,3 +130,13 @@ def reads_on_rank0(rank: int, world: int, *, steps: int, report_dir: str, gate: 
     return {"reads": reads, "outcomes": [str(r.outcome) for r in results],
             "gate": "device" if sentinel.device_gate is not None else "host",
             "weights": torch.cat([p.detach().reshape(-1) for p in net.parameters()])}
+
+
+def mismatched(rank: int, world: int) -> str:
+    """Under DDP, ranks all-reduce tensors of different shapes: DETAIL names the mismatch."""
+    DDP(nn.Linear(2, 2))  # DDP builds under DETAIL (harness.py spares torch's usage log)
+    try:
+        dist.all_reduce(torch.ones(3 if rank == 0 else 4))
+    except RuntimeError as exc:
+        return str(exc)
+    return "no error"
