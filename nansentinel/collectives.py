@@ -113,8 +113,15 @@ class Peers:
         return t.tolist()
 
     def send_object(self, obj: object, src: int, dst: int) -> object | None:
-        """Move one batch-like object from rank ``src`` to rank ``dst``; other ranks do nothing.
-        Used only by the replay after a detection.
+        """Move one batch-like object from rank ``src`` to rank ``dst``. Used only by the
+        replay after a detection; called on every rank.
+
+        Every rank of the group takes part: the bytes are broadcast from ``src`` (a size, then
+        the bytes), and only ``dst`` reads them. A send and receive between the two ranks
+        alone would be cheaper, but on gloo they advance those two ranks' collective sequence
+        numbers only, so the next collective of the group no longer matches across ranks
+        (``TORCH_DISTRIBUTED_DEBUG=DETAIL`` refuses it as a mismatch); a broadcast keeps every
+        rank at the same count. Its cost is the batch's bytes once per replay, on the rare path.
 
         What travels is :func:`plain` of ``obj`` (tensors, strings, numbers, and dicts, lists
         and tuples of them), and the receiver loads it with ``weights_only=True``: a rank never
@@ -123,16 +130,10 @@ class Peers:
         """
         if self.alone or src == dst:
             return obj if self.rank == dst else None
-        if self.rank not in (src, dst):
+        payload = self._broadcast_bytes(
+            _saved(obj) if self.rank == src else b"", src)
+        if self.rank != dst:
             return None
-        other = dst if self.rank == src else src
-        peer = dist.get_global_rank(self.group, other) if self.group is not None else other
-        if self.rank == src:
-            buf = io.BytesIO()
-            torch.save(plain(obj)[0], buf)
-            self._send_bytes(buf.getvalue(), peer)
-            return None
-        payload = self._recv_bytes(peer)
         try:
             return torch.load(io.BytesIO(payload), weights_only=True)
         except Exception as exc:  # UnpicklingError and whatever a hostile payload raises
@@ -143,18 +144,19 @@ class Peers:
             )
             return None
 
-    def _send_bytes(self, data: bytes, peer: int) -> None:
-        tensor = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-        size = torch.tensor([tensor.numel()], dtype=torch.int64)
-        dist.send(size.to(self.comm_device), peer, group=self.group)
-        dist.send(tensor.to(self.comm_device), peer, group=self.group)
-
-    def _recv_bytes(self, peer: int) -> bytes:
-        size = torch.zeros(1, dtype=torch.int64, device=self.comm_device)
-        dist.recv(size, peer, group=self.group)
-        data = torch.empty(int(size), dtype=torch.uint8, device=self.comm_device)
-        dist.recv(data, peer, group=self.group)
-        return host_bytes(data)
+    def _broadcast_bytes(self, data: bytes, src: int) -> bytes:
+        """``src``'s bytes on every rank of the group (a size, then the bytes)."""
+        root = dist.get_global_rank(self.group, src) if self.group is not None else src
+        size = torch.tensor([len(data)], dtype=torch.int64, device=self.comm_device)
+        dist.broadcast(size, root, group=self.group)
+        n = int(size.item())
+        if self.rank == src:
+            buf = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(self.comm_device)
+        else:
+            buf = torch.empty(n, dtype=torch.uint8, device=self.comm_device)
+        if n:
+            dist.broadcast(buf, root, group=self.group)
+        return host_bytes(buf) if n else b""
 
     def sum_floats(self, values: list[float]) -> list[float]:
         """Element-wise sum of a short float list across ranks (identity alone)."""
@@ -162,6 +164,13 @@ class Peers:
         if not self.alone:
             dist.all_reduce(t, group=self.group)
         return t.tolist()
+
+
+def _saved(obj: object) -> bytes:
+    """``plain(obj)`` as ``torch.save`` bytes (what :meth:`Peers.send_object` moves)."""
+    buf = io.BytesIO()
+    torch.save(plain(obj)[0], buf)
+    return buf.getvalue()
 
 
 def host_bytes(data: torch.Tensor) -> bytes:

@@ -13,10 +13,16 @@ from tests.distributed.workers import stall
 
 TIMEOUT = 4.0
 
+#: DETAIL's own monitored barrier reports a dead peer before any collective of the sentinel's
+#: can ("ProcessGroupWrapper: Monitored Barrier encountered error"), so what these tests check,
+#: the sentinel's naming of the missing rank, runs without it.
+NO_DETAIL = {"TORCH_DISTRIBUTED_DEBUG": "OFF"}
+
 
 @pytest.mark.timeout(120)
 def test_killed_rank_is_named_by_the_others(tmp_path: Path) -> None:
     results = run_ranks(stall, 3, tmp_path, expect_all=False, victim=2, at_step=2, how="kill",
+                        env=NO_DETAIL,
                         report_dir=str(tmp_path / "r"), run_dir=str(tmp_path / "run"),
                         exchange_timeout=TIMEOUT, timeout=90)
     assert results[2].get("missing") and results[2]["exitcode"] == -9
@@ -31,6 +37,7 @@ def test_killed_rank_is_named_by_the_others(tmp_path: Path) -> None:
 def test_frozen_rank_is_named_and_the_others_exit_within_the_timeout(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     results = run_ranks(stall, 3, tmp_path, expect_all=False, wait_for=[0, 2], victim=1,
+                        env=NO_DETAIL,
                         at_step=2, how="stop",
                         report_dir=str(tmp_path / "r"), run_dir=str(run_dir),
                         exchange_timeout=TIMEOUT, timeout=60)
