@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from nansentinel.config import SentinelConfig
-from nansentinel.result import StepResult
+from nansentinel.result import SentinelUsageError, StepResult
 from nansentinel.sentinel import Sentinel
 
 
@@ -46,6 +46,15 @@ class SentinelState:
         overrides = dict(self.overrides)
         wanted = replay if overrides.pop("replay", True) else False
         self.sentinel = Sentinel(model, optimizer, scaler=scaler, replay=wanted, **overrides)
+        return self.sentinel
+
+    def require(self, what: str, builder: str) -> Sentinel:
+        """The sentinel; a clear error when the framework ran ``what`` before the hook that
+        builds it (``builder``)."""
+        if self.sentinel is None:
+            raise SentinelUsageError(
+                f"nansentinel: SentinelCallback saw {what} before {builder} built the sentinel; "
+                "is the callback passed to the trainer's callbacks?")
         return self.sentinel
 
     def decided(self, result: StepResult) -> StepResult:

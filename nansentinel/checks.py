@@ -85,7 +85,7 @@ def batch_norms(batch: object, device: torch.device) -> list[torch.Tensor]:
     (non-blocking towards an accelerator). The flag is taken later, once per step, from all
     the norms together (``view.pack_row``), which keeps a check to one kernel per tensor.
     """
-    return [_to(tensor_norm(t), device) for t in float_tensors(batch)]
+    return [moved(tensor_norm(t), device) for t in float_tensors(batch)]
 
 
 def loss_scalar(loss: torch.Tensor) -> torch.Tensor:
@@ -165,7 +165,11 @@ def grouped_norms(tensors: Sequence[torch.Tensor]) -> list[tuple[list[int], torc
     return [(idx, grad_norms([tensors[i] for i in idx])) for idx in groups.values()]
 
 
-def _to(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    if t.device == device:
+def moved(t: torch.Tensor, device: torch.device, dtype: torch.dtype | None = None
+          ) -> torch.Tensor:
+    """``t`` on ``device`` (and in ``dtype``): itself when it is there already, else a copy
+    that does not block the host towards an accelerator. The one way the sentinel moves its
+    small tensors (norms, flags, hashes) between devices."""
+    if t.device == device and (dtype is None or t.dtype == dtype):
         return t
-    return t.to(device, non_blocking=device.type != "cpu")
+    return t.to(device, dtype=dtype, non_blocking=device.type != "cpu")

@@ -15,6 +15,7 @@ import ctypes
 import io
 import json
 import logging
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -107,9 +108,16 @@ class Peers:
 
     def max_floats(self, values: list[float]) -> list[float]:
         """Element-wise maximum of a short float list across ranks (identity alone)."""
+        return self._reduce_floats(values, dist.ReduceOp.MAX)
+
+    def sum_floats(self, values: list[float]) -> list[float]:
+        """Element-wise sum of a short float list across ranks (identity alone)."""
+        return self._reduce_floats(values, dist.ReduceOp.SUM)
+
+    def _reduce_floats(self, values: list[float], op: Any) -> list[float]:
         t = torch.tensor(values, dtype=torch.float32, device=self.comm_device)
         if not self.alone:
-            dist.all_reduce(t, dist.ReduceOp.MAX, group=self.group)
+            dist.all_reduce(t, op, group=self.group)
         return t.tolist()
 
     def send_object(self, obj: object, src: int, dst: int) -> object | None:
@@ -158,12 +166,6 @@ class Peers:
             dist.broadcast(buf, root, group=self.group)
         return host_bytes(buf) if n else b""
 
-    def sum_floats(self, values: list[float]) -> list[float]:
-        """Element-wise sum of a short float list across ranks (identity alone)."""
-        t = torch.tensor(values, dtype=torch.float32, device=self.comm_device)
-        if not self.alone:
-            dist.all_reduce(t, group=self.group)
-        return t.tolist()
 
 
 def _saved(obj: object) -> bytes:

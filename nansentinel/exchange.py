@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 from nansentinel.collectives import Peers
-from nansentinel.result import ExchangeTimeoutError, RankIdentity
+from nansentinel.result import NAMED, ExchangeTimeoutError, RankIdentity
 from nansentinel.view import TOTALS
 
 log = logging.getLogger("nansentinel")
@@ -43,8 +43,6 @@ _STORE_PREFIX = "nansentinel/arrived"
 _IDENTITY_PREFIX = "nansentinel/identity"
 #: Keys asked at once when the diagnosing rank looks for the ranks that did not check in.
 _CHUNK = 1024
-#: Missing ranks named by host in a diagnosis (the rest are counted).
-_NAMED = 64
 
 
 class HealthExchange:
@@ -228,9 +226,9 @@ class HealthExchange:
         elif found[0]:
             missing, hosts = found
             names = ", ".join(
-                f"rank {r} ({hosts[r]})" if r in hosts else f"rank {r}" for r in missing[:_NAMED]
+                f"rank {r} ({hosts[r]})" if r in hosts else f"rank {r}" for r in missing[:NAMED]
             )
-            more = f" and {len(missing) - _NAMED} more" if len(missing) > _NAMED else ""
+            more = f" and {len(missing) - NAMED} more" if len(missing) > NAMED else ""
             who = f"no answer from {names}{more}"
         else:
             who = "every rank checked in, so the failure is in the transport itself"
@@ -332,7 +330,7 @@ class HealthExchange:
         for i, r in enumerate(missing):
             host = ""
             key = f"{_IDENTITY_PREFIX}/{self._attempt}/{r}"
-            if i < _NAMED and store.check([key]):
+            if i < NAMED and store.check([key]):
                 host = json.loads(store.get(key)).get("hostname", "")
             out.append([r, host])
         return out

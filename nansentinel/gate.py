@@ -33,7 +33,7 @@ import torch
 
 from nansentinel.local import LocalHealth
 from nansentinel.result import ResultPending, StepResult
-from nansentinel.view import T_BAD_BATCH, T_BAD_GRAD, T_QUARANTINED, OwnRow, Totals
+from nansentinel.view import OwnRow, Totals, skip_count
 
 log = logging.getLogger("nansentinel")
 
@@ -111,8 +111,7 @@ class DeviceGate:
         the host already decided to ``skip``; else 0.0 (0-d fp32 on the optimizer's device)."""
         if skip:
             return self._one
-        # The counts of non-finite batches, losses, gradients and quarantined batches.
-        bad = vector[T_BAD_BATCH:T_BAD_GRAD + 1].sum() + vector[T_QUARANTINED]
+        bad = skip_count(vector)  # the host gate's rule (view.py), on the device
         return (bad > 0).to(device=self.device, dtype=torch.float32, non_blocking=True)
 
     def step(self, found_inf: torch.Tensor) -> None:

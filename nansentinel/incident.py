@@ -21,7 +21,7 @@ from nansentinel.collectives import Peers
 from nansentinel.config import SentinelConfig
 from nansentinel.curves import Curves
 from nansentinel.policy import Decision
-from nansentinel.result import KINDS, Outcome, RankIdentity, StepResult
+from nansentinel.result import KINDS, NAMED, Outcome, RankIdentity, StepResult
 from nansentinel.spikes import CLUSTER, Spikes
 from nansentinel.view import SIGNALS, ClusterView, RankHealth
 
@@ -30,7 +30,7 @@ log = logging.getLogger("nansentinel")
 #: Ranks named in a log line or an exception message (the rest are counted).
 _LOGGED = 8
 #: Ranks listed in a report (the rest are counted; the cluster is summed up).
-REPORTED = 64
+REPORTED = NAMED
 
 #: What happens next, by outcome (an exclusion names its host instead).
 _NEXT = {

@@ -116,12 +116,7 @@ class SentinelCallback(SentinelState, pl.Callback):
     # --- internals ---------------------------------------------------------------------------
 
     def _require(self) -> Sentinel:
-        if self.sentinel is None:
-            raise SentinelUsageError(
-                "nansentinel: SentinelCallback saw a training batch before on_train_start "
-                "built the sentinel; is the callback passed to Trainer(callbacks=[...])?"
-            )
-        return self.sentinel
+        return self.require("a training batch", "on_train_start")
 
     def _close(self) -> None:
         if self.sentinel is not None:

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from nansentinel.checks import local
+from nansentinel.checks import local, moved
 from nansentinel.result import RankIdentity
 
 #: The pipeline boundary flags of the row, in ``view.R_FWD_ORIGIN`` order (pipeline.py).
@@ -89,7 +89,7 @@ class LocalHealth:
     def add_loss(self, value: torch.Tensor) -> None:
         """Add a loss value (0-d; a DTensor's local value); NaN and Inf propagate through the
         sum into the flag."""
-        value = local(value).to(self.device)
+        value = moved(local(value), self.device)
         self.loss_sum = value if self.loss_sum is None else self.loss_sum + value
         self.loss_count += 1
 
@@ -106,7 +106,7 @@ class LocalHealth:
         loss = zero
         if self.loss_sum is not None:
             loss = self.loss_sum if self.loss_count == 1 else self.loss_sum / self.loss_count
-        grad = combined([n.to(self.device) for n in self.grad_norms], zero)
+        grad = combined([moved(n, self.device) for n in self.grad_norms], zero)
         host = (self.injected, self.loss_sum is not None, bool(self.grad_norms))
         flags = _constant((*map(float, host), 0.0), self.device)
         values = torch.stack([batch, loss, grad]).to(torch.float32)
@@ -114,7 +114,7 @@ class LocalHealth:
             flags = torch.cat([flags[:3], self.quarantined.reshape(1).to(torch.float32)])
         if self.boundary is None:
             return torch.cat([values, flags, _constant((0.0,) * len(BOUNDARY), self.device)])
-        return torch.cat([values, flags, self.boundary.to(self.device, torch.float32)])
+        return torch.cat([values, flags, moved(self.boundary, self.device, torch.float32)])
 
 
 def combined(norms: list[torch.Tensor], zero: torch.Tensor) -> torch.Tensor:
@@ -130,9 +130,7 @@ def to_device(values: list[float], device: torch.device) -> torch.Tensor:
     """A small fp32 tensor of ``values`` on ``device`` without synchronising a CUDA stream
     (staged through pinned memory; the copy is queued, not waited for)."""
     host = torch.tensor(values, dtype=torch.float32)
-    if device.type != "cuda":
-        return host.to(device)
-    return host.pin_memory().to(device, non_blocking=True)
+    return moved(host.pin_memory() if device.type == "cuda" else host, device)
 
 
 def local_device(params: list[torch.Tensor]) -> torch.device:

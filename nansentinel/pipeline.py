@@ -160,7 +160,7 @@ class StageWatch:
         """On the last stage: a micro-batch's loss (0-d) and its targets' norms, kept with the
         activations it came from (:meth:`fold` pairs them)."""
         if self.chunk is not None:
-            self.chunk.loss = loss.to(self.device)
+            self.chunk.loss = checks.moved(loss, self.device)
             self.chunk.targets = combined(targets, self._zero)
 
     def fold(self, local: LocalHealth) -> None:

@@ -102,11 +102,12 @@ def signature_stats(
     rows = []
     for t in checks.tensors(batch):
         d = checks.local(t).detach()
-        norm = next(floats).to(device) if (d.is_floating_point() or d.is_complex()) else None
+        norm = (checks.moved(next(floats), device)
+                if d.is_floating_point() or d.is_complex() else None)
         if d.is_complex():
             d = torch.view_as_real(d)
         s = sample(d).double()
-        sums = torch.stack([s.sum(), s.abs().sum(), s.pow(2).sum()]).to(device)
+        sums = checks.moved(torch.stack([s.sum(), s.abs().sum(), s.pow(2).sum()]), device)
         head = norm.double().reshape(1) if norm is not None else torch.zeros(
             1, dtype=torch.float64, device=device)
         rows.append(torch.cat([head, sums]))

@@ -36,6 +36,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from nansentinel import checks
 from nansentinel.collectives import Peers
 from nansentinel.policy import ABORT, APPLY, EXCLUDE, Decision, History
 from nansentinel.result import RankIdentity, StepResult
@@ -97,7 +98,7 @@ def _hashes(tensors: list[torch.Tensor], where: torch.device, target: torch.devi
     zero = torch.zeros((), dtype=torch.uint64, device=where)
     here = torch.stack([torch.hash_tensor(t.detach()) if t.numel() else zero
                         for t in tensors]).view(torch.int64)
-    return here if where == target else here.to(target, non_blocking=target.type != "cpu")
+    return checks.moved(here, target)
 
 
 def comparand(fp: torch.Tensor) -> torch.Tensor:
@@ -195,17 +196,13 @@ def replicated_state(
     for name, p in module.named_parameters():
         if name in skipped:
             continue
-        out.append((name, _local(p)))
+        out.append((name, checks.local(p).detach()))
         state = optimizer.state.get(p, {})
         for key in sorted(state, key=str):
             value = state[key]
             if isinstance(value, torch.Tensor):
-                out.append((f"{name}.{key}", _local(value)))
+                out.append((f"{name}.{key}", checks.local(value).detach()))
     return out
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if hasattr(t, "to_local") else t.data
 
 
 #: Explicit mantissa bits by dtype (torch.finfo does not say): the flipped bit is 11 below

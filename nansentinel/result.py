@@ -17,6 +17,10 @@ ACTIVATION = "activation"
 #: Every kind a rank can be named for, in report order.
 ALL_KINDS = (*KINDS, ACTIVATION)
 
+#: Ranks named one by one in a report or a diagnosis of missing ranks; the rest are counted, so
+#: that neither grows with the world.
+NAMED = 64
+
 #: Replay verdicts: what caused a detection (see replay.py).
 VERDICTS = ("data", "host", "transient", "divergence", "sdc")
 

@@ -172,12 +172,7 @@ class SentinelCallback(SentinelState, TrainerCallback):
         return loss
 
     def _require(self) -> Sentinel:
-        if self.sentinel is None:
-            raise SentinelUsageError(
-                "nansentinel: SentinelCallback saw a training forward before on_train_begin "
-                "built the sentinel"
-            )
-        return self.sentinel
+        return self.require("a training forward", "on_train_begin")
 
 
 _warned: set[str] = set()

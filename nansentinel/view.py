@@ -145,9 +145,9 @@ class Totals:
 
     @property
     def device_skips(self) -> bool:
-        """Some rank had a non-finite value or a quarantined batch: the device gate's
-        ``found_inf`` (gate.py sums the same four counts on the device)."""
-        return self.bad_batch + self.bad_loss + self.bad_grad + self.quarantined > 0
+        """Some rank had a non-finite value or a quarantined batch (:func:`skip_count`, the
+        rule the device gate's ``found_inf`` applies on the device)."""
+        return skip_count([getattr(self, f.name) for f in _TOTAL_FIELDS]) > 0
 
     def sums(self, signal: str) -> tuple[int, float, float]:
         """Ranks with a finite ``loss`` or ``grad_norm``, its sum and sum of squares."""
@@ -172,6 +172,14 @@ class Totals:
         finite = [v for v in values if math.isfinite(v)]
         rest = n - len(finite)
         return (total - sum(finite)) / rest if rest > 0 else None
+
+
+def skip_count(totals: Any) -> Any:
+    """The ranks whose step no policy could apply as it is: a non-finite batch, loss or
+    gradient, or a quarantined batch. ``totals`` in wire order (``T_*``): the summed vector on
+    the device (the device gate's ``found_inf``, no host sync) or the host's values
+    (``Totals.device_skips``): one rule for both gates."""
+    return totals[T_BAD_BATCH] + totals[T_BAD_LOSS] + totals[T_BAD_GRAD] + totals[T_QUARANTINED]
 
 
 #: The totals' fields in wire order (``T_*``), and those that are counts.

@@ -336,7 +336,7 @@ class FSDPPath:
             return {"parameters": scanned} if scanned else {}
         device = self.norms[0][1].device
         values = torch.cat([
-            (per if per is not None else norm.reshape(1)).to(device)
+            checks.moved(per if per is not None else norm.reshape(1), device)
             for _, norm, per in self.norms
         ]).tolist()
         named: list[str] = []

@@ -70,7 +70,7 @@ def test_a_named_rows_wire_is_its_row() -> None:
 def test_a_detection_naming_every_rank_is_linear() -> None:
     """A global NaN at 20,000 ranks, each with a forward collective in its record: the rows
     are built and weighed in well under a second (the quadratic weighing alone took 30 s)."""
-    import time
+    import time  # CPU time: other processes on the machine do not count
 
     from nansentinel.view import RankHealth
 
@@ -86,10 +86,10 @@ def test_a_detection_naming_every_rank_is_linear() -> None:
 
     peers = Everyone(world, flagged=list(range(world)))
     bad = OwnRow(1.0, float("nan"), 1.0, False, True, True, False, False, False, False, True)
-    started = time.perf_counter()
+    started = time.process_time()
     view = detector(peers).view(3, Totals(bad_loss=world, blamed=world, flagged=world), bad, {},
                                 ("0",))
-    assert time.perf_counter() - started < 1.0
+    assert time.process_time() - started < 1.0
     assert len(view.flagged) == world and not view.reached and view.replay_peer is None
     assert peers.asked == ["flagged", f"gather_from {world}", "max_floats"]
     assert view.named(world - 1) is view.flagged[-1] and view.named(world) is None

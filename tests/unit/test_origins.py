@@ -218,17 +218,17 @@ def test_weigh_is_linear_when_every_rank_is_named() -> None:
     """A global NaN: every rank's loss, each with a forward collective of one group. The
     quadratic weighing took 1.2 s at 4,096 named ranks (about 30 s at 20,000); linear, it
     takes hundredths. With one rank's batch at the start, every other rank is reached."""
-    import time
+    import time  # CPU time: other processes on the machine do not count
 
     n = 20_000
     named = [_rank(r, ("loss",), ("world",)) for r in range(n)]
-    started = time.perf_counter()
+    started = time.process_time()
     weighed = origins.weigh(named)
-    assert time.perf_counter() - started < 1.0
+    assert time.process_time() - started < 1.0
     assert not any(r.reached for r in weighed)
     named[n // 2] = _rank(n // 2, ("batch", "loss"), ("world",))
-    started = time.perf_counter()
+    started = time.process_time()
     weighed = origins.weigh(named)
-    assert time.perf_counter() - started < 1.0
+    assert time.process_time() - started < 1.0
     assert [r.rank for r in weighed if not r.reached] == [n // 2]
     assert weighed[0].boundary[-1].endswith(f"after rank {n // 2}'s batch")
