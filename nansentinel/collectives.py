@@ -113,28 +113,37 @@ class Peers:
         return t.tolist()
 
     def send_object(self, obj: object, src: int, dst: int) -> object | None:
-        """Move one batch-like object from rank ``src`` to rank ``dst``; other ranks do nothing.
-        Used only by the replay after a detection.
+        """Move one batch-like object from rank ``src`` to rank ``dst``; called on every rank,
+        only ``dst`` gets it (None elsewhere). Used only by the replay after a detection.
 
         What travels is :func:`plain` of ``obj`` (tensors, strings, numbers, and dicts, lists
         and tuples of them), and the receiver loads it with ``weights_only=True``: a rank never
         executes what another rank sends. Bytes that are not such data are refused (logged,
         None returned), so the replay is skipped rather than anything run.
+
+        It travels by collectives that every rank issues: a sum of its size, then one
+        ``all_to_all_single`` in which only ``src`` sends and only ``dst`` receives (every
+        other pair moves nothing; NCCL posts no send of zero bytes). A send and a receive
+        between the two ranks alone would advance only their groups' sequence numbers (gloo
+        counts them), and under ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` the detection's next
+        collective was refused on every rank as a mismatch.
         """
         if self.alone or src == dst:
             return obj if self.rank == dst else None
-        if self.rank not in (src, dst):
-            return None
-        other = dst if self.rank == src else src
-        peer = dist.get_global_rank(self.group, other) if self.group is not None else other
+        data = b""
         if self.rank == src:
-            buf = io.BytesIO()
-            torch.save(plain(obj)[0], buf)
-            self._send_bytes(buf.getvalue(), peer)
+            try:
+                buf = io.BytesIO()
+                torch.save(plain(obj)[0], buf)
+                data = buf.getvalue()
+            except Exception as exc:  # the receiver refuses the empty payload (logged there)
+                log.warning("nansentinel: rank %d could not pack its batch for the replay "
+                            "(%s: %s)", self.rank, type(exc).__name__, exc)
+        got = self._move_bytes(data, src, dst)
+        if got is None:
             return None
-        payload = self._recv_bytes(peer)
         try:
-            return torch.load(io.BytesIO(payload), weights_only=True)
+            return torch.load(io.BytesIO(got), weights_only=True)
         except Exception as exc:  # UnpicklingError and whatever a hostile payload raises
             log.warning(
                 "nansentinel: rank %d refused the batch rank %d sent for replay (not plain data: "
@@ -143,18 +152,26 @@ class Peers:
             )
             return None
 
-    def _send_bytes(self, data: bytes, peer: int) -> None:
-        tensor = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-        size = torch.tensor([tensor.numel()], dtype=torch.int64)
-        dist.send(size.to(self.comm_device), peer, group=self.group)
-        dist.send(tensor.to(self.comm_device), peer, group=self.group)
-
-    def _recv_bytes(self, peer: int) -> bytes:
+    def _move_bytes(self, data: bytes, src: int, dst: int) -> bytes | None:
+        """``data`` of rank ``src`` on rank ``dst`` (None elsewhere): a sum of its size, then
+        one ``all_to_all_single`` where only that pair moves bytes. Every rank calls it."""
         size = torch.zeros(1, dtype=torch.int64, device=self.comm_device)
-        dist.recv(size, peer, group=self.group)
-        data = torch.empty(int(size), dtype=torch.uint8, device=self.comm_device)
-        dist.recv(data, peer, group=self.group)
-        return host_bytes(data)
+        if self.rank == src:
+            size[0] = len(data)
+        dist.all_reduce(size, group=self.group)
+        n = int(size.item())
+        sends, recvs = [0] * self.world_size, [0] * self.world_size
+        if self.rank == src:
+            sends[dst] = n
+        if self.rank == dst:
+            recvs[src] = n
+        given = (torch.frombuffer(bytearray(data), dtype=torch.uint8).to(self.comm_device)
+                 if self.rank == src and n else
+                 torch.empty(0, dtype=torch.uint8, device=self.comm_device))
+        got = torch.empty(n if self.rank == dst else 0, dtype=torch.uint8,
+                          device=self.comm_device)
+        dist.all_to_all_single(got, given, recvs, sends, group=self.group)
+        return host_bytes(got) if self.rank == dst else None
 
     def sum_floats(self, values: list[float]) -> list[float]:
         """Element-wise sum of a short float list across ranks (identity alone)."""
