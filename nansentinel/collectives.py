@@ -112,6 +112,16 @@ class Peers:
             dist.all_reduce(t, dist.ReduceOp.MAX, group=self.group)
         return t.tolist()
 
+    def min_ints(self, values: list[int]) -> list[int]:
+        """Element-wise minimum of a short int list across ranks (identity alone), in int64:
+        a place in an order times the world size plus a rank stays exact, where fp32 would
+        round it beyond 2**24. Used only on the rare path (where a replay's collective input
+        first went non-finite, trace.py and replay.py)."""
+        t = torch.tensor(values, dtype=torch.int64, device=self.comm_device)
+        if not self.alone:
+            dist.all_reduce(t, dist.ReduceOp.MIN, group=self.group)
+        return t.tolist()
+
     def send_object(self, obj: object, src: int, dst: int) -> object | None:
         """Move one batch-like object from rank ``src`` to rank ``dst``; called on every rank,
         only ``dst`` gets it (None elsewhere). Used only by the replay after a detection.
