@@ -131,9 +131,14 @@ class Detector:
             named = origins.weigh(raw)
         chosen = set(flagged)
         traced = None
-        if self.replay is not None and not self.peers.alone and origins.needs_trace(named):
-            traced, named, candidate = self._trace(raw, named, row, batch, candidate)
-            chosen.update(traced.origins)
+        if world > 1 and origins.needs_trace(named):
+            if self.replay is None:  # said in the report; nothing to run
+                traced = origins.Trace(reason=(
+                    "no replay function (replay= not given, NANSENTINEL_REPLAY=0, or FSDP2): "
+                    "the forward's collectives could not be traced"))
+            else:
+                traced, named, candidate = self._trace(raw, named, row, batch, candidate)
+                chosen.update(traced.origins)
         flagged_rows = tuple(r for r in named if r.rank in chosen)
         blamed_hosts = {r.identity.hostname for r in flagged_rows if is_blamed(r, amp=self.amp)}
         values = [own.value(s) for s in SIGNALS]

@@ -49,6 +49,7 @@ def locate(peers: Peers, module: torch.nn.Module, batch: Any, fn: ReplayFn
         result = replay(module, batch, fn, localise=False, peers=peers, watch=True,
                         backward=False)
     at = result.first_collective if result.first_collective is not None else NO_COLLECTIVE
+    # place * world + rank: the place and who, exact in int64 up to 2**22 ranks.
     low, high, finite, ran = peers.min_ints([
         at * world + rank, at * world + (world - 1 - rank),
         int(result.finite), int(result.error is None),

@@ -152,3 +152,33 @@ def test_the_two_replays_are_judged_at_the_first_non_finite_collective_input(
     verdict: tuple[bool | None, bool | None],
 ) -> None:
     assert judged(list(firsts), own_finite, peer_finite) == verdict
+
+
+def test_without_a_replay_function_the_report_says_why_no_trace_ran() -> None:
+    """Every rank's loss non-finite behind a forward collective, no replay= given: nothing
+    runs, and the view's origin_trace (the report's) says why the origin was not told."""
+    import contextlib
+
+    from nansentinel.detection import Detector
+    from nansentinel.view import OwnRow, Totals
+
+    class Peers:
+        rank, world_size = 0, 2
+
+        def flagged(self, flag: bool) -> list[int]:
+            return [0, 1]
+
+        def gather_from(self, speakers: list[int], payload: Any) -> dict[int, Any]:
+            return {r: _rank(r, ("loss", "grad"), ("0",)).to_wire() for r in speakers}
+
+        def max_floats(self, values: list[float]) -> list[float]:
+            return values
+
+    own = OwnRow(1.0, NAN, NAN, False, True, True, False, False, False, False, True)
+    detector = Detector(Peers(), RankIdentity(0, 0, 2, "node0", "cpu"),  # type: ignore[arg-type]
+                        amp=False, gradients=None, incidents=None, module=None,  # type: ignore[arg-type]
+                        replay=None, anomaly=False, guarded=contextlib.nullcontext)
+    view = detector.view(3, Totals(bad_loss=2, blamed=2, flagged=2, flagged_rank=1.0), own, {},
+                         ("0",))
+    assert [r.rank for r in view.flagged] == [0, 1] and view.reached == []
+    assert view.origin_trace is not None and "no replay function" in view.origin_trace["reason"]
