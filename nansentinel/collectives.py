@@ -120,30 +120,53 @@ class Peers:
             dist.all_reduce(t, op, group=self.group)
         return t.tolist()
 
-    def send_object(self, obj: object, src: int, dst: int) -> object | None:
-        """Move one batch-like object from rank ``src`` to rank ``dst``. Used only by the
-        replay after a detection; called on every rank.
+    def min_ints(self, values: list[int]) -> list[int]:
+        """Element-wise minimum of a short int list across ranks (identity alone), in int64:
+        a place in an order times the world size plus a rank stays exact, where fp32 would
+        round it beyond 2**24. Used only on the rare path (where a replay's collective input
+        first went non-finite, trace.py and replay.py)."""
+        t = torch.tensor(values, dtype=torch.int64, device=self.comm_device)
+        if not self.alone:
+            dist.all_reduce(t, dist.ReduceOp.MIN, group=self.group)
+        return t.tolist()
 
-        Every rank of the group takes part: the bytes are broadcast from ``src`` (a size, then
-        the bytes), and only ``dst`` reads them. A send and receive between the two ranks
-        alone would be cheaper, but on gloo they advance those two ranks' collective sequence
-        numbers only, so the next collective of the group no longer matches across ranks
-        (``TORCH_DISTRIBUTED_DEBUG=DETAIL`` refuses it as a mismatch); a broadcast keeps every
-        rank at the same count. Its cost is the batch's bytes once per replay, on the rare path.
+    def send_object(self, obj: object, src: int, dst: int) -> object | None:
+        """Move one batch-like object from rank ``src`` to rank ``dst``; called on every rank,
+        only ``dst`` gets it (None elsewhere). Used only by the replay after a detection.
+
+        Every rank takes part (a sum of the size, then one ``all_to_all_single`` in which only
+        the two ranks move bytes): a send and a receive between the two alone would advance
+        only their collective sequence numbers on gloo, and the group's next collective would
+        no longer match across ranks (``TORCH_DISTRIBUTED_DEBUG=DETAIL`` refuses it).
 
         What travels is :func:`plain` of ``obj`` (tensors, strings, numbers, and dicts, lists
         and tuples of them), and the receiver loads it with ``weights_only=True``: a rank never
         executes what another rank sends. Bytes that are not such data are refused (logged,
         None returned), so the replay is skipped rather than anything run.
+
+        It travels by collectives that every rank issues: a sum of its size, then one
+        ``all_to_all_single`` in which only ``src`` sends and only ``dst`` receives (every
+        other pair moves nothing; NCCL posts no send of zero bytes). A send and a receive
+        between the two ranks alone would advance only their groups' sequence numbers (gloo
+        counts them), and under ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` the detection's next
+        collective was refused on every rank as a mismatch.
         """
         if self.alone or src == dst:
             return obj if self.rank == dst else None
-        payload = self._broadcast_bytes(
-            _saved(obj) if self.rank == src else b"", src)
-        if self.rank != dst:
+        data = b""
+        if self.rank == src:
+            try:
+                buf = io.BytesIO()
+                torch.save(plain(obj)[0], buf)
+                data = buf.getvalue()
+            except Exception as exc:  # the receiver refuses the empty payload (logged there)
+                log.warning("nansentinel: rank %d could not pack its batch for the replay "
+                            "(%s: %s)", self.rank, type(exc).__name__, exc)
+        got = self._move_bytes(data, src, dst)
+        if got is None:
             return None
         try:
-            return torch.load(io.BytesIO(payload), weights_only=True)
+            return torch.load(io.BytesIO(got), weights_only=True)
         except Exception as exc:  # UnpicklingError and whatever a hostile payload raises
             log.warning(
                 "nansentinel: rank %d refused the batch rank %d sent for replay (not plain data: "
@@ -152,27 +175,26 @@ class Peers:
             )
             return None
 
-    def _broadcast_bytes(self, data: bytes, src: int) -> bytes:
-        """``src``'s bytes on every rank of the group (a size, then the bytes)."""
-        root = dist.get_global_rank(self.group, src) if self.group is not None else src
-        size = torch.tensor([len(data)], dtype=torch.int64, device=self.comm_device)
-        dist.broadcast(size, root, group=self.group)
-        n = int(size.item())
+    def _move_bytes(self, data: bytes, src: int, dst: int) -> bytes | None:
+        """``data`` of rank ``src`` on rank ``dst`` (None elsewhere): a sum of its size, then
+        one ``all_to_all_single`` where only that pair moves bytes. Every rank calls it."""
+        size = torch.zeros(1, dtype=torch.int64, device=self.comm_device)
         if self.rank == src:
-            buf = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(self.comm_device)
-        else:
-            buf = torch.empty(n, dtype=torch.uint8, device=self.comm_device)
-        if n:
-            dist.broadcast(buf, root, group=self.group)
-        return host_bytes(buf) if n else b""
-
-
-
-def _saved(obj: object) -> bytes:
-    """``plain(obj)`` as ``torch.save`` bytes (what :meth:`Peers.send_object` moves)."""
-    buf = io.BytesIO()
-    torch.save(plain(obj)[0], buf)
-    return buf.getvalue()
+            size[0] = len(data)
+        dist.all_reduce(size, group=self.group)
+        n = int(size.item())
+        sends, recvs = [0] * self.world_size, [0] * self.world_size
+        if self.rank == src:
+            sends[dst] = n
+        if self.rank == dst:
+            recvs[src] = n
+        given = (torch.frombuffer(bytearray(data), dtype=torch.uint8).to(self.comm_device)
+                 if self.rank == src and n else
+                 torch.empty(0, dtype=torch.uint8, device=self.comm_device))
+        got = torch.empty(n if self.rank == dst else 0, dtype=torch.uint8,
+                          device=self.comm_device)
+        dist.all_to_all_single(got, given, recvs, sends, group=self.group)
+        return host_bytes(got) if self.rank == dst else None
 
 
 def host_bytes(data: torch.Tensor) -> bytes:

@@ -9,7 +9,12 @@ order, because its inputs (the totals) are the same everywhere:
    several are found with one byte per rank (:meth:`Peers.flagged`);
 2. their rows and identities, and those of a healthy rank to replay a blamed batch on: only
    those ranks speak (:meth:`Peers.gather_from`), so one bad rank costs the same at any scale;
-3. one small max-reduce: whether some host had no blamed rank (a global cause strikes no
+3. where a named rank's first non-finite value was its forward and its forward ran a
+   collective (origins.needs_trace), and a replay function is given: the trace (trace.py),
+   every rank replaying its forward with each collective's input checked, names the rank
+   where it began and the ranks it reached; the origins (and the replay's peer, chosen
+   among the others) send their rows;
+4. one small max-reduce: whether some host had no blamed rank (a global cause strikes no
    host), and the min and max of the loss and gradient norm, for the report.
 
 Then, for blamed or spiking ranks, :meth:`Detector.evidence` takes what the decision and the
@@ -21,6 +26,7 @@ verdict), and after the decision :meth:`Detector.record` writes the incident. Th
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gc
 import logging
 import math
@@ -30,6 +36,7 @@ from typing import Any
 import torch
 
 from nansentinel import incident, origins
+from nansentinel import trace as tracing
 from nansentinel.collectives import Peers
 from nansentinel.curves import Curves
 from nansentinel.gradpaths import GradPath
@@ -100,12 +107,13 @@ class Detector:
 
     def view(
         self, step: int, totals: Totals, own: OwnRow, ratios: dict[str, float],
-        forward_groups: tuple[str, ...] = (),
+        forward_groups: tuple[str, ...] = (), batch: Any = None,
     ) -> ClusterView:
         """The cluster view of a flagged step, the same on every rank (collectives: see the
         module docstring). ``ratios``: this rank's spike ratios (sent if it spiked);
         ``forward_groups``: the process groups that ran a collective in its forward (sent if
-        it is named, so that a rank reached through one is told from the origin: origins.py).
+        it is named, so that a rank reached through one is told from the origin: origins.py);
+        ``batch``: this rank's batch, replayed when a forward collective must be traced.
         """
         world = self.peers.world_size
         # fp32 holds every index exactly up to 2**24 ranks; beyond that, ask every rank.
@@ -115,12 +123,22 @@ class Detector:
         )
         candidate = replay_candidate(flagged, world)
         speakers = sorted({*flagged, *([candidate] if candidate is not None else [])})
-        record = (RankHealth.of(self.identity, own, ratios, forward_groups).to_wire()
-                  if self.peers.rank in speakers else None)
+        row = RankHealth.of(self.identity, own, ratios, forward_groups)
+        record = row.to_wire() if self.peers.rank in speakers else None
         with paused_gc():
             rows = self.peers.gather_from(speakers, record)
-            named = origins.weigh([_health(rank, world, rows.get(rank)) for rank in speakers])
+            raw = [_health(rank, world, rows.get(rank)) for rank in speakers]
+            named = origins.weigh(raw)
         chosen = set(flagged)
+        traced = None
+        if world > 1 and origins.needs_trace(named):
+            if self.replay is None:  # said in the report; nothing to run
+                traced = origins.Trace(reason=(
+                    "no replay function (replay= not given, NANSENTINEL_REPLAY=0, or FSDP2): "
+                    "the forward's collectives could not be traced"))
+            else:
+                traced, named, candidate = self._trace(raw, named, row, batch, candidate)
+                chosen.update(traced.origins)
         flagged_rows = tuple(r for r in named if r.rank in chosen)
         blamed_hosts = {r.identity.hostname for r in flagged_rows if is_blamed(r, amp=self.amp)}
         values = [own.value(s) for s in SIGNALS]
@@ -134,12 +152,44 @@ class Detector:
             for i, s in enumerate(SIGNALS) if math.isfinite(maxima[1 + 2 * i])
         }
         peer = next((r for r in named if r.rank == candidate), None)
+        if traced is not None and traced.origins:  # a rank the NaN reached is a healthy peer
+            replay_peer = peer.rank if peer is not None else None
+        else:
+            replay_peer = peer.rank if peer is not None and peer.healthy else None
         return ClusterView(
             step, world, totals, flagged_rows, named,
             every_host_bad=bool(blamed_hosts) and maxima[0] == 0.0,
-            extremes=extremes,
-            replay_peer=peer.rank if peer is not None and peer.healthy else None,
+            extremes=extremes, replay_peer=replay_peer,
+            origin_trace=traced.to_json() if traced is not None else None,
         )
+
+    def _trace(
+        self, raw: list[RankHealth], named: tuple[RankHealth, ...], row: RankHealth,
+        batch: Any, candidate: int | None,
+    ) -> tuple[origins.Trace, tuple[RankHealth, ...], int | None]:
+        """Trace the forward's collectives (trace.py) and apply what it found: ``(trace,
+        named, the replay's peer)``. With origins, the peer is a rank half the world away that
+        is none of them (a rank the NaN only reached has a healthy device), and the origins
+        and the peer send their rows (the first origin with what its first non-finite
+        collective was): one gather in which only they speak."""
+        traced, op = tracing.locate(self.peers, self.module, batch, self.replay)
+        if not traced.origins:
+            return traced, named, candidate
+        world = self.peers.world_size
+        candidate = replay_candidate(list(traced.origins), world)
+        speakers = sorted({*traced.origins, *([candidate] if candidate is not None else [])})
+        mine = [row.to_wire(), op] if self.peers.rank in speakers else None
+        with paused_gc():
+            sent = self.peers.gather_from(speakers, mine)
+        rows = {r: _health(r, world, s[0] if isinstance(s, list) else None)
+                for r, s in sent.items()}
+        first = sent.get(traced.origins[0])
+        if isinstance(first, list) and isinstance(first[1], str):
+            traced = dataclasses.replace(traced, op=first[1])
+        retraced = origins.weigh(origins.retrace(raw, traced, rows))
+        if candidate is not None and all(r.rank != candidate for r in retraced):
+            retraced = tuple(sorted((*retraced, rows[candidate]), key=lambda r: r.rank))
+        return traced, retraced, candidate
 
 
     def evidence(

@@ -176,6 +176,7 @@ def payload(
         "buffers_restored": result.buffers_restored,
         "first_nonfinite_module": replay.get("first_module") if replay else None,
         "first_nonfinite_parameter": replay.get("first_parameter") if replay else None,
+        "origin_trace": view.origin_trace,
         "poisoned": [rank_entry(r) for r in decision.bad[:REPORTED]],
         "ranks": {str(r.rank): rank_entry(r) for r in named},
         "ranks_not_listed": max(0, len(view.listed) - len(named)),

@@ -390,6 +390,13 @@ def explain(incident: Incident) -> list[Section]:
                          "gradient")):
         if r.get(name):
             where.append(f"{label} (replay): {r[name]}")
+    trace = r.get("origin_trace")
+    if isinstance(trace, dict) and trace.get("origins"):
+        where.append(f"began on rank {names(trace['origins'])}: its input to collective "
+                     f"#{trace.get('collective')} ({trace.get('op') or '?'}) went non-finite "
+                     "first (the trace replay); the others were reached")
+    elif isinstance(trace, dict) and trace.get("reason"):
+        where.append(f"where it began could not be told (the trace replay): {trace['reason']}")
     if r.get("skip_list"):
         where.append(f"sample ids appended to the skip list {r['skip_list']}")
     did = _OUTCOME_WORDS.get(incident.outcome, f"outcome {incident.outcome}")

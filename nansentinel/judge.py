@@ -98,7 +98,7 @@ class StepJudge:
         if self.needs_detection(totals):
             with self.guarded():
                 view = self.detector.view(step, totals, own, self.spikes.ratios(own),
-                                          local.forward_groups)
+                                          local.forward_groups, batch=local.batch)
         spikes = self.spikes.judge(view)
         self.spikes.record(own, totals, spikes)
         self.curves.add(step, own, totals)

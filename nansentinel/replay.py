@@ -37,6 +37,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from nansentinel import checks
+from nansentinel.collective_inputs import InputFlags, is_collective
 from nansentinel.collectives import Peers, plain
 from nansentinel.quarantine import signature
 from nansentinel.spikes import Spikes
@@ -57,6 +58,11 @@ class ReplayResult:
     anomaly: str | None = None
     error: str | None = None
     collectives: int = 0
+    first_collective: int | None = None
+    """With ``watch``: the first collective (its place in the replay's issue order, the same
+    count on every rank) whose input on this rank was non-finite."""
+    first_collective_op: str | None = None
+    """What that collective was (``allreduce on group 0``)."""
 
     def to_json(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
@@ -67,7 +73,8 @@ class ReplayResult:
 
 def replay(
     module: torch.nn.Module, batch: Any, fn: ReplayFn, *, anomaly: bool = False,
-    localise: bool = True, peers: Peers | None = None,
+    localise: bool = True, peers: Peers | None = None, watch: bool = False,
+    backward: bool = True,
 ) -> ReplayResult:
     """Replay ``fn(module, batch)`` forward and backward with localisation hooks.
 
@@ -85,6 +92,12 @@ def replay(
     rank whose ``fn`` fails (an out-of-memory error, say) makes every rank stop its replay at
     the same point (:class:`_Lockstep`), so that no rank's next collective pairs with another
     rank's collective inside ``fn``.
+
+    ``watch``: each collective's input is flagged as it is issued (collective_inputs.py),
+    read in the same host read, and the first non-finite one is ``first_collective``.
+    ``backward=False``: the forward and loss alone, under ``torch.no_grad()`` (no activations
+    kept, no second set of gradients): what the trace of a forward collective needs
+    (trace.py), at less memory than a training step.
     """
     seen: list[tuple[str, str, torch.Tensor]] = []  # (what, name, 0-d "finite" flag), in order
 
@@ -110,15 +123,17 @@ def replay(
         handles += [p.register_hook(grad_hook(n)) for n, p in module.named_parameters()
                     if p.requires_grad]
     result = ReplayResult(finite=False)
-    counter = _Lockstep(peers)
+    watched = InputFlags() if watch else None
+    counter = _Lockstep(peers, watched)
     failure: BaseException | None = None
     values: list[float] = []
+    grad_mode = contextlib.nullcontext() if backward else torch.no_grad()
     try:
-        with _preserved(module), counter:
+        with _preserved(module), counter, grad_mode:
             loss = fn(module, batch)
             detached = loss.detach().float()
             grads_ok = torch.ones((), dtype=torch.bool, device=detached.device)
-            if loss.requires_grad and params:
+            if backward and loss.requires_grad and params:
                 grads = torch.autograd.grad(loss.float().sum(), params, allow_unused=True)
                 if not localise:
                     norms = [checks.tensor_norm(g).to(detached.device) for g in grads
@@ -127,9 +142,12 @@ def replay(
                         grads_ok = torch.isfinite(torch.stack(norms)).all()
             dev = detached.device
             flags = [f.to(dev) for _, _, f in seen]
-            # The replay's one host read: loss mean, loss finite, gradients finite, the hooks.
+            inputs = watched.flags(dev) if watched is not None else []
+            # The replay's one host read: loss mean, loss finite, gradients finite, the hooks,
+            # the collectives' inputs.
             values = torch.stack([detached.mean(), torch.isfinite(detached).all().float(),
-                                  grads_ok.float(), *(f.float() for f in flags)]).tolist()
+                                  grads_ok.float(), *(f.float() for f in flags),
+                                  *inputs]).tolist()
     except Exception as exc:  # the user's replay function may fail in any way
         failure = exc
     finally:
@@ -142,13 +160,17 @@ def replay(
         result.error = f"{type(failure).__name__}: {failure}"
     else:
         result.loss = values[0]
+        hooked = values[3:3 + len(seen)]
         firsts: dict[str, str] = {}
-        for (what, name, _), ok in zip(seen, values[3:], strict=True):
+        for (what, name, _), ok in zip(seen, hooked, strict=True):
             if not ok:
                 firsts.setdefault(what, name)
         result.first_module = firsts.get("module")
         result.first_parameter = firsts.get("parameter")
         result.finite = bool(values[1]) and bool(values[2]) and not firsts
+        entered = watched.first(values[3 + len(seen):]) if watched is not None else None
+        if entered is not None:
+            result.first_collective, result.first_collective_op = entered
     result.collectives = counter.count
     if anomaly and not result.finite and result.error is None:
         # A second pass: anomaly mode raises at the first bad backward op, before the
@@ -176,12 +198,15 @@ class _Lockstep(TorchDispatchMode):
     (:class:`_PeerFailed`). A healthy replay pays one extra tiny all-reduce per collective,
     on the rare path only. Ranks whose functions issue different numbers of collectives would
     not pair in training either; they are not helped here.
+
+    With ``watched``, each collective's input is flagged on the device before it runs, under
+    its place in this count (:class:`~nansentinel.collective_inputs.InputFlags`): the rounds
+    keep the count in step on every rank, so collective #k is the same one everywhere.
     """
 
-    _OPS = frozenset({"c10d", "_c10d_functional", "c10d_functional"})
-
-    def __init__(self, peers: Peers | None = None) -> None:
+    def __init__(self, peers: Peers | None = None, watched: InputFlags | None = None) -> None:
         super().__init__()
+        self.watched = watched
         self.count = 0
         self.peers = peers if peers is not None and not peers.alone else None
         self.ended = False
@@ -200,8 +225,10 @@ class _Lockstep(TorchDispatchMode):
     def __torch_dispatch__(
         self, func: Any, types: Any, args: Any = (), kwargs: Any = None
     ) -> Any:
-        if func.namespace in self._OPS and "wait" not in func.__name__:
+        if is_collective(func):
             self.count += 1
+            if self.watched is not None:
+                self.watched.record(self.count, func, args, kwargs or {})
             if self.peers is not None and not self.ended:
                 every_ok, _ = self._round(True, False)
                 if not every_ok:
@@ -258,13 +285,20 @@ def blame(
     rank has a batch to replay and make the outcome common knowledge; a replay that failed on
     any rank (an out-of-memory error, say) gives no verdict on every rank. Called on every
     rank, after a detection only.
+
+    The rank replayed is the origin the view's trace found (trace.py), else the first blamed.
+    A collective in the replay mixes the subject's values into the peer's (the subject replays
+    too, in lockstep), so each collective's input is watched: when one went non-finite, the two
+    replays are judged by who was non-finite *first*, at that collective, before anything
+    could have reached them (:func:`judged`).
     """
     world = peers.world_size
     if world > 1 and (len(blamed) == world or spikes.cluster_wide):
         return "divergence", {}
     if not blamed or fn is None:
         return None, {}
-    subject = blamed[0]
+    traced = set((view.origin_trace or {}).get("origins", ()))
+    subject = next((r for r in blamed if r.rank in traced), blamed[0])
     peer = view.replay_peer
     mine, detail = batch, {}
     if peers.rank == subject.rank and batch is not None:
@@ -293,7 +327,7 @@ def blame(
         return None, detail
     ours = peers.rank == subject.rank
     theirs = peers.rank == peer and "peer_replay_skipped" not in detail
-    result = replay(module, mine, fn, localise=ours or theirs, peers=peers)
+    result = replay(module, mine, fn, localise=ours or theirs, peers=peers, watch=True)
     if ours:
         detail["replay"] = result.to_json()
     elif theirs:
@@ -316,6 +350,12 @@ def blame(
                 "and the step has no verdict"
             )
         return None, detail
+    # Where a collective's input first went non-finite: the place, and whether the subject's
+    # and the peer's were among the first (one MIN of three numbers; none when the replay
+    # issued no collective, which every rank knows from the sum above).
+    at = result.first_collective if result.first_collective is not None else NO_COLLECTIVE
+    firsts = (peers.min_ints([at, at if ours else NO_COLLECTIVE, at if theirs else NO_COLLECTIVE])
+              if flags[4] else [NO_COLLECTIVE] * 3)
     if anomaly and (ours or theirs) and not result.finite and result.error is None:
         key = "replay" if ours else "peer_replay"
         if flags[4]:
@@ -329,7 +369,46 @@ def blame(
             detail[key]["anomaly"] = _anomaly_trace(module, mine, fn, params)
     if not flags[0]:
         return None, detail
-    return verdict_of(bool(flags[1]), bool(flags[3]) if flags[2] else None), detail
+    own, peer_finite = judged(firsts, bool(flags[1]), bool(flags[3]) if flags[2] else None)
+    if firsts[0] < NO_COLLECTIVE and (ours or theirs):
+        detail["replay_first_collective"] = firsts[0]
+        if theirs and firsts[2] != firsts[0] and not result.finite:
+            detail["peer_replay_reached"] = (
+                f"its inputs to collectives #1..#{firsts[0]} were finite: what went "
+                "non-finite later came through a collective, not from the batch it replayed")
+    if own is None:
+        if ours or theirs:
+            detail["replay_undecided"] = (
+                f"another rank's input to collective #{firsts[0]} went non-finite before rank "
+                f"{subject.rank}'s: what rank {subject.rank} replayed was reached by it, and its "
+                "own values cannot be told")
+        return None, detail
+    return verdict_of(own, peer_finite), detail
+
+
+#: ``first_collective`` of a replay whose collectives' inputs were all finite.
+NO_COLLECTIVE = 2**40
+
+
+def judged(firsts: list[int], own_finite: bool, peer_finite: bool | None
+           ) -> tuple[bool | None, bool | None]:
+    """The subject's and the peer's replays as :func:`verdict_of` reads them, when a
+    collective may have mixed one into the other.
+
+    ``firsts``: the first collective whose input went non-finite on any rank, on the subject,
+    on the peer (``NO_COLLECTIVE``: none). No collective input non-finite: what each replay
+    computed was its own, as without collectives. Otherwise a replay counts as non-finite when
+    its input to that first collective was (it went wrong before anything could reach it) and
+    as finite when it was not: the peer's later NaN came from the subject through the
+    collective (a faulty device: ``host``), not from the batch it replayed. A subject not
+    among the first but non-finite was reached by another rank: (None, None), no verdict.
+    """
+    first, own, peer = firsts
+    if first >= NO_COLLECTIVE:
+        return own_finite, peer_finite
+    if own != first:
+        return (True, peer_finite) if own_finite else (None, None)
+    return False, (None if peer_finite is None else peer != first)
 
 
 def _signed(batch: Any) -> dict[str, Any]:

@@ -356,6 +356,8 @@ class ClusterView:
     """Signal -> (min, max) over the ranks with a finite value (after a detection)."""
     replay_peer: int | None = None
     """A healthy rank, preferably on another host, to replay a blamed rank's batch."""
+    origin_trace: dict[str, Any] | None = None
+    """What the trace of a forward collective found (origins.Trace, as JSON), when one ran."""
 
     def bad(self, kinds: tuple[str, ...] = KINDS) -> list[RankHealth]:
         """Named ranks with a non-finite value of one of ``kinds``."""

@@ -1,4 +1,4 @@
-"""Rank functions for the point-to-point batch transfer tests (importable by spawned ranks)."""
+"""Rank functions for the batch transfer tests (importable by spawned ranks)."""
 
 from __future__ import annotations
 
@@ -45,7 +45,7 @@ def send_hostile(rank: int, world: int, *, marker: str) -> Any:
     if rank == 0:
         buf = io.BytesIO()
         torch.save({"x": torch.ones(1), "evil": Evil(marker)}, buf)
-        peers._broadcast_bytes(buf.getvalue(), 0)  # what a rank running hostile code could do
+        peers._move_bytes(buf.getvalue(), 0, 1)  # what a rank running hostile code could do
         return None
     got = peers.send_object(None, 0, 1)
     return {"got": got, "marker_exists": Path(marker).exists()}
