@@ -147,7 +147,7 @@ class CurrentStep:
         if not self.drop:
             return
         if self.local.dropped is None:
-            self.local.dropped = self.local.poisoned()
+            self.local.dropped = drop.flag_of(self.local)
         drop.withhold(local_grads, self.local.dropped)
 
     def add_grad_norm(self, norm: torch.Tensor) -> None:

@@ -61,6 +61,21 @@ import torch.distributed as dist
 
 from nansentinel.checks import local
 from nansentinel.config import ConfigError
+from nansentinel.local import LocalHealth
+
+
+def flag_of(health: LocalHealth) -> torch.Tensor:
+    """This step's 0-d bool withhold flag, from the batches and losses checked so far
+    (``LocalHealth.poisoned``), taken once, at the step's first reduction.
+
+    Under FSDP2 that is on FSDP's reduce-scatter stream, and the flag is read again on the
+    default stream when the exchange is packed at ``step()``: the allocator is told, so that
+    its memory is not handed to the next step's reduce-scatter before that read (as
+    gradpaths/fsdp.py does for the norms it keeps)."""
+    flag = health.poisoned()
+    if flag.is_cuda:
+        flag.record_stream(torch.cuda.default_stream(flag.device))
+    return flag
 
 
 def withhold(local_grads: torch.Tensor, flag: torch.Tensor) -> None:
