@@ -65,6 +65,8 @@ def test_ddp_drops_one_or_two_ranks_and_matches_the_hand_reduction(
     _check(outs, DDP_PLAN, DDP_STEPS)
     records = outs[0]["records"]
     assert records[1]["kinds"] == ["batch", "loss", "grad"]  # named as under skip
+    # Its gradients were zeros in the reduction: the scan after it finds no parameter.
+    assert records[1]["parameters"] == {}
     assert "other 3 ranks' gradients" in records[1]["reason"]
     assert "other 2 ranks' gradients" in records[3]["reason"]
     # A dropped step is applied: the skips before step 6 are counted from the first skip.
@@ -87,6 +89,8 @@ def test_fsdp2_and_hsdp_drop_and_match_the_hand_reduction(
     outs = [r[mesh] for r in runs]
     assert outs[0]["path"] == "fsdp"
     _check(outs, FSDP_PLAN, steps)
+    # The norms taken before the withhold still name the dropped rank's parameters.
+    assert list(outs[0]["records"][1]["parameters"]) == [1]
 
 
 @pytest.mark.timeout(300)

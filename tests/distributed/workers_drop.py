@@ -164,7 +164,7 @@ def train(rank: int, world: int, *, path: str, plan: Plan, steps: int, report_di
         opt.zero_grad(set_to_none=True)
         record = {"step": r.step, "outcome": str(r.outcome), "applied": r.applied,
                   "bad_ranks": r.bad_ranks, "kinds": r.kinds, "reason": r.reason,
-                  "consecutive_skips": r.consecutive_skips}
+                  "consecutive_skips": r.consecutive_skips, "parameters": r.parameters}
         if ref is not None:
             want = ref.step(plan, step)
             record["grad_diff"] = _diff(applied, want)
