@@ -48,8 +48,8 @@ weights stay finite and identical on every rank.
 Refused (:func:`refusal`, at construction): where a data-parallel replica is several ranks
 (tensor or pipeline parallel, a DDP or FSDP group smaller than the job), DeepSpeed (its engine
 reduces where no rank's contribution can be replaced), and gradients reduced by hand on more
-than one rank (the reduction is the user's). A world of one never drops: its one rank is every
-rank.
+than one rank (the reduction is the user's); torchtitan's trainer refuses it too (torchtitan.py:
+it clips before the rescale). A world of one never drops: its one rank is every rank.
 """
 
 from __future__ import annotations
