@@ -43,6 +43,12 @@ For the replica fingerprints' cost (``sentinel`` runs them at the default interv
     nansentinel with ``fingerprint_every=0``.
 ``sentinel_fp1``
     nansentinel with ``fingerprint_every=1``: a check after every step.
+
+For ``policy="drop"`` (issue 30; compare it with ``sentinel``, whose policy is ``skip``):
+
+``sentinel_drop``
+    nansentinel with ``policy="drop"``: every bucket passes the withhold (a host read of a
+    CPU flag; a ``masked_fill_`` on a GPU), four more bytes in the exchange, the host gate.
 """
 
 from __future__ import annotations
@@ -68,7 +74,7 @@ from nansentinel import checks
 BASELINE = "baseline"
 DEFAULT_VARIANTS = ("baseline", "sentinel", "pyhook", "hooks", "anomaly")
 VARIANTS = (*DEFAULT_VARIANTS, "sync", "pyhook_sync", "sentinel_host", "sentinel_nochecks",
-            "sentinel_nofp", "sentinel_fp1")
+            "sentinel_nofp", "sentinel_fp1", "sentinel_drop")
 #: ``--optimizer`` choices: torch's default AdamW implementation, or forced foreach / fused.
 OPTIMIZERS = ("adamw", "foreach", "fused")
 LABELS = {
@@ -83,6 +89,7 @@ LABELS = {
     "sentinel_nochecks": "nansentinel without check_batch/check_loss",
     "sentinel_nofp": "nansentinel without replica fingerprints (fingerprint_every=0)",
     "sentinel_fp1": "nansentinel, replica fingerprints every step (fingerprint_every=1)",
+    "sentinel_drop": 'nansentinel, policy="drop"',
 }
 #: The replica fingerprint interval of the variants that set one (the others: the default).
 FINGERPRINT_EVERY = {"sentinel_nofp": 0, "sentinel_fp1": 1}
@@ -193,6 +200,7 @@ class SentinelVariant(Variant):
     def __init__(
         self, model: DDP, optimizer: torch.optim.Optimizer, report_dir: str, *,
         gate: str = "auto", checks: bool = True, fingerprint_every: int | None = None,
+        policy: str = "skip",
     ) -> None:
         super().__init__(model, optimizer)
         # env={}: a stray NANSENTINEL_INJECT or port in the caller's shell must not change what
@@ -200,7 +208,7 @@ class SentinelVariant(Variant):
         interval = {} if fingerprint_every is None else {"fingerprint_every": fingerprint_every}
         self.sentinel = nansentinel.Sentinel(
             model, optimizer, metrics_port=0, report_dir=report_dir, env={}, gate=gate,
-            **interval,
+            policy=policy, **interval,
         )
         self.checks = checks
         self._last: Any = None
@@ -352,6 +360,7 @@ def build_variant(
         variant = SentinelVariant(
             model, opt, report_dir, gate="host" if name == "sentinel_host" else "auto",
             checks=name != "sentinel_nochecks", fingerprint_every=FINGERPRINT_EVERY.get(name),
+            policy="drop" if name == "sentinel_drop" else "skip",
         )
         variant.name = name
         return variant

@@ -60,7 +60,8 @@ def demo(argv: list[str]) -> int:
                    help=f"fault spec (default: {env_var('inject')}, else {DEFAULT_INJECT!r}; "
                    "'' for none)")
     p.add_argument("--policy", default=None,
-                   help=f"skip, abort or rollback (default: {env_var('policy')}, else skip)")
+                   help=f"skip, abort, rollback or drop (default: {env_var('policy')}, "
+                   "else skip)")
     p.add_argument("--report-dir",
                    default=os.environ.get(env_var("report_dir"), DEFAULT_REPORT_DIR))
     p.add_argument("--metrics-port", type=int, default=os.environ.get(env_var("metrics_port"), "0"),

@@ -27,7 +27,7 @@ ENV_PREFIX = "NANSENTINEL_"
 #: Kubernetes downward API convention (DCGM's exporter reads the same variable).
 ENV_NODE_NAME = "NODE_NAME"
 
-POLICIES = ("skip", "abort", "rollback")
+POLICIES = ("skip", "abort", "rollback", "drop")
 SPIKE_ACTIONS = ("warn", "skip", "rollback")
 GATES = ("auto", "device", "host")
 DIVERGENCE_ACTIONS = ("repair", "abort", "warn")
@@ -63,7 +63,15 @@ class SentinelConfig:
     policy: str = "skip"
     """``skip``: no rank applies the step, gradients are discarded; ``abort``: every rank
     raises :class:`nansentinel.NonFiniteError` at the same step; ``rollback``: every rank
-    restores the last-good snapshot, lowers the learning rate and skips ahead."""
+    restores the last-good snapshot, lowers the learning rate and skips ahead; ``drop``: the
+    step is applied from the other ranks' gradients when the poisoned ranks' batch or loss was
+    non-finite before their gradients left and they are at most ``max_dropped`` (drop.py),
+    else skipped as under ``skip``."""
+
+    max_dropped: float = 0.125
+    """Under ``policy="drop"``: the largest fraction of the data-parallel ranks whose
+    contribution one step may leave out (at least one rank). More poisoned ranks than that
+    point at a cause that is not local, so the step is skipped instead."""
 
     report_dir: str = DEFAULT_REPORT_DIR
     """Directory for incident reports (JSON) and the saved offending batch."""
@@ -195,6 +203,13 @@ class SentinelConfig:
             raise ConfigError(
                 f"policy={self.policy!r} is not a known policy; expected one of "
                 f"{', '.join(POLICIES)}"
+            )
+        if isinstance(self.max_dropped, bool) or not isinstance(
+            self.max_dropped, int | float
+        ) or not 0 < self.max_dropped < 1:
+            raise ConfigError(
+                f"max_dropped={self.max_dropped!r} must be a fraction of the data-parallel "
+                "ranks, above 0 and below 1 (at least one rank is always droppable)"
             )
         if not isinstance(self.report_dir, str) or not self.report_dir:
             raise ConfigError(f"report_dir={self.report_dir!r} must be a non-empty path")

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from nansentinel import checks, skip_list
+from nansentinel import checks, drop, skip_list
 from nansentinel.buffers import FloatingBuffers
 from nansentinel.collectives import ForwardCollectives, quiet_groups
 from nansentinel.exchange import HealthExchange
@@ -38,18 +38,20 @@ class CurrentStep:
         deadline: the watchdog of the step's collectives (watchdog.StepDeadline).
         thresholds: this rank's spike thresholds on the device (judge.py), read at packing.
         amp: a GradScaler is in use (non-finite gradients alone are not blame).
+        policy: the config's; under ``drop`` a rank whose batch or loss is non-finite has its
+            gradients withheld from the step's reductions (drop.py).
     """
 
     def __init__(
         self, *, device: torch.device, rank: int, exchange: HealthExchange, injector: Injector,
         quarantine: Quarantine, module: torch.nn.Module, deadline: Any,
-        thresholds: Callable[[], torch.Tensor], amp: bool,
+        thresholds: Callable[[], torch.Tensor], amp: bool, policy: str = "skip",
     ) -> None:
         self.device, self.rank, self.exchange, self.injector = device, rank, exchange, injector
         #: The floating buffers of ``module``, copied again for every step (buffers.py).
         self.buffers = FloatingBuffers(module)
         self.quarantine, self.deadline = quarantine, deadline
-        self.thresholds, self.amp = thresholds, amp
+        self.thresholds, self.amp, self.drop = thresholds, amp, policy == "drop"
         self.index = 0
         self.local = LocalHealth(device)
         self.gradients: Any = None
@@ -58,7 +60,11 @@ class CurrentStep:
 
     def attach(self, gradients: Any, stages: list[Any]) -> None:
         """The run's gradient path and pipeline stages (whose boundaries are checked, and
-        whose groups' collectives, like the gradient path's own, are no forward's)."""
+        whose groups' collectives, like the gradient path's own, are no forward's). Under
+        ``policy="drop"`` a path that cannot leave a rank out is refused here (drop.py)."""
+        if self.drop:
+            drop.refuse_unsupported(gradients, pipelined=bool(stages),
+                                    world_size=self.exchange.world_size, rank=self.rank)
         self.gradients = gradients
         self.stages = [StageWatch(s, self.device) for s in stages]
         self.forward = ForwardCollectives(exclude=quiet_groups(list(gradients.mesh_groups),
@@ -134,6 +140,16 @@ class CurrentStep:
     def reducing(self) -> None:
         self.deadline.restart()
 
+    def withhold(self, local_grads: torch.Tensor) -> None:
+        """Under ``policy="drop"``: ``local_grads`` (about to be reduced) become zeros if this
+        rank's batch or loss is non-finite, a flag taken at the step's first reduction and
+        kept for the others, then packed into the exchange (drop.py). Else nothing."""
+        if not self.drop:
+            return
+        if self.local.dropped is None:
+            self.local.dropped = drop.flag_of(self.local)
+        drop.withhold(local_grads, self.local.dropped)
+
     def add_grad_norm(self, norm: torch.Tensor) -> None:
         self.local.add_grads(norm)
 
@@ -143,7 +159,7 @@ class CurrentStep:
         for watch in self.stages:  # the pipeline boundaries' norms become the row's flags
             watch.fold(self.local)
         self.exchange.launch(self.index, pack(self.local.row(), self.thresholds(), self.rank,
-                                              amp=self.amp))
+                                              amp=self.amp, dropped=self.local.dropped))
 
     def diagnosed(self, future: torch.futures.Future, step: int,
                   reduced_in_place: torch.Tensor) -> torch.futures.Future:

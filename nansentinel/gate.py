@@ -52,7 +52,8 @@ def device_gate_refusal(
     The gate needs an optimizer that reads ``found_inf`` (torch's fused ones set
     ``_step_supports_amp_scaling``), a decision the device can take (no spike action other than
     ``warn``), no GradScaler (its own ``found_inf`` would have to be merged), a DDP or local
-    gradient path (FSDP2's sharded optimizer state is not measured yet), and no pipeline: the
+    gradient path (FSDP2's sharded optimizer state is not measured yet), a policy other than
+    ``drop`` (whose dropped steps are rescaled on the host first), and no pipeline: the
     gate decides a step at each rank's next sentinel call, and under a pipeline schedule the
     stages make their next call at different points (the first stage at ``check_batch``
     before the schedule, the last at ``check_loss`` inside it, middle stages at ``step()``),
@@ -73,6 +74,9 @@ def device_gate_refusal(
         config.loss_spike_action, config.grad_spike_action
     ):
         return "a spike action can skip the step, and spikes are judged on the host"
+    if config.policy == "drop":
+        return ("policy drop rescales a dropped step's gradients on the host, after the "
+                "decision, before the optimizer steps")
     if path == "fsdp":
         return "the FSDP2 gradient path keeps the host gate"
     if path == "deepspeed":

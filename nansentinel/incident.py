@@ -40,6 +40,7 @@ _NEXT = {
     Outcome.APPLIED: "step applied (warn only)",
     Outcome.OVERFLOW: "step left to GradScaler",
     Outcome.EXCLUDED: "excluding a host",
+    Outcome.DROPPED: "step applied on every rank from the other ranks' gradients",
 }
 
 

@@ -122,6 +122,8 @@ _OUTCOME_WORDS = {
     "applied": "applied the step (warn only: the policy let it through)",
     "overflow": "left the step to GradScaler (fp16 overflow: it skips and lowers the scale)",
     "excluded": "excluded a host: its launcher left the job, the others go on without it",
+    "dropped": "applied the step on every rank from the other ranks' gradients: the poisoned "
+    "ranks' contribution was replaced by zeros before the reduction (policy drop)",
 }
 
 

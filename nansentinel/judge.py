@@ -4,7 +4,8 @@
 
     totals ─[flagged or spiking: detection.view]─ view ─ spikes ─ evidence (naming, replay)
           └─ policy.decide (pure) ─ history ─ act: optimizer step | discard + buffers + scaler
-             | rollback ─ incident ─ tail: snapshot, replica check, metrics
+             | rollback | drop: rescale, then step ─ incident ─ tail: snapshot, replica check,
+             metrics
 
 A healthy step reads the totals and acts: one decision, one optimizer step, a few counters.
 What only a detection needs lives in detection.py; what the decision is, in policy.py. The
@@ -23,13 +24,13 @@ from typing import Any
 
 import torch
 
-from nansentinel import scaling
+from nansentinel import drop, scaling
 from nansentinel.buffers import FloatingBuffers
 from nansentinel.config import SentinelConfig
 from nansentinel.curves import Curves
 from nansentinel.detection import Detector
 from nansentinel.local import LocalHealth, to_device
-from nansentinel.policy import ROLLBACK, Decision, History, blamed, decide
+from nansentinel.policy import DROP, ROLLBACK, Decision, History, blamed, decide
 from nansentinel.quarantine import Quarantine
 from nansentinel.recovery import Cooldown, SnapshotStore
 from nansentinel.replicas import ReplicaCheck
@@ -106,14 +107,15 @@ class StepJudge:
         verdict, detail = self.detector.evidence(
             view, bad, spikes, batch=local.batch,
             grads_restored=pending.grads_restored if pending else contextlib.nullcontext,
-            discard=pending.drop_grads if pending else self._discard_grads,
+            discard=pending.drop_grads if pending else self._discard_before_replay,
         ) if bad or spikes else (None, {})
         snapshot_step = self.snapshots.step if self.snapshots is not None else None
         decision = decide(view, self.history, self.config, amp=self.amp, spikes=spikes,
                           verdict=verdict, snapshot_step=snapshot_step)
         self.history.record(view, decision, self.config, verdict=verdict,
                             snapshot_step=snapshot_step)
-        rolled_back_to, restored, not_ours = self._act(decision, view, pending, optimizer_step)
+        rolled_back_to, restored, not_ours = self._act(decision, view, own, pending,
+                                                       optimizer_step)
         result = self._result(view, own, decision, spikes, verdict, rolled_back_to, restored)
         if decision.bad or spikes or decision.action == ROLLBACK:
             result = self.detector.record(
@@ -125,20 +127,21 @@ class StepJudge:
         tail = functools.partial(self._tail, view, decision, spent, snapshot)
         return result, decision, tail
 
-    def _act(self, decision: Decision, view: ClusterView, pending: Any, optimizer_step: bool
-             ) -> tuple[int | None, int, float]:
+    def _act(self, decision: Decision, view: ClusterView, own: OwnRow, pending: Any,
+             optimizer_step: bool) -> tuple[int | None, int, float]:
         """The decision's acts: ``(rolled back to, buffers restored, optimizer seconds)``."""
+        left_out = self._leave_out(decision, view, own)
         if decision.applies and not optimizer_step:
             # The caller steps the optimizer right after: the cooldown is undone and the
             # snapshot taken from the optimizer's post-hook (_callers_step).
             self._after_step = (self.cooldown.apply(self.optimizer), view)
             if self._post_hook is None:  # once: a hook cannot remove itself while it runs
                 self._post_hook = self.optimizer.register_step_post_hook(self._callers_step)
-            return None, 0, 0.0
+            return None, left_out, 0.0
         if decision.applies:
             if pending is not None:  # the device gate has stepped already
                 self.cooldown.count()
-                return None, 0, 0.0
+                return None, left_out, 0.0
             started = time.perf_counter()
             with self.cooldown.stepping(self.optimizer):
                 if self.scaler is not None:
@@ -146,13 +149,29 @@ class StepJudge:
                     self.scaler.update()
                 else:
                     self.optimizer.step()
-            return None, 0, time.perf_counter() - started
+            return None, left_out, time.perf_counter() - started
         restored = pending.buffers if pending is not None else self._discard(optimizer_step)
         rolled_back_to = None
         if decision.action == ROLLBACK and self.snapshots is not None:
             rolled_back_to = self.snapshots.load()
             self.cooldown.start(self.config.rollback_lr_factor, self.config.rollback_lr_steps)
         return rolled_back_to, restored, 0.0
+
+    def _leave_out(self, decision: Decision, view: ClusterView, own: OwnRow) -> int:
+        """A dropped step, before the optimizer steps: the reduced gradients (the kept ranks'
+        sum over the world) become their mean over the kept ranks, on every rank (drop.py);
+        a rank left out puts back the floating buffers its own forward took the poisoned batch
+        into. Returns the buffers restored (0 on any other step)."""
+        if decision.action != DROP:
+            return 0
+        drop.rescale(self.optimizer, view.world_size / decision.kept)
+        return self.buffers.restore() if own.dropped else 0
+
+    def _discard_before_replay(self) -> None:
+        """Free a blamed step's gradients before its replay, unless ``policy="drop"`` may
+        still apply them: the replay then holds one more set of gradients."""
+        if self.config.policy != "drop":
+            self._discard_grads()
 
     def _discard(self, optimizer_step: bool) -> int:
         """A step not applied, on the host gate: the poisoned gradients go on every rank

@@ -62,6 +62,10 @@ class LocalHealth:
         """Process groups that ran a collective in this rank's forward (origins.py)."""
         self.seconds = 0.0
         """The sentinel's own time spent on this step so far (``nansentinel_check_seconds``)."""
+        self.dropped: torch.Tensor | None = None
+        """``policy="drop"``: a 0-d bool on the device, fixed at the step's first reduction
+        (drop.py): this rank's gradients are replaced by zeros in every reduction of the step.
+        None: no reduction withheld anything this step."""
 
     @contextlib.contextmanager
     def timed(self) -> Iterator[None]:
@@ -96,6 +100,15 @@ class LocalHealth:
     def add_grads(self, norm: torch.Tensor) -> None:
         """Add one 0-d gradient norm (a DTensor's local value)."""
         self.grad_norms.append(local(norm))
+
+    def poisoned(self) -> torch.Tensor:
+        """0-d bool on the device: the batches or losses checked so far this step hold a
+        non-finite value (no host sync). Known before backward, so before the step's first
+        gradient reduction: the flag ``policy="drop"`` withholds this rank's gradients by."""
+        zero = _constant((0.0,), self.device).reshape(())
+        loss = zero if self.loss_sum is None else self.loss_sum.to(torch.float32)
+        batch = combined(self.batch_norms, zero).to(torch.float32)
+        return ~torch.isfinite(torch.stack([batch, loss])).all()
 
     def row(self) -> torch.Tensor:
         """The health row (``view.R_*``: batch norm, loss, gradient norm, then the flags

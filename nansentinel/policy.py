@@ -9,6 +9,7 @@ collective: no rank can step the optimizer while another skips or rolls back.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 from nansentinel.config import SentinelConfig
@@ -16,8 +17,8 @@ from nansentinel.result import ACTIVATION, ALL_KINDS, Outcome
 from nansentinel.spikes import Spikes
 from nansentinel.view import ClusterView, RankHealth
 
-APPLY, SKIP, OVERFLOW, ABORT, EXCLUDE, ROLLBACK = (
-    "apply", "skip", "overflow", "abort", "exclude", "rollback",
+APPLY, SKIP, OVERFLOW, ABORT, EXCLUDE, ROLLBACK, DROP = (
+    "apply", "skip", "overflow", "abort", "exclude", "rollback", "drop",
 )
 # Why a step was not applied as is; planned skips do not count towards escalation.
 NONFINITE, SPIKE, QUARANTINE, AFTER_ROLLBACK = "nonfinite", "spike", "quarantine", "after_rollback"
@@ -25,6 +26,7 @@ _SEVERITY = {"warn": 0, "skip": 1, "rollback": 2}
 _OUTCOME = {
     APPLY: Outcome.APPLIED, SKIP: Outcome.SKIPPED, OVERFLOW: Outcome.OVERFLOW,
     ABORT: Outcome.ABORTED, EXCLUDE: Outcome.EXCLUDED, ROLLBACK: Outcome.ROLLED_BACK,
+    DROP: Outcome.DROPPED,
 }
 
 
@@ -43,11 +45,15 @@ class Decision:
     exclude_host: str | None = None
     strikes: int = 0
     """Strikes against ``exclude_host`` in the window."""
+    kept: int = 0
+    """``DROP``: the ranks whose gradients the step averages (the world less the ranks left
+    out of its reduction)."""
 
     @property
     def applies(self) -> bool:
-        """The optimizer (or GradScaler) steps: nothing to skip, roll back or stop for."""
-        return self.action in (APPLY, OVERFLOW)
+        """The optimizer (or GradScaler) steps: nothing to skip, roll back or stop for, or
+        the poisoned ranks were left out of the reduction (``DROP``)."""
+        return self.action in (APPLY, OVERFLOW, DROP)
 
     @property
     def outcome(self) -> Outcome:
@@ -142,8 +148,8 @@ class History:
         verdict: str | None = None,
         snapshot_step: int | None = None,
     ) -> None:
-        """Advance the history by one decided step."""
-        if decision.cause in (NONFINITE, SPIKE) and decision.action != APPLY:
+        """Advance the history by one decided step (a dropped step is applied: not a skip)."""
+        if decision.cause in (NONFINITE, SPIKE) and not decision.applies:
             self.consecutive_skips += 1
         elif decision.applies:
             self.consecutive_skips = 0
@@ -201,7 +207,7 @@ def decide(
     verdict: str | None = None,
     snapshot_step: int | None = None,
 ) -> Decision:
-    """Decide ``apply | skip | overflow | rollback | abort | exclude`` for one step.
+    """Decide ``apply | skip | overflow | rollback | abort | exclude | drop`` for one step.
 
     Args:
         view: the cluster view of this step (the same on every rank).
@@ -219,6 +225,9 @@ def decide(
         return _nonfinite(view, bad, history, config, overflow, verdict, snapshot_step)
     if view.quarantined:
         return Decision(SKIP, (), "a quarantined batch came round again", QUARANTINE, overflow)
+    if view.totals.dropped:  # withheld gradients are never applied as they are
+        return Decision(SKIP, (), "gradients left out of the reduction on a rank not blamed",
+                        NONFINITE, overflow)
     if spikes:
         action = _most_severe(spikes, config)
         if action != "warn":
@@ -264,6 +273,13 @@ def _nonfinite(
             )
     if config.policy == "abort":
         return dataclasses.replace(provisional, action=ABORT, reason="policy is abort")
+    kept = dropping(view, bad, history, config, verdict=verdict, overflow=overflow)
+    if kept is not None:  # applied: before the escalation of consecutive skips
+        left_out = ", ".join(str(r) for r in provisional.bad_ranks)
+        return dataclasses.replace(
+            provisional, action=DROP, kept=kept, overflow=False,
+            reason=f"rank(s) {left_out} left out of the reduction: the step applied from "
+                   f"the other {kept} ranks' gradients")
     if history.consecutive_skips >= config.max_consecutive_skips:
         return dataclasses.replace(
             provisional,
@@ -277,6 +293,40 @@ def _nonfinite(
         return _rollback(history, config, bad, overflow, snapshot_step, "policy is rollback",
                          NONFINITE)
     return provisional
+
+
+def max_dropped_ranks(world_size: int, fraction: float) -> int:
+    """The most ranks one step may leave out under ``policy="drop"``: ``fraction`` of the
+    world, rounded down, and at least one."""
+    return max(1, math.floor(fraction * world_size + 1e-9))
+
+
+def dropping(
+    view: ClusterView, bad: tuple[RankHealth, ...], history: History, config: SentinelConfig,
+    *, verdict: str | None, overflow: bool,
+) -> int | None:
+    """The ranks a ``policy="drop"`` step averages over, or None: skip it instead.
+
+    A step is dropped when the ranks left out of its reduction (``totals.dropped``, each named
+    by the detection) are every blamed rank, at most ``max_dropped`` of the world and not all
+    of it, and the cause is not global (a ``divergence`` verdict). A blamed rank that was not
+    left out had finite batch and loss: its NaN was made inside the backward, after some of its
+    buckets were summed into everyone's gradients, so the step is skipped (drop.py). Batches to
+    discard after a rollback are discarded. ``overflow``: non-finite gradients under GradScaler;
+    if some came from a kept rank the reduced gradients overflowed, and the step is skipped."""
+    n = view.totals.dropped
+    if config.policy != "drop" or not n or verdict == "divergence" or history.skip_batches:
+        return None
+    left_out = [r for r in view.flagged if r.dropped]
+    if len(left_out) != n or n >= view.world_size:
+        return None
+    if n > max_dropped_ranks(view.world_size, config.max_dropped):
+        return None
+    if any(not r.dropped for r in bad):
+        return None
+    if overflow and view.totals.bad_grad > sum("grad" in r.kinds for r in left_out):
+        return None
+    return view.world_size - n
 
 
 def _rollback(

@@ -45,6 +45,10 @@ class Outcome(str, enum.Enum):
     """Every rank raised :class:`HostExcludedError`: a host keeps poisoning the run."""
     ROLLED_BACK = "rolled_back"
     """Every rank restored the last good snapshot."""
+    DROPPED = "dropped"
+    """``policy="drop"``: the optimizer step ran on every rank, from the gradients of the ranks
+    not named in ``bad_ranks`` (their contribution was replaced by zeros before the
+    reduction, and the mean taken over the others)."""
 
     def __str__(self) -> str:
         return self.value
@@ -85,7 +89,8 @@ class StepResult:
     """What became of the step (an :class:`Outcome`, which is also its word)."""
     bad_ranks: list[int]
     """Ranks where a non-finite value began: their own batch, loss, forward output or
-    gradients were non-finite from finite inputs. Sorted."""
+    gradients were non-finite from finite inputs (on a ``dropped`` step: the ranks left out).
+    Sorted."""
     bad_hosts: list[str]
     """Hosts of ``bad_ranks``, sorted, without repeats."""
     kinds: list[str]
@@ -130,7 +135,8 @@ class StepResult:
     forward): named, never blamed or struck. Sorted."""
     buffers_restored: int = 0
     """Floating buffers (BatchNorm running statistics, EMA buffers) put back as they were
-    before this step's forward, because the step was not applied (0 when it was)."""
+    before this step's forward, because the step was not applied (0 when it was), or, on a
+    ``dropped`` step, on this rank because its own forward took the poisoned batch."""
 
     @property
     def healthy(self) -> bool:

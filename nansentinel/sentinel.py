@@ -86,7 +86,7 @@ class Sentinel:
         self.current = CurrentStep(
             device=self.device, rank=self.rank, exchange=self.exchange, injector=self.injector,
             quarantine=self.quarantine, module=self.module, deadline=self.deadline,
-            thresholds=lambda: self.judge.thresholds(), amp=scaler is not None)
+            thresholds=lambda: self.judge.thresholds(), amp=scaler is not None, policy=cfg.policy)
         self.gradients: gradpaths.GradPath = gradpaths.attach(model, self.current)
         self.current.attach(self.gradients, pipelined)
         self.incidents = incident.IncidentWriter(cfg, self.identity, peers, self.job_id)

@@ -329,6 +329,14 @@ def refuse_unsupported(config: Trainer.Config, settings: SentinelConfig) -> None
                 "'warn' or 'skip', and torchtitan's checkpoints (--checkpoint.enable) to go "
                 "back to a good state."
             )
+    if settings.policy == "drop":
+        raise SentinelUsageError(
+            "nansentinel: policy='drop' is not supported under torchtitan's trainer: it clips "
+            "the gradients (training.max_norm) before its optimizers step, while a dropped "
+            "step's gradients are still the kept ranks' sum over the world (the sentinel "
+            "rescales them at the step), and it stops on the non-finite global loss a dropped "
+            "step logs. Use policy='skip'."
+        )
     if not config.training.disable_cuda_graphs:
         raise SentinelUsageError(
             "nansentinel: training.disable_cuda_graphs=False: a CUDA graph replays the "

@@ -2,8 +2,9 @@
 
 Every rank contributes the same fixed number of floats, whatever the world size: counts of
 ranks with a non-finite batch, loss or gradient norm, of ranks blamed, spiking, quarantined or
-fired on by a drill, the sums the cluster-mean signals need, and the sum of the flagged ranks'
-indices, which names the flagged rank exactly when there is one. Summed across ranks, that
+fired on by a drill, or whose gradients were left out of the reduction (``policy="drop"``,
+drop.py), the sums the cluster-mean signals need, and the sum of the flagged ranks' indices,
+which names the flagged rank exactly when there is one. Summed across ranks, that
 vector is the same on every rank, so every rank decides the same from it (policy.py); a
 healthy step needs nothing more. Only when something is flagged does a detection
 (detection.py) gather the flagged ranks' own rows and identities.
@@ -41,15 +42,16 @@ ROW = 12
 (
     T_BAD_BATCH, T_BAD_LOSS, T_BAD_GRAD, T_BLAMED, T_FLAGGED, T_FLAGGED_RANK,
     T_SPIKE_LOSS, T_SPIKE_GRAD, T_SPIKE_ANY, T_NOT_QUIET, T_INJECTED, T_QUARANTINED,
-    T_LOSS_N, T_LOSS_SUM, T_LOSS_SQ, T_GRAD_N, T_GRAD_SUM, T_GRAD_SQ, T_REACHED,
-) = range(19)
-TOTALS = 19
+    T_LOSS_N, T_LOSS_SUM, T_LOSS_SQ, T_GRAD_N, T_GRAD_SUM, T_GRAD_SQ, T_REACHED, T_DROPPED,
+) = range(20)
+TOTALS = 20
 
-# The own part, after the totals: this rank's row and its device-side verdicts.
+# The own part, after the totals: this rank's row and its device-side verdicts, and whether
+# its gradients were replaced by zeros before their reduction (drop.py).
 O_ROW = TOTALS
-O_SPIKE_LOSS, O_SPIKE_GRAD, O_NOT_QUIET, O_FLAGGED, O_REACHED = range(
-    TOTALS + ROW, TOTALS + ROW + 5)
-OWN = ROW + 5
+O_SPIKE_LOSS, O_SPIKE_GRAD, O_NOT_QUIET, O_FLAGGED, O_REACHED, O_DROPPED = range(
+    TOTALS + ROW, TOTALS + ROW + 6)
+OWN = ROW + 6
 SIZE = TOTALS + OWN
 
 #: Bytes one rank sends per step (fp32), at any world size.
@@ -60,7 +62,8 @@ SIGNALS = ("loss", "grad_norm")
 
 
 def pack(
-    row: torch.Tensor, thresholds: torch.Tensor, rank: int, *, amp: bool
+    row: torch.Tensor, thresholds: torch.Tensor, rank: int, *, amp: bool,
+    dropped: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """This rank's exchange vector (``SIZE`` fp32 on ``row``'s device), without a host sync.
 
@@ -70,6 +73,8 @@ def pack(
             rolling references (``inf`` while a series warms up; see spikes.py).
         rank: this rank's index, summed where the rank is flagged.
         amp: under GradScaler a non-finite gradient alone is fp16 overflow, not blame.
+        dropped: 0-d fp32 on the device, 1 where this rank's gradients were replaced by zeros
+            before their reduction (``policy="drop"``); None: they were not.
     """
     finite = torch.isfinite(row[R_BATCH:R_GRAD + 1])  # batch, loss, grad
     bad = (~finite).to(torch.float32)
@@ -98,8 +103,10 @@ def pack(
     sums = torch.stack([finite[1:] * has, kept, kept * kept], dim=1).reshape(-1)
     flags = torch.stack([blamed, flagged, flagged * float(rank), spike[0], spike[1],
                          spike.amax(), not_quiet, row[R_INJECTED], row[R_QUARANTINED]])
-    return torch.cat([bad, flags, sums, reached.reshape(1), row, spike, not_quiet.reshape(1),
-                      flagged.reshape(1), reached.reshape(1)])
+    left_out = (torch.zeros_like(reached) if dropped is None
+                else dropped.to(reached.device, torch.float32)).reshape(1)
+    return torch.cat([bad, flags, sums, reached.reshape(1), left_out, row, spike,
+                      not_quiet.reshape(1), flagged.reshape(1), reached.reshape(1), left_out])
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -127,6 +134,8 @@ class Totals:
     grad_sq: float = 0.0
     reached: int = 0
     """Ranks whose only non-finite values arrived from another rank (a pipeline boundary)."""
+    dropped: int = 0
+    """Ranks whose gradients were replaced by zeros before their reduction (drop.py)."""
 
     @classmethod
     def from_values(cls, values: list[float]) -> Totals:
@@ -214,13 +223,16 @@ class OwnRow:
     """The last stage's loss went non-finite from finite activations and targets here."""
     reached: bool = False
     """Non-finite only downstream of what arrived from another rank (judged on the device)."""
+    dropped: bool = False
+    """This rank's gradients were replaced by zeros before their reduction (drop.py)."""
 
     @classmethod
     def from_values(cls, values: list[float]) -> OwnRow:
         v = values[O_ROW:O_ROW + OWN]
         flags = [bool(x) for x in v]
         return cls(v[R_BATCH], v[R_LOSS], v[R_GRAD], *flags[R_INJECTED:R_QUARANTINED + 1],
-                   *flags[ROW:ROW + 4], *flags[R_FWD_ORIGIN:R_LOSS_ORIGIN + 1], flags[ROW + 4])
+                   *flags[ROW:ROW + 4], *flags[R_FWD_ORIGIN:R_LOSS_ORIGIN + 1], flags[ROW + 4],
+                   flags[ROW + 5])
 
     @property
     def kinds(self) -> tuple[str, ...]:
@@ -276,6 +288,8 @@ class RankHealth:
     """Where a pipeline boundary saw a non-finite value (``OwnRow.boundary``)."""
     forward_groups: tuple[str, ...] = ()
     """Process groups that ran a collective in this rank's forward (origins.py)."""
+    dropped: bool = False
+    """Its gradients were replaced by zeros before their reduction (``OwnRow.dropped``)."""
 
     @property
     def rank(self) -> int:
@@ -294,7 +308,8 @@ class RankHealth:
         forward_groups: tuple[str, ...] = (),
     ) -> RankHealth:
         return cls(identity, own.kinds, own.injected, own.loss, own.grad_norm,
-                   own.quarantined, ratios, own.reached, own.boundary, forward_groups)
+                   own.quarantined, ratios, own.reached, own.boundary, forward_groups,
+                   own.dropped)
 
     def to_json(self) -> dict[str, object]:
         """What a named rank sends in a detection (JSON; NaN stays NaN on this wire)."""
@@ -303,7 +318,7 @@ class RankHealth:
             "injected": self.injected, "loss": self.loss, "grad_norm": self.grad_norm,
             "quarantined": self.quarantined, "spikes": dict(self.spikes),
             "reached": self.reached, "boundary": list(self.boundary),
-            "forward_groups": list(self.forward_groups),
+            "forward_groups": list(self.forward_groups), "dropped": self.dropped,
         }
 
     def to_wire(self) -> list[object]:
@@ -334,7 +349,7 @@ class RankHealth:
             d["grad_norm"], bool(d["quarantined"]),
             {str(k): float(v) for k, v in d["spikes"].items()},
             bool(d.get("reached", False)), tuple(d.get("boundary", ())),
-            tuple(d.get("forward_groups", ())),
+            tuple(d.get("forward_groups", ())), bool(d.get("dropped", False)),
         )
 
 

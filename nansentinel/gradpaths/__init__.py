@@ -52,6 +52,10 @@ class GradientSink(Protocol):
     def reducing(self) -> None:
         """A reduction of this step is being launched: the watchdog counts from now."""
 
+    def withhold(self, local_grads: torch.Tensor) -> None:
+        """``local_grads`` (already checked) are about to be reduced: under ``policy="drop"``
+        they become zeros if this rank's batch or loss was non-finite (drop.py)."""
+
     def add_grad_norm(self, norm: torch.Tensor) -> None:
         """Record one 0-d gradient norm of this rank (on the device; no host sync)."""
 

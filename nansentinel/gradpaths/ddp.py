@@ -5,7 +5,8 @@ ready during backward. The hook takes one L2 norm of the bucket (one read of con
 one kernel; NaN and Inf propagate into it), then averages the bucket exactly as DDP's default
 does — NCCL: one ``AVG`` all-reduce; gloo, which has no ``AVG``: scale by 1/world, then sum;
 a world of one: a plain sum (see :func:`averaging`) — and, on the last bucket, launches the
-health exchange so it leaves with the gradients.
+health exchange so it leaves with the gradients. Under ``policy="drop"`` a rank whose batch or
+loss was non-finite sends zeros in place of its bucket (drop.py); the averaging is unchanged.
 """
 
 from __future__ import annotations
@@ -115,6 +116,7 @@ def _comm_hook(state, bucket):  # type: ignore[no-untyped-def]
     path.buckets += 1
     # One norm over the flat bucket: one read of contiguous memory, one kernel.
     sink.add_grad_norm(checks.tensor_norm(buffer))
+    sink.withhold(buffer)  # policy="drop": a poisoned rank sends zeros (drop.py)
     if path.averaging == AVG:
         work = dist.all_reduce(buffer, dist.ReduceOp.AVG, path.group, async_op=True)
     else:

@@ -7,7 +7,8 @@ rank's shard and blame is lost, so checking ``.grad`` at ``step()`` is too late.
 padded, unsharded gradient buffer of one group, in the reduce dtype, just before the collective.
 :class:`CheckedReduceScatter` takes one L2 norm of that buffer there (one read, one kernel — the
 FSDP counterpart of the DDP bucket check), then calls the reduce-scatter FSDP would have called,
-with the same op, group and buffers: healthy steps are bit-identical to plain FSDP2.
+with the same op, group and buffers: healthy steps are bit-identical to plain FSDP2. Under
+``policy="drop"`` a rank whose batch or loss was non-finite hands it zeros instead (drop.py).
 
 The buffer FSDP hands over is already divided by its pre-divide factor where the reduce dtype
 risks overflow (fp16: about the square root of the data-parallel size; not fp32 or bf16, see
@@ -155,6 +156,7 @@ class CheckedReduceScatter(ReduceScatter):  # type: ignore[misc,valid-type]
             pre = predivide_factor(self.param_group, group, input_tensor.dtype,
                                    input_tensor.device.type)
             self.path.check(self.index, input_tensor, world=world, predivided=pre)
+            self.path.sink.withhold(input_tensor)  # policy="drop": zeros (drop.py)
         return self.inner(
             output_tensor=output_tensor, input_tensor=input_tensor, group=group, op=op,
             async_op=async_op,

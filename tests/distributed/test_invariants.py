@@ -1,15 +1,17 @@
 """The invariants of DESIGN.md, in every combination users make (issue 26).
 
-Policy x gate x optimizer x GradScaler x BatchNorm x gradient accumulation x replay x replica
-fingerprints x rank 0 alone reading results, crossed with faults of four kinds (batch, loss,
-forward activation, backward) on one rank and on two, on 3 gloo ranks under DDP. A CI run
-takes a random sample of the combinations; its seed is printed, and
+Policy (skip, rollback, abort, drop) x gate x optimizer x GradScaler x BatchNorm x gradient
+accumulation x replay x replica fingerprints x rank 0 alone reading results, crossed with
+faults of four kinds (batch, loss, forward activation, backward) on one rank and on two, on 3
+gloo ranks under DDP. A CI run takes a random sample of the combinations; its seed is printed, and
 ``NANSENTINEL_MATRIX_SEED=S`` reruns the same sample. ``NANSENTINEL_MATRIX=all`` runs every
 combination (thousands: hours), ``NANSENTINEL_MATRIX=N`` a sample of N.
 
 After each combination:
 - every rank took the same decision at every step, and the run ended on every rank alike
-  (to the end, or ``NonFiniteError`` at the same step under ``policy="abort"``);
+  (to the end, or ``NonFiniteError`` at the same step under ``policy="abort"``); under
+  ``policy="drop"`` a batch, loss or forward fault on one rank is ``dropped`` (applied, that
+  rank named), and the rank left out puts its floating buffers back;
 - weights and optimizer state are finite and bit-identical across replicas, floating buffers
   finite; and where the policy promises it (every faulty step skipped, or an abort), weights,
   buffers, optimizer state and the scale equal, bit for bit, a run that never saw the faulty
@@ -31,6 +33,7 @@ from tests.distributed.harness import run_ranks, values
 from tests.distributed.workers_invariants import (
     FAULT_STEPS,
     STEPS,
+    drops,
     every_combo,
     faults_of,
     finite,
@@ -79,7 +82,10 @@ def check(combo: dict[str, Any], ranks: list[dict[str, Any]], where: str) -> Non
         assert first["error"] is None, f"{where}: {first['error']}"
         assert sorted(outcomes) == list(range(STEPS)), where
         for step, o in outcomes.items():
-            if step in faults:
+            if step in faults and drops(combo):
+                assert o["outcome"] == "dropped" and o["applied"], f"{where}: {o}"
+                assert o["bad_ranks"] == faults[step], f"{where}: {o}"
+            elif step in faults:
                 assert o["outcome"] in ("skipped", "rolled_back", "overflow"), f"{where}: {o}"
                 assert not o["applied"] or o["outcome"] == "overflow", f"{where}: {o}"
             elif step - 1 in faults and outcomes[step - 1]["outcome"] == "rolled_back":
@@ -105,11 +111,16 @@ def check(combo: dict[str, Any], ranks: list[dict[str, Any]], where: str) -> Non
                 assert same(mine["state"][key], ref["state"][key]), (
                     f"{where}: {key} differ from the run without the faulty steps (rank {rank})")
             assert mine["state"]["scale"] == ref["state"]["scale"], f"{where}: scale differs"
-    # Restored buffers are said so.
-    if combo["batchnorm"] and combo["policy"] == "skip":
+    # Restored buffers are said so: every rank's on a skip, the left-out rank's on a drop.
+    if combo["batchnorm"] and combo["policy"] in ("skip", "drop"):
         for step in faults:
             if outcomes[step]["outcome"] == "skipped":
                 assert outcomes[step]["buffers_restored"] == 2, f"{where}: {outcomes[step]}"
+            if outcomes[step]["outcome"] == "dropped":
+                restored = [{o["step"]: o for o in out["outcomes"]}[step]["buffers_restored"]
+                            for out in faulty]
+                want = [2 if r in faults[step] else 0 for r in range(WORLD)]
+                assert restored == want, f"{where}: step {step} restored {restored}"
     # One valid report per incident.
     incidents = [o for o in first["outcomes"] if o["bad_ranks"]]
     reports = first["reports"]

@@ -26,7 +26,7 @@ from nansentinel.result import ResultPending
 
 #: The dimensions of the matrix and their values.
 DIMENSIONS: dict[str, tuple[Any, ...]] = {
-    "policy": ("skip", "rollback", "abort"),
+    "policy": ("skip", "rollback", "abort", "drop"),
     "gate": ("host", "device"),
     "optimizer": ("adamw_fused", "adamw_foreach", "sgd"),
     "scaler": ("none", "plain", "clip"),
@@ -107,6 +107,14 @@ def _optimizer(kind: str, params: Any) -> torch.optim.Optimizer:
     if kind == "adamw_foreach":
         return torch.optim.AdamW(params, lr=1e-2, foreach=True)
     return torch.optim.SGD(params, lr=1e-2, momentum=0.9)
+
+
+def drops(combo: Combo) -> bool:
+    """Under ``policy="drop"`` the faulty steps are dropped: a fault known before the
+    gradients leave (batch, loss, a NaN forward: the loss), on one rank of 3 (``max_dropped``
+    1/8: one rank), not GradScaler's overflow; two ranks, or a NaN made in the backward, skip."""
+    return (combo["policy"] == "drop" and combo["faulty_ranks"] == 1
+            and combo["fault"] in ("batch", "loss", "activation"))
 
 
 def faults_of(combo: Combo, world: int) -> dict[int, list[int]]:

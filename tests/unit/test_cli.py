@@ -60,7 +60,7 @@ def test_unknown_command_is_2_and_named(capsys: pytest.CaptureFixture[str]) -> N
     [
         (["--policy", "bogus"],
          "nansentinel demo: error: policy='bogus' is not a known policy; expected one of skip, "
-         "abort, rollback"),
+         "abort, rollback, drop"),
         (["--inject", "kind=nope"], "nansentinel demo: error: inject='kind=nope': "),
     ],
 )
@@ -85,7 +85,7 @@ def test_demo_bad_policy_from_the_environment_names_the_variable(
     assert cli.main(["demo"]) == exitcodes.EXIT_CONFIG
     assert capsys.readouterr().err == (
         "nansentinel demo: error: policy='bogus' is not a known policy; expected one of skip, "
-        "abort, rollback (from environment variable NANSENTINEL_POLICY)\n"
+        "abort, rollback, drop (from environment variable NANSENTINEL_POLICY)\n"
     )
 
 
