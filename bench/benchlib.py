@@ -572,6 +572,22 @@ def markdown_table(
     return "\n".join(lines)
 
 
+def paired_report(report: dict[str, Any], setup: str, labels: Any, weights: str) -> str:
+    """A paired run's markdown (the pipeline and DeepSpeed variants): ``setup`` and the load,
+    the nansentinel imported, the table, the verdict, and the final weights' difference
+    (``weights`` says over what)."""
+    load = report["loadavg_1m_before_after"]
+    note = f" ({report['note']})" if report["note"] else ""
+    lines = [f"{setup}, torch {report['torch']}, load average {load[0]:.1f} -> {load[1]:.1f}",
+             f"nansentinel: {report['nansentinel']}{note}", "",
+             markdown_table(report["summary"], labels), ""]
+    lines += [f"- {v}" for v in verdict(report["summary"])]
+    lines.append(f"- final weights, max |sentinel - baseline|{weights}: "
+                 f"{report['weights_max_abs_diff_vs_baseline']['sentinel']:.2e} (the sentinel "
+                 "applied every step)")
+    return "\n".join(lines)
+
+
 def verdict(summary: dict[str, dict[str, float]]) -> list[str]:
     """Plain sentences on the sentinel's targets. A target counts as met or missed only when
     the whole confidence interval is on one side of it; otherwise this run cannot tell."""

@@ -178,24 +178,9 @@ def report(spec: DeepSpeedSpec, ranks: list[dict[str, Any]], merge: Any) -> dict
 def render(report: dict[str, Any]) -> str:
     """The markdown report: setup line, table, verdict, final-weights line."""
     m = report["model"]
-    load = report["loadavg_1m_before_after"]
-    lines = [
+    return benchlib.paired_report(report, (
         f"{report['benchmark']} ({report['deepspeed_optimizer']}, gradient path "
         f"{report['gradient_path']}), {report['world_size']} ranks x "
         f"{report['threads_per_rank']} thread(s), {report['parameters'] / 1e6:.2f} M params "
         f"(d_model {m['d_model']}, {m['layers']} layers, batch {m['batch']} x seq {m['seq']}), "
-        f"fp32, {report['steps']} rounds, torch {report['torch']}, load average "
-        f"{load[0]:.1f} -> {load[1]:.1f}",
-        f"nansentinel: {report['nansentinel']}" + (f" ({report['note']})" if report["note"]
-                                                   else ""),
-        "",
-        benchlib.markdown_table(report["summary"], labels(report["stage"])),
-        "",
-    ]
-    lines += [f"- {v}" for v in benchlib.verdict(report["summary"])]
-    lines.append(
-        "- final weights, max |sentinel - baseline|: "
-        f"{report['weights_max_abs_diff_vs_baseline']['sentinel']:.2e} (the sentinel applied "
-        "every step)"
-    )
-    return "\n".join(lines)
+        f"fp32, {report['steps']} rounds"), labels(report["stage"]), "")

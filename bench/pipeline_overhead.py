@@ -224,23 +224,9 @@ def render(report: dict[str, Any]) -> str:
     """The markdown report: setup line, table, verdict, final-weights line."""
     m = report["model"]
     params = " + ".join(f"{p / 1e6:.2f}" for p in report["parameters_per_stage"])
-    load = report["loadavg_1m_before_after"]
-    lines = [
+    return benchlib.paired_report(report, (
         f"{report['benchmark']}, {report['world_size']} stages on {report['world_size']} ranks "
         f"x {report['threads_per_rank']} thread(s), {params} M params (d_model {m['d_model']}, "
         f"{m['layers']} layers split in halves, batch {m['batch']} x seq {m['seq']} in "
-        f"{report['microbatches']} micro-batches), {report['steps']} rounds, torch "
-        f"{report['torch']}, load average {load[0]:.1f} -> {load[1]:.1f}",
-        f"nansentinel: {report['nansentinel']}" + (f" ({report['note']})" if report["note"]
-                                                   else ""),
-        "",
-        benchlib.markdown_table(report["summary"], LABELS),
-        "",
-    ]
-    lines += [f"- {v}" for v in benchlib.verdict(report["summary"])]
-    lines.append(
-        "- final weights, max |sentinel - baseline| over both stages: "
-        f"{report['weights_max_abs_diff_vs_baseline']['sentinel']:.2e} (the sentinel applied "
-        "every step)"
-    )
-    return "\n".join(lines)
+        f"{report['microbatches']} micro-batches), {report['steps']} rounds"), LABELS,
+        " over both stages")
