@@ -328,18 +328,18 @@ class RankHealth:
         i = self.identity
         return [i.rank, i.local_rank, i.hostname, i.device, i.gpu, i.gpu_uuid, list(self.kinds),
                 self.injected, self.loss, self.grad_norm, self.quarantined, dict(self.spikes),
-                self.reached, list(self.boundary), list(self.forward_groups)]
+                self.reached, list(self.boundary), list(self.forward_groups), self.dropped]
 
     @classmethod
     def from_wire(cls, w: list[Any], world_size: int) -> RankHealth:
         """The row :meth:`to_wire` sent, from a rank of a group of ``world_size``."""
         (rank, local_rank, host, device, gpu, uuid, kinds, injected, loss, grad_norm,
-         quarantined, spikes, reached, boundary, groups) = w
+         quarantined, spikes, reached, boundary, groups, dropped) = w
         return cls(
             RankIdentity(int(rank), int(local_rank), world_size, host, device, gpu, uuid),
             _shared(kinds), bool(injected), loss, grad_norm, bool(quarantined),
             {str(k): float(v) for k, v in spikes.items()} if spikes else {}, bool(reached),
-            _shared(boundary), _shared(groups),
+            _shared(boundary), _shared(groups), bool(dropped),
         )
 
     @classmethod

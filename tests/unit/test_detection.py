@@ -61,9 +61,16 @@ def test_several_flagged_ranks_and_worlds_past_fp32_indices_ask_every_rank() -> 
 def test_a_named_rows_wire_is_its_row() -> None:
     from nansentinel.view import RankHealth
 
+    import dataclasses
+
     row = RankHealth(RankIdentity(5, 1, 8, "node2", "cuda:1", "1", "GPU-5"), ("loss", "grad"),
                      True, float("inf"), 2.0, True, {"loss": 3.5}, True, ("received gradients",),
-                     ("0", "tp"))
+                     ("0", "tp"), True)
+    # Every field off its default, so a field the wire leaves out fails the round trip.
+    for f in dataclasses.fields(RankHealth):
+        default = (f.default_factory() if f.default_factory is not dataclasses.MISSING
+                   else f.default)
+        assert getattr(row, f.name) != default, f"{f.name} left at its default"
     assert RankHealth.from_wire(row.to_wire(), 8) == row
 
 
