@@ -276,12 +276,15 @@ def _candidate(ranks: list[int], world: int) -> int:
 
 def _encoded(rank: int, bad: bool, rows: bool) -> bytes:
     """What a named rank sends: its row (the detection), or its incident detail."""
-    if rows:  # RankHealth.to_wire
-        return json.dumps([
-            rank, rank % 8, f"node{rank // 8:05d}", f"cuda:{rank % 8}", str(rank % 8),
-            f"GPU-{rank:08x}", ["loss"] if bad else [], False,
-            float("nan") if bad else 2.5, 1.0, False, {}, False, [], ["0"] if bad else [],
-        ]).encode()
+    if rows:  # the named row itself, so that the bench follows the wire's layout
+        from nansentinel.result import RankIdentity
+        from nansentinel.view import RankHealth
+
+        identity = RankIdentity(rank, rank % 8, 0, f"node{rank // 8:05d}", f"cuda:{rank % 8}",
+                                str(rank % 8), f"GPU-{rank:08x}")
+        row = RankHealth(identity, ("loss",) if bad else (), False,
+                         float("nan") if bad else 2.5, 1.0, forward_groups=("0",) if bad else ())
+        return json.dumps(row.to_wire()).encode()
     record: dict[str, Any]
     if bad:
         record = {"batch_path": f"/reports/incident-step-rank{rank}-batch.pt",
