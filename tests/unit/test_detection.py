@@ -59,9 +59,9 @@ def test_several_flagged_ranks_and_worlds_past_fp32_indices_ask_every_rank() -> 
 
 
 def test_a_named_rows_wire_is_its_row() -> None:
-    from nansentinel.view import RankHealth
-
     import dataclasses
+
+    from nansentinel.view import RankHealth
 
     row = RankHealth(RankIdentity(5, 1, 8, "node2", "cuda:1", "1", "GPU-5"), ("loss", "grad"),
                      True, float("inf"), 2.0, True, {"loss": 3.5}, True, ("received gradients",),
