@@ -53,7 +53,10 @@ def run(rank: int, world: int, *, mesh: str, steps: int, report_dir: str, replic
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     if one_host_each:
         overrides["hostname"] = f"host{rank}"
-    sentinel = nansentinel.Sentinel(model, opt, report_dir=report_dir, **overrides)
+    # The counters are read from a registry of the test's (no exporter): no scraper to wait
+    # for after an abort or an exclusion (metrics_linger).
+    sentinel = nansentinel.Sentinel(model, opt, report_dir=report_dir,
+                                    **{"metrics_linger": 0, **overrides})
     registry = CollectorRegistry()
     sentinel.metrics = SentinelMetrics(sentinel.identity, registry=registry)
     records, error = [], None
