@@ -30,7 +30,9 @@ from tests.support import free_port
 
 #: Imported once by the forkserver, before it forks a rank (nothing here starts a thread that
 #: a fork could catch holding a lock: importing torch starts none that runs Python).
-PRELOAD = ["torch", "torch.distributed", "torch.nn.parallel", "torch.distributed.fsdp",
+#: ``torch._dynamo``: DDP's constructor imports it (~1.5 s a rank).
+PRELOAD = ["torch", "torch.distributed", "torch.nn.parallel", "torch._dynamo",
+           "torch.distributed.fsdp", "torch.distributed.tensor", "torch.distributed.pipelining",
            "nansentinel", "nansentinel.sentinel", __name__]
 
 
