@@ -93,6 +93,29 @@ def batchnorm_ddp(rank: int, world: int, *, steps: int, report_dir: str) -> dict
             "buffers": torch.cat([net.norm.running_mean, net.norm.running_var])}
 
 
+def late_close(rank: int, world: int, *, late: float, report_dir: str) -> dict[str, float]:
+    """Two DDP steps, then ``close()``, which the last rank reaches ``late`` seconds after the
+    others: when each rank entered and left it (one machine, one clock)."""
+    import time
+
+    torch.manual_seed(0)
+    model = DDP(nn.Linear(4, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    sentinel = nansentinel.Sentinel(model, opt, report_dir=report_dir)
+    for step in range(2):
+        x = torch.randn(8, 4, generator=torch.Generator().manual_seed(10 * step + rank))
+        loss = model(sentinel.check_batch(x)).pow(2).mean()
+        sentinel.check_loss(loss)
+        loss.backward()
+        sentinel.step()
+        opt.zero_grad()
+    if rank == world - 1:
+        time.sleep(late)
+    entered = time.time()
+    sentinel.close()
+    return {"entered": entered, "left": time.time()}
+
+
 def reads_on_rank0(rank: int, world: int, *, steps: int, report_dir: str, gate: str,
                    fault_step: int | None) -> dict[str, Any]:
     """Rank 0 alone reads each result and saves state_dict() (a loop that logs and

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -21,7 +20,9 @@ pytestmark = pytest.mark.e2e
 
 REPO = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).resolve().parent / "workers" / "exit_worker.py"
-RUNS = 10  # two at a time: ~55 s; 20 cost 110 s of the suite's 20-minute budget
+#: Three at a time. A plain DDP script aborted at exit in about half its runs under load
+#: (issue 26): six runs miss that with a chance of 1 in 64. 20 cost 110 s of the suite's budget.
+RUNS = 6
 
 
 @pytest.mark.timeout(900)
@@ -43,34 +44,35 @@ def test_a_script_that_just_returns_exits_cleanly_every_time(tmp_path: Path) -> 
             return run, proc.returncode, out[-2000:]
         return None
 
-    # Two jobs at a time: half the wall time, and exits that overlap another job's start.
-    with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
+    # Three jobs at a time on the CI machine's two cores: exits that overlap other jobs' starts.
+    with concurrent.futures.ThreadPoolExecutor(max_workers=3) as pool:
         failures = [f for f in pool.map(one, range(RUNS)) if f is not None]
     assert not failures, f"{len(failures)}/{RUNS} runs did not exit cleanly: {failures[:2]}"
 
 
-DEMO_RUNS = 10  # two at a time under a CPU load: ~60 s
+DEMO_RUNS = 10
+DEMO_AT_ONCE = 3
 
 
 @pytest.mark.timeout(900)
 def test_the_demo_exits_0_every_time_under_cpu_load(tmp_path: Path) -> None:
     """Issue 26 item 4: the README's demo, 4 ranks, 6 steps (the fault at step 5 included),
-    while another process loads the CPUs: 2 of 8 runs had ended with a rank killed by SIGABRT
-    at exit ("terminate called without an active exception": torch 2.13's gloo tearing its
-    group down while a peer still used it), and `nansentinel run` reported a failed worker.
-    ``Sentinel.close()`` now leaves every rank at one barrier before the group goes."""
+    ten times under CPU load: 2 of 8 runs had ended with a rank killed by SIGABRT at exit
+    ("terminate called without an active exception": torch 2.13's gloo tearing its group down
+    while a peer still used it), and `nansentinel run` reported a failed worker.
+    ``Sentinel.close()`` now leaves every rank at one barrier before the group goes.
+
+    The load is the demos themselves: three at a time put 12 ranks and 3 agents on the CI
+    machine's two cores for the whole test, so every exit overlaps other jobs' work (a busy
+    process beside two demos cost 45 s more and loaded the machine no more)."""
     env = {**{k: v for k, v in os.environ.items() if not k.startswith("NANSENTINEL_")},
            "PYTHONPATH": str(REPO)}
-    load = subprocess.Popen(
-        [sys.executable, str(REPO / "tests" / "distributed" / "cpu_load.py"), "600", "1"],
-        stdin=subprocess.DEVNULL, start_new_session=True,  # its burner is killed with it
-    )
 
     def one(run: int) -> tuple[int, int, str] | None:
         proc = subprocess.run(
             [sys.executable, "-m", "nansentinel", "demo", "--steps", "6",
              "--report-dir", str(tmp_path / f"r{run}")],
-            capture_output=True, text=True, timeout=180, cwd=tmp_path,
+            capture_output=True, text=True, timeout=240, cwd=tmp_path,
             stdin=subprocess.DEVNULL, env=env,
         )
         out = proc.stdout + proc.stderr
@@ -78,10 +80,6 @@ def test_the_demo_exits_0_every_time_under_cpu_load(tmp_path: Path) -> None:
             return run, proc.returncode, out[-2000:]
         return None
 
-    try:
-        with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
-            failures = [f for f in pool.map(one, range(DEMO_RUNS)) if f is not None]
-    finally:
-        os.killpg(load.pid, signal.SIGKILL)
-        load.wait(10)
+    with concurrent.futures.ThreadPoolExecutor(max_workers=DEMO_AT_ONCE) as pool:
+        failures = [f for f in pool.map(one, range(DEMO_RUNS)) if f is not None]
     assert not failures, f"{len(failures)}/{DEMO_RUNS} demos did not exit 0: {failures[:2]}"
