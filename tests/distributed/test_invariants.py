@@ -43,8 +43,8 @@ from tests.distributed.workers_invariants import (
 )
 
 WORLD = 3
-#: Combinations a CI run takes (each ~1 s on 3 gloo ranks).
-SAMPLE = 16
+#: Combinations a CI run takes (each ~0.5-1 s on 3 gloo ranks: ~25 s).
+SAMPLE = 32
 #: Combinations handed to one set of ranks (the rest go to the next set).
 CHUNK = 48
 
