@@ -105,7 +105,9 @@ def test_1f1b_names_the_origin_alone_and_strikes_only_its_host(tmp_path: Path) -
 @pytest.mark.timeout(180)
 def test_an_interleaved_schedule_names_the_stage_where_it_began(tmp_path: Path) -> None:
     """Interleaved1F1B, 4 stages on 2 ranks (rank 0: stages 0 and 2; rank 1: 1 and 3): a NaN
-    that began on stage 1 passes through rank 0's stage 2 before it comes back."""
+    that began on stage 1 passes through rank 0's stage 2 before it comes back. Asked for the
+    device gate with a fused optimizer, the pipeline keeps the host gate (issue 27 item 2: the
+    stages make their next sentinel call at different points, where a detection deadlocked)."""
     faults = {(1, 1): "forward", (3, 2): "backward", (5, 3): "forward"}
     outs = values(run_ranks(interleaved, 2, tmp_path, steps=7, faults=faults,
                             report_dir=str(tmp_path / "r"), timeout=160))
@@ -117,7 +119,7 @@ def test_an_interleaved_schedule_names_the_stage_where_it_began(tmp_path: Path) 
                 assert (rec["bad_ranks"], rec["reached"]) == expected[rec["step"]], rec
             else:
                 assert rec["applied"] and not rec["bad_ranks"] and not rec["reached"], rec
-        assert out["finite"] and not out["replica_check"]
+        assert out["finite"] and not out["replica_check"] and out["gate"] == "host"
 
 
 @pytest.mark.timeout(150)

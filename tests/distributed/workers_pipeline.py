@@ -127,13 +127,15 @@ def interleaved(rank: int, world: int, *, steps: int, faults: dict[tuple[int, in
         torch.manual_seed(i)
         blocks.append(Block())
     params = [p for b in blocks for p in b.parameters()]
-    optimizer = torch.optim.AdamW(params, lr=1e-2)
+    optimizer = torch.optim.AdamW(params, lr=1e-2, fused=True)
     stages = [PipelineStage(b, i, 4, torch.device("cpu")) for b, i in zip(blocks, indices,
                                                                             strict=True)]
     # fingerprint_every=1: the stages are not replicas of each other, so the replica check
-    # must stay off here (with it on, every healthy step would "diverge").
+    # must stay off here (with it on, every healthy step would "diverge"). gate="device" with
+    # a fused optimizer: refused under a pipeline (the stages' next calls differ), host gate.
     sentinel = nansentinel.Sentinel(blocks, optimizer, stages=stages, hostname=f"host{rank}",
-                                    report_dir=report_dir, replay=False, fingerprint_every=1)
+                                    report_dir=report_dir, replay=False, fingerprint_every=1,
+                                    gate="device")
     sched = ScheduleInterleaved1F1B(stages, MICRO,
                                     loss_fn=sentinel.wrap_loss(nn.functional.mse_loss))
     records = []
@@ -145,7 +147,8 @@ def interleaved(rank: int, world: int, *, steps: int, faults: dict[tuple[int, in
     replicas = sentinel.replicas
     sentinel.close()
     return {"records": records, "finite": all(bool(torch.isfinite(p).all()) for p in params),
-            "replica_check": replicas is not None}
+            "replica_check": replicas is not None,
+            "gate": "host" if sentinel.device_gate is None else "device"}
 
 
 def forward_collective(rank: int, world: int, *, steps: int, poisoned: tuple[int, int],

@@ -61,6 +61,8 @@ def test_refusals_say_why(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> N
     spiky = SentinelConfig(gate="device", loss_spike_action="skip")
     assert "spike" in str(device_gate_refusal(fused, scaler=None, config=spiky, path="ddp"))
     assert "FSDP2" in str(device_gate_refusal(fused, scaler=None, config=cfg, path="fsdp"))
+    assert "pipeline stages" in str(device_gate_refusal(fused, scaler=None, config=cfg,
+                                                        path="local", pipelined=True))
 
 
 def test_found_inf_follows_the_view() -> None:
