@@ -311,20 +311,12 @@ class RankHealth:
                    own.quarantined, ratios, own.reached, own.boundary, forward_groups,
                    own.dropped)
 
-    def to_json(self) -> dict[str, object]:
-        """What a named rank sends in a detection (JSON; NaN stays NaN on this wire)."""
-        return {
-            "identity": self.identity.to_json(), "kinds": list(self.kinds),
-            "injected": self.injected, "loss": self.loss, "grad_norm": self.grad_norm,
-            "quarantined": self.quarantined, "spikes": dict(self.spikes),
-            "reached": self.reached, "boundary": list(self.boundary),
-            "forward_groups": list(self.forward_groups), "dropped": self.dropped,
-        }
-
     def to_wire(self) -> list[object]:
-        """What a named rank sends in a detection: :meth:`to_json`'s fields by position, its
-        world size left out (the receiver's own). Positional because a detection may name
-        every rank: 131,072 records of keys would be three times the bytes and the parse."""
+        """What a named rank sends in a detection: its fields by position, in the dataclass's
+        order (its identity's first, its world size left out: the receiver's own). Positional
+        because a detection may name every rank: 131,072 records of keys would be three times
+        the bytes and the parse. The one list of the fields to keep in step with the class
+        (test_detection sets every field off its default and round-trips it)."""
         i = self.identity
         return [i.rank, i.local_rank, i.hostname, i.device, i.gpu, i.gpu_uuid, list(self.kinds),
                 self.injected, self.loss, self.grad_norm, self.quarantined, dict(self.spikes),
@@ -340,16 +332,6 @@ class RankHealth:
             _shared(kinds), bool(injected), loss, grad_norm, bool(quarantined),
             {str(k): float(v) for k, v in spikes.items()} if spikes else {}, bool(reached),
             _shared(boundary), _shared(groups), bool(dropped),
-        )
-
-    @classmethod
-    def from_json(cls, d: dict[str, Any]) -> RankHealth:
-        return cls(
-            RankIdentity(**d["identity"]), tuple(d["kinds"]), bool(d["injected"]), d["loss"],
-            d["grad_norm"], bool(d["quarantined"]),
-            {str(k): float(v) for k, v in d["spikes"].items()},
-            bool(d.get("reached", False)), tuple(d.get("boundary", ())),
-            tuple(d.get("forward_groups", ())), bool(d.get("dropped", False)),
         )
 
 

@@ -149,10 +149,11 @@ def test_the_count_travels_in_the_exchange_and_each_rank_sees_its_own() -> None:
     assert not OwnRow.from_values(kept.tolist()).dropped
     health = RankHealth.of(RankIdentity(2, 0, 4, "h", "cpu"), OwnRow.from_values(out.tolist()),
                            {})
-    assert RankHealth.from_json(health.to_json()).dropped
-    older = health.to_json()
-    del older["dropped"]  # a row from before the field: not withheld
-    assert not RankHealth.from_json(older).dropped
+    # The flag travels with the named row (as a detection sends it), and only when set.
+    assert RankHealth.from_wire(health.to_wire(), 4).dropped
+    kept_row = RankHealth.of(RankIdentity(0, 0, 4, "h", "cpu"), OwnRow.from_values(kept.tolist()),
+                             {})
+    assert not RankHealth.from_wire(kept_row.to_wire(), 4).dropped
 
 
 def test_the_flag_is_known_from_batch_and_loss_before_backward() -> None:
