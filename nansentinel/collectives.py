@@ -108,36 +108,30 @@ class Peers:
 
     def max_floats(self, values: list[float]) -> list[float]:
         """Element-wise maximum of a short float list across ranks (identity alone)."""
-        return self._reduce_floats(values, dist.ReduceOp.MAX)
+        return self._reduce(values, dist.ReduceOp.MAX, torch.float32)
 
     def sum_floats(self, values: list[float]) -> list[float]:
         """Element-wise sum of a short float list across ranks (identity alone)."""
-        return self._reduce_floats(values, dist.ReduceOp.SUM)
-
-    def _reduce_floats(self, values: list[float], op: Any) -> list[float]:
-        t = torch.tensor(values, dtype=torch.float32, device=self.comm_device)
-        if not self.alone:
-            dist.all_reduce(t, op, group=self.group)
-        return t.tolist()
+        return self._reduce(values, dist.ReduceOp.SUM, torch.float32)
 
     def min_ints(self, values: list[int]) -> list[int]:
         """Element-wise minimum of a short int list across ranks (identity alone), in int64:
         a place in an order times the world size plus a rank stays exact, where fp32 would
         round it beyond 2**24. Used only on the rare path (where a replay's collective input
         first went non-finite, trace.py and replay.py)."""
-        t = torch.tensor(values, dtype=torch.int64, device=self.comm_device)
+        return self._reduce(values, dist.ReduceOp.MIN, torch.int64)
+
+    def _reduce(self, values: list[Any], op: Any, dtype: torch.dtype) -> list[Any]:
+        """One all-reduce of a short list as ``dtype`` on the group's device (the list itself
+        when this rank is alone)."""
+        t = torch.tensor(values, dtype=dtype, device=self.comm_device)
         if not self.alone:
-            dist.all_reduce(t, dist.ReduceOp.MIN, group=self.group)
+            dist.all_reduce(t, op, group=self.group)
         return t.tolist()
 
     def send_object(self, obj: object, src: int, dst: int) -> object | None:
         """Move one batch-like object from rank ``src`` to rank ``dst``; called on every rank,
         only ``dst`` gets it (None elsewhere). Used only by the replay after a detection.
-
-        Every rank takes part (a sum of the size, then one ``all_to_all_single`` in which only
-        the two ranks move bytes): a send and a receive between the two alone would advance
-        only their collective sequence numbers on gloo, and the group's next collective would
-        no longer match across ranks (``TORCH_DISTRIBUTED_DEBUG=DETAIL`` refuses it).
 
         What travels is :func:`plain` of ``obj`` (tensors, strings, numbers, and dicts, lists
         and tuples of them), and the receiver loads it with ``weights_only=True``: a rank never
