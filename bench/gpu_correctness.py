@@ -50,8 +50,8 @@ _BUSY_CYCLES = 200_000_000
 
 
 def check_gate_stream(tmp: Path) -> tuple[bool, str]:
-    from nansentinel.gate import DeviceGate, Pending
-    from nansentinel.view import SIZE
+    from nansentinel.step.gate import DeviceGate, Pending
+    from nansentinel.wire.view import SIZE
 
     two = torch.cuda.device_count() >= 2
     device = torch.device("cuda", 1 if two else 0)
@@ -107,7 +107,7 @@ def check_ddp_world1(tmp: Path) -> tuple[bool, str]:
 
 
 def check_group_timeout(tmp: Path) -> tuple[bool, str]:
-    from nansentinel.watchdog import TimeoutFit, Watchdog, group_timeout
+    from nansentinel.wire.watchdog import TimeoutFit, Watchdog, group_timeout
 
     first = group_timeout(None)
     dist.distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=40))
@@ -125,7 +125,7 @@ def check_group_timeout(tmp: Path) -> tuple[bool, str]:
 
 
 def check_flight_recorder(tmp: Path) -> tuple[bool, str]:
-    from nansentinel.stop import dump_flight_recorder
+    from nansentinel.effects.stop import dump_flight_recorder
 
     x = torch.ones(1001, device="cuda:0")
     for _ in range(3):
@@ -142,8 +142,8 @@ def check_flight_recorder(tmp: Path) -> tuple[bool, str]:
 
 
 def check_nccl_future(tmp: Path) -> tuple[bool, str]:
-    from nansentinel.exchange import HealthExchange
-    from nansentinel.view import SIZE, TOTALS
+    from nansentinel.wire.exchange import HealthExchange
+    from nansentinel.wire.view import SIZE, TOTALS
 
     device = torch.device("cuda", 0)
     x = torch.ones(1001, device=device)

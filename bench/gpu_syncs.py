@@ -28,7 +28,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import nansentinel
-from nansentinel import gate
+from nansentinel.step import gate
 
 STEPS = 10
 PROMISE = {"foreach": 1.0, "fused": 0.0}

@@ -62,8 +62,8 @@ def one_world(world: int, steps: int, detections: int,
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     import nansentinel
-    from nansentinel import exchange
-    from nansentinel.view import (
+    from nansentinel.wire import exchange
+    from nansentinel.wire.view import (
         R_BATCH,
         R_GRAD,
         R_HAS_GRAD,
@@ -267,7 +267,7 @@ class Wire:
 
 
 def _candidate(ranks: list[int], world: int) -> int:
-    from nansentinel.detection import replay_candidate
+    from nansentinel.rare.detection import replay_candidate
 
     candidate = replay_candidate(ranks, world)
     assert candidate is not None
@@ -278,7 +278,7 @@ def _encoded(rank: int, bad: bool, rows: bool) -> bytes:
     """What a named rank sends: its row (the detection), or its incident detail."""
     if rows:  # the named row itself, so that the bench follows the wire's layout
         from nansentinel.result import RankIdentity
-        from nansentinel.view import RankHealth
+        from nansentinel.wire.view import RankHealth
 
         identity = RankIdentity(rank, rank % 8, 0, f"node{rank // 8:05d}", f"cuda:{rank % 8}",
                                 str(rank % 8), f"GPU-{rank:08x}")

@@ -22,22 +22,22 @@ OPTIMIZER = "  optimizer.step (the user's, not ours)"
 WAIT = "  exchange.wait (incl. the wait for the collective)"
 #: (label, "module:attribute path"); indentation in the label shows nesting.
 PARTS = (
-    ("check_batch", "nansentinel.sentinel:Sentinel.check_batch"),
-    ("check_loss", "nansentinel.sentinel:Sentinel.check_loss"),
-    ("comm hook, all buckets (in backward)", "nansentinel.gradpaths.ddp:_comm_hook"),
-    ("FSDP2 reduce-scatter checks (in backward)", "nansentinel.gradpaths.fsdp:FSDPPath.check"),
+    ("check_batch", "nansentinel.step.sentinel:Sentinel.check_batch"),
+    ("check_loss", "nansentinel.step.sentinel:Sentinel.check_loss"),
+    ("comm hook, all buckets (in backward)", "nansentinel.engines.ddp:_comm_hook"),
+    ("FSDP2 reduce-scatter checks (in backward)", "nansentinel.engines.fsdp:FSDPPath.check"),
     ("  checks.tensor_norm (buckets; batch tensors too)", "nansentinel.checks:tensor_norm"),
     ("  launch_exchange: pack row + start exchange",
-     "nansentinel.sentinel:Sentinel.launch_exchange"),
-    ("    LocalHealth.row (pack the row)", "nansentinel.local:LocalHealth.row"),
-    ("    exchange.launch", "nansentinel.exchange:HealthExchange.launch"),
+     "nansentinel.step.sentinel:Sentinel.launch_exchange"),
+    ("    LocalHealth.row (pack the row)", "nansentinel.checks.health:LocalHealth.row"),
+    ("    exchange.launch", "nansentinel.wire.exchange:HealthExchange.launch"),
     ("  dist.all_reduce calls (buckets + health vector)", "torch.distributed:all_reduce"),
-    ("  watchdog arm (all callers)", "nansentinel.watchdog:Watchdog.arm"),
-    ("step()", "nansentinel.sentinel:Sentinel.step"),
-    (WAIT, "nansentinel.exchange:HealthExchange.wait"),
-    ("  decide", "nansentinel.sentinel:decide"),
-    ("  history.record", "nansentinel.policy:History.record"),
-    ("  _result", "nansentinel.sentinel:Sentinel._result"),
+    ("  watchdog arm (all callers)", "nansentinel.wire.watchdog:Watchdog.arm"),
+    ("step()", "nansentinel.step.sentinel:Sentinel.step"),
+    (WAIT, "nansentinel.wire.exchange:HealthExchange.wait"),
+    ("  decide", "nansentinel.step.sentinel:decide"),
+    ("  history.record", "nansentinel.decide.policy:History.record"),
+    ("  _result", "nansentinel.step.sentinel:Sentinel._result"),
 )
 
 

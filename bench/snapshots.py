@@ -104,9 +104,9 @@ def one_rank(rank: int, world: int, args: dict[str, Any]) -> dict[str, Any]:
     import torch
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from nansentinel.collectives import Peers
-    from nansentinel.recovery import MemorySnapshots
-    from nansentinel.report import to_cpu
+    from nansentinel.common.report import to_cpu
+    from nansentinel.effects.recovery import MemorySnapshots
+    from nansentinel.wire.collectives import Peers
 
     torch.set_num_threads(1)
     net = _model(args)

@@ -14,9 +14,9 @@ apply the step, skip it, or abort — naming the rank and host that was poisoned
         optimizer.zero_grad()
 """
 
+from nansentinel.common.inject import Fault, parse_inject
 from nansentinel.config import ConfigError, SentinelConfig
-from nansentinel.inject import Fault, parse_inject
-from nansentinel.recovery import SnapshotMemoryError
+from nansentinel.effects.recovery import SnapshotMemoryError
 from nansentinel.result import (
     ExchangeTimeoutError,
     HostExcludedError,
@@ -27,7 +27,7 @@ from nansentinel.result import (
     SentinelUsageError,
     StepResult,
 )
-from nansentinel.sentinel import Sentinel
+from nansentinel.step.sentinel import Sentinel
 
 __version__ = "0.1.0"
 

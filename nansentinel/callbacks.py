@@ -15,7 +15,7 @@ import torch
 
 from nansentinel.config import SentinelConfig
 from nansentinel.result import SentinelUsageError, StepResult
-from nansentinel.sentinel import Sentinel
+from nansentinel.step.sentinel import Sentinel
 
 
 class SentinelState:

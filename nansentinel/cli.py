@@ -49,10 +49,13 @@ def main(argv: list[str] | None = None) -> int:
     return 2
 
 
+#: The demo's fire drill when neither ``--inject`` nor NANSENTINEL_INJECT says otherwise (the
+#: command sets the variable for the workers; the demo module itself reads only the config).
+DEFAULT_INJECT = "kind=grad,rank=2,step=5,value=nan"
+
+
 def demo(argv: list[str]) -> int:
     """Run the demo job under torchrun, in this process."""
-    from nansentinel.demo import DEFAULT_INJECT
-
     p = argparse.ArgumentParser(prog="nansentinel demo", description=demo.__doc__)
     p.add_argument("--nproc", type=int, default=4, help="CPU ranks (default 4)")
     p.add_argument("--steps", type=int, default=20, help="training steps (default 20)")
@@ -115,7 +118,7 @@ def incidents(argv: list[str]) -> int:
     """List the incident reports of a directory, or explain one (``show``)."""
     import json
 
-    from nansentinel import incidents as reading
+    from nansentinel.reading import incidents as reading
 
     default = os.environ.get(env_var("report_dir"), DEFAULT_REPORT_DIR)
     showing = bool(argv) and argv[0] == "show"
@@ -155,7 +158,7 @@ def incidents(argv: list[str]) -> int:
         incident = reading.find(args.id, Path(args.dir))
         sections = reading.explain(incident)
         if args.html:
-            from nansentinel import page
+            from nansentinel.reading import page
 
             written = page.write(incident, sections, Path(args.html))
             sections.append(reading.Section("Page", (f"written to {written}",)))

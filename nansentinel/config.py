@@ -278,7 +278,7 @@ class SentinelConfig:
                 f"of {', '.join(DIVERGENCE_ACTIONS)}"
             )
         if self.inject is not None:
-            from nansentinel.inject import parse_inject  # local: inject imports config
+            from nansentinel.common.inject import parse_inject  # local: inject imports config
 
             try:
                 parse_inject(self.inject)

@@ -27,11 +27,10 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import nansentinel
-from nansentinel.report import write_new
+from nansentinel.common.report import write_new
 
 _SUMMARY = "The nansentinel demo job (one worker; run it under torchrun)."
 VOCAB, SEQ, DIM = 64, 16, 32
-DEFAULT_INJECT = "kind=grad,rank=2,step=5,value=nan"
 
 
 class TinyTransformer(nn.Module):

@@ -38,7 +38,7 @@ import torch
 
 from nansentinel.callbacks import SentinelState
 from nansentinel.result import SentinelUsageError
-from nansentinel.sentinel import Sentinel
+from nansentinel.step.sentinel import Sentinel
 
 
 class SentinelCallback(SentinelState, pl.Callback):

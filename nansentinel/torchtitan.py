@@ -18,7 +18,7 @@ the config the registry function returns. :func:`with_sentinel` returns the same
 own ``Trainer`` with the three calls in its loop:
 
 - ``__init__`` — after torchtitan has parallelised the model and built its optimizers, the
-  :class:`~nansentinel.sentinel.Sentinel` is built on the model (FSDP2: a checked
+  :class:`~nansentinel.step.sentinel.Sentinel` is built on the model (FSDP2: a checked
   reduce-scatter on every FSDP group) and torchtitan's ``OptimizersContainer``. Under pipeline
   parallelism, on this rank's model parts with the schedule's stages (their boundaries are
   checked, so the stage where a NaN began is named alone and the others go to ``reached``),
@@ -70,7 +70,7 @@ except ImportError as exc:  # pragma: no cover - depends on what is installed
 
 from nansentinel.config import SentinelConfig
 from nansentinel.result import SentinelUsageError, StepResult
-from nansentinel.sentinel import Sentinel
+from nansentinel.step.sentinel import Sentinel
 
 log = logging.getLogger("nansentinel")
 
@@ -87,7 +87,7 @@ class SentinelTrainer(Trainer):
     the gradient reduction, and each step applied, skipped or aborted by every rank at once.
 
     Attributes:
-        sentinel: the :class:`~nansentinel.sentinel.Sentinel`.
+        sentinel: the :class:`~nansentinel.step.sentinel.Sentinel`.
         last: the :class:`~nansentinel.result.StepResult` of the latest optimizer step.
         skipped: ``{torchtitan step: result}`` of every step that was not applied.
     """

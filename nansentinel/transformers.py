@@ -41,13 +41,13 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 from transformers import TrainerCallback
 
 from nansentinel.callbacks import SentinelState
 from nansentinel.result import SentinelUsageError
-from nansentinel.sentinel import Sentinel
+from nansentinel.step.sentinel import Sentinel
+from nansentinel.wire.collectives import job_rank, job_size
 
 
 class SentinelCallback(SentinelState, TrainerCallback):
@@ -78,7 +78,7 @@ class SentinelCallback(SentinelState, TrainerCallback):
         # step hooks are not torch's: the sentinel works on the optimizer underneath.
         self._model, self._raw = model, getattr(optimizer, "optimizer", optimizer)
         self._scaler = getattr(optimizer, "scaler", None)
-        world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        world = job_size()
         if world > 1:
             self._finder = torch.nn.modules.module.register_module_forward_pre_hook(
                 self._find_wrapper)
@@ -101,9 +101,9 @@ class SentinelCallback(SentinelState, TrainerCallback):
         elif module is self._model and self._training(module):
             self._stop_finding()
             raise SentinelUsageError(
-                f"nansentinel: the Trainer runs {dist.get_world_size()} ranks but did not wrap "
+                f"nansentinel: the Trainer runs {job_size()} ranks but did not wrap "
                 "the model in DistributedDataParallel (FSDP or DeepSpeed?); SentinelCallback "
-                f"supports DDP and single-process training (rank {dist.get_rank()})"
+                f"supports DDP and single-process training (rank {job_rank()})"
             )
 
     def _stop_finding(self) -> None:

@@ -3,8 +3,8 @@
 torchrun's agent ends in one of a few ways -- the workers finished, they failed past
 ``--max-restarts``, the exclusion guard kept this host out, a signal arrived -- and a job
 script should not have to read logs to tell which. :func:`launch` runs the agent and turns
-its ending into one code of :mod:`nansentinel.exitcodes`, taking the reason from the verdicts
-the ranks left (:mod:`nansentinel.verdicts`), and prints one block per failed rank in the
+its ending into one code of :mod:`nansentinel.common.exitcodes`, taking the reason from the verdicts
+the ranks left (:mod:`nansentinel.common.verdicts`), and prints one block per failed rank in the
 spirit of torchrun's ``@record`` summary: host, rank, exit code, time, and the sentinel's
 verdict. :func:`refuse_excluded` is the ending of a launch that never started.
 """
@@ -17,18 +17,18 @@ import sys
 from collections.abc import Mapping
 from typing import Any
 
-from nansentinel.exclusion import ExclusionRecord, ExclusionStore
-from nansentinel.exitcodes import (
+from nansentinel.common.exclusion import ExclusionRecord, ExclusionStore
+from nansentinel.common.exitcodes import (
     EXIT_HOST_EXCLUDED,
     EXIT_NONFINITE_ABORT,
     EXIT_OK,
     EXIT_WORKER_FAILED,
     NAMES,
 )
+from nansentinel.common.verdicts import CLOSED, RankVerdict, outcome_from_verdicts, read_verdicts
 from nansentinel.launcher.console import PROG, format_time, say
 from nansentinel.launcher.on_exclude import run_hook
 from nansentinel.launcher.rendezvous_guard import ExclusionGuard, HostExcludedExit
-from nansentinel.verdicts import CLOSED, RankVerdict, outcome_from_verdicts, read_verdicts
 
 
 def launch(

@@ -12,7 +12,7 @@ from __future__ import annotations
 import datetime
 import sys
 
-from nansentinel.exitcodes import EXIT_CONFIG, EXIT_OK
+from nansentinel.common.exitcodes import EXIT_CONFIG, EXIT_OK
 
 #: The prefix of every launcher message, and the program name in its usage line.
 PROG = "nansentinel run"

@@ -2,7 +2,7 @@
 
 The exclusion file outlives the job on purpose -- a launcher started later on a bad host
 refuses to join -- so an operator needs a way to see why a host is out and to let it back
-in once it is fixed, without editing JSON lines by hand (:mod:`nansentinel.exclusion` keeps
+in once it is fixed, without editing JSON lines by hand (:mod:`nansentinel.common.exclusion` keeps
 the file locked while it rewrites it).
 """
 
@@ -17,8 +17,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from nansentinel import config as _config
-from nansentinel.exclusion import ExclusionStore
-from nansentinel.exitcodes import EXIT_CONFIG, EXIT_OK
+from nansentinel.common.exclusion import ExclusionStore
+from nansentinel.common.exitcodes import EXIT_CONFIG, EXIT_OK
 from nansentinel.launcher.console import exit_status, format_time
 
 

@@ -18,9 +18,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from nansentinel.exclusion import ExclusionRecord, ExclusionStore
+from nansentinel.common.exclusion import ExclusionRecord, ExclusionStore
+from nansentinel.common.verdicts import RankVerdict, archive_verdicts, read_verdicts
 from nansentinel.launcher.console import say
-from nansentinel.verdicts import RankVerdict, archive_verdicts, read_verdicts
 
 #: The rendezvous backend name under which the exclusion guard is registered.
 GUARD_BACKEND = "nansentinel"

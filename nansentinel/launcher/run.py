@@ -37,12 +37,12 @@ a variable already in the environment, and a variable you exported is passed on 
 
 The launcher also sets ``NANSENTINEL_RUN_DIR`` (unless you did): a directory it creates for
 this run (under the report directory, else the system temporary directory) where each rank
-leaves a verdict before it raises (see :mod:`nansentinel.verdicts`).
+leaves a verdict before it raises (see :mod:`nansentinel.common.verdicts`).
 
 What happens when workers fail. torchrun's agent restarts the worker group up to
 ``--max-restarts`` times. When it gives up, this launcher prints one block per failed rank
 (host, rank, exit code, time, and the sentinel's verdict when the rank left one) and exits
-with a code from :mod:`nansentinel.exitcodes`: 3 when the sentinel aborted on non-finite
+with a code from :mod:`nansentinel.common.exitcodes`: 3 when the sentinel aborted on non-finite
 values, 4 on the host the sentinel excluded, 5 when a rank missed the health exchange, 1 for
 any other failure, 2 for a usage or configuration error (nothing is started then).
 
@@ -94,8 +94,9 @@ from pathlib import Path
 from typing import Any
 
 from nansentinel import config as _config
-from nansentinel.exclusion import ExclusionStore
-from nansentinel.exitcodes import EXIT_CONFIG, EXIT_OK
+from nansentinel.common.exclusion import ExclusionStore
+from nansentinel.common.exitcodes import EXIT_CONFIG, EXIT_OK
+from nansentinel.common.verdicts import archive_verdicts
 from nansentinel.launcher.agent import launch, refuse_excluded
 from nansentinel.launcher.console import PROG, exit_status, say
 from nansentinel.launcher.on_exclude import check_hook
@@ -103,7 +104,6 @@ from nansentinel.launcher.rendezvous_guard import (
     ExclusionGuard,
     install_guard,
 )
-from nansentinel.verdicts import archive_verdicts
 
 _SHARE_STORE_ENV = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
 
@@ -202,7 +202,7 @@ def split_argv(argv: Sequence[str]) -> tuple[list[str], list[str]]:
 
 def main(argv: list[str] | None = None) -> int:
     """``nansentinel run``: parse, check exclusion, launch torchrun in-process; returns the
-    exit code (see :mod:`nansentinel.exitcodes`)."""
+    exit code (see :mod:`nansentinel.common.exitcodes`)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     ours, theirs = split_argv(argv)
     parser = build_parser()

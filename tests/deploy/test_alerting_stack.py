@@ -23,7 +23,7 @@ from typing import Any
 
 import pytest
 
-from nansentinel.metrics import SentinelMetrics
+from nansentinel.effects.metrics import SentinelMetrics
 from nansentinel.result import RankIdentity, StepResult
 from tests.deploy.test_deploy_files import (
     ALERTMANAGER,

@@ -19,7 +19,7 @@ import torch
 import yaml
 from prometheus_client import generate_latest
 
-from nansentinel.metrics import HostCollector, SentinelMetrics
+from nansentinel.effects.metrics import HostCollector, SentinelMetrics
 from nansentinel.result import RankIdentity, StepResult
 
 ROOT = Path(__file__).resolve().parents[2]

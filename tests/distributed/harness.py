@@ -33,7 +33,7 @@ from tests.support import free_port
 #: ``torch._dynamo``: DDP's constructor imports it (~1.5 s a rank).
 PRELOAD = ["torch", "torch.distributed", "torch.nn.parallel", "torch._dynamo",
            "torch.distributed.fsdp", "torch.distributed.tensor", "torch.distributed.pipelining",
-           "nansentinel", "nansentinel.sentinel", __name__]
+           "nansentinel", "nansentinel.step.sentinel", __name__]
 
 
 def _entry(rank: int, fn: Callable[..., Any], world: int, port: int, out: str,

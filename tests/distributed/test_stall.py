@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from nansentinel.exitcodes import EXIT_EXCHANGE_TIMEOUT
+from nansentinel.common.exitcodes import EXIT_EXCHANGE_TIMEOUT
 from tests.distributed.harness import run_ranks, values
 from tests.distributed.workers import stall
 

@@ -47,7 +47,7 @@ def fitted(rank: int, world: int) -> dict[str, Any]:
 
 @pytest.mark.timeout(120)
 def test_a_shorter_group_timeout_shortens_the_deadline_on_every_rank(tmp_path: Path) -> None:
-    from nansentinel.watchdog import watchdog_deadline
+    from nansentinel.wire.watchdog import watchdog_deadline
 
     # Without DETAIL: its wrapper of the group takes no new timeout (torch 2.13:
     # "Set timeout is now only supported for either nccl or gloo").

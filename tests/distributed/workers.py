@@ -150,7 +150,7 @@ def slow_report(rank: int, world: int, *, report_dir: str) -> dict[str, Any]:
     import pathlib
     import time
 
-    from nansentinel import report
+    from nansentinel.common import report
 
     if rank == 0:
         write_json = report.write_json
@@ -205,7 +205,7 @@ def slow_steps(rank: int, world: int, *, exchange_timeout: float, pause: float,
     its construction is counted."""
     import collections
 
-    from nansentinel import exchange
+    from nansentinel.wire import exchange
 
     class Counting:
         def __init__(self, store: Any) -> None:

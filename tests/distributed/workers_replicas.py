@@ -17,8 +17,8 @@ from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import nansentinel
-from nansentinel.metrics import SentinelMetrics
-from nansentinel.replicas import replicated_state
+from nansentinel.effects.metrics import SentinelMetrics
+from nansentinel.rare.replicas import replicated_state
 
 
 def build(mesh: str, world: int, replicate: int) -> tuple[nn.Module, nn.Module]:

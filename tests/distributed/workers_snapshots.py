@@ -9,8 +9,8 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import nansentinel
-from nansentinel.collectives import Peers
-from nansentinel.recovery import MemorySnapshots
+from nansentinel.effects.recovery import MemorySnapshots
+from nansentinel.wire.collectives import Peers
 
 #: A weight of 301 x 299 = 89,999 elements: above the sharding threshold, and a multiple of
 #: none of 2, 3, 4, so the last slice is padded.

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from nansentinel.collectives import Peers
+from nansentinel.wire.collectives import Peers
 
 Pair = collections.namedtuple("Pair", "a b")
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from nansentinel.exitcodes import EXIT_CONFIG, EXIT_NONFINITE_ABORT
+from nansentinel.common.exitcodes import EXIT_CONFIG, EXIT_NONFINITE_ABORT
 
 pytestmark = pytest.mark.e2e
 

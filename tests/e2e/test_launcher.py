@@ -17,16 +17,16 @@ from pathlib import Path
 
 import pytest
 
-from nansentinel.exclusion import ExclusionRecord, ExclusionStore
-from nansentinel.exitcodes import (
+from nansentinel.common.exclusion import ExclusionRecord, ExclusionStore
+from nansentinel.common.exitcodes import (
     EXIT_EXCHANGE_TIMEOUT,
     EXIT_HOST_EXCLUDED,
     EXIT_NONFINITE_ABORT,
     EXIT_OK,
 )
+from nansentinel.common.verdicts import RankVerdict, write_verdict
 from nansentinel.launcher.excluded_command import excluded_main
 from nansentinel.launcher.run import main
-from nansentinel.verdicts import RankVerdict, write_verdict
 
 from .netns import NetnsCluster, unavailable_reason
 

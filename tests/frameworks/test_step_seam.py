@@ -85,7 +85,7 @@ def test_the_callers_step_runs_under_the_rollback_cooldown_then_the_lr_is_restor
 
 def test_importing_nansentinel_imports_no_framework() -> None:
     code = (
-        "import sys, nansentinel, nansentinel.sentinel, nansentinel.cli\n"
+        "import sys, nansentinel, nansentinel.step.sentinel, nansentinel.cli\n"
         "bad = [m for m in sys.modules if m.split('.')[0] in "
         "('lightning', 'pytorch_lightning', 'transformers', 'accelerate')]\n"
         "assert not bad, bad\n"

@@ -14,11 +14,12 @@ import pytest
 from torch.distributed.elastic.multiprocessing import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
-from nansentinel import cli, exitcodes
-from nansentinel.exclusion import ExclusionRecord, ExclusionStore
+from nansentinel import cli
+from nansentinel.common import exitcodes
+from nansentinel.common.exclusion import ExclusionRecord, ExclusionStore
+from nansentinel.common.verdicts import RankVerdict, write_verdict
 from nansentinel.launcher import agent
 from nansentinel.launcher.rendezvous_guard import ExclusionGuard, HostExcludedExit
-from nansentinel.verdicts import RankVerdict, write_verdict
 
 BAR = "=" * 78
 T0 = 1_700_000_000  # 2023-11-14 22:13:20Z

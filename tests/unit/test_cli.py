@@ -10,9 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from nansentinel import cli, exitcodes
+from nansentinel import cli
+from nansentinel.common import exitcodes
+from nansentinel.common.exclusion import ExclusionRecord, ExclusionStore
 from nansentinel.config import KNOWN_ENV
-from nansentinel.exclusion import ExclusionRecord, ExclusionStore
 
 REPO = Path(__file__).resolve().parents[2]
 T0 = 1_700_000_000  # 2023-11-14 22:13:20Z

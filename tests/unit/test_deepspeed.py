@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from nansentinel.deepspeed import _release, _shadowed
-from nansentinel.gradpaths.deepspeed import is_engine
+from nansentinel.engines.deepspeed import is_engine
+from nansentinel.engines.deepspeed_step import _release, _shadowed
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import contextlib
 from typing import Any
 
-from nansentinel.detection import Detector, replay_candidate
+from nansentinel.rare.detection import Detector, replay_candidate
 from nansentinel.result import RankIdentity
-from nansentinel.view import OwnRow, Totals
+from nansentinel.wire.view import OwnRow, Totals
 
 
 class Peers:
@@ -61,7 +61,7 @@ def test_several_flagged_ranks_and_worlds_past_fp32_indices_ask_every_rank() -> 
 def test_a_named_rows_wire_is_its_row() -> None:
     import dataclasses
 
-    from nansentinel.view import RankHealth
+    from nansentinel.wire.view import RankHealth
 
     row = RankHealth(RankIdentity(5, 1, 8, "node2", "cuda:1", "1", "GPU-5"), ("loss", "grad"),
                      True, float("inf"), 2.0, True, {"loss": 3.5}, True, ("received gradients",),
@@ -79,7 +79,7 @@ def test_a_detection_naming_every_rank_is_linear() -> None:
     are built and weighed in well under a second (the quadratic weighing alone took 30 s)."""
     import time  # CPU time: other processes on the machine do not count
 
-    from nansentinel.view import RankHealth
+    from nansentinel.wire.view import RankHealth
 
     world = 20_000
     records = {r: RankHealth(RankIdentity(r, r % 8, world, f"node{r // 8}", "cpu"), ("loss",),

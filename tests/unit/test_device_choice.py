@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from nansentinel.local import local_device
+from nansentinel.checks.health import local_device
 
 
 class _Offloaded:

@@ -14,11 +14,11 @@ import math
 import torch
 
 from nansentinel import checks
-from nansentinel.gate import DeviceGate
-from nansentinel.local import LocalHealth
-from nansentinel.quarantine import signature_stats
-from nansentinel.replicas import comparand, fingerprint, replicated_state
-from nansentinel.view import SIZE, pack
+from nansentinel.checks.health import LocalHealth
+from nansentinel.checks.quarantine import signature_stats
+from nansentinel.rare.replicas import comparand, fingerprint, replicated_state
+from nansentinel.step.gate import DeviceGate
+from nansentinel.wire.view import SIZE, pack
 
 ACC = torch.device("meta")  # the accelerator
 CPU = torch.device("cpu")

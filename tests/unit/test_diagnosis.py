@@ -10,8 +10,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from nansentinel import exchange
 from nansentinel.result import RankIdentity
+from nansentinel.wire import exchange
 
 WORLD = 96
 

@@ -495,7 +495,7 @@ def test_environment_variables_named_exist() -> None:
 
 
 def test_fire_drill_specs_parse() -> None:
-    from nansentinel.inject import parse_inject
+    from nansentinel.common.inject import parse_inject
 
     specs = []
     for _, command in _all_commands():
@@ -524,7 +524,7 @@ def _metric_names() -> set[str]:
     import torch
     from prometheus_client import CollectorRegistry
 
-    from nansentinel.metrics import SentinelMetrics
+    from nansentinel.effects.metrics import SentinelMetrics
     from nansentinel.result import RankIdentity
 
     registry = CollectorRegistry()
@@ -563,7 +563,7 @@ def test_alerts_named_are_the_rules_alerts() -> None:
 
 
 def test_the_exit_code_table_is_the_contract() -> None:
-    from nansentinel import exitcodes
+    from nansentinel.common import exitcodes
 
     codes = {v for k, v in vars(exitcodes).items() if k.startswith("EXIT_")}
     assert {int(row[0]) for row in _table(DOCS / "launch.md", "| exit code |")} == codes

@@ -14,14 +14,9 @@ import torch
 from prometheus_client import CollectorRegistry
 
 import nansentinel
-from nansentinel import drop
+from nansentinel.checks.health import LocalHealth
 from nansentinel.config import ConfigError, SentinelConfig
-from nansentinel.gate import device_gate_refusal
-from nansentinel.incident import _NEXT
-from nansentinel.incidents import _OUTCOME_WORDS
-from nansentinel.local import LocalHealth
-from nansentinel.metrics import SentinelMetrics
-from nansentinel.policy import (
+from nansentinel.decide.policy import (
     DROP,
     EXCLUDE,
     SKIP,
@@ -29,8 +24,13 @@ from nansentinel.policy import (
     decide,
     max_dropped_ranks,
 )
+from nansentinel.effects import drop
+from nansentinel.effects.metrics import SentinelMetrics
+from nansentinel.rare.incident import _NEXT
+from nansentinel.reading.incidents import _OUTCOME_WORDS
 from nansentinel.result import OUTCOMES, Outcome, RankIdentity, StepResult
-from nansentinel.view import TOTALS, ClusterView, OwnRow, RankHealth, Totals, pack
+from nansentinel.step.gate import device_gate_refusal
+from nansentinel.wire.view import TOTALS, ClusterView, OwnRow, RankHealth, Totals, pack
 
 CPU = torch.device("cpu")
 HOSTS = ["n0", "n0", "n1", "n1"]

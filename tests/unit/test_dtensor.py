@@ -23,8 +23,8 @@ from torch.distributed.tensor.debug import CommDebugMode
 
 import nansentinel
 from nansentinel import checks
-from nansentinel.gradpaths.local_grads import check_local_grads, scan_parameters
-from nansentinel.local import LocalHealth
+from nansentinel.checks.health import LocalHealth
+from nansentinel.engines.local import check_local_grads, scan_parameters
 
 CPU = torch.device("cpu")
 
@@ -155,7 +155,7 @@ def test_a_drill_writes_into_this_ranks_local_tensor_without_a_collective(
 ) -> None:
     """Indexing a sharded DTensor all-gathers it: a drill on one rank would issue a
     collective no other rank does (a hang), and write nowhere this rank holds."""
-    from nansentinel.inject import Injector, parse_inject
+    from nansentinel.common.inject import Injector, parse_inject
 
     injector = Injector(parse_inject("kind=batch,rank=0,step=3"), 0, "h")
     t = dt(torch.ones(2, 3), mesh, placement)
@@ -173,7 +173,7 @@ def test_a_dtensor_batchs_signature_is_taken_on_its_local_tensor(
 ) -> None:
     """Quarantine matching runs on every checked batch once something is quarantined, and
     the replay signs the blamed batch: both on the local tensor, without a collective."""
-    from nansentinel.quarantine import signature, signature_stats
+    from nansentinel.checks.quarantine import signature, signature_stats
 
     batch = {"x": dt(torch.tensor([1.0, -2.0]), mesh, placement), "y": torch.ones(2)}
     stats = plain_and_silent(lambda: signature_stats(batch, CPU).float())

@@ -8,9 +8,9 @@ import math
 import pytest
 import torch
 
-from nansentinel.exchange import HealthExchange
-from nansentinel.local import LocalHealth
-from nansentinel.view import (
+from nansentinel.checks.health import LocalHealth
+from nansentinel.wire.exchange import HealthExchange
+from nansentinel.wire.view import (
     EXCHANGE_BYTES,
     SIZE,
     TOTALS,
@@ -111,7 +111,7 @@ def test_a_rank_without_loss_or_grads_reports_none() -> None:
 def test_plain_keeps_data_and_names_what_it_drops() -> None:
     import collections
 
-    from nansentinel.collectives import plain
+    from nansentinel.wire.collectives import plain
 
     point = collections.namedtuple("point", "x y")
 
@@ -211,7 +211,7 @@ class _Store:
 def test_check_ins_leave_a_bounded_number_of_keys(monkeypatch: pytest.MonkeyPatch) -> None:
     """Each check-in removes this rank's key and the count and answer of the step it last
     checked in for: however many steps check in, the keys stay those of the last."""
-    from nansentinel import exchange as module
+    from nansentinel.wire import exchange as module
 
     store = _Store()
     monkeypatch.setattr(module, "_default_store", lambda: store)
@@ -241,7 +241,7 @@ def test_host_bytes_reads_a_tensor_in_one_copy() -> None:
     byte, 130 s for the 41 MB of rows that 131,072 named ranks sent)."""
     import time
 
-    from nansentinel.collectives import host_bytes
+    from nansentinel.wire.collectives import host_bytes
 
     data = torch.frombuffer(bytearray(b"[1, 2] null"), dtype=torch.uint8)
     assert host_bytes(data) == b"[1, 2] null" and host_bytes(data[7:]) == b"null"

@@ -11,15 +11,15 @@ from types import SimpleNamespace
 
 import pytest
 
-from nansentinel.exclusion import ExclusionRecord, ExclusionStore
-from nansentinel.exitcodes import EXIT_CONFIG, EXIT_OK
+from nansentinel.common.exclusion import ExclusionRecord, ExclusionStore
+from nansentinel.common.exitcodes import EXIT_CONFIG, EXIT_OK
+from nansentinel.common.verdicts import RankVerdict, write_verdict
 from nansentinel.launcher.excluded_command import excluded_main
 from nansentinel.launcher.rendezvous_guard import (
     ExclusionGuard,
     GuardedRendezvousHandler,
     HostExcludedExit,
 )
-from nansentinel.verdicts import RankVerdict, write_verdict
 
 
 def _record(host: str, step: int = 3, **kw: object) -> ExclusionRecord:

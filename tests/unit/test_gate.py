@@ -10,9 +10,9 @@ import torch
 
 import nansentinel
 from nansentinel.config import ConfigError, SentinelConfig
-from nansentinel.gate import DeviceGate, PendingResult, device_gate_refusal
 from nansentinel.result import ResultPending
-from nansentinel.view import SIZE, T_BAD_GRAD, T_BAD_LOSS, T_QUARANTINED
+from nansentinel.step.gate import DeviceGate, PendingResult, device_gate_refusal
+from nansentinel.wire.view import SIZE, T_BAD_GRAD, T_BAD_LOSS, T_QUARANTINED
 
 
 def make(tmp_path: Path, *, fused: bool = True, **kw: object):  # type: ignore[no-untyped-def]
@@ -155,7 +155,7 @@ def test_copy_to_host_is_fenced_on_the_vectors_device_not_the_current_one(
 ) -> None:
     """Issue 20, item 5: the vector on cuda:1 while cuda:0 is current (DDP with device_ids and
     no set_device): the event must be recorded on cuda:1's current stream, after the copy."""
-    import nansentinel.gate as gate
+    import nansentinel.step.gate as gate
 
     calls: list[tuple[str, object]] = []
 

@@ -6,8 +6,8 @@ import pytest
 import torch
 from torch import nn
 
-from nansentinel.gradpaths import fsdp
-from nansentinel.gradpaths.local_grads import naming_detail, scan_parameters
+from nansentinel.engines import fsdp
+from nansentinel.engines.local import naming_detail, scan_parameters
 from nansentinel.result import SentinelUsageError
 
 
@@ -169,7 +169,7 @@ def test_predivide_factor_is_fsdps_own() -> None:
     assert params == ["reduce_scatter_group", "all_reduce_group", "reduce_dtype", "device_type",
                       "factor", "force_sum_reduction_for_comms"], (
         f"torch {torch.__version__} changed FSDP2's _get_gradient_divide_factors (tested with "
-        "2.9 to 2.13): nansentinel.gradpaths.fsdp.predivide_factor must follow it")
+        "2.9 to 2.13): nansentinel.engines.fsdp.predivide_factor must follow it")
     factor = fsdp.predivide_factor
     assert factor(_param_group(), _Group(4), torch.float16, "cuda") == 2.0
     assert factor(_param_group(), _Group(2), torch.float16, "cuda") == 2.0
@@ -193,7 +193,7 @@ def test_local_scan_names_nonfinite_gradients_and_strips_the_prefix() -> None:
 
 
 def test_ddp_averages_as_ddp_does_but_sums_a_world_of_one() -> None:
-    from nansentinel.gradpaths.ddp import AVG, SCALE_THEN_SUM, SUM, averaging
+    from nansentinel.engines.ddp import AVG, SCALE_THEN_SUM, SUM, averaging
 
     assert averaging("nccl", "cuda", 8) == AVG
     assert averaging("gloo", "cpu", 8) == averaging("nccl", "cpu", 2) == SCALE_THEN_SUM

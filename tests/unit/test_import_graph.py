@@ -1,9 +1,22 @@
 """The layering the package promises, checked in its import graph (not only in intent).
 
-- The decision and the data it reads are pure: policy.py reaches no collective and no
-  process group, only the view, the config and the history.
-- The launcher side (nansentinel/launcher/, run in torchrun's agent) imports nothing from the
-  worker side; the two share only their contracts.
+The folders of ``nansentinel/`` are layers, from the bottom up (docs/design.md):
+
+    result, common/, config     the contracts both sides share (the launcher may import them)
+    checks/                     pure tensor checks, this rank's row, buffers, pipeline boundaries
+    wire/                       the row schema, the exchange, the rare path's collectives
+    engines/                    one module per gradient path, each declaring its capabilities
+    decide/                     policy, spikes, origins: pure
+    rare/                       detection, replay, trace, replicas, incidents, curves
+    effects/                    recovery, scaling, drop, stop, metrics
+    step/                       the step in progress, its states, the gates, the Sentinel
+    the top level               the public API and the integrations (lightning, transformers, ...)
+
+A module imports only modules of its own layer or of the layers below it. Two sides stand
+apart: the launcher (``launcher/``, run in torchrun's agent) and the reading side
+(``reading/``, ``nansentinel incidents``) import only the contracts and themselves, and the
+worker side never imports them. Only ``wire/`` and ``engines/`` import ``torch.distributed``
+(and the launcher, which wraps ``torch.distributed.run``, and the demo, a training script).
 """
 
 from __future__ import annotations
@@ -11,38 +24,160 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+import pytest
+
 PACKAGE = Path(__file__).resolve().parents[2] / "nansentinel"
 
-#: What both sides may use: the env variables (and the drill spec their validation parses), the
-#: exclusion file, the verdict files, the exit codes, and the result types those carry.
-CONTRACTS = {"config", "inject", "exclusion", "verdicts", "exitcodes", "result"}
+#: Layer of each folder (and of the top-level contracts), bottom up.
+LEVELS = {
+    "result": 0, "common": 1, "config": 2, "checks": 3, "wire": 4, "engines": 5, "decide": 6,
+    "rare": 7, "effects": 8, "step": 9,
+}
+TOP = 10  # the rest of the top level: the public API and the integrations
+COMMAND = 11  # cli.py and __main__.py: the command dispatches to both sides
+SIDES = {"launcher", "reading"}  # import only the contracts (levels 0-2) and themselves
+#: Where ``torch.distributed`` may be imported, beside wire/ and engines/: the launcher wraps
+#: ``torch.distributed.run``; the demo is a training script that starts its process group.
+DISTRIBUTED_OK = {"wire", "engines", "launcher", "demo"}
+MAX_TOP_LEVEL = 20
 
 
-def _module_path(name: str) -> Path:
-    parts = name.split(".")[1:]
-    base = PACKAGE.joinpath(*parts)
-    return base / "__init__.py" if base.is_dir() else base.with_suffix(".py")
-
-
-def _imports(name: str) -> set[str]:
-    """Modules ``name`` imports at module level or in a function (``nansentinel.*`` and the
-    rest as written), without executing it."""
-    tree = ast.parse(_module_path(name).read_text(encoding="utf-8"))
-    found: set[str] = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Import):
-            found.update(alias.name for alias in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.module:
-            if node.module == "nansentinel":  # from nansentinel import checks, ...
-                found.update(f"nansentinel.{alias.name}" for alias in node.names)
-            else:
-                found.add(node.module)
+def _modules() -> dict[str, Path]:
+    found = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        parts = path.relative_to(PACKAGE).with_suffix("").parts
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        found[".".join(("nansentinel", *parts))] = path
     return found
 
 
+MODULES = _modules()
+
+
+def _unit(name: str) -> str:
+    """The folder of a module, or its own name at the top level (``nansentinel.x.y`` -> x)."""
+    parts = name.split(".")
+    return parts[1] if len(parts) > 1 else "__init__"
+
+
+def _level(name: str) -> int:
+    unit = _unit(name)
+    if unit in LEVELS:
+        return LEVELS[unit]
+    return COMMAND if unit in ("cli", "__main__") else TOP
+
+
+def _type_checking(node: ast.If) -> bool:
+    test = node.test
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+
+
+def _imports(name: str, *, typing: bool = True) -> set[str]:
+    """Modules ``name`` imports, at module level or in a function, as written (``from
+    nansentinel.x import y`` is ``nansentinel.x.y`` where that is a module); ``typing``:
+    with those under ``if TYPE_CHECKING:``."""
+    tree = ast.parse(MODULES[name].read_text(encoding="utf-8"))
+    skip: set[int] = set()
+    if not typing:
+        for node in ast.walk(tree):
+            if isinstance(node, ast.If) and _type_checking(node):
+                skip.update(id(n) for stmt in node.body for n in ast.walk(stmt))
+    found: set[str] = set()
+    for node in ast.walk(tree):
+        if id(node) in skip:
+            continue
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            module = node.module
+            if node.level:  # relative: resolve against the importing package
+                base = name.split(".")[: len(name.split(".")) - node.level + (
+                    1 if MODULES[name].name == "__init__.py" else 0)]
+                module = ".".join([*base, module])
+            found.add(module)
+            found.update(f"{module}.{a.name}" for a in node.names
+                         if f"{module}.{a.name}" in MODULES)
+    return found
+
+
+def _ours(names: set[str]) -> set[str]:
+    return {m for m in names if m in MODULES and m != "nansentinel"}
+
+
+def test_each_layer_imports_only_itself_and_the_layers_below() -> None:
+    broken = []
+    for name in MODULES:
+        if _unit(name) in SIDES:
+            continue
+        if _level(name) == COMMAND:  # the command runs in torchrun's agent: no worker code
+            broken += [f"{name} -> {imported} (the command imports the worker side)"
+                       for imported in _ours(_imports(name, typing=False))
+                       if _unit(imported) not in SIDES
+                       and LEVELS["config"] < _level(imported) < COMMAND]
+            continue
+        for imported in _ours(_imports(name, typing=False)):
+            if _unit(imported) in SIDES and _level(name) != COMMAND:
+                broken.append(f"{name} -> {imported} (the worker side imports a side)")
+            elif _unit(imported) not in SIDES and _level(imported) > _level(name):
+                broken.append(f"{name} (level {_level(name)}) -> {imported} "
+                              f"(level {_level(imported)})")
+    assert not broken, "\n".join(sorted(broken))
+
+
+@pytest.mark.parametrize("side", sorted(SIDES))
+def test_the_sides_import_only_the_contracts_and_themselves(side: str) -> None:
+    broken = [
+        f"{name} -> {imported}"
+        for name in MODULES if _unit(name) == side
+        for imported in _ours(_imports(name))
+        if _unit(imported) != side and _level(imported) > LEVELS["config"]
+    ]
+    assert not broken, "\n".join(broken)
+
+
+def test_only_the_wire_and_the_engines_import_torch_distributed() -> None:
+    broken = sorted(
+        f"{name} imports {imported}"
+        for name in MODULES if _unit(name) not in DISTRIBUTED_OK
+        for imported in _imports(name, typing=False)
+        if imported == "torch.distributed" or imported.startswith("torch.distributed.")
+    )
+    assert not broken, "\n".join(broken)
+
+
+def test_the_decision_reaches_no_collective() -> None:
+    """policy, spikes, origins: pure functions of the view, the history and the config."""
+    for name in (m for m in MODULES if _unit(m) == "decide"):
+        reached = _closure(name)
+        assert not any(m.startswith("torch.distributed") for m in reached), (name, reached)
+        assert not {"nansentinel.wire.exchange", "nansentinel.wire.collectives"} & reached
+
+
+def test_the_checks_reach_no_collective() -> None:
+    for name in (m for m in MODULES if _unit(m) == "checks"):
+        reached = _closure(name)
+        assert not any(m.startswith("torch.distributed") for m in reached), (name, reached)
+
+
+def test_the_top_level_is_the_public_api() -> None:
+    top = sorted(p.stem for p in PACKAGE.glob("*.py"))
+    assert len(top) <= MAX_TOP_LEVEL, top
+
+
+def test_the_graph_reader_sees_imports() -> None:
+    """The checks above would pass vacuously if the reader found nothing."""
+    assert "nansentinel.wire.exchange" in _closure("nansentinel.step.sentinel")
+    assert "nansentinel.launcher.rendezvous_guard" in _imports("nansentinel.launcher.run")
+    assert _level("nansentinel.step.gate") > _level("nansentinel.wire.view")
+    assert "torch.distributed" in _imports("nansentinel.wire.exchange", typing=False) or any(
+        m.startswith("torch.distributed") for m in _imports("nansentinel.wire.exchange"))
+
+
 def _closure(name: str) -> set[str]:
-    """Every module reachable from ``name`` through imports, inside and outside the package
-    (outside modules are not followed)."""
+    """Every module reachable from ``name`` through its imports (outside modules are listed,
+    not followed), without those under ``if TYPE_CHECKING:``."""
     seen: set[str] = set()
     todo = [name]
     while todo:
@@ -50,39 +185,6 @@ def _closure(name: str) -> set[str]:
         if current in seen:
             continue
         seen.add(current)
-        if current.startswith("nansentinel") and _module_path(current).exists():
-            todo.extend(_imports(current))
+        if current in MODULES and current != "nansentinel":  # the package's own __init__
+            todo.extend(_imports(current, typing=False))  # is the API, not a dependency
     return seen - {name}
-
-
-def test_the_decision_reaches_no_collective() -> None:
-    reached = _closure("nansentinel.policy")
-    assert "nansentinel.exchange" not in reached
-    assert "nansentinel.collectives" not in reached
-    assert not any(m.startswith("torch.distributed") for m in reached), sorted(reached)
-    assert "nansentinel.view" in reached  # what it does read
-
-
-def test_reports_and_replay_get_the_view_without_the_exchange() -> None:
-    for name in ("nansentinel.incident", "nansentinel.replay", "nansentinel.local"):
-        assert "nansentinel.exchange" not in _closure(name), name
-
-
-def test_the_launcher_side_imports_only_itself_and_the_contracts() -> None:
-    modules = sorted(p.stem for p in (PACKAGE / "launcher").glob("*.py"))
-    assert {"run", "agent", "rendezvous_guard", "on_exclude"} <= set(modules)
-    for stem in modules:
-        name = "nansentinel.launcher" if stem == "__init__" else f"nansentinel.launcher.{stem}"
-        ours = {m for m in _closure(name) if m.startswith("nansentinel.")}
-        worker_side = {
-            m for m in ours
-            if not m.startswith("nansentinel.launcher")
-            and m.split(".")[1] not in CONTRACTS
-        }
-        assert not worker_side, f"{name} reaches {sorted(worker_side)}"
-
-
-def test_the_graph_reader_sees_imports() -> None:
-    """The checks above would pass vacuously if the reader found nothing."""
-    assert "nansentinel.exchange" in _closure("nansentinel.sentinel")
-    assert "nansentinel.launcher.rendezvous_guard" in _imports("nansentinel.launcher.run")

@@ -13,13 +13,22 @@ from typing import Any
 import pytest
 import torch
 
-from nansentinel.collectives import Peers
 from nansentinel.config import SentinelConfig
-from nansentinel.incident import IncidentWriter, describe, describe_abort, first, payload
-from nansentinel.policy import ABORT, APPLY, EXCLUDE, NONFINITE, ROLLBACK, SKIP, SPIKE, Decision
+from nansentinel.decide.policy import (
+    ABORT,
+    APPLY,
+    EXCLUDE,
+    NONFINITE,
+    ROLLBACK,
+    SKIP,
+    SPIKE,
+    Decision,
+)
+from nansentinel.decide.spikes import CLUSTER, Spikes
+from nansentinel.rare.incident import IncidentWriter, describe, describe_abort, first, payload
 from nansentinel.result import Outcome, RankIdentity, StepResult
-from nansentinel.spikes import CLUSTER, Spikes
-from nansentinel.view import ClusterView, RankHealth, Totals
+from nansentinel.wire.collectives import Peers
+from nansentinel.wire.view import ClusterView, RankHealth, Totals
 
 NAN, INF = float("nan"), float("inf")
 

@@ -14,10 +14,11 @@ from typing import Any
 
 import pytest
 
-from nansentinel import cli, incidents, page
+from nansentinel import cli
+from nansentinel.common.exitcodes import EXIT_CONFIG
+from nansentinel.common.report import incident_stem
 from nansentinel.config import KNOWN_ENV
-from nansentinel.exitcodes import EXIT_CONFIG
-from nansentinel.report import incident_stem
+from nansentinel.reading import incidents, page
 
 REPO = Path(__file__).resolve().parents[2]
 T0 = 1_764_590_000.0

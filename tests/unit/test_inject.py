@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from nansentinel.inject import Injector, parse_inject
+from nansentinel.common.inject import Injector, parse_inject
 
 
 def test_parse_several_faults() -> None:

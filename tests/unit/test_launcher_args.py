@@ -13,17 +13,17 @@ from pathlib import Path
 
 import pytest
 
-from nansentinel import exitcodes
-from nansentinel.launcher import run as launcher
-from nansentinel.launcher.on_exclude import check_hook, format_hook, run_hook
-from nansentinel.launcher.run import main, split_argv
-from nansentinel.verdicts import (
+from nansentinel.common import exitcodes
+from nansentinel.common.verdicts import (
     RankVerdict,
     archive_verdicts,
     outcome_from_verdicts,
     read_verdicts,
     write_verdict,
 )
+from nansentinel.launcher import run as launcher
+from nansentinel.launcher.on_exclude import check_hook, format_hook, run_hook
+from nansentinel.launcher.run import main, split_argv
 
 
 @pytest.mark.parametrize(
@@ -380,7 +380,7 @@ def test_the_store_host_is_recognised_and_its_exclusion_ends_the_job(
 
     from torch.distributed.elastic.rendezvous import RendezvousParameters
 
-    from nansentinel.exclusion import ExclusionRecord
+    from nansentinel.common.exclusion import ExclusionRecord
     from nansentinel.launcher.rendezvous_guard import (
         ExclusionGuard,
         GuardedRendezvousHandler,

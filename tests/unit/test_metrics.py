@@ -24,7 +24,7 @@ import pytest
 import torch
 from prometheus_client import CollectorRegistry
 
-from nansentinel.metrics import (
+from nansentinel.effects.metrics import (
     STEP_OUTCOMES,
     HostCollector,
     MetricsPortError,
@@ -420,7 +420,7 @@ def test_the_server_process_ends_with_its_rank(tmp_path: Path) -> None:
     script = tmp_path / "rank.py"
     script.write_text(
         "import sys, time\n"
-        "from nansentinel.metrics import SentinelMetrics\n"
+        "from nansentinel.effects.metrics import SentinelMetrics\n"
         "from nansentinel.result import RankIdentity\n"
         "m = SentinelMetrics(RankIdentity(0, 0, 1, 'node-a', 'cpu'))\n"
         "port = m.serve('127.0.0.1', 0)\n"

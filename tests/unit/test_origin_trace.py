@@ -14,10 +14,11 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from nansentinel import collective_inputs, origins
-from nansentinel.replay import NO_COLLECTIVE, judged, replay
+from nansentinel.decide import origins
+from nansentinel.rare.replay import NO_COLLECTIVE, judged, replay
 from nansentinel.result import RankIdentity
-from nansentinel.view import RankHealth
+from nansentinel.wire import collective_inputs
+from nansentinel.wire.view import RankHealth
 
 NAN = float("nan")
 
@@ -159,8 +160,8 @@ def test_without_a_replay_function_the_report_says_why_no_trace_ran() -> None:
     runs, and the view's origin_trace (the report's) says why the origin was not told."""
     import contextlib
 
-    from nansentinel.detection import Detector
-    from nansentinel.view import OwnRow, Totals
+    from nansentinel.rare.detection import Detector
+    from nansentinel.wire.view import OwnRow, Totals
 
     class Peers:
         rank, world_size = 0, 2

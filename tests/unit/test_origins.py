@@ -10,13 +10,13 @@ import pytest
 import torch
 
 import nansentinel
-from nansentinel import origins
-from nansentinel.collectives import ForwardCollectives
-from nansentinel.local import LocalHealth
-from nansentinel.pipeline import StageWatch, stages_of
-from nansentinel.policy import is_blamed
+from nansentinel.checks.health import LocalHealth
+from nansentinel.checks.pipeline import StageWatch, stages_of
+from nansentinel.decide import origins
+from nansentinel.decide.policy import is_blamed
 from nansentinel.result import RankIdentity
-from nansentinel.view import OwnRow, RankHealth, Totals, pack
+from nansentinel.wire.collectives import ForwardCollectives
+from nansentinel.wire.view import OwnRow, RankHealth, Totals, pack
 
 CPU = torch.device("cpu")
 NO_REF = torch.full((4,), math.inf)

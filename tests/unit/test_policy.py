@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from nansentinel.config import SentinelConfig
-from nansentinel.policy import ABORT, APPLY, EXCLUDE, OVERFLOW, SKIP, History, decide
+from nansentinel.decide.policy import ABORT, APPLY, EXCLUDE, OVERFLOW, SKIP, History, decide
 from nansentinel.result import RankIdentity
-from nansentinel.view import ClusterView, RankHealth, Totals
+from nansentinel.wire.view import ClusterView, RankHealth, Totals
 
 HOSTS = ["n0", "n0", "n1", "n1"]
 

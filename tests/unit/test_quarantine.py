@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from nansentinel.quarantine import Quarantine, signature
+from nansentinel.checks.quarantine import Quarantine, signature
 
 CPU = torch.device("cpu")
 

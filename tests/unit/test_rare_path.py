@@ -16,8 +16,10 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import nansentinel
-from nansentinel import quarantine, replay, verdicts
-from nansentinel.recovery import MemorySnapshots
+from nansentinel.checks import quarantine
+from nansentinel.common import verdicts
+from nansentinel.effects.recovery import MemorySnapshots
+from nansentinel.rare import replay
 
 
 def _loss(module: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from nansentinel import SnapshotMemoryError
-from nansentinel.recovery import Cooldown, MemorySnapshots, UserSnapshots
+from nansentinel.effects.recovery import Cooldown, MemorySnapshots, UserSnapshots
 
 
 def test_memory_snapshot_restores_model_and_optimizer() -> None:

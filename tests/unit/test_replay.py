@@ -9,8 +9,8 @@ import torch
 from torch import nn
 
 import nansentinel
-from nansentinel.quarantine import signature
-from nansentinel.replay import replay, verdict_of
+from nansentinel.checks.quarantine import signature
+from nansentinel.rare.replay import replay, verdict_of
 
 
 class LogLayer(nn.Module):

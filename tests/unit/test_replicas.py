@@ -7,10 +7,10 @@ import pytest
 import torch
 from prometheus_client import CollectorRegistry
 
+from nansentinel.common.inject import Injector, parse_inject
 from nansentinel.config import ConfigError, SentinelConfig
-from nansentinel.inject import Injector, parse_inject
-from nansentinel.metrics import SentinelMetrics
-from nansentinel.replicas import (
+from nansentinel.effects.metrics import SentinelMetrics
+from nansentinel.rare.replicas import (
     Finding,
     action_for,
     comparand,

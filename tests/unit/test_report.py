@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from nansentinel import report
+from nansentinel.common import report
 
 
 def test_write_json_never_overwrites(tmp_path: Path) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from nansentinel.scaling import record_skip
+from nansentinel.effects.scaling import record_skip
 
 
 def _setup() -> tuple[torch.nn.Module, torch.optim.Optimizer, torch.amp.GradScaler]:

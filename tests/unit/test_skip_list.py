@@ -9,7 +9,7 @@ import torch
 from torch.utils.data import DistributedSampler
 
 from nansentinel import skip_list
-from nansentinel.incident import sample_detail, skipped_ids
+from nansentinel.rare.incident import sample_detail, skipped_ids
 
 
 def test_ids_must_match_the_batch_rows_and_the_error_says_where() -> None:
@@ -75,8 +75,8 @@ def test_a_skip_list_that_cannot_be_written_is_counted_and_training_goes_on(
     from prometheus_client import CollectorRegistry
 
     from nansentinel.config import SentinelConfig
-    from nansentinel.incident import IncidentWriter
-    from nansentinel.metrics import SentinelMetrics
+    from nansentinel.effects.metrics import SentinelMetrics
+    from nansentinel.rare.incident import IncidentWriter
     from nansentinel.result import RankIdentity
 
     identity = RankIdentity(0, 0, 1, "node0", "cpu")

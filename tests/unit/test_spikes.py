@@ -7,9 +7,9 @@ import math
 
 import torch
 
+from nansentinel.decide.spikes import CLUSTER, SpikeDetector, Spikes
 from nansentinel.result import RankIdentity
-from nansentinel.spikes import CLUSTER, SpikeDetector, Spikes
-from nansentinel.view import TOTALS, ClusterView, OwnRow, RankHealth, Totals, pack
+from nansentinel.wire.view import TOTALS, ClusterView, OwnRow, RankHealth, Totals, pack
 
 KW = {"window": 20, "warmup": 10, "ratio": 10, "zscore": 6, "refresh": 1}
 

@@ -9,8 +9,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from nansentinel import stop
-from nansentinel.stop import dump_flight_recorder, flight_recorder_path
+from nansentinel.effects import stop
+from nansentinel.effects.stop import dump_flight_recorder, flight_recorder_path
 
 
 @pytest.fixture

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 
-from nansentinel.watchdog import Watchdog
+from nansentinel.wire.watchdog import Watchdog
 
 
 def wait_for(predicate, timeout: float = 5.0) -> bool:  # type: ignore[no-untyped-def]
@@ -90,8 +90,8 @@ def test_armed_for_counts_from_the_arming_of_that_step_only() -> None:
 
 
 def test_the_late_check_in_is_at_the_timeout_and_the_naming_fits_after_it() -> None:
-    from nansentinel.exchange import diagnosis_grace, late_after
-    from nansentinel.watchdog import naming_seconds, watchdog_deadline
+    from nansentinel.wire.exchange import diagnosis_grace, late_after
+    from nansentinel.wire.watchdog import naming_seconds, watchdog_deadline
 
     for timeout in (4.0, 27.0, 300.0):
         assert late_after(timeout) == timeout  # a slow healthy step never checks in
@@ -124,7 +124,7 @@ def test_each_launched_collective_restarts_the_deadline() -> None:
 
 
 def test_fitted_timeout_ends_the_naming_before_the_groups_timeout() -> None:
-    from nansentinel.watchdog import fitted_timeout, naming_seconds
+    from nansentinel.wire.watchdog import fitted_timeout, naming_seconds
 
     assert fitted_timeout(300.0, None) == 300.0  # the group's is unknown
     assert fitted_timeout(300.0, 1800.0) == 300.0  # gloo's default: it fits
@@ -158,8 +158,13 @@ def test_a_short_gloo_group_timeout_clamps_the_deadline_and_is_rechecked(
 
     import torch.distributed as dist
 
-    from nansentinel.exchange import late_after
-    from nansentinel.watchdog import TimeoutFit, group_timeout, naming_seconds, watchdog_deadline
+    from nansentinel.wire.exchange import late_after
+    from nansentinel.wire.watchdog import (
+        TimeoutFit,
+        group_timeout,
+        naming_seconds,
+        watchdog_deadline,
+    )
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0,
                             world_size=1, timeout=datetime.timedelta(seconds=60))

@@ -25,7 +25,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import nansentinel
-import nansentinel.exclusion
+import nansentinel.common.exclusion
 
 p = argparse.ArgumentParser()
 p.add_argument("outdir", type=Path)
@@ -42,7 +42,7 @@ rank, world = dist.get_rank(), dist.get_world_size()
 # TORCHELASTIC_RESTART_COUNT: an agent that restarts its workers because another agent is
 # waiting in the rendezvous (a membership change) does not count a restart, so after an
 # exclusion one survivor may start its workers with restart count 0.
-exclusions = nansentinel.exclusion.ExclusionStore(os.environ["NANSENTINEL_EXCLUSION_FILE"])
+exclusions = nansentinel.common.exclusion.ExclusionStore(os.environ["NANSENTINEL_EXCLUSION_FILE"])
 deadline = time.monotonic() + 120
 while world < args.full_world and not exclusions.excluded_hosts():
     if time.monotonic() > deadline:

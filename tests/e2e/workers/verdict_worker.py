@@ -14,8 +14,8 @@ import sys
 import time
 from pathlib import Path
 
-from nansentinel.exclusion import ExclusionRecord, ExclusionStore
-from nansentinel.verdicts import RankVerdict, write_verdict
+from nansentinel.common.exclusion import ExclusionRecord, ExclusionStore
+from nansentinel.common.verdicts import RankVerdict, write_verdict
 
 p = argparse.ArgumentParser()
 p.add_argument("outdir", type=Path)

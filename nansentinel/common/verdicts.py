@@ -1,0 +1,285 @@
+"""Verdict files: how a dying rank tells its launcher *why* it stopped.
+
+When the sentinel stops the run (abort, host exclusion, exchange timeout) every rank raises.
+To torchrun's agent that is just "exit code 1"; the reason would be lost in a traceback.
+So just before raising, each rank writes a small JSON verdict to
+``$NANSENTINEL_RUN_DIR/verdicts/rank-{rank}.json``; the launcher on the same host reads the
+verdicts of the last attempt to print a per-rank root-cause summary and to choose its exit
+code (see :mod:`nansentinel.common.exitcodes`).
+
+A verdict is a :class:`RankVerdict`; its JSON keys are its fields: ``rank, local_rank,
+hostname, step, outcome`` (``"aborted"`` | ``"excluded"`` | ``"exchange_timeout"`` |
+``"closed"``: the rank's sentinel closed cleanly, training was over),
+``message, bad_ranks, bad_hosts, kinds, excluded_host`` (or null), ``report_path`` (or null)
+and ``missing`` (the ranks an exchange timeout names).
+
+Files are written atomically (temporary file, fsync, ``os.replace``) because a rank may be
+killed a moment later; a reader sees the old file or the new one, never half of one. The
+launcher moves the verdicts of a failed attempt aside (:func:`archive_verdicts`) before the
+next rendezvous, so verdicts always describe the latest attempt and earlier ones are kept.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import json
+import logging
+import os
+import re
+import tempfile
+from collections.abc import Collection, Mapping
+from pathlib import Path
+from typing import Any
+
+from nansentinel.common.exitcodes import (
+    EXIT_EXCHANGE_TIMEOUT,
+    EXIT_HOST_EXCLUDED,
+    EXIT_NONFINITE_ABORT,
+    EXIT_WORKER_FAILED,
+)
+from nansentinel.result import Outcome
+
+log = logging.getLogger("nansentinel")
+
+#: A verdict's outcome when the step's collectives failed or hung (no step was decided).
+EXCHANGE_TIMEOUT = "exchange_timeout"
+#: A verdict's outcome when the rank's sentinel closed cleanly (``Sentinel.close()``): the
+#: rank finished training; a failure after it is a failure at exit, not mid-run.
+CLOSED = "closed"
+#: The values of a verdict's ``outcome``: the two ways the cluster stops, a timeout, and the
+#: clean end.
+VERDICT_OUTCOMES = (
+    Outcome.ABORTED.value, Outcome.EXCLUDED.value, EXCHANGE_TIMEOUT, CLOSED,
+)
+
+VERDICTS_SUBDIR = "verdicts"
+_RANK_FILE = re.compile(r"^rank-(\d+)\.json$")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class RankVerdict:
+    """Why one rank stopped, as it tells the launcher on its host."""
+
+    rank: int
+    """Global rank of the attempt that wrote it."""
+    outcome: str
+    """One of :data:`VERDICT_OUTCOMES` (a later version may add words: they read as a plain
+    worker failure)."""
+    step: int
+    """The step the sentinel stopped at."""
+    message: str = ""
+    """The exception's message, naming step, ranks, hosts and kinds."""
+    hostname: str = ""
+    local_rank: int | None = None
+    bad_ranks: list[int] = dataclasses.field(default_factory=list)
+    bad_hosts: list[str] = dataclasses.field(default_factory=list)
+    kinds: list[str] = dataclasses.field(default_factory=list)
+    excluded_host: str | None = None
+    """The host the cluster excluded (outcome ``excluded``)."""
+    report_path: str | None = None
+    """The incident report (on the rank that wrote it)."""
+    missing: list[int] = dataclasses.field(default_factory=list)
+    """Ranks that did not answer (outcome ``exchange_timeout``)."""
+
+    @property
+    def excludes(self) -> str | None:
+        """The host this verdict excludes, or None."""
+        if self.outcome == Outcome.EXCLUDED and self.excluded_host:
+            return self.excluded_host
+        return None
+
+    def to_json(self) -> str:
+        """One line of JSON, without a newline. Values JSON cannot encode are written as
+        ``str(value)``: this runs on the failure path, just before the sentinel raises, and
+        must not replace the real error with a serialization error."""
+        return json.dumps(dataclasses.asdict(self), sort_keys=True, default=str)
+
+    @classmethod
+    def from_json(cls, text: str, rank: int | None = None) -> RankVerdict:
+        """Parse :meth:`to_json`'s output; raises ``ValueError`` naming what is wrong.
+        ``rank`` (the file's) stands in for a missing ``rank`` key. Unknown keys (from a
+        later version) are ignored."""
+        data = json.loads(text)
+        if not isinstance(data, dict):
+            raise ValueError("not a JSON object")
+        if rank is not None:
+            data.setdefault("rank", rank)
+        outcome = data.get("outcome")
+        if not isinstance(outcome, str) or not outcome:
+            raise ValueError(f"outcome={outcome!r} is not a non-empty string")
+        ints = {"rank": data.get("rank"), "step": data.get("step", -1)}
+        for key, value in ints.items():
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise ValueError(f"{key}={value!r} is not an integer")
+        local_rank = data.get("local_rank")
+        lists: dict[str, list[Any]] = {}
+        for key in ("bad_ranks", "bad_hosts", "kinds", "missing"):
+            value = data.get(key) or []
+            if not isinstance(value, list):
+                raise ValueError(f"{key}={value!r} is not a list")
+            lists[key] = value
+        return cls(
+            rank=ints["rank"],
+            outcome=outcome,
+            step=ints["step"],
+            message=str(data.get("message") or ""),
+            hostname=str(data.get("hostname") or ""),
+            local_rank=local_rank if isinstance(local_rank, int) else None,
+            excluded_host=_optional_str(data.get("excluded_host")),
+            report_path=_optional_str(data.get("report_path")),
+            **lists,
+        )
+
+
+def _optional_str(value: object) -> str | None:
+    return None if value is None or value == "" else str(value)
+
+
+def verdict_path(run_dir: str | Path, rank: int) -> Path:
+    """Where rank ``rank`` writes its verdict under ``run_dir``."""
+    return Path(run_dir) / VERDICTS_SUBDIR / f"rank-{int(rank)}.json"
+
+
+def write_verdict(run_dir: str | Path, verdict: RankVerdict) -> Path:
+    """Atomically write ``verdict`` as its rank's verdict; returns the file's path."""
+    path = verdict_path(run_dir, verdict.rank)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(
+        dir=path.parent, prefix=f".rank-{int(verdict.rank)}.", suffix=".tmp"
+    )
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(verdict.to_json() + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
+def read_verdicts(run_dir: str | Path) -> dict[int, RankVerdict]:
+    """All verdicts under ``run_dir``, by global rank; ``{}`` when there are none.
+
+    An unreadable or malformed file is skipped with a warning naming it: the launcher must
+    still print its summary when one rank died in an odd way.
+    """
+    directory = Path(run_dir) / VERDICTS_SUBDIR
+    if not directory.is_dir():
+        return {}
+    verdicts: dict[int, RankVerdict] = {}
+    for path in sorted(directory.iterdir()):
+        match = _RANK_FILE.match(path.name)
+        if not match:
+            continue
+        rank = int(match.group(1))
+        try:
+            verdicts[rank] = RankVerdict.from_json(path.read_text(encoding="utf-8"), rank)
+        except (OSError, ValueError) as exc:
+            log.warning("skipping unreadable verdict file %s: %s", path, exc)
+    return verdicts
+
+
+def archive_verdicts(run_dir: str | Path) -> Path | None:
+    """Move the current verdicts aside to ``verdicts.attempt-N``; returns the new path.
+
+    Called by the launcher before each new rendezvous so that a later summary never mixes
+    ranks of two attempts (global ranks are reassigned when membership changes). Returns
+    None when there was nothing to move.
+    """
+    directory = Path(run_dir) / VERDICTS_SUBDIR
+    if not directory.is_dir() or not any(directory.iterdir()):
+        return None
+    for n in itertools.count():
+        target = directory.with_name(f"{VERDICTS_SUBDIR}.attempt-{n}")
+        if target.exists():
+            continue
+        try:
+            os.rename(directory, target)
+        except OSError:
+            if target.exists():  # another process took this number first
+                continue
+            raise
+        return target
+    raise AssertionError("unreachable")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class VerdictOutcome:
+    """What the verdicts of one failed attempt mean for this host's launcher."""
+
+    exit_code: int
+    """One of :mod:`nansentinel.common.exitcodes`."""
+    explanation: str
+    """One line for the summary: what happened and what happens next."""
+    excluded_host: str | None = None
+    """The host the cluster excluded, when a verdict says so."""
+    verdict: RankVerdict | None = None
+    """The verdict the decision rests on (None when there was none)."""
+
+
+def outcome_from_verdicts(
+    verdicts: Mapping[int, RankVerdict], hostname: str, failed: Collection[int] = ()
+) -> VerdictOutcome:
+    """Map the verdicts of a failed attempt to this host's exit code.
+
+    Precedence, strongest first: this host excluded (4) > the sentinel stopped the run,
+    by abort or by excluding another host (3) > a rank missed the health exchange (5) >
+    no verdict at all, an ordinary worker failure (1). An abort outranks a timeout because
+    the sentinel aborts on every rank at the same step, so a timeout next to an abort is a
+    consequence of it, not the cause. ``failed``: the ranks that failed; when every one of
+    them had closed its sentinel cleanly, the failure came at exit, after training: still
+    exit 1 (a failed process is one), but the explanation says so.
+    """
+    by_outcome: dict[str, list[RankVerdict]] = {}
+    for rank in sorted(verdicts):
+        by_outcome.setdefault(verdicts[rank].outcome, []).append(verdicts[rank])
+
+    excluded = by_outcome.get(Outcome.EXCLUDED, [])
+    for v in excluded:
+        if v.excluded_host == hostname:
+            return VerdictOutcome(
+                EXIT_HOST_EXCLUDED,
+                f"this host ({hostname}) was excluded by the sentinel: {v.message}".rstrip(": "),
+                excluded_host=hostname,
+                verdict=v,
+            )
+    if excluded:
+        v = excluded[0]
+        return VerdictOutcome(
+            EXIT_NONFINITE_ABORT,
+            f"host {v.excluded_host} was excluded by the sentinel and no restart is left to "
+            f"continue without it (raise --max-restarts and use --nnodes=MIN:MAX to keep going)",
+            excluded_host=v.excluded_host,
+            verdict=v,
+        )
+    aborted = by_outcome.get(Outcome.ABORTED, [])
+    if aborted:
+        v = aborted[0]
+        return VerdictOutcome(
+            EXIT_NONFINITE_ABORT,
+            f"the sentinel aborted the run: {v.message or 'non-finite values'}",
+            verdict=v,
+        )
+    timeouts = by_outcome.get(EXCHANGE_TIMEOUT, [])
+    if timeouts:
+        v = timeouts[0]
+        return VerdictOutcome(
+            EXIT_EXCHANGE_TIMEOUT,
+            f"the sentinel's health exchange timed out: {v.message}".rstrip(": "),
+            verdict=v,
+        )
+    closed = {v.rank for v in by_outcome.get(CLOSED, [])}
+    if failed and set(failed) <= closed:
+        ranks = ", ".join(str(r) for r in sorted(failed))
+        return VerdictOutcome(
+            EXIT_WORKER_FAILED,
+            f"rank(s) {ranks} failed at exit, after the sentinel had closed cleanly (training "
+            "had finished); the process ended badly while shutting down (see its output)",
+            verdict=verdicts[min(failed)],
+        )
+    return VerdictOutcome(
+        EXIT_WORKER_FAILED, "a worker failed without a sentinel verdict (see its traceback)"
+    )

@@ -1,0 +1,351 @@
+"""The decision: a pure function of the cluster view, the history and the config.
+
+Every rank holds the same view (the exchange's totals, and after a detection the same named
+ranks), the same history (built from the
+same views) and the same config, so every rank reaches the same decision without another
+collective: no rank can step the optimizer while another skips or rolls back.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+from nansentinel.config import SentinelConfig
+from nansentinel.decide.spikes import Spikes
+from nansentinel.result import ACTIVATION, ALL_KINDS, Outcome
+from nansentinel.wire.view import ClusterView, RankHealth
+
+APPLY, SKIP, OVERFLOW, ABORT, EXCLUDE, ROLLBACK, DROP = (
+    "apply", "skip", "overflow", "abort", "exclude", "rollback", "drop",
+)
+# Why a step was not applied as is; planned skips do not count towards escalation.
+NONFINITE, SPIKE, QUARANTINE, AFTER_ROLLBACK = "nonfinite", "spike", "quarantine", "after_rollback"
+_SEVERITY = {"warn": 0, "skip": 1, "rollback": 2}
+_OUTCOME = {
+    APPLY: Outcome.APPLIED, SKIP: Outcome.SKIPPED, OVERFLOW: Outcome.OVERFLOW,
+    ABORT: Outcome.ABORTED, EXCLUDE: Outcome.EXCLUDED, ROLLBACK: Outcome.ROLLED_BACK,
+    DROP: Outcome.DROPPED,
+}
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Decision:
+    """What every rank does with this step, and why."""
+
+    action: str
+    bad: tuple[RankHealth, ...]
+    """Blamed ranks (for AMP runs: ranks whose batch or loss was non-finite)."""
+    reason: str = ""
+    cause: str = ""
+    """``nonfinite``, ``spike``, ``quarantine``, ``after_rollback`` or empty (applied)."""
+    overflow: bool = False
+    """Gradients overflowed under GradScaler on some rank: counted, not blamed."""
+    exclude_host: str | None = None
+    strikes: int = 0
+    """Strikes against ``exclude_host`` in the window."""
+    kept: int = 0
+    """``DROP``: the ranks whose gradients the step averages (the world less the ranks left
+    out of its reduction)."""
+
+    @property
+    def applies(self) -> bool:
+        """The optimizer (or GradScaler) steps: nothing to skip, roll back or stop for, or
+        the poisoned ranks were left out of the reduction (``DROP``)."""
+        return self.action in (APPLY, OVERFLOW, DROP)
+
+    @property
+    def outcome(self) -> Outcome:
+        """What the step's result, report, metrics and verdict call this decision."""
+        return _OUTCOME[self.action]
+
+    @property
+    def stops(self) -> bool:
+        """Every rank raises: the run is aborted or a host is excluded."""
+        return self.action in (ABORT, EXCLUDE)
+
+    @property
+    def bad_ranks(self) -> list[int]:
+        return sorted(r.rank for r in self.bad)
+
+    @property
+    def bad_hosts(self) -> list[str]:
+        return sorted({r.identity.hostname for r in self.bad})
+
+    @property
+    def kinds(self) -> list[str]:
+        seen = {k for r in self.bad for k in r.kinds}
+        return [k for k in ALL_KINDS if k in seen]
+
+
+@dataclasses.dataclass(slots=True)
+class History:
+    """What the policy remembers between steps; identical on every rank."""
+
+    consecutive_skips: int = 0
+    strikes: dict[str, list[int]] = dataclasses.field(default_factory=dict)
+    excluded: list[str] = dataclasses.field(default_factory=list)
+    rollbacks: dict[int, int] = dataclasses.field(default_factory=dict)
+    """Snapshot step -> rollbacks to it."""
+    skip_batches: int = 0
+    """Batches still to discard after a rollback."""
+
+    def state_dict(self) -> dict[str, Any]:
+        """What a checkpoint keeps of the history (JSON-able; keys as saved since 0.1)."""
+        return {
+            "consecutive_skips": self.consecutive_skips,
+            "strikes": {host: list(s) for host, s in self.strikes.items()},
+            "excluded": list(self.excluded),
+            "rollbacks": dict(self.rollbacks),
+            "skip_batches": self.skip_batches,
+        }
+
+    @classmethod
+    def from_state_dict(cls, state: dict[str, Any]) -> History:
+        """The history :meth:`state_dict` saved (missing keys: a fresh history's values)."""
+        return cls(
+            consecutive_skips=int(state.get("consecutive_skips", 0)),
+            strikes={h: [int(s) for s in v] for h, v in state.get("strikes", {}).items()},
+            excluded=list(state.get("excluded", [])),
+            rollbacks={int(k): int(v) for k, v in state.get("rollbacks", {}).items()},
+            skip_batches=int(state.get("skip_batches", 0)),
+        )
+
+    def strikes_within(self, host: str, step: int, config: SentinelConfig) -> int:
+        """Strikes against ``host`` within the strike window that ends at ``step``."""
+        horizon = step - config.strike_window
+        return sum(1 for s in self.strikes.get(host, ()) if s > horizon)
+
+    def strike(self, hosts: list[str], step: int, config: SentinelConfig) -> tuple[str, int] | None:
+        """One strike at ``step`` against each of ``hosts`` (strikes older than the window are
+        forgotten); the first of them that now reaches ``host_strikes`` and is not excluded
+        yet, with its strikes, or None. The one place strikes are counted: the NaN path and
+        the replica fingerprints (replicas.py) both strike here."""
+        for host in hosts:
+            self.strikes.setdefault(host, []).append(step)
+        horizon = step - config.strike_window
+        for host in list(self.strikes):
+            self.strikes[host] = [s for s in self.strikes[host] if s > horizon]
+            if not self.strikes[host]:
+                del self.strikes[host]
+        for host in sorted(set(hosts)):
+            n = len(self.strikes.get(host, ()))
+            if n >= config.host_strikes and host not in self.excluded:
+                return host, n
+        return None
+
+    def exclude(self, host: str) -> None:
+        if host not in self.excluded:
+            self.excluded.append(host)
+
+    def record(
+        self,
+        view: ClusterView,
+        decision: Decision,
+        config: SentinelConfig,
+        *,
+        verdict: str | None = None,
+        snapshot_step: int | None = None,
+    ) -> None:
+        """Advance the history by one decided step (a dropped step is applied: not a skip)."""
+        if decision.cause in (NONFINITE, SPIKE) and not decision.applies:
+            self.consecutive_skips += 1
+        elif decision.applies:
+            self.consecutive_skips = 0
+        self.strike(blamed_hosts(view, decision, verdict), view.step, config)
+        if decision.exclude_host:
+            self.exclude(decision.exclude_host)
+        if decision.cause == AFTER_ROLLBACK:
+            self.skip_batches -= 1
+        if decision.action == ROLLBACK and snapshot_step is not None:
+            self.rollbacks[snapshot_step] = self.rollbacks.get(snapshot_step, 0) + 1
+            self.skip_batches = config.rollback_skip_batches
+
+
+def blamed_hosts(view: ClusterView, decision: Decision, verdict: str | None = None) -> list[str]:
+    """Hosts that earn a strike: those with a bad rank, but only while some host is healthy,
+    and not when a replay found the data (or a global divergence) to blame.
+
+    When every host is bad the cause is global (learning rate, model, overflow), not a host,
+    and excluding hosts one by one would only shrink the job.
+    """
+    bad = set(decision.bad_hosts)
+    if not bad or view.every_host_bad or verdict in ("data", "divergence"):
+        return []
+    return sorted(bad)
+
+
+#: The kinds a rank is blamed for, without and with GradScaler (a detection may ask 131,072
+#: times: no set is built per rank).
+_BLAMED = frozenset(ALL_KINDS)
+_AMP_BLAMED = frozenset(("batch", "loss", ACTIVATION))
+
+
+def is_blamed(rank: RankHealth, *, amp: bool = False) -> bool:
+    """A rank the step blames. Under AMP, non-finite gradients alone are GradScaler's fp16
+    overflow, not a fault; a batch quarantined earlier (verdict data) is skipped, not blamed a
+    second time; a rank a non-finite value only reached from another rank (a pipeline
+    boundary, a collective in the forward: origins.py) is named, not blamed. (``view.pack``
+    computes the same flag on the device, before the forward collectives are weighed.)"""
+    kinds = _AMP_BLAMED if amp else _BLAMED
+    return not (rank.quarantined or rank.reached or kinds.isdisjoint(rank.kinds))
+
+
+def blamed(view: ClusterView, *, amp: bool = False) -> tuple[RankHealth, ...]:
+    """The ranks a step blames (see :func:`is_blamed`), by rank."""
+    return tuple(r for r in view.flagged if is_blamed(r, amp=amp))
+
+
+def decide(
+    view: ClusterView,
+    history: History,
+    config: SentinelConfig,
+    *,
+    amp: bool = False,
+    spikes: Spikes | None = None,
+    verdict: str | None = None,
+    snapshot_step: int | None = None,
+) -> Decision:
+    """Decide ``apply | skip | overflow | rollback | abort | exclude | drop`` for one step.
+
+    Args:
+        view: the cluster view of this step (the same on every rank).
+        history: the history before this step (not modified here).
+        config: the sentinel config (the same on every rank).
+        amp: a GradScaler is in use, so non-finite gradients alone are fp16 overflow that the
+            scaler handles by skipping and lowering its scale, not a rank's fault.
+        spikes: loss / gradient-norm spikes of this step.
+        verdict: the replay verdict, when a replay ran.
+        snapshot_step: the step of the snapshot a rollback would restore (None: none yet).
+    """
+    bad = blamed(view, amp=amp)
+    overflow = amp and view.totals.bad_grad > 0
+    if bad:
+        return _nonfinite(view, bad, history, config, overflow, verdict, snapshot_step)
+    if view.quarantined:
+        return Decision(SKIP, (), "a quarantined batch came round again", QUARANTINE, overflow)
+    if view.totals.dropped:  # withheld gradients are never applied as they are
+        return Decision(SKIP, (), "gradients left out of the reduction on a rank not blamed",
+                        NONFINITE, overflow)
+    if spikes:
+        action = _most_severe(spikes, config)
+        if action != "warn":
+            reason = "spike in " + ", ".join(spikes.signals())
+            if action == "rollback":
+                return _rollback(history, config, (), overflow, snapshot_step, reason, SPIKE)
+            return Decision(SKIP, (), reason, SPIKE, overflow)
+    if history.skip_batches > 0:
+        return Decision(
+            SKIP, (), f"discarding batches after a rollback ({history.skip_batches} left)",
+            AFTER_ROLLBACK, overflow,
+        )
+    return Decision(OVERFLOW if overflow else APPLY, (), overflow=overflow)
+
+
+def _most_severe(spikes: Spikes, config: SentinelConfig) -> str:
+    actions = [
+        config.loss_spike_action if s == "loss" else config.grad_spike_action
+        for s in spikes.signals()
+    ]
+    return max(actions, key=_SEVERITY.__getitem__)
+
+
+def _nonfinite(
+    view: ClusterView,
+    bad: tuple[RankHealth, ...],
+    history: History,
+    config: SentinelConfig,
+    overflow: bool,
+    verdict: str | None,
+    snapshot_step: int | None,
+) -> Decision:
+    provisional = Decision(SKIP, bad, cause=NONFINITE, overflow=overflow)
+    for host in blamed_hosts(view, provisional, verdict):
+        strikes = history.strikes_within(host, view.step, config) + 1
+        if strikes >= config.host_strikes and host not in history.excluded:
+            return dataclasses.replace(
+                provisional,
+                action=EXCLUDE,
+                exclude_host=host,
+                strikes=strikes,
+                reason=f"host {host} blamed {strikes} times within {config.strike_window} steps",
+            )
+    if config.policy == "abort":
+        return dataclasses.replace(provisional, action=ABORT, reason="policy is abort")
+    kept = dropping(view, bad, history, config, verdict=verdict, overflow=overflow)
+    if kept is not None:  # applied: before the escalation of consecutive skips
+        left_out = ", ".join(str(r) for r in provisional.bad_ranks)
+        return dataclasses.replace(
+            provisional, action=DROP, kept=kept, overflow=False,
+            reason=f"rank(s) {left_out} left out of the reduction: the step applied from "
+                   f"the other {kept} ranks' gradients")
+    if history.consecutive_skips >= config.max_consecutive_skips:
+        return dataclasses.replace(
+            provisional,
+            action=ABORT,
+            reason=(
+                f"{history.consecutive_skips} steps skipped in a row "
+                f"(max_consecutive_skips={config.max_consecutive_skips})"
+            ),
+        )
+    if config.policy == "rollback":
+        return _rollback(history, config, bad, overflow, snapshot_step, "policy is rollback",
+                         NONFINITE)
+    return provisional
+
+
+def max_dropped_ranks(world_size: int, fraction: float) -> int:
+    """The most ranks one step may leave out under ``policy="drop"``: ``fraction`` of the
+    world, rounded down, and at least one."""
+    return max(1, math.floor(fraction * world_size + 1e-9))
+
+
+def dropping(
+    view: ClusterView, bad: tuple[RankHealth, ...], history: History, config: SentinelConfig,
+    *, verdict: str | None, overflow: bool,
+) -> int | None:
+    """The ranks a ``policy="drop"`` step averages over, or None: skip it instead.
+
+    A step is dropped when the ranks left out of its reduction (``totals.dropped``, each named
+    by the detection) are every blamed rank, at most ``max_dropped`` of the world and not all
+    of it, and the cause is not global (a ``divergence`` verdict). A blamed rank that was not
+    left out had finite batch and loss: its NaN was made inside the backward, after some of its
+    buckets were summed into everyone's gradients, so the step is skipped (drop.py). Batches to
+    discard after a rollback are discarded. ``overflow``: non-finite gradients under GradScaler;
+    if some came from a kept rank the reduced gradients overflowed, and the step is skipped."""
+    n = view.totals.dropped
+    if config.policy != "drop" or not n or verdict == "divergence" or history.skip_batches:
+        return None
+    left_out = [r for r in view.flagged if r.dropped]
+    if len(left_out) != n or n >= view.world_size:
+        return None
+    if n > max_dropped_ranks(view.world_size, config.max_dropped):
+        return None
+    if any(not r.dropped for r in bad):
+        return None
+    if overflow and view.totals.bad_grad > sum("grad" in r.kinds for r in left_out):
+        return None
+    return view.world_size - n
+
+
+def _rollback(
+    history: History,
+    config: SentinelConfig,
+    bad: tuple[RankHealth, ...],
+    overflow: bool,
+    snapshot_step: int | None,
+    reason: str,
+    cause: str,
+) -> Decision:
+    if snapshot_step is None:
+        return Decision(SKIP, bad, f"{reason}, but no snapshot yet: skipped", cause, overflow)
+    done = history.rollbacks.get(snapshot_step, 0)
+    if done >= config.max_rollbacks:
+        return Decision(
+            ABORT, bad,
+            f"{done} rollbacks to the snapshot of step {snapshot_step} did not help "
+            f"(max_rollbacks={config.max_rollbacks})",
+            cause, overflow,
+        )
+    return Decision(ROLLBACK, bad, f"{reason}: restoring step {snapshot_step}", cause, overflow)

@@ -1,0 +1,235 @@
+"""Spike detection: see NaN coming.
+
+A NaN is usually announced: the gradient norm jumps tens of times, then the loss jumps ~10x
+over its running level, then NaN. Each rank judges its own loss and gradient norm against its
+own running reference, where the values are, and every rank judges the cluster mean (from the
+exchange's sums) against one more: four references per rank at any world size. A rank's own
+verdict is taken on the device, against thresholds this module hands it (:meth:`thresholds`),
+and travels as a flag in the exchange, so every rank learns how many ranks spiked, and which
+(after a detection), from the same numbers.
+
+A value spikes when it is at least ``ratio`` times the rolling median *and* its robust z-score
+(distance from the median in units of 1.4826 x MAD) is at least ``zscore``: the ratio alone
+fires on a quiet series that doubles, the z-score alone on a noisy one. A negative or zero
+median (e.g. a log-likelihood) is judged by the z-score alone. Nothing is judged before
+``warmup`` values are in the window, and spikes and non-finite values never enter it, so a
+divergence cannot raise its own reference.
+
+A spike is *cluster-wide* (a divergence: learning rate or model) when every rank spiked, or
+when the cluster mean without the spiking ranks is not quiet either: one node's loss can spike
+while the rest looks fine, and then it is that node's.
+
+The reference (median and MAD) is recomputed every tenth of a window, not every step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections import deque
+
+from nansentinel.wire.view import SIGNALS, ClusterView, OwnRow, Totals
+
+CLUSTER = -1
+"""Pseudo-rank of the cluster mean in :class:`Spikes`."""
+
+__all__ = ["CLUSTER", "SIGNALS", "Series", "SpikeDetector", "Spikes"]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Spikes:
+    """Which ranks spiked on which signal at one step (``CLUSTER`` = the cluster mean)."""
+
+    ranks: dict[str, list[int]] = dataclasses.field(default_factory=dict)
+    ratios: dict[str, dict[int, float]] = dataclasses.field(default_factory=dict)
+    cluster_wide: bool = False
+    """Every rank spiked, or the ranks that did not are not quiet either: a divergence."""
+
+    def __bool__(self) -> bool:
+        return any(self.ranks.values())
+
+    def signals(self) -> list[str]:
+        return [s for s in SIGNALS if self.ranks.get(s)]
+
+    def of_rank(self, rank: int) -> list[str]:
+        return [s for s in SIGNALS if rank in self.ranks.get(s, ())]
+
+    def to_json(self) -> dict[str, object]:
+        return {
+            s: {str(r): round(self.ratios[s][r], 3) for r in self.ranks[s]}
+            for s in SIGNALS
+            if self.ranks.get(s)
+        }
+
+
+class Series:
+    """One rolling robust reference (median, spike and quiet thresholds) over a window."""
+
+    __slots__ = ("_values", "ratio", "ref", "warmup", "zscore")
+
+    def __init__(self, *, window: int, warmup: int, ratio: float, zscore: float) -> None:
+        self._values: deque[float] = deque(maxlen=window)
+        self.warmup, self.ratio, self.zscore = warmup, ratio, zscore
+        #: (median, spike threshold, quiet threshold), or None while warming up.
+        self.ref: tuple[float, float, float] | None = None
+
+    def spikes(self, x: float | None) -> bool:
+        ref = self.ref
+        return ref is not None and x is not None and math.isfinite(x) and x >= ref[1]
+
+    def quiet(self, x: float | None) -> bool:
+        """Not even half-way (geometrically) to a spike: below sqrt(ratio) x the median and
+        half the z-score; a non-finite value is never quiet."""
+        if x is None:
+            return True
+        if not math.isfinite(x):
+            return False
+        return self.ref is None or x < self.ref[2]
+
+    def ratio_of(self, x: float) -> float:
+        """``x`` over the running median (inf for a non-positive median)."""
+        median = self.ref[0] if self.ref is not None else 0.0
+        return x / median if median > 0 else math.inf
+
+    def add(self, x: float | None) -> None:
+        if x is not None and math.isfinite(x):
+            self._values.append(x)
+
+    def recompute(self) -> None:
+        if len(self._values) < self.warmup:
+            self.ref = None
+            return
+        ordered = sorted(self._values)
+        median = ordered[len(ordered) // 2]
+        mad = sorted(abs(v - median) for v in ordered)[len(ordered) // 2]
+        scale = 1.4826 * mad + 1e-12 + 1e-6 * abs(median)
+        threshold = median + self.zscore * scale
+        quiet = median + self.zscore / 2 * scale
+        if median > 0:  # a non-positive median (a log-likelihood): z-score alone
+            threshold = max(threshold, self.ratio * median)
+            quiet = max(quiet, math.sqrt(self.ratio) * median)
+        self.ref = (median, threshold, quiet)
+
+    @property
+    def values(self) -> list[float]:
+        return list(self._values)
+
+    def load(self, values: list[float]) -> None:
+        self._values.clear()
+        self._values.extend(float(v) for v in values)
+
+
+class SpikeDetector:
+    """This rank's own references and the cluster mean's, per signal.
+
+    Args:
+        window: values kept per series.
+        warmup: values needed before a series is judged.
+        ratio: spike when value >= ratio x median (with a positive median) ...
+        zscore: ... and robust z-score >= zscore.
+        refresh: steps between recomputations of the references (default window // 10).
+    """
+
+    def __init__(
+        self, *, window: int, warmup: int, ratio: float, zscore: float,
+        refresh: int | None = None,
+    ) -> None:
+        self.refresh = refresh or max(1, window // 10)
+        kw = {"window": window, "warmup": warmup, "ratio": ratio, "zscore": zscore}
+        self.own = {s: Series(**kw) for s in SIGNALS}
+        self.cluster = {s: Series(**kw) for s in SIGNALS}
+        self._recorded = 0
+        #: Bumped whenever the references change, so the device thresholds are re-sent.
+        self.version = 0
+
+    def thresholds(self) -> list[float]:
+        """``[spike loss, spike grad, quiet loss, quiet grad]`` of this rank's own series, for
+        the judgement on the device (``inf``: not judged yet)."""
+        refs = [self.own[s].ref for s in SIGNALS]
+        return [r[1] if r else math.inf for r in refs] + [r[2] if r else math.inf for r in refs]
+
+    def judge(self, view: ClusterView) -> Spikes:
+        """The spikes of this step: the named ranks' own verdicts (gathered with their rows)
+        and the cluster mean's, judged here from the totals."""
+        ranks: dict[str, list[int]] = {}
+        ratios: dict[str, dict[int, float]] = {}
+        for r in view.flagged:
+            for signal, ratio in r.spikes.items():
+                ranks.setdefault(signal, []).append(r.rank)
+                ratios.setdefault(signal, {})[r.rank] = ratio
+        totals = view.totals
+        wide = view.world_size > 0 and totals.spike_any >= view.world_size
+        for signal in SIGNALS:
+            series = self.cluster[signal]
+            mean = totals.mean(signal)
+            if series.spikes(mean):
+                assert mean is not None
+                ranks.setdefault(signal, []).append(CLUSTER)
+                ratios.setdefault(signal, {})[CLUSTER] = series.ratio_of(mean)
+            if ranks.get(signal) and not wide:
+                spiking = [v for r in view.flagged if signal in r.spikes
+                           and (v := r.value(signal)) is not None]
+                rest = totals.without(signal, spiking)
+                wide = rest is not None and series.ref is not None and not series.quiet(rest)
+        return Spikes(ranks, ratios, cluster_wide=bool(ranks) and wide)
+
+    def cluster_spikes(self, totals: Totals) -> bool:
+        """The cluster mean spiked on some signal (a detection even if no rank did)."""
+        return any(self.cluster[s].spikes(totals.mean(s)) for s in SIGNALS)
+
+    def quiet(self, totals: Totals) -> bool:
+        """No rank (by its own flag) and not the cluster mean is even half-way to a spike. A
+        rollback target must be quiet, or restoring it brings the spike straight back (the
+        gradient norm rises for steps before it crosses the threshold)."""
+        return totals.not_quiet == 0 and all(
+            self.cluster[s].quiet(totals.mean(s)) for s in SIGNALS
+        )
+
+    def ratios(self, own: OwnRow) -> dict[str, float]:
+        """Signal -> this rank's value over its running median, for the signals it spiked on."""
+        out = {}
+        for signal in own.spiked():
+            x = own.value(signal)
+            if x is not None:
+                out[signal] = self.own[signal].ratio_of(x)
+        return out
+
+    def record(self, own: OwnRow, totals: Totals, spikes: Spikes) -> None:
+        """Add this step's finite, non-spiking values to the references."""
+        mine = set(own.spiked())
+        for signal in SIGNALS:
+            if signal not in mine:
+                self.own[signal].add(own.value(signal))
+            if CLUSTER not in spikes.ranks.get(signal, ()):
+                self.cluster[signal].add(totals.mean(signal))
+        self._recorded += 1
+        if self._recorded % self.refresh == 0:
+            self._recompute()
+
+    def _recompute(self) -> None:
+        for series in (*self.own.values(), *self.cluster.values()):
+            series.recompute()
+        self.version += 1
+
+    def state_dict(self) -> dict[str, object]:
+        return {
+            "own": {s: self.own[s].values for s in SIGNALS},
+            "cluster": {s: self.cluster[s].values for s in SIGNALS},
+            "recorded": self._recorded,
+        }
+
+    def load_state_dict(self, state: dict[str, object], rank: int = 0) -> None:
+        """Restore :meth:`state_dict`; a checkpoint from before 0.2 (one window per rank and
+        one for the cluster mean, ``values``) gives this rank's window and the last one."""
+        own, cluster = state.get("own"), state.get("cluster")
+        if own is None and isinstance(state.get("values"), dict):
+            legacy: dict[str, list[list[float]]] = state["values"]  # type: ignore[assignment]
+            own = {s: rows[rank] for s, rows in legacy.items() if rank < len(rows) - 1}
+            cluster = {s: rows[-1] for s, rows in legacy.items() if rows}
+        for target, saved in ((self.own, own), (self.cluster, cluster)):
+            if isinstance(saved, dict):
+                for s in SIGNALS:
+                    if s in saved:
+                        target[s].load(saved[s])
+        self._recorded = int(state.get("recorded", 0))  # type: ignore[call-overload]
+        self._recompute()

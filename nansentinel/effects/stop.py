@@ -1,0 +1,246 @@
+"""The stop path: how a rank ends the run when the cluster decided so, or when the step's
+collectives never completed.
+
+Kept apart from the step flow because it is the one place with process-wide side effects —
+the exclusion record, the verdict file for ``nansentinel run``, the final scrape, the exit —
+and because each of them must happen in a fixed order: the record and rank 0's report are on
+disk before any rank raises, and torchrun tears the job down only after that.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import tempfile
+import time
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+from nansentinel.common.verdicts import CLOSED, EXCHANGE_TIMEOUT, RankVerdict, write_verdict
+from nansentinel.config import SentinelConfig
+from nansentinel.decide.policy import EXCLUDE, Decision
+from nansentinel.result import (
+    HostExcludedError,
+    NonFiniteError,
+    RankIdentity,
+    StepResult,
+)
+from nansentinel.wire.collectives import job_rank
+from nansentinel.wire.exchange import HealthExchange, diagnosis_grace
+
+log = logging.getLogger("nansentinel")
+
+
+def leave_verdict(
+    config: SentinelConfig, identity: RankIdentity, step: int, outcome: str, message: str,
+    **details: Any,
+) -> None:
+    """Leave this rank's verdict where ``nansentinel run`` looks for it (if launched so);
+    ``details``: the other fields of :class:`~nansentinel.common.verdicts.RankVerdict`."""
+    if not config.run_dir:
+        return
+    verdict = RankVerdict(
+        rank=identity.rank, outcome=str(outcome), step=step, message=message,
+        hostname=identity.hostname, local_rank=identity.local_rank, **details,
+    )
+    write_verdict(config.run_dir, verdict)
+
+
+def stop(
+    decision: Decision,
+    result: StepResult,
+    message: str,
+    *,
+    config: SentinelConfig,
+    identity: RankIdentity,
+    exchange: HealthExchange,
+    job_id: str | None,
+    guarded: Callable[[], Any],
+    lingering: bool,
+) -> None:
+    """Raise :class:`NonFiniteError` (or :class:`HostExcludedError`) on this rank, after the
+    exclusion record (rank 0), this rank's verdict and a barrier, so that every rank raises
+    with everything on disk. ``guarded()`` is a context manager arming the watchdog around the
+    barrier; ``lingering`` keeps the exporter up ``config.metrics_linger`` seconds first."""
+    if config.exclusion_file and decision.exclude_host and identity.rank == 0:
+        from nansentinel.common.exclusion import ExclusionRecord, ExclusionStore
+
+        ExclusionStore(config.exclusion_file).add(
+            ExclusionRecord(
+                host=decision.exclude_host,
+                reason=decision.reason,
+                step=result.step,
+                evidence={
+                    "bad_ranks": result.bad_ranks,
+                    "kinds": result.kinds,
+                    "strikes": decision.strikes,
+                    "report_path": result.report_path,
+                },
+                time=time.time(),
+                job_id=job_id,
+            )
+        )
+    leave_verdict(
+        config, identity, result.step, result.outcome, message, bad_ranks=result.bad_ranks,
+        bad_hosts=result.bad_hosts, kinds=result.kinds, excluded_host=decision.exclude_host,
+        report_path=result.report_path,
+    )
+    # Rank 0's report and the exclusion record are on disk before anyone raises.
+    with guarded():
+        exchange.peers.barrier()
+    if lingering and config.metrics_linger > 0:
+        log.info(
+            "nansentinel: rank %d keeps its exporter up %g s for the final scrape",
+            identity.rank, config.metrics_linger,
+        )
+        time.sleep(config.metrics_linger)
+    error = HostExcludedError if decision.action == EXCLUDE else NonFiniteError
+    raise error(message, result)
+
+
+def on_timeout(
+    step: int,
+    *,
+    config: SentinelConfig,
+    identity: RankIdentity,
+    exchange: HealthExchange,
+) -> None:
+    """Watchdog thread: the step's collectives are stuck (a rank froze or died where no
+    Python timeout reaches). Name the missing ranks, leave a verdict for the launcher and
+    end the process, as NCCL's watchdog does; torchrun restarts or ends the job."""
+    error = exchange.diagnose(step, None)
+    log.error("%s", error)
+    leave_verdict(config, identity, step, EXCHANGE_TIMEOUT, str(error), missing=error.missing)
+    # os._exit skips NCCL's own dump of its flight recorder (the last collectives of every
+    # group, which tell a hang from a desync): write it first, where torch would.
+    dumped = dump_flight_recorder(exchange.backend, job_rank(identity.rank))
+    if dumped is not None:
+        log.error("nansentinel: rank %d left NCCL's flight recorder in %s",
+                  identity.rank, dumped)
+    for handler in logging.getLogger().handlers + log.handlers:
+        handler.flush()
+    if identity.rank == 0:
+        # Without torchrun's agent store, rank 0 hosts the rendezvous store: linger so the
+        # other live ranks can finish their own diagnosis before it goes away.
+        time.sleep(diagnosis_grace(exchange.timeout))
+    from nansentinel.common.exitcodes import EXIT_EXCHANGE_TIMEOUT
+
+    os._exit(EXIT_EXCHANGE_TIMEOUT)
+
+
+def dump_flight_recorder(
+    backend: str, rank: int, env: Mapping[str, str] | None = None
+) -> Path | None:
+    """Write NCCL's flight recorder for this process where torch's own dump goes; the path,
+    or None where there is nothing to dump (not NCCL, a torch without the recorder, the
+    buffer turned off with ``TORCH_FR_BUFFER_SIZE``/``TORCH_NCCL_TRACE_BUFFER_SIZE=0``) or
+    the dump failed (logged: the exit must not wait on a diagnostic).
+
+    The place is torch 2.13's ``DebugInfoWriter``'s: ``TORCH_FR_DUMP_TEMP_FILE``, else
+    ``TORCH_NCCL_DEBUG_INFO_TEMP_FILE``, else ``$XDG_CACHE_HOME`` (or ``$HOME/.cache``)
+    ``/torch/comm_lib_trace_rank_``, followed by the global rank; with
+    ``TORCH_FR_DUMP_DYNAMIC_FILE_NAME`` set, ``TORCH_FR_DUMP_TEMP_FILE`` itself. The content is
+    the same pickle (``_dump_nccl_trace()``), so torch's ``fr_trace`` tool reads it. Written
+    atomically: torch's watchdog may be writing the same file on its own timeout.
+    """
+    import torch
+
+    env = os.environ if env is None else env
+    dump = getattr(torch._C._distributed_c10d, "_dump_nccl_trace", None)
+    size = env.get("TORCH_FR_BUFFER_SIZE", env.get("TORCH_NCCL_TRACE_BUFFER_SIZE", ""))
+    if "nccl" not in backend or dump is None or size.strip() == "0":
+        return None
+    path = flight_recorder_path(rank, env)
+    try:
+        trace = dump()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+        with os.fdopen(fd, "wb") as out:
+            out.write(trace)
+        os.replace(tmp, path)
+    except Exception as exc:  # any failure: the process still has to exit now
+        log.warning("nansentinel: could not dump NCCL's flight recorder to %s: %s", path, exc)
+        return None
+    return path
+
+
+def flight_recorder_path(rank: int, env: Mapping[str, str]) -> Path:
+    """Where torch's ``DebugInfoWriter`` writes ``rank``'s flight recorder (see
+    :func:`dump_flight_recorder`)."""
+    dynamic = env.get("TORCH_FR_DUMP_DYNAMIC_FILE_NAME", "").lower() in ("1", "true", "yes", "y")
+    if dynamic and env.get("TORCH_FR_DUMP_TEMP_FILE"):
+        return Path(env["TORCH_FR_DUMP_TEMP_FILE"])
+    prefix = env.get("TORCH_FR_DUMP_TEMP_FILE") or env.get("TORCH_NCCL_DEBUG_INFO_TEMP_FILE")
+    if not prefix:
+        cache = env.get("XDG_CACHE_HOME") or env.get("HOME", "/tmp") + "/.cache"
+        prefix = f"{cache}/torch/comm_lib_trace_rank_"
+    return Path(f"{prefix}{rank}")
+
+
+
+
+class RunEnd:
+    """How this rank's run ends: stopped by a decision (:meth:`stop_if`), closed at a common
+    point of every rank (:meth:`close`), or abandoned after this rank's loop failed.
+
+    Args:
+        config, identity, exchange, job_id: the run's, as :func:`stop` takes them.
+        deadline: the step deadline (watchdog.py): it arms the barriers and is closed last.
+        judge: holds the exporter (``judge.metrics``), flushed before a stop and closed last.
+        release: gives the model back as its framework made it (DeepSpeed's all-reduce
+            switch), once the run is over.
+    """
+
+    def __init__(self, config: SentinelConfig, identity: RankIdentity,
+                 exchange: HealthExchange, job_id: str | None, *, deadline: Any,
+                 judge: Any, release: Callable[[], None] | None = None) -> None:
+        self.config, self.identity, self.exchange, self.job_id = (
+            config, identity, exchange, job_id)
+        self.deadline, self.judge, self.release = deadline, judge, release
+        self.closed = False
+        self.stopped = False
+        """The run was stopped here: this rank's verdict is left already."""
+
+    def stop_if(self, decision: Decision, result: StepResult) -> None:
+        """Raise the decision's abort (or exclusion) on this rank, everything on disk first."""
+        if not decision.stops:
+            return
+        self.stopped = True
+        metrics = self.judge.metrics
+        if metrics is not None:  # the final state is served at once, not a second late
+            metrics.flush()
+        from nansentinel.rare.incident import describe_abort
+
+        stop(decision, result, describe_abort(decision, result), config=self.config,
+             identity=self.identity, exchange=self.exchange, job_id=self.job_id,
+             guarded=self.deadline.guarded, lingering=metrics is not None)
+
+    def close(self, resolve: Callable[[], None], last_step: int) -> None:
+        """``resolve()`` the pending step, meet every rank at one barrier (unless a collective
+        failed: the group cannot be trusted with another), leave a ``closed`` verdict, shut.
+        Once only."""
+        if self.closed:
+            return
+        self.closed = True
+        try:
+            resolve()
+            if not self.exchange.failed:
+                with self.deadline.guarded():
+                    self.exchange.peers.barrier()
+                if not self.stopped:
+                    leave_verdict(self.config, self.identity, last_step, CLOSED,
+                                  "the sentinel closed cleanly: training finished")
+        finally:
+            self.shut()
+
+    def shut(self) -> None:
+        """Stop the exporter and the watchdog (no collective)."""
+        self.closed = True
+        metrics, self.judge.metrics = self.judge.metrics, None
+        if metrics is not None:
+            metrics.close()
+        self.deadline.close()
+        release, self.release = self.release, None
+        if release is not None:
+            release()

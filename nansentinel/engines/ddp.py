@@ -1,0 +1,131 @@
+"""The DDP gradient path: a communication hook that checks each bucket before its all-reduce.
+
+DDP hands the hook each flat gradient bucket of this rank, in the order the buckets become
+ready during backward. The hook takes one L2 norm of the bucket (one read of contiguous memory,
+one kernel; NaN and Inf propagate into it), then averages the bucket exactly as DDP's default
+does — NCCL: one ``AVG`` all-reduce; gloo, which has no ``AVG``: scale by 1/world, then sum;
+a world of one: a plain sum (see :func:`averaging`) — and, on the last bucket, launches the
+health exchange so it leaves with the gradients. Under ``policy="drop"`` a rank whose batch or
+loss was non-finite sends zeros in place of its bucket (drop.py); the averaging is unchanged.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+from nansentinel import checks
+from nansentinel.engines import GradientSink
+from nansentinel.engines.local import check_local_grads, naming_detail
+from nansentinel.result import SentinelUsageError
+
+
+class DDPPath:
+    """Checks DDP's buckets in its communication hook (DDP allows one hook per model)."""
+
+    name = "ddp"
+    mesh_groups: tuple[Any, ...] = ()
+
+    def __init__(self, model: DistributedDataParallel, sink: GradientSink) -> None:
+        self.model = model
+        self.sink = sink
+        self.group = model.process_group
+        self.world_size = dist.get_world_size(self.group)
+        backend = str(dist.get_backend(self.group))
+        device = next((p.device for p in model.parameters()), torch.device("cpu"))
+        #: How a bucket is averaged (see :func:`averaging`).
+        self.averaging = averaging(backend, device.type, self.world_size)
+        self.buckets = 0
+        # DDP's own collectives in its forward (the buffer broadcast, the bucket rebuild) lie
+        # between its forward hooks and its module's: bracketed, they are left out of the
+        # forward's collectives (collectives.ForwardCollectives), while a user's collective
+        # inside the module, on the same group, still counts.
+        model.register_forward_pre_hook(self._own_begins)
+        model.module.register_forward_pre_hook(self._own_ends, prepend=True)
+        model.module.register_forward_hook(self._own_begins)
+        model.register_forward_hook(self._own_ends, prepend=True)
+        try:
+            model.register_comm_hook(self, _comm_hook)
+        except RuntimeError as exc:
+            raise SentinelUsageError(
+                f"nansentinel: cannot register its DDP communication hook on rank "
+                f"{dist.get_rank()}: {exc}. Construct the Sentinel before the first backward and "
+                "do not register another comm hook."
+            ) from exc
+
+    def _own_begins(self, *_: Any) -> None:
+        forward = getattr(self.sink, "forward", None)
+        if forward is not None:
+            forward.aside()
+
+    def _own_ends(self, *_: Any) -> None:
+        forward = getattr(self.sink, "forward", None)
+        if forward is not None:
+            forward.resume()
+
+    def check_now(self) -> None:
+        """No bucket was reduced this step (no backward, or every micro-batch under
+        ``no_sync``): check the local gradients as they are."""
+        check_local_grads(self.model.parameters(), self.sink)
+
+    def naming_detail(self, poisoned: bool, peers: Any) -> dict[str, Any]:
+        """Scan the gradients: after the all-reduce a NaN sits wherever any rank had one, so
+        this rank's scan shows its own (and, with several poisoned ranks, theirs too)."""
+        return naming_detail(self.model.named_parameters(), poisoned, prefix="module.")
+
+    def reset(self) -> None:
+        self.buckets = 0
+
+
+AVG, SCALE_THEN_SUM, SUM = "avg", "scale_then_sum", "sum"
+
+
+def averaging(backend: str, device_type: str, world_size: int) -> str:
+    """How the hook averages a bucket across ``world_size`` ranks.
+
+    NCCL on CUDA: one ``AVG`` all-reduce, as DDP's default does. Gloo has no ``AVG``: scale by
+    1/world, then sum. A world of one: a plain sum, which is the identity, because NCCL's
+    one-rank ``AVG`` dropped trailing elements (NVIDIA/nccl#1950, seen on 2.27.5, fixed in
+    2.29.7) and FSDP2 forces a sum there for the same reason.
+    """
+    if world_size == 1:
+        return SUM
+    return AVG if "nccl" in backend and device_type == "cuda" else SCALE_THEN_SUM
+
+
+def _comm_hook(state, bucket):  # type: ignore[no-untyped-def]
+    """Check the bucket on this rank, then average it across ranks as DDP's default does.
+
+    The ``then`` callback stays on every backend: DDP's Python hook interface accepts only a
+    future whose value is a Python object (a raw ``work.get_future()`` fails DDP's internal
+    assert ``result.isPyObject()``, checked on torch 2.13), so the callback costs nothing a
+    Python hook could avoid, and it turns a dead peer into an error naming the missing rank.
+
+    Deliberately unannotated: DDP inspects the annotations and rejects the string forms that
+    ``from __future__ import annotations`` produces."""
+    started = time.perf_counter()
+    path: DDPPath = state
+    sink = path.sink
+    buffer = bucket.buffer()
+    if path.buckets == 0:
+        sink.before_reduction(buffer)
+    path.buckets += 1
+    # One norm over the flat bucket: one read of contiguous memory, one kernel.
+    sink.add_grad_norm(checks.tensor_norm(buffer))
+    sink.withhold(buffer)  # policy="drop": a poisoned rank sends zeros (drop.py)
+    if path.averaging == AVG:
+        work = dist.all_reduce(buffer, dist.ReduceOp.AVG, path.group, async_op=True)
+    else:
+        if path.averaging == SCALE_THEN_SUM:
+            buffer.mul_(1.0 / path.world_size)
+        work = dist.all_reduce(buffer, group=path.group, async_op=True)
+    # A failure (a peer died) becomes the step's one diagnosis, naming the missing ranks.
+    future = sink.diagnosed(work.get_future(), sink.step_index, buffer)
+    if bucket.is_last():
+        sink.launch_exchange()
+    sink.spent(time.perf_counter() - started)
+    return future

@@ -1,0 +1,85 @@
+"""The local gradient path: the ``.grad`` tensors of this rank, checked where they lie.
+
+For a model in one process, and for users who reduce gradients by hand: they call
+``check_grads()`` after backward and *before* their own all-reduce (``step()`` calls it when
+nothing else did). One fused norm per (device, dtype) group of gradients.
+
+DTensor gradients (FSDP2 on a world of one, tensor-parallel parameters when the user reduces by
+hand) are checked through their local tensor: what this rank computed before any reduction,
+which is where blame belongs. A ``Partial`` gradient's local tensor is this rank's addend, a
+``Shard``'s its slice, a ``Replicate``'s the whole. So the gradient norm this rank reports
+(``StepResult.local_grad_norm``) is the norm of its own local gradients, not of the model's
+full gradient: under tensor parallel the full norm of a group is the root of the sum of its
+peers' squares for sharded parameters, and a replicated parameter counts once on every peer.
+Computing the full norm would take a collective on every step, and blame needs none.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+from nansentinel import checks
+from nansentinel.engines import GradientSink
+
+
+def local_grad(p: torch.Tensor) -> torch.Tensor | None:
+    """``p.grad`` as a plain tensor: a DTensor gradient's local tensor, else the gradient."""
+    grad = p.grad
+    return None if grad is None else checks.local(grad)
+
+
+def check_local_grads(params: Iterable[torch.Tensor], sink: GradientSink) -> None:
+    """Fire a due grad drill into the first local gradient, then record one norm per
+    (device, dtype) group of the local gradients."""
+    grads = [g for p in params if (g := local_grad(p)) is not None]
+    if grads:
+        sink.before_reduction(grads[0])
+    for _, norms in checks.grouped_norms(grads):
+        sink.add_grad_norm(torch.linalg.vector_norm(norms))
+
+
+def scan_parameters(named: Iterable[tuple[str, torch.Tensor]], prefix: str = "") -> list[str]:
+    """Names of the parameters whose local gradient holds a non-finite value: one fused norm
+    per (device, dtype) group and one host copy — paid only after a detection."""
+    pairs = [(n.removeprefix(prefix), g) for n, p in named if (g := local_grad(p)) is not None]
+    names = []
+    for idx, norms in checks.grouped_norms([g for _, g in pairs]):
+        for j in (~torch.isfinite(norms)).nonzero().flatten().tolist():
+            names.append(pairs[idx[j]][0])
+    return names
+
+
+def naming_detail(named: Iterable[tuple[str, torch.Tensor]], poisoned: bool,
+                  prefix: str = "") -> dict[str, Any]:
+    """A poisoned rank's parameters with non-finite local gradients, for the incident's
+    gather (before the gradients are discarded); nothing on a healthy rank."""
+    if not poisoned:
+        return {}
+    names = scan_parameters(named, prefix)
+    return {"parameters": names} if names else {}
+
+
+class LocalGradPath:
+    """Checks the parameters' local ``.grad`` tensors on demand."""
+
+    name = "local"
+    mesh_groups: tuple[Any, ...] = ()
+
+    def __init__(self, model: torch.nn.Module, sink: GradientSink) -> None:
+        self.model = model
+        self.sink = sink
+
+    def check_now(self) -> None:
+        started = time.perf_counter()
+        check_local_grads(self.model.parameters(), self.sink)
+        self.sink.spent(time.perf_counter() - started)
+
+    def naming_detail(self, poisoned: bool, peers: Any) -> dict[str, Any]:
+        return naming_detail(self.model.named_parameters(), poisoned)
+
+    def reset(self) -> None:
+        pass

@@ -1,0 +1,303 @@
+"""The detection path: what runs only when the exchange flagged a rank (or the cluster mean).
+
+A healthy step ends with the totals: counts and sums, the same on every rank, no name. When
+the totals say a rank was blamed or spiked, every rank runs this path at the same point of the
+step (``step()`` on the host gate, the next sentinel call on the device gate), in the same
+order, because its inputs (the totals) are the same everywhere:
+
+1. who is flagged: the exchange's sum of indices names a single flagged rank outright;
+   several are found with one byte per rank (:meth:`Peers.flagged`);
+2. their rows and identities, and those of a healthy rank to replay a blamed batch on: only
+   those ranks speak (:meth:`Peers.gather_from`), so one bad rank costs the same at any scale;
+3. where a named rank's first non-finite value was its forward and its forward ran a
+   collective (origins.needs_trace), and a replay function is given: the trace (trace.py),
+   every rank replaying its forward with each collective's input checked, names the rank
+   where it began and the ranks it reached; the origins (and the replay's peer, chosen
+   among the others) send their rows;
+4. one small max-reduce: whether some host had no blamed rank (a global cause strikes no
+   host), and the min and max of the loss and gradient norm, for the report.
+
+Then, for blamed or spiking ranks, :meth:`Detector.evidence` takes what the decision and the
+report need before the gradients are discarded (the parameter naming, the replay and its
+verdict), and after the decision :meth:`Detector.record` writes the incident. The step flow
+(sentinel.py) calls these three and nothing else of the rare path.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import gc
+import logging
+import math
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+from nansentinel.checks.quarantine import Quarantine, Signature
+from nansentinel.decide import origins
+from nansentinel.decide.policy import APPLY, Decision, is_blamed
+from nansentinel.decide.spikes import Spikes
+from nansentinel.engines import GradPath
+from nansentinel.rare import incident
+from nansentinel.rare import trace as tracing
+from nansentinel.rare.curves import Curves
+from nansentinel.rare.incident import IncidentWriter
+from nansentinel.rare.replay import ReplayFn, blame
+from nansentinel.result import RankIdentity, StepResult
+from nansentinel.wire.collectives import Peers
+from nansentinel.wire.view import SIGNALS, ClusterView, OwnRow, RankHealth, Totals
+
+log = logging.getLogger("nansentinel")
+
+_EXACT_INDICES = 2**24
+
+
+class Detector:
+    """The rare path of a step, run by every rank together when the totals flag something.
+
+    Args:
+        peers: the process group (or none: alone).
+        identity: this rank's identity (sent only when this rank is named).
+        amp: a GradScaler is in use (a non-finite gradient alone is not blame).
+        gradients: the gradient path, which names the poisoned parameters.
+        incidents: writes the report and the poisoned batch.
+        module: the unwrapped model, for the replay.
+        replay: the user's replay function (None: no replay).
+        anomaly: replay once more under ``set_detect_anomaly``.
+        guarded: a context manager arming the watchdog around a collective.
+    """
+
+    def __init__(
+        self, peers: Peers, identity: RankIdentity, *, amp: bool, gradients: GradPath,
+        incidents: IncidentWriter, module: torch.nn.Module, replay: ReplayFn | None,
+        anomaly: bool, guarded: Callable[[], Any], spike_report_every: int = 100,
+    ) -> None:
+        self.peers = peers
+        self.identity = identity
+        self.amp = amp
+        self.gradients = gradients
+        self.incidents = incidents
+        self.module = module
+        self.replay = replay
+        self.anomaly = anomaly
+        self.guarded = guarded
+        #: At most one warn-level spike report per this many steps (``spike_window``).
+        self.spike_report_every = spike_report_every
+        self._last_spike_report: int | None = None
+        #: Told about each warn-level spike logged without a report (the metrics counter).
+        self.suppressed: Callable[[], None] | None = None
+
+    @classmethod
+    def for_run(
+        cls, config: Any, peers: Peers, identity: RankIdentity, *, gradients: GradPath,
+        incidents: IncidentWriter, module: torch.nn.Module, amp: bool,
+        replay: ReplayFn | None, guarded: Callable[[], Any],
+    ) -> Detector:
+        """The detection of a run, from its config. The replay is off under FSDP2: its
+        backward would reduce-scatter through the gradient path being judged."""
+        if gradients.name == "fsdp" and replay is not None and config.replay:
+            log.info("nansentinel: replay is off under FSDP2 (its backward would "
+                     "reduce-scatter through the gradient path being judged); detections get "
+                     "verdict None")
+        on = config.replay and gradients.name != "fsdp"
+        return cls(peers, identity, amp=amp, gradients=gradients, incidents=incidents,
+                   module=module, replay=replay if on else None, anomaly=config.replay_anomaly,
+                   guarded=guarded, spike_report_every=config.spike_window)
+
+    def view(
+        self, step: int, totals: Totals, own: OwnRow, ratios: dict[str, float],
+        forward_groups: tuple[str, ...] = (), batch: Any = None,
+    ) -> ClusterView:
+        """The cluster view of a flagged step, the same on every rank (collectives: see the
+        module docstring). ``ratios``: this rank's spike ratios (sent if it spiked);
+        ``forward_groups``: the process groups that ran a collective in its forward (sent if
+        it is named, so that a rank reached through one is told from the origin: origins.py);
+        ``batch``: this rank's batch, replayed when a forward collective must be traced.
+        """
+        world = self.peers.world_size
+        # fp32 holds every index exactly up to 2**24 ranks; beyond that, ask every rank.
+        single = totals.single_flagged if world <= _EXACT_INDICES else None
+        flagged = [single] if single is not None else (
+            self.peers.flagged(own.flagged) if totals.flagged else []
+        )
+        candidate = replay_candidate(flagged, world)
+        speakers = sorted({*flagged, *([candidate] if candidate is not None else [])})
+        row = RankHealth.of(self.identity, own, ratios, forward_groups)
+        record = row.to_wire() if self.peers.rank in speakers else None
+        with paused_gc():
+            rows = self.peers.gather_from(speakers, record)
+            raw = [_health(rank, world, rows.get(rank)) for rank in speakers]
+            named = origins.weigh(raw)
+        chosen = set(flagged)
+        traced = None
+        if world > 1 and origins.needs_trace(named):
+            if self.replay is None:  # said in the report; nothing to run
+                traced = origins.Trace(reason=(
+                    "no replay function (replay= not given, NANSENTINEL_REPLAY=0, or FSDP2): "
+                    "the forward's collectives could not be traced"))
+            else:
+                traced, named, candidate = self._trace(raw, named, row, batch, candidate)
+                chosen.update(traced.origins)
+        flagged_rows = tuple(r for r in named if r.rank in chosen)
+        blamed_hosts = {r.identity.hostname for r in flagged_rows if is_blamed(r, amp=self.amp)}
+        values = [own.value(s) for s in SIGNALS]
+        finite = [v if v is not None and math.isfinite(v) else None for v in values]
+        maxima = self.peers.max_floats([
+            float(self.identity.hostname not in blamed_hosts),
+            *(x for v in finite for x in ((v, -v) if v is not None else (-math.inf, -math.inf))),
+        ])
+        extremes = {
+            s: (-maxima[2 + 2 * i], maxima[1 + 2 * i])
+            for i, s in enumerate(SIGNALS) if math.isfinite(maxima[1 + 2 * i])
+        }
+        peer = next((r for r in named if r.rank == candidate), None)
+        if traced is not None and traced.origins:  # a rank the NaN reached is a healthy peer
+            replay_peer = peer.rank if peer is not None else None
+        else:
+            replay_peer = peer.rank if peer is not None and peer.healthy else None
+        return ClusterView(
+            step, world, totals, flagged_rows, named,
+            every_host_bad=bool(blamed_hosts) and maxima[0] == 0.0,
+            extremes=extremes, replay_peer=replay_peer,
+            origin_trace=traced.to_json() if traced is not None else None,
+        )
+
+    def _trace(
+        self, raw: list[RankHealth], named: tuple[RankHealth, ...], row: RankHealth,
+        batch: Any, candidate: int | None,
+    ) -> tuple[origins.Trace, tuple[RankHealth, ...], int | None]:
+        """Trace the forward's collectives (trace.py) and apply what it found: ``(trace,
+        named, the replay's peer)``. With origins, the peer is a rank half the world away that
+        is none of them (a rank the NaN only reached has a healthy device), and the origins
+        and the peer send their rows (the first origin with what its first non-finite
+        collective was): one gather in which only they speak."""
+        traced, op = tracing.locate(self.peers, self.module, batch, self.replay)
+        if not traced.origins:
+            return traced, named, candidate
+        world = self.peers.world_size
+        candidate = replay_candidate(list(traced.origins), world)
+        speakers = sorted({*traced.origins, *([candidate] if candidate is not None else [])})
+        mine = [row.to_wire(), op] if self.peers.rank in speakers else None
+        with paused_gc():
+            sent = self.peers.gather_from(speakers, mine)
+        rows = {r: _health(r, world, s[0] if isinstance(s, list) else None)
+                for r, s in sent.items()}
+        first = sent.get(traced.origins[0])
+        if isinstance(first, list) and isinstance(first[1], str):
+            traced = dataclasses.replace(traced, op=first[1])
+        retraced = origins.weigh(origins.retrace(raw, traced, rows))
+        if candidate is not None and all(r.rank != candidate for r in retraced):
+            retraced = tuple(sorted((*retraced, rows[candidate]), key=lambda r: r.rank))
+        return traced, retraced, candidate
+
+
+    def evidence(
+        self, view: ClusterView, bad: tuple[RankHealth, ...], spikes: Spikes, *, batch: Any,
+        grads_restored: Callable[[], Any] = contextlib.nullcontext,
+        discard: Callable[[], None] = lambda: None,
+    ) -> tuple[str | None, dict[str, Any]]:
+        """The replay's verdict and this rank's share of the report: the names of its
+        non-finite parameters (``grads_restored`` puts back the gradients the device gate
+        held), its replay and the peer's.
+
+        The parameters are named from the poisoned gradients; then, when a rank is blamed (no
+        policy applies such a step) and a replay is to run, ``discard()`` frees them first:
+        the replay takes a set of gradients of its own, and a detection then needs no more
+        memory than a training step."""
+        detail: dict[str, Any] = {}
+        if any("grad" in r.kinds for r in bad):
+            poisoned = any(r.rank == self.peers.rank and "grad" in r.kinds for r in bad)
+            with grads_restored(), self.guarded():
+                detail = self.gradients.naming_detail(poisoned, self.peers)
+        if bad and self.replay is not None:
+            discard()
+        if not (bad or spikes):
+            return None, detail
+        with self.guarded():
+            verdict, replayed = blame(
+                view, list(bad), spikes, peers=self.peers, module=self.module, batch=batch,
+                fn=self.replay, anomaly=self.anomaly,
+            )
+        detail.update(replayed)
+        return verdict, detail
+
+    def record(
+        self, view: ClusterView, decision: Decision, result: StepResult, spikes: Spikes, *,
+        detail: dict[str, Any], batch: Any, ids: Any, quarantine: Quarantine, curves: Curves,
+    ) -> StepResult:
+        """Write the incident (report on rank 0, the poisoned batch, log lines); a ``data``
+        verdict adds the batch's signature to ``quarantine``. Returns ``result`` with its
+        parameters and report path.
+
+        A warn-level spike (nothing blamed, the step applied) on an unstable run can come
+        every few steps, and a report each time is noise: at most one is written per
+        ``spike_report_every`` steps; the others are one log line on rank 0 and a count
+        (``nansentinel_spike_reports_suppressed_total``). Every rank keeps the same count
+        from the same decisions, so every rank skips the report's gather alike."""
+        if not self._worth_a_report(view.step, decision, spikes):
+            if self.peers.rank == 0:
+                log.warning("%s (no report: one warn-level spike report per %d steps)",
+                            incident.describe(view, decision, result, spikes),
+                            self.spike_report_every)
+            if self.suppressed is not None:
+                self.suppressed()
+            return result
+        result, details = self.incidents.write(
+            view, decision, result, spikes, detail=detail, batch=batch, ids=ids, curves=curves,
+            guarded=self.guarded,
+        )
+        if result.verdict == "data":
+            for d in details.values():
+                if d.get("signature"):
+                    quarantine.add(Signature.from_json(d["signature"]), view.step)
+        return result
+
+
+    def _worth_a_report(self, step: int, decision: Decision, spikes: Spikes) -> bool:
+        if decision.bad or decision.action != APPLY or not spikes:
+            return True
+        last = self._last_spike_report
+        if last is not None and step - last < self.spike_report_every:
+            return False
+        self._last_spike_report = step
+        return True
+
+
+def replay_candidate(flagged: list[int], world: int) -> int | None:
+    """A rank not flagged, half the world away from the first flagged rank: with ranks laid
+    out host by host (as torchrun does), on another host. None when every rank is flagged."""
+    if not flagged or len(flagged) >= world:
+        return None
+    taken = set(flagged)
+    rank = (flagged[0] + world // 2) % world
+    while rank in taken:
+        rank = (rank + 1) % world
+    return rank
+
+
+def _health(rank: int, world: int, record: Any) -> RankHealth:
+    """A named rank's row from its record (a rank that sent nothing: its number alone)."""
+    if not isinstance(record, list):
+        return RankHealth(RankIdentity(rank, 0, world, "?", "?"), (), False, None, None)
+    return RankHealth.from_wire(record, world)
+
+
+@contextlib.contextmanager
+def paused_gc() -> Iterator[None]:
+    """Python's cyclic garbage collector paused while a detection builds its named rows.
+
+    Building 131,072 rows allocates millions of objects, none in a cycle, and each
+    allocation threshold crossed starts a collection that walks the training process's
+    whole heap (the model's modules, the optimizer's state): paused, the parse and the rows
+    take 2.5 times less. Reference counting still frees everything; the collector resumes
+    as it was, also on an error.
+    """
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()

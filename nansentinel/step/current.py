@@ -1,0 +1,172 @@
+"""This rank's step in progress: what the checks record, and what the gradient paths report to.
+
+``check_batch`` and ``check_loss`` add to the step's
+:class:`~nansentinel.checks.health.LocalHealth`;
+the gradient path (gradpaths/) checks each reduction's local gradients and, with the last one,
+launches the exchange of the step's health vector (``view.pack``). Everything here stays on
+the device: no host sync, no collective but the exchange's own sum.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from nansentinel import checks
+from nansentinel.checks.buffers import FloatingBuffers
+from nansentinel.checks.health import LocalHealth
+from nansentinel.checks.pipeline import StageWatch
+from nansentinel.checks.quarantine import Quarantine
+from nansentinel.common.inject import Injector
+from nansentinel.effects import drop
+from nansentinel.rare import samples as skip_list
+from nansentinel.result import SentinelUsageError
+from nansentinel.wire.collectives import ForwardCollectives, quiet_groups
+from nansentinel.wire.exchange import HealthExchange
+from nansentinel.wire.view import pack
+
+
+class CurrentStep:
+    """The step this rank is in (``index``), and its health so far (``local``).
+
+    Implements :class:`~nansentinel.engines.GradientSink` for the gradient path, which is
+    attached after it (:meth:`attach`), since the path needs a sink at construction.
+
+    Args:
+        device, rank: this rank's. exchange: the step's health exchange.
+        injector: the run's drills. quarantine: batches known to be bad (quarantine.py).
+        module: the unwrapped model, whose floating buffers a skipped step puts back.
+        deadline: the watchdog of the step's collectives (watchdog.StepDeadline).
+        thresholds: this rank's spike thresholds on the device (judge.py), read at packing.
+        amp: a GradScaler is in use (non-finite gradients alone are not blame).
+        policy: the config's; under ``drop`` a rank whose batch or loss is non-finite has its
+            gradients withheld from the step's reductions (drop.py).
+    """
+
+    def __init__(
+        self, *, device: torch.device, rank: int, exchange: HealthExchange, injector: Injector,
+        quarantine: Quarantine, module: torch.nn.Module, deadline: Any,
+        thresholds: Callable[[], torch.Tensor], amp: bool, policy: str = "skip",
+    ) -> None:
+        self.device, self.rank, self.exchange, self.injector = device, rank, exchange, injector
+        #: The floating buffers of ``module``, copied again for every step (buffers.py).
+        self.buffers = FloatingBuffers(module)
+        self.quarantine, self.deadline = quarantine, deadline
+        self.thresholds, self.amp, self.drop = thresholds, amp, policy == "drop"
+        self.index = 0
+        self.local = LocalHealth(device)
+        self.gradients: Any = None
+        self.stages: list[StageWatch] = []
+        self.forward = ForwardCollectives()
+
+    def attach(self, gradients: Any, stages: list[Any]) -> None:
+        """The run's gradient path and pipeline stages (whose boundaries are checked, and
+        whose groups' collectives, like the gradient path's own, are no forward's). Under
+        ``policy="drop"`` a path that cannot leave a rank out is refused here (drop.py)."""
+        if self.drop:
+            drop.refuse_unsupported(gradients, pipelined=bool(stages),
+                                    world_size=self.exchange.world_size, rank=self.rank)
+        self.gradients = gradients
+        self.stages = [StageWatch(s, self.device) for s in stages]
+        self.forward = ForwardCollectives(exclude=quiet_groups(list(gradients.mesh_groups),
+                                                               stages))
+        self.reset()
+
+    @property
+    def step_index(self) -> int:
+        return self.index
+
+    def check_batch(self, batch: Any, ids: Any) -> None:
+        with self.local.timed():
+            self.require_open("check_batch")
+            if self.local.batch is None and self.local.loss_count == 0:
+                self.forward.start()  # the forward begins after the step's first batch check
+            if ids is not None:
+                self.local.ids.append((batch, skip_list.check_ids(
+                    ids, batch, rank=self.rank, step=self.index)))
+            if self.injector.poison("batch", self.index, next(checks.float_tensors(batch), None)):
+                self.local.injected = True
+            norms = checks.batch_norms(batch, self.device)
+            quarantined = self.quarantine.match(batch, self.index, norms)
+            if quarantined is not None:
+                self.local.add_quarantined(quarantined)
+            self.local.add_batch(batch, norms)
+
+    def add_loss(self, loss: torch.Tensor | float) -> torch.Tensor:
+        """Record the loss; returns the 0-d value recorded (on the device)."""
+        with self.local.timed():
+            self.require_open("check_loss")
+            loss = checks.as_loss(loss, self.device, f"rank {self.rank}, step {self.index}")
+            if self.injector.poison("loss", self.index, loss.detach()):
+                self.local.injected = True
+            if self.local.loss_count == 0:
+                self.local.forward_groups = self.forward.stop()
+            value = checks.loss_scalar(loss)
+            self.local.add_loss(value)
+        return value
+
+    def require_open(self, what: str) -> None:
+        if self.exchange.launched:
+            raise SentinelUsageError(
+                f"nansentinel: {what}() called on rank {self.rank} at step {self.index} "
+                "after this step's health exchange already left with the gradients; call "
+                "check_batch/check_loss before loss.backward(), then step()")
+
+    def next(self) -> None:
+        """The step was decided (or handed to the device gate): the next one begins."""
+        self.reset()
+        self.index += 1
+
+    def reset(self) -> None:
+        self.buffers.reset()
+        self.local = LocalHealth(self.device)
+        self.gradients.reset()
+        for watch in self.stages:
+            watch.reset()
+        self.forward.start()  # no check_batch this step: the forward begins now
+
+    # --- gradpaths.GradientSink ---------------------------------------------------------------
+
+    @property
+    def inferring(self) -> bool:
+        return any(w.inferring for w in self.stages)
+
+    def before_reduction(self, local_grads: torch.Tensor) -> None:
+        """The step's first gradients are about to be reduced: arm the watchdog, and write a
+        due grad drill into them (before the reduction, as a real fault would be)."""
+        self.deadline.arm()
+        if self.injector.poison("grad", self.index, local_grads):
+            self.local.injected = True
+
+    def reducing(self) -> None:
+        self.deadline.restart()
+
+    def withhold(self, local_grads: torch.Tensor) -> None:
+        """Under ``policy="drop"``: ``local_grads`` (about to be reduced) become zeros if this
+        rank's batch or loss is non-finite, a flag taken at the step's first reduction and
+        kept for the others, then packed into the exchange (drop.py). Else nothing."""
+        if not self.drop:
+            return
+        if self.local.dropped is None:
+            self.local.dropped = drop.flag_of(self.local)
+        drop.withhold(local_grads, self.local.dropped)
+
+    def add_grad_norm(self, norm: torch.Tensor) -> None:
+        self.local.add_grads(norm)
+
+    def launch_exchange(self) -> None:
+        """Pack this rank's health vector and start summing it across ranks (asynchronous)."""
+        self.reducing()
+        for watch in self.stages:  # the pipeline boundaries' norms become the row's flags
+            watch.fold(self.local)
+        self.exchange.launch(self.index, pack(self.local.row(), self.thresholds(), self.rank,
+                                              amp=self.amp, dropped=self.local.dropped))
+
+    def diagnosed(self, future: torch.futures.Future, step: int,
+                  reduced_in_place: torch.Tensor) -> torch.futures.Future:
+        return self.exchange.diagnosed(future, step, reduced_in_place)
+
+    def spent(self, seconds: float) -> None:
+        self.local.seconds += seconds

@@ -1,0 +1,265 @@
+"""The host side of a step: from its exchanged vector to a decision, and the decision's acts.
+
+::
+
+    totals ─[flagged or spiking: detection.view]─ view ─ spikes ─ evidence (naming, replay)
+          └─ policy.decide (pure) ─ history ─ act: optimizer step | discard + buffers + scaler
+             | rollback | drop: rescale, then step ─ incident ─ tail: snapshot, replica check,
+             metrics
+
+A healthy step reads the totals and acts: one decision, one optimizer step, a few counters.
+What only a detection needs lives in detection.py; what the decision is, in policy.py. The
+tail is handed back to the caller, because on the device gate a step decided by a read of its
+result on one rank must leave its collectives (the replica check, a snapshot) for the next
+sentinel call, where every rank runs them (gate.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from nansentinel.checks.buffers import FloatingBuffers
+from nansentinel.checks.health import LocalHealth, to_device
+from nansentinel.checks.quarantine import Quarantine
+from nansentinel.config import SentinelConfig
+from nansentinel.decide.policy import DROP, ROLLBACK, Decision, History, blamed, decide
+from nansentinel.decide.spikes import SpikeDetector, Spikes
+from nansentinel.effects import drop, scaling
+from nansentinel.effects.recovery import Cooldown, SnapshotStore
+from nansentinel.rare.curves import Curves
+from nansentinel.rare.detection import Detector
+from nansentinel.rare.replicas import ReplicaCheck
+from nansentinel.result import StepResult
+from nansentinel.wire.view import ClusterView, OwnRow, Totals
+
+#: ``tail(result, decision or None) -> (result, decision)``: what a decided step still owes.
+Tail = Callable[[StepResult, Decision | None], tuple[StepResult, Decision]]
+
+
+class StepJudge:
+    """Decides each step on this rank, from the same numbers as every other rank, and acts.
+
+    Owns what the decision remembers and saves with the checkpoint (the policy history, the
+    spike references, the rollback cooldown, the quarantine) and the curves the reports show.
+    """
+
+    def __init__(
+        self, config: SentinelConfig, *, world_size: int, rank: int, device: torch.device,
+        optimizer: torch.optim.Optimizer, scaler: Any, detector: Detector,
+        snapshots: SnapshotStore | None, buffers: FloatingBuffers,
+        replicas: ReplicaCheck | None, quarantine: Quarantine, guarded: Callable[[], Any],
+    ) -> None:
+        self.config, self.world_size, self.rank, self.device = config, world_size, rank, device
+        self.optimizer, self.scaler = optimizer, scaler
+        self.detector, self.snapshots, self.buffers = detector, snapshots, buffers
+        self.replicas, self.quarantine, self.guarded = replicas, quarantine, guarded
+        self.history = History()
+        self.cooldown = Cooldown()
+        self.spikes = SpikeDetector(window=config.spike_window, warmup=config.spike_warmup,
+                                    ratio=config.spike_ratio, zscore=config.spike_zscore)
+        #: The last steps' loss and gradient norm, this rank's and the cluster's (reports).
+        self.curves = Curves()
+        self.metrics: Any = None
+        self._thresholds: tuple[int, torch.Tensor] | None = None
+        self._after_step: tuple[list[float] | None, ClusterView] | None = None
+        self._post_hook: Any = None
+
+    @property
+    def amp(self) -> bool:
+        return self.scaler is not None
+
+    def thresholds(self) -> torch.Tensor:
+        """This rank's spike thresholds on the device, sent again only when its references
+        changed (every tenth of a window): the step's own verdict is taken there."""
+        version = self.spikes.version
+        if self._thresholds is None or self._thresholds[0] != version:
+            self._thresholds = (version, to_device(self.spikes.thresholds(), self.device))
+        return self._thresholds[1]
+
+    def needs_detection(self, totals: Totals) -> bool:
+        """The step flagged a rank or the cluster mean spiked: naming it takes collectives."""
+        return totals.flagged > 0 or self.spikes.cluster_spikes(totals)
+
+    def judge(
+        self, step: int, values: list[float], local: LocalHealth, pending: Any = None, *,
+        optimizer_step: bool = True,
+    ) -> tuple[StepResult, Decision, Tail]:
+        """Decide one step and act on it (optimizer, buffers, scaler, rollback, report).
+        ``pending``: the optimizer step already ran gated on the device (gate.Pending).
+        Returns the result, the decision and the step's tail (see the module docstring)."""
+        started = time.perf_counter()
+        totals, own = Totals.from_values(values), OwnRow.from_values(values)
+        view = ClusterView(step, self.world_size, totals)
+        if self.needs_detection(totals):
+            with self.guarded():
+                view = self.detector.view(step, totals, own, self.spikes.ratios(own),
+                                          local.forward_groups, batch=local.batch)
+        spikes = self.spikes.judge(view)
+        self.spikes.record(own, totals, spikes)
+        self.curves.add(step, own, totals)
+        bad = blamed(view, amp=self.amp)
+        verdict, detail = self.detector.evidence(
+            view, bad, spikes, batch=local.batch,
+            grads_restored=pending.grads_restored if pending else contextlib.nullcontext,
+            discard=pending.drop_grads if pending else self._discard_before_replay,
+        ) if bad or spikes else (None, {})
+        snapshot_step = self.snapshots.step if self.snapshots is not None else None
+        decision = decide(view, self.history, self.config, amp=self.amp, spikes=spikes,
+                          verdict=verdict, snapshot_step=snapshot_step)
+        self.history.record(view, decision, self.config, verdict=verdict,
+                            snapshot_step=snapshot_step)
+        rolled_back_to, restored, not_ours = self._act(decision, view, own, pending,
+                                                       optimizer_step)
+        result = self._result(view, own, decision, spikes, verdict, rolled_back_to, restored)
+        if decision.bad or spikes or decision.action == ROLLBACK:
+            result = self.detector.record(
+                view, decision, result, spikes, detail=detail, batch=local.batch,
+                ids=local.ids, quarantine=self.quarantine, curves=self.curves,
+            )
+        spent = local.seconds + time.perf_counter() - started - not_ours
+        snapshot = decision.applies and optimizer_step
+        tail = functools.partial(self._tail, view, decision, spent, snapshot)
+        return result, decision, tail
+
+    def _act(self, decision: Decision, view: ClusterView, own: OwnRow, pending: Any,
+             optimizer_step: bool) -> tuple[int | None, int, float]:
+        """The decision's acts: ``(rolled back to, buffers restored, optimizer seconds)``."""
+        left_out = self._leave_out(decision, view, own)
+        if decision.applies and not optimizer_step:
+            # The caller steps the optimizer right after: the cooldown is undone and the
+            # snapshot taken from the optimizer's post-hook (_callers_step).
+            self._after_step = (self.cooldown.apply(self.optimizer), view)
+            if self._post_hook is None:  # once: a hook cannot remove itself while it runs
+                self._post_hook = self.optimizer.register_step_post_hook(self._callers_step)
+            return None, left_out, 0.0
+        if decision.applies:
+            if pending is not None:  # the device gate has stepped already
+                self.cooldown.count()
+                return None, left_out, 0.0
+            started = time.perf_counter()
+            with self.cooldown.stepping(self.optimizer):
+                if self.scaler is not None:
+                    self.scaler.step(self.optimizer)
+                    self.scaler.update()
+                else:
+                    self.optimizer.step()
+            return None, left_out, time.perf_counter() - started
+        restored = pending.buffers if pending is not None else self._discard(optimizer_step)
+        rolled_back_to = None
+        if decision.action == ROLLBACK and self.snapshots is not None:
+            rolled_back_to = self.snapshots.load()
+            self.cooldown.start(self.config.rollback_lr_factor, self.config.rollback_lr_steps)
+        return rolled_back_to, restored, 0.0
+
+    def _leave_out(self, decision: Decision, view: ClusterView, own: OwnRow) -> int:
+        """A dropped step, before the optimizer steps: the reduced gradients (the kept ranks'
+        sum over the world) become their mean over the kept ranks, on every rank (drop.py);
+        a rank left out puts back the floating buffers its own forward took the poisoned batch
+        into. Returns the buffers restored (0 on any other step)."""
+        if decision.action != DROP:
+            return 0
+        drop.rescale(self.optimizer, view.world_size / decision.kept)
+        return self.buffers.restore() if own.dropped else 0
+
+    def _discard_before_replay(self) -> None:
+        """Free a blamed step's gradients before its replay, unless ``policy="drop"`` may
+        still apply them: the replay then holds one more set of gradients."""
+        if self.config.policy != "drop":
+            self._discard_grads()
+
+    def _discard(self, optimizer_step: bool) -> int:
+        """A step not applied, on the host gate: the poisoned gradients go on every rank
+        (weights never take them), the buffers come back, the scaler is settled; returns the
+        buffers restored. (The device gate skipped on the device already.)"""
+        self._discard_grads()
+        restored = self.buffers.restore()
+        if self.scaler is not None and not optimizer_step:
+            scaling.record_skip(self.scaler, self.optimizer)  # the caller's scaler.step
+        elif self.scaler is not None:
+            scaling.settle(self.scaler)  # the next step's unscale_ must work
+        return restored
+
+    def _discard_grads(self) -> None:
+        """Free the gradients of a step no policy applies (before its replay, too)."""
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def _tail(self, view: ClusterView, judged: Decision, spent: float, snapshot: bool,
+              result: StepResult, decision: Decision | None) -> tuple[StepResult, Decision]:
+        """What a decided step owes every rank together: the snapshot and the replica check
+        (collectives, both), then its metrics."""
+        started = time.perf_counter()
+        decision = decision if decision is not None else judged
+        if snapshot:
+            self.maybe_snapshot(view)
+        if self.replicas is not None and not decision.stops:  # after the optimizer step
+            result, decision = self.replicas.check(
+                view.step, result, decision, self.history, config=self.config,
+                guarded=self.guarded,
+            )
+        if self.metrics is not None:
+            self.metrics.observe_step(result, spent + time.perf_counter() - started)
+        return result, decision
+
+    def caller_did_not_step(self) -> None:
+        """``step(optimizer_step=False)`` came round again without the caller's optimizer
+        step (its GradScaler skipped): undo the cooldown applied for it."""
+        if self._after_step is not None:
+            self.cooldown.undo(self.optimizer, self._after_step[0])
+            self._after_step = None
+
+    def _callers_step(self, *_: Any) -> None:
+        """Optimizer step post-hook for ``step(optimizer_step=False)``: undo the cooldown and
+        keep the snapshot after the caller's own update, as our own step does after its."""
+        pending, self._after_step = self._after_step, None
+        if pending is not None:
+            saved_lr, view = pending
+            self.cooldown.undo(self.optimizer, saved_lr)
+            self.maybe_snapshot(view)
+
+    def maybe_snapshot(self, view: ClusterView) -> None:
+        """Keep the state after a healthy, quiet step as the last good one, every N steps."""
+        snaps = self.snapshots
+        if snaps is None or self.history.skip_batches > 0 or not self.spikes.quiet(view.totals):
+            return
+        if snaps.step is None or view.step - snaps.step >= self.config.snapshot_every:
+            snaps.save(view.step)
+
+    def _result(
+        self, view: ClusterView, mine: OwnRow, decision: Decision, spikes: Spikes,
+        verdict: str | None, rolled_back_to: int | None, buffers_restored: int,
+    ) -> StepResult:
+        return StepResult(
+            step=view.step, applied=decision.applies, outcome=decision.outcome,
+            bad_ranks=decision.bad_ranks, bad_hosts=decision.bad_hosts, kinds=decision.kinds,
+            local_kinds=list(mine.kinds), local_loss=mine.loss, local_grad_norm=mine.grad_norm,
+            consecutive_skips=self.history.consecutive_skips, injected=view.injected,
+            overflow=decision.overflow, excluded_hosts=list(self.history.excluded),
+            verdict=verdict, spikes={k: list(v) for k, v in spikes.ranks.items()},
+            local_spikes=spikes.of_rank(self.rank), quarantined=view.quarantined,
+            rolled_back_to=rolled_back_to, lr_factor=self.cooldown.lr_factor,
+            reason=decision.reason, reached=view.reached, buffers_restored=buffers_restored,
+        )
+
+    # --- what the checkpoint keeps -----------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            **self.history.state_dict(),
+            "spikes": self.spikes.state_dict(),
+            "cooldown": self.cooldown.state_dict(),
+            "quarantine": self.quarantine.state_dict(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any], step: int) -> None:
+        self.history = History.from_state_dict(state)
+        if "spikes" in state:
+            self.spikes.load_state_dict(state["spikes"], self.rank)
+        if "cooldown" in state:
+            self.cooldown.load_state_dict(state["cooldown"])
+        self.quarantine.load_state_dict(state.get("quarantine", []), step)
