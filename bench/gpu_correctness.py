@@ -51,7 +51,7 @@ _BUSY_CYCLES = 200_000_000
 
 def check_gate_stream(tmp: Path) -> tuple[bool, str]:
     from nansentinel.step.gate import DeviceGate, Pending
-    from nansentinel.wire.view import SIZE
+    from nansentinel.wire.schema import SIZE
 
     two = torch.cuda.device_count() >= 2
     device = torch.device("cuda", 1 if two else 0)
@@ -143,7 +143,7 @@ def check_flight_recorder(tmp: Path) -> tuple[bool, str]:
 
 def check_nccl_future(tmp: Path) -> tuple[bool, str]:
     from nansentinel.wire.exchange import HealthExchange
-    from nansentinel.wire.view import SIZE, TOTALS
+    from nansentinel.wire.schema import SIZE, T
 
     device = torch.device("cuda", 0)
     x = torch.ones(1001, device=device)
@@ -154,7 +154,7 @@ def check_nccl_future(tmp: Path) -> tuple[bool, str]:
     exchange.launch(0, torch.zeros(SIZE, device=device))
     torch.cuda._sleep(_BUSY_CYCLES)
     # World size 1 launches no collective: give the exchange the one a wider world would.
-    exchange._work = dist.all_reduce(torch.zeros(TOTALS, device=device), async_op=True)
+    exchange._work = dist.all_reduce(torch.zeros(T.size, device=device), async_op=True)
     busy = exchange.settled()
     torch.cuda.synchronize()
     settled = exchange.settled()

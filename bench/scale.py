@@ -63,17 +63,7 @@ def one_world(world: int, steps: int, detections: int,
 
     import nansentinel
     from nansentinel.wire import exchange
-    from nansentinel.wire.view import (
-        R_BATCH,
-        R_GRAD,
-        R_HAS_GRAD,
-        R_HAS_LOSS,
-        R_LOSS,
-        ROW,
-        T_FLAGGED_RANK,
-        TOTALS,
-        pack,
-    )
+    from nansentinel.wire.schema import R, T, pack
 
     torch.set_num_threads(1)
     proc = psutil.Process()
@@ -104,7 +94,7 @@ def one_world(world: int, steps: int, detections: int,
         real_launch(self, step, vector)
         if wire.totals is not None and self._vector is not None:
             t = time.perf_counter()
-            self._vector[:TOTALS] += wire.totals
+            self._vector[:T.size] += wire.totals
             wire.simulated += time.perf_counter() - t
 
     def reducing(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
@@ -117,13 +107,13 @@ def one_world(world: int, steps: int, detections: int,
 
     def poisoned_totals(ranks: list[int]) -> torch.Tensor:
         """The summed totals of ``ranks`` other than 0, each with a NaN loss."""
-        row = torch.zeros(ROW)
-        row[[R_BATCH, R_LOSS, R_GRAD, R_HAS_LOSS, R_HAS_GRAD]] = torch.tensor(
+        row = torch.zeros(R.size)
+        row[[R.batch_norm, R.loss_value, R.grad_norm_value, R.has_loss, R.has_grad]] = torch.tensor(
             [1.0, float("nan"), 1.0, 1.0, 1.0])
         others = [r for r in ranks if r != 0]
-        one = pack(row, torch.full((4,), float("inf")), 1, amp=False)[:TOTALS]
+        one = pack(row, torch.full((4,), float("inf")), 1, amp=False)[:T.size]
         total = one * len(others)
-        total[T_FLAGGED_RANK] = float(sum(others))
+        total[T.flagged_rank] = float(sum(others))
         return total
 
     rss_before = proc.memory_info().rss

@@ -13,8 +13,10 @@ collective.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import functools
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -22,8 +24,39 @@ import torch
 from nansentinel.checks import local, moved
 from nansentinel.result import RankIdentity
 
-#: The pipeline boundary flags of the row, in ``view.R_FWD_ORIGIN`` order (pipeline.py).
-BOUNDARY = ("fwd_origin", "bwd_origin", "recv_act", "recv_grad", "loss_origin")
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Row:
+    """This rank's health row as the checks fill it (checks/health.py): three values whose
+    finiteness is the check, four flags the host knows, then five flags of the boundaries where
+    values arrive from other ranks (checks/pipeline.py; 0 without pipeline stages)."""
+
+    batch_norm: float = 0.0
+    loss_value: float = 0.0
+    """The loss (the mean of the step's micro-batches' losses)."""
+    grad_norm_value: float = 0.0
+    injected: bool = False
+    """A drill wrote into this rank's batch, loss or gradients this step."""
+    has_loss: bool = False
+    has_grad: bool = False
+    quarantined: bool = False
+    """A batch checked this step matched a quarantined signature."""
+    fwd_origin: bool = False
+    """A pipeline stage's forward output went non-finite from finite inputs here."""
+    bwd_origin: bool = False
+    """A stage's sent gradients went non-finite from finite received gradients here."""
+    recv_act: bool = False
+    """A non-finite activation arrived from the previous stage."""
+    recv_grad: bool = False
+    """A non-finite gradient arrived from the next stage."""
+    loss_origin: bool = False
+    """The last stage's loss went non-finite from finite activations and targets here."""
+
+
+#: Fields of a :class:`Row`, in wire order, and its pipeline boundary flags among them
+#: (checks/pipeline.py fills them).
+ROW = tuple(f.name for f in dataclasses.fields(Row))
+BOUNDARY = ROW[ROW.index("fwd_origin"):ROW.index("loss_origin") + 1]
 
 _CONSTANTS: dict[tuple[tuple[float, ...], torch.device], torch.Tensor] = {}
 
@@ -111,9 +144,8 @@ class LocalHealth:
         return ~torch.isfinite(torch.stack([batch, loss])).all()
 
     def row(self) -> torch.Tensor:
-        """The health row (``view.R_*``: batch norm, loss, gradient norm, then the flags
-        ``injected, has_loss, has_grad, quarantined`` and the five boundary flags) as fp32 on
-        the device: no host sync."""
+        """The health row (a :class:`Row`: batch norm, loss, gradient norm, then the flags) as
+        fp32 on the device: no host sync."""
         zero = _constant((0.0,), self.device).reshape(())
         batch = combined(self.batch_norms, zero)
         loss = zero
@@ -125,9 +157,48 @@ class LocalHealth:
         values = torch.stack([batch, loss, grad]).to(torch.float32)
         if self.quarantined is not None:
             flags = torch.cat([flags[:3], self.quarantined.reshape(1).to(torch.float32)])
-        if self.boundary is None:
-            return torch.cat([values, flags, _constant((0.0,) * len(BOUNDARY), self.device)])
-        return torch.cat([values, flags, moved(self.boundary, self.device, torch.float32)])
+        boundary = (_constant((0.0,) * len(BOUNDARY), self.device) if self.boundary is None
+                    else moved(self.boundary, self.device, torch.float32))
+        return assembled((
+            (("batch_norm", "loss_value", "grad_norm_value"), values),
+            (("injected", "has_loss", "has_grad", "quarantined"), flags),
+            (BOUNDARY, boundary),
+        ), ROW)
+
+
+def assembled(pieces: Sequence[tuple[tuple[str, ...], torch.Tensor]],
+              wire: tuple[str, ...]) -> torch.Tensor:
+    """One fp32 tensor of the ``pieces`` (names, 1-D values) laid out as ``wire`` names its
+    slots: one ``cat``, and one gather only where the computed order differs from the wire's.
+    Whoever computes a value names it; where it lies is the schema's."""
+    names = tuple(name for group, _ in pieces for name in group)
+    vector = torch.cat([t.reshape(-1) for _, t in pieces])
+    order = _placement(names, wire)
+    if order is None:
+        return vector
+    key = (order, vector.device)
+    if key not in _ORDERS:
+        _ORDERS[key] = torch.tensor(order, dtype=torch.long, device=vector.device)
+    return vector[_ORDERS[key]]
+
+
+_ORDERS: dict[tuple[tuple[int, ...], torch.device], torch.Tensor] = {}
+
+
+@functools.cache
+def _placement(computed: tuple[str, ...], wire: tuple[str, ...]) -> tuple[int, ...] | None:
+    """Where each wire slot's value lies among the ``computed`` ones (None: already in wire
+    order). Checked once per layout: a slot not computed, computed twice, or computed but not
+    in the schema is an error naming it, before any vector is built."""
+    missing = sorted(set(wire) - set(computed))
+    extra = sorted(set(computed) - set(wire))
+    if missing or extra or len(computed) != len(set(computed)):
+        raise AssertionError(f"nansentinel: the values computed and the wire schema disagree: "
+                             f"not computed {missing}, not in the schema {extra}, "
+                             f"computed {list(computed)}")
+    at = {name: i for i, name in enumerate(computed)}
+    order = tuple(at[name] for name in wire)
+    return None if order == tuple(range(len(wire))) else order
 
 
 def combined(norms: list[torch.Tensor], zero: torch.Tensor) -> torch.Tensor:

@@ -186,7 +186,7 @@ def is_blamed(rank: RankHealth, *, amp: bool = False) -> bool:
     """A rank the step blames. Under AMP, non-finite gradients alone are GradScaler's fp16
     overflow, not a fault; a batch quarantined earlier (verdict data) is skipped, not blamed a
     second time; a rank a non-finite value only reached from another rank (a pipeline
-    boundary, a collective in the forward: origins.py) is named, not blamed. (``view.pack``
+    boundary, a collective in the forward: origins.py) is named, not blamed. (``schema.pack``
     computes the same flag on the device, before the forward collectives are weighed.)"""
     kinds = _AMP_BLAMED if amp else _BLAMED
     return not (rank.quarantined or rank.reached or kinds.isdisjoint(rank.kinds))

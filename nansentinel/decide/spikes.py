@@ -28,7 +28,8 @@ import dataclasses
 import math
 from collections import deque
 
-from nansentinel.wire.view import SIGNALS, ClusterView, OwnRow, Totals
+from nansentinel.wire.schema import SIGNALS, OwnRow, Totals
+from nansentinel.wire.view import ClusterView
 
 CLUSTER = -1
 """Pseudo-rank of the cluster mean in :class:`Spikes`."""

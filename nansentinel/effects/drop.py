@@ -12,7 +12,7 @@ flag on the device (``LocalHealth.poisoned``). Under ``drop``:
    so a rank is left out of all of the step's reductions or none. Under ``no_sync``
    accumulation the flag covers every micro-batch checked before the synchronised backward: a
    poisoned micro-batch leaves the rank out of that optimizer step.
-2. **Count**: the flag travels in the step's health exchange (``view.T_DROPPED``, one more
+2. **Count**: the flag travels in the step's health exchange (``schema.T.dropped``, one more
    float of the fixed-size sum that already leaves beside the last bucket), so every rank
    learns how many ranks were left out from the same numbers. No collective of its own.
 3. **Decide** (policy.py, pure): the step is ``dropped`` when every blamed rank was left out,

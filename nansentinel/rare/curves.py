@@ -13,7 +13,7 @@ from collections import deque
 from typing import Any
 
 from nansentinel.common.report import json_float
-from nansentinel.wire.view import SIGNALS, OwnRow, Totals
+from nansentinel.wire.schema import SIGNALS, OwnRow, Totals
 
 STEPS = 200
 """How many judged steps the curves keep."""

@@ -47,7 +47,8 @@ from nansentinel.rare.incident import IncidentWriter
 from nansentinel.rare.replay import ReplayFn, blame
 from nansentinel.result import RankIdentity, StepResult
 from nansentinel.wire.collectives import Peers
-from nansentinel.wire.view import SIGNALS, ClusterView, OwnRow, RankHealth, Totals
+from nansentinel.wire.schema import SIGNALS, OwnRow, Totals
+from nansentinel.wire.view import ClusterView, RankHealth
 
 log = logging.getLogger("nansentinel")
 

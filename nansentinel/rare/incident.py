@@ -24,7 +24,8 @@ from nansentinel.rare import samples as skip_list
 from nansentinel.rare.curves import Curves
 from nansentinel.result import KINDS, NAMED, Outcome, RankIdentity, StepResult
 from nansentinel.wire.collectives import Peers
-from nansentinel.wire.view import SIGNALS, ClusterView, RankHealth
+from nansentinel.wire.schema import SIGNALS
+from nansentinel.wire.view import ClusterView, RankHealth
 
 log = logging.getLogger("nansentinel")
 

@@ -3,7 +3,7 @@
 ``check_batch`` and ``check_loss`` add to the step's
 :class:`~nansentinel.checks.health.LocalHealth`;
 the gradient path (gradpaths/) checks each reduction's local gradients and, with the last one,
-launches the exchange of the step's health vector (``view.pack``). Everything here stays on
+launches the exchange of the step's health vector (``schema.pack``). Everything here stays on
 the device: no host sync, no collective but the exchange's own sum.
 """
 
@@ -25,7 +25,7 @@ from nansentinel.rare import samples as skip_list
 from nansentinel.result import SentinelUsageError
 from nansentinel.wire.collectives import ForwardCollectives, quiet_groups
 from nansentinel.wire.exchange import HealthExchange
-from nansentinel.wire.view import pack
+from nansentinel.wire.schema import pack
 
 
 class CurrentStep:

@@ -33,7 +33,7 @@ import torch
 
 from nansentinel.checks.health import LocalHealth
 from nansentinel.result import ResultPending, StepResult
-from nansentinel.wire.view import OwnRow, Totals, skip_count
+from nansentinel.wire.schema import OwnRow, Totals, skip_count
 
 log = logging.getLogger("nansentinel")
 

@@ -36,7 +36,8 @@ from nansentinel.rare.curves import Curves
 from nansentinel.rare.detection import Detector
 from nansentinel.rare.replicas import ReplicaCheck
 from nansentinel.result import StepResult
-from nansentinel.wire.view import ClusterView, OwnRow, Totals
+from nansentinel.wire.schema import OwnRow, Totals
+from nansentinel.wire.view import ClusterView
 
 #: ``tail(result, decision or None) -> (result, decision)``: what a decided step still owes.
 Tail = Callable[[StepResult, Decision | None], tuple[StepResult, Decision]]

@@ -1,9 +1,9 @@
 """The exchange: each rank's fixed-size health vector in, the same totals out on every rank.
 
-Each rank packs its flags and values into ``view.SIZE`` floats (view.pack): ``TOTALS`` of them
+Each rank packs its flags and values into ``schema.SIZE`` floats (schema.pack): ``T.size`` of them
 are summed across ranks, the rest is this rank's own row, read back with the sums in the same
 host copy. A sum of flags is a count, and a sum of the flagged ranks' indices names the rank
-when one is flagged, so a healthy step exchanges ``view.EXCHANGE_BYTES`` bytes at any world
+when one is flagged, so a healthy step exchanges ``schema.EXCHANGE_BYTES`` bytes at any world
 size and every rank reads the same numbers. With DDP the sum is launched asynchronously from
 inside the last gradient bucket's communication hook, so it leaves together with the gradients
 and costs no round trip after backward; without DDP it is one small collective at ``step()``.
@@ -35,7 +35,7 @@ import torch.distributed as dist
 
 from nansentinel.result import NAMED, ExchangeTimeoutError, RankIdentity
 from nansentinel.wire.collectives import Peers
-from nansentinel.wire.view import TOTALS
+from nansentinel.wire.schema import T
 
 log = logging.getLogger("nansentinel")
 
@@ -126,12 +126,12 @@ class HealthExchange:
         return bool(work.is_completed()) and not (self.nccl and work.exception() is not None)
 
     def launch(self, step: int, vector: torch.Tensor) -> None:
-        """Start summing the totals of this rank's ``vector`` (``view.pack``) across the group
+        """Start summing the totals of this rank's ``vector`` (``schema.pack``) across the group
         (asynchronous); its own part stays as it is."""
         vector = vector.to(self.comm_device)
         self._vector, self._step = vector, step
         if not self.peers.alone:
-            self._work = dist.all_reduce(vector[:TOTALS], group=self.group, async_op=True)
+            self._work = dist.all_reduce(vector[:T.size], group=self.group, async_op=True)
 
     def wait(self) -> tuple[int, list[float]]:
         """Wait for the sum (bounded by the timeout); the step and the vector as host floats.

@@ -172,7 +172,7 @@ def test_scale_benchmark_is_flat_from_8_to_a_million_ranks(tmp_path: Path) -> No
     )
     assert proc.returncode == 0, f"benchmark failed:\n{proc.stdout}\n{proc.stderr}"
     small, huge = json.loads(out.read_text())["rows"]
-    from nansentinel.wire.view import EXCHANGE_BYTES
+    from nansentinel.wire.schema import EXCHANGE_BYTES
 
     assert small["healthy_bytes"] == huge["healthy_bytes"] == EXCHANGE_BYTES
     # Loose bounds: one process here varies by +-30% from the next. Anything O(W) per step

@@ -7,7 +7,7 @@ from typing import Any
 
 from nansentinel.rare.detection import Detector, replay_candidate
 from nansentinel.result import RankIdentity
-from nansentinel.wire.view import OwnRow, Totals
+from nansentinel.wire.schema import OwnRow, Totals
 
 
 class Peers:
@@ -37,7 +37,7 @@ def detector(peers: Peers) -> Detector:
                     replay=None, anomaly=False, guarded=contextlib.nullcontext)
 
 
-HEALTHY = OwnRow(1.0, 2.0, 1.0, False, True, True, False, False, False, False, False)
+HEALTHY = OwnRow(1.0, 2.0, 1.0, has_loss=True, has_grad=True)
 
 
 def test_one_flagged_rank_is_named_by_the_sum_of_indices_without_asking_every_rank() -> None:
@@ -92,7 +92,7 @@ def test_a_detection_naming_every_rank_is_linear() -> None:
             return records
 
     peers = Everyone(world, flagged=list(range(world)))
-    bad = OwnRow(1.0, float("nan"), 1.0, False, True, True, False, False, False, False, True)
+    bad = OwnRow(1.0, float("nan"), 1.0, has_loss=True, has_grad=True, flagged=True)
     started = time.process_time()
     view = detector(peers).view(3, Totals(bad_loss=world, blamed=world, flagged=world), bad, {},
                                 ("0",))

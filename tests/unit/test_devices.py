@@ -18,7 +18,7 @@ from nansentinel.checks.health import LocalHealth
 from nansentinel.checks.quarantine import signature_stats
 from nansentinel.rare.replicas import comparand, fingerprint, replicated_state
 from nansentinel.step.gate import DeviceGate
-from nansentinel.wire.view import SIZE, pack
+from nansentinel.wire.schema import SIZE, pack
 
 ACC = torch.device("meta")  # the accelerator
 CPU = torch.device("cpu")

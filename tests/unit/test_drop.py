@@ -30,7 +30,8 @@ from nansentinel.rare.incident import _NEXT
 from nansentinel.reading.incidents import _OUTCOME_WORDS
 from nansentinel.result import OUTCOMES, Outcome, RankIdentity, StepResult
 from nansentinel.step.gate import device_gate_refusal
-from nansentinel.wire.view import TOTALS, ClusterView, OwnRow, RankHealth, Totals, pack
+from nansentinel.wire.schema import OwnRow, T, Totals, pack
+from nansentinel.wire.view import ClusterView, RankHealth
 
 CPU = torch.device("cpu")
 HOSTS = ["n0", "n0", "n1", "n1"]
@@ -143,7 +144,7 @@ def test_the_count_travels_in_the_exchange_and_each_rank_sees_its_own() -> None:
     thresholds = torch.full((4,), math.inf)
     out = pack(row, thresholds, 2, amp=False, dropped=torch.tensor(True))
     kept = pack(row.nan_to_num(1.0), thresholds, 0, amp=False)  # not withheld: None
-    summed = (out[:TOTALS] + kept[:TOTALS]).tolist()
+    summed = (out[:T.size] + kept[:T.size]).tolist()
     assert Totals.from_values(summed).dropped == 1
     assert OwnRow.from_values(out.tolist()).dropped
     assert not OwnRow.from_values(kept.tolist()).dropped

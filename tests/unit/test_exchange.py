@@ -3,21 +3,15 @@ ranks."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
 import torch
 
-from nansentinel.checks.health import LocalHealth
+from nansentinel.checks.health import BOUNDARY, ROW, LocalHealth, Row, assembled
 from nansentinel.wire.exchange import HealthExchange
-from nansentinel.wire.view import (
-    EXCHANGE_BYTES,
-    SIZE,
-    TOTALS,
-    OwnRow,
-    Totals,
-    pack,
-)
+from nansentinel.wire.schema import EXCHANGE_BYTES, SIZE, O, OwnRow, R, T, Totals, pack
 
 CPU = torch.device("cpu")
 NO_REF = torch.full((4,), math.inf)  # spike references still warming up
@@ -33,12 +27,12 @@ def test_vector_flags_each_kind_from_its_value_and_sums_to_counts() -> None:
     bad = pack(row(3.0, math.nan, -math.inf, injected=1.0), NO_REF, 0, amp=False)
     good = pack(row(1.0, 2.0, 0.5), NO_REF, 1, amp=False)
     assert bad.shape == (SIZE,) and bad.dtype == torch.float32
-    assert EXCHANGE_BYTES == TOTALS * 4 <= 256  # at any world size
+    assert EXCHANGE_BYTES == T.size * 4 <= 256  # at any world size
     own = OwnRow.from_values(bad.tolist())
     assert own.kinds == ("loss", "grad") and own.injected and math.isnan(own.loss or 0)
     assert OwnRow.from_values(good.tolist()).kinds == () and OwnRow.from_values(
         good.tolist()).loss == 2.0
-    summed = (bad[:TOTALS] + good[:TOTALS]).tolist()
+    summed = (bad[:T.size] + good[:T.size]).tolist()
     totals = Totals.from_values(summed)
     assert (totals.bad_batch, totals.bad_loss, totals.bad_grad) == (0, 1, 1)
     assert totals.blamed == totals.flagged == 1 and totals.single_flagged == 0
@@ -50,10 +44,10 @@ def test_vector_flags_each_kind_from_its_value_and_sums_to_counts() -> None:
 def test_the_sum_of_indices_names_a_single_flagged_rank() -> None:
     vectors = [pack(row(1.0, math.nan if r == 5 else 1.0, 1.0), NO_REF, r, amp=False)
                for r in range(8)]
-    totals = Totals.from_values(torch.stack(vectors)[:, :TOTALS].sum(0).tolist())
+    totals = Totals.from_values(torch.stack(vectors)[:, :T.size].sum(0).tolist())
     assert totals.flagged == 1 and totals.single_flagged == 5
     vectors[2] = pack(row(math.inf, 1.0, 1.0), NO_REF, 2, amp=False)
-    totals = Totals.from_values(torch.stack(vectors)[:, :TOTALS].sum(0).tolist())
+    totals = Totals.from_values(torch.stack(vectors)[:, :T.size].sum(0).tolist())
     assert totals.flagged == 2 and totals.single_flagged is None
 
 
@@ -250,3 +244,50 @@ def test_host_bytes_reads_a_tensor_in_one_copy() -> None:
     started = time.perf_counter()
     assert host_bytes(big) == b" " * (16 * 2**20)
     assert time.perf_counter() - started < 1.0
+
+
+# --- one schema: the positions, the packing, the decoding and the row agree -----------------
+
+
+def test_the_positions_are_the_records_fields_in_order() -> None:
+    assert [getattr(T, f.name) for f in dataclasses.fields(Totals)] == list(range(T.size))
+    assert [getattr(O, f.name) for f in dataclasses.fields(OwnRow)] == list(
+        range(T.size, T.size + O.size))
+    assert [getattr(R, f.name) for f in dataclasses.fields(Row)] == list(range(R.size))
+    assert T.size + O.size == SIZE and O.names[:R.size] == R.names == ROW
+    with pytest.raises(AttributeError, match="no field 'bad_everything' on the wire"):
+        _ = T.bad_everything
+
+
+def test_every_field_is_packed_where_the_schema_puts_it_and_decodes_back() -> None:
+    """Each row field set to a value of its own (the flags one at a time): pack places it and
+    OwnRow reads it back under its own name; a field pack forgot would fail here."""
+    values = {"batch_norm": 1.5, "loss_value": 2.5, "grad_norm_value": 3.5,
+              "has_loss": 1.0, "has_grad": 1.0}
+    for flag in (f.name for f in dataclasses.fields(Row) if f.type == "bool"):
+        given = {**values, flag: 1.0}
+        own = OwnRow.from_values(pack(torch.tensor([given.get(n, 0.0) for n in R.names]),
+                                      NO_REF, 0, amp=False).tolist())
+        for name in R.names:
+            assert float(getattr(own, name)) == given.get(name, 0.0), (flag, name)
+
+
+def test_a_field_the_packing_does_not_compute_is_an_error_naming_it() -> None:
+    pieces = ((("bad_batch", "bad_loss"), torch.zeros(2)),)
+    with pytest.raises(AssertionError, match=r"not computed \['bad_grad'\]"):
+        assembled(pieces, ("bad_batch", "bad_loss", "bad_grad"))
+    swapped = ((("b", "a"), torch.tensor([2.0, 1.0])),)
+    assert assembled(swapped, ("a", "b")).tolist() == [1.0, 2.0]  # placed by name
+
+
+def test_the_health_row_is_the_rows_schema() -> None:
+    health = LocalHealth(CPU)
+    health.add_batch(None, [torch.tensor(4.0)])
+    health.add_loss(torch.tensor(2.0))
+    health.add_grads(torch.tensor(3.0))
+    health.injected = True
+    health.add_boundaries(torch.tensor([0.0, 1.0, 0.0, 0.0, 1.0]))
+    decoded = Row(*health.row().tolist())
+    assert decoded == Row(4.0, 2.0, 3.0, injected=1.0, has_loss=1.0, has_grad=1.0,
+                          bwd_origin=1.0, loss_origin=1.0)  # type: ignore[arg-type]
+    assert BOUNDARY == ("fwd_origin", "bwd_origin", "recv_act", "recv_grad", "loss_origin")

@@ -12,7 +12,7 @@ import nansentinel
 from nansentinel.config import ConfigError, SentinelConfig
 from nansentinel.result import ResultPending
 from nansentinel.step.gate import DeviceGate, PendingResult, device_gate_refusal
-from nansentinel.wire.view import SIZE, T_BAD_GRAD, T_BAD_LOSS, T_QUARANTINED
+from nansentinel.wire.schema import SIZE, T
 
 
 def make(tmp_path: Path, *, fused: bool = True, **kw: object):  # type: ignore[no-untyped-def]
@@ -71,7 +71,7 @@ def test_found_inf_follows_the_view() -> None:
     vector = torch.zeros(SIZE)
     assert gate.found_inf(vector, skip=False).item() == 0.0
     assert gate.found_inf(vector, skip=True).item() == 1.0
-    for field in (T_BAD_LOSS, T_BAD_GRAD, T_QUARANTINED):  # the totals count ranks
+    for field in (T.bad_loss, T.bad_grad, T.quarantined):  # the totals count ranks
         v = vector.clone()
         v[field] = 1.0
         found = gate.found_inf(v, skip=False)

@@ -28,7 +28,8 @@ from nansentinel.decide.spikes import CLUSTER, Spikes
 from nansentinel.rare.incident import IncidentWriter, describe, describe_abort, first, payload
 from nansentinel.result import Outcome, RankIdentity, StepResult
 from nansentinel.wire.collectives import Peers
-from nansentinel.wire.view import ClusterView, RankHealth, Totals
+from nansentinel.wire.schema import Totals
+from nansentinel.wire.view import ClusterView, RankHealth
 
 NAN, INF = float("nan"), float("inf")
 

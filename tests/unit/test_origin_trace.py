@@ -161,7 +161,7 @@ def test_without_a_replay_function_the_report_says_why_no_trace_ran() -> None:
     import contextlib
 
     from nansentinel.rare.detection import Detector
-    from nansentinel.wire.view import OwnRow, Totals
+    from nansentinel.wire.schema import OwnRow, Totals
 
     class Peers:
         rank, world_size = 0, 2
@@ -175,7 +175,7 @@ def test_without_a_replay_function_the_report_says_why_no_trace_ran() -> None:
         def max_floats(self, values: list[float]) -> list[float]:
             return values
 
-    own = OwnRow(1.0, NAN, NAN, False, True, True, False, False, False, False, True)
+    own = OwnRow(1.0, NAN, NAN, has_loss=True, has_grad=True, flagged=True)
     detector = Detector(Peers(), RankIdentity(0, 0, 2, "node0", "cpu"),  # type: ignore[arg-type]
                         amp=False, gradients=None, incidents=None, module=None,  # type: ignore[arg-type]
                         replay=None, anomaly=False, guarded=contextlib.nullcontext)

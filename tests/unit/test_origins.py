@@ -16,7 +16,8 @@ from nansentinel.decide import origins
 from nansentinel.decide.policy import is_blamed
 from nansentinel.result import RankIdentity
 from nansentinel.wire.collectives import ForwardCollectives
-from nansentinel.wire.view import OwnRow, RankHealth, Totals, pack
+from nansentinel.wire.schema import OwnRow, Totals, pack
+from nansentinel.wire.view import RankHealth
 
 CPU = torch.device("cpu")
 NO_REF = torch.full((4,), math.inf)

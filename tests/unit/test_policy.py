@@ -5,7 +5,8 @@ from __future__ import annotations
 from nansentinel.config import SentinelConfig
 from nansentinel.decide.policy import ABORT, APPLY, EXCLUDE, OVERFLOW, SKIP, History, decide
 from nansentinel.result import RankIdentity
-from nansentinel.wire.view import ClusterView, RankHealth, Totals
+from nansentinel.wire.schema import Totals
+from nansentinel.wire.view import ClusterView, RankHealth
 
 HOSTS = ["n0", "n0", "n1", "n1"]
 

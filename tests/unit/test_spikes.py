@@ -9,7 +9,8 @@ import torch
 
 from nansentinel.decide.spikes import CLUSTER, SpikeDetector, Spikes
 from nansentinel.result import RankIdentity
-from nansentinel.wire.view import TOTALS, ClusterView, OwnRow, RankHealth, Totals, pack
+from nansentinel.wire.schema import OwnRow, T, Totals, pack
+from nansentinel.wire.view import ClusterView, RankHealth
 
 KW = {"window": 20, "warmup": 10, "ratio": 10, "zscore": 6, "refresh": 1}
 
@@ -33,7 +34,7 @@ class Cluster:
             vector = pack(row, torch.tensor(d.thresholds()), r, amp=False)
             vectors.append(vector)
             owns.append(OwnRow.from_values(vector.tolist()))
-        totals = Totals.from_values(torch.stack(vectors)[:, :TOTALS].sum(0).tolist())
+        totals = Totals.from_values(torch.stack(vectors)[:, :T.size].sum(0).tolist())
         flagged = tuple(
             RankHealth.of(RankIdentity(r, 0, world, f"h{r}", "cpu"), own, d.ratios(own))
             for r, (own, d) in enumerate(zip(owns, self.detectors, strict=True)) if own.flagged

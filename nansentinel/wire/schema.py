@@ -1,0 +1,278 @@
+"""The exchange's wire: one schema, from which everything that reads or writes it is generated.
+
+Every rank contributes the same fixed number of floats, whatever the world size. The vector has
+two sections:
+
+- **totals** (:class:`Totals`): summed across ranks, the same on every rank afterwards: counts
+  of ranks with a non-finite batch, loss or gradient norm, of ranks blamed, spiking,
+  quarantined, fired on by a drill or left out of the reduction (``policy="drop"``), the sums
+  the cluster-mean signals need, and the sum of the flagged ranks' indices, which names the
+  flagged rank exactly when there is one. Only this section travels.
+- **own** (:class:`OwnRow`): this rank's own row (``checks.health.Row``, as the checks fill
+  it) and its device-side verdicts, read back in the same host copy as the totals.
+
+The records are the schema: a field's place in its dataclass is its place on the wire. The
+positions (:data:`R`, :data:`T`, :data:`O`), the sizes, :func:`pack`'s placement of what it
+computes, the records' decoding (``from_values``) and a named row's wire form
+(``view.RankHealth.to_wire``) are all generated from them, so a field added to a record is on
+the wire everywhere at once (tests/unit/test_exchange.py checks they agree).
+
+:func:`pack` builds a rank's vector on its device with no host sync. Flags are fp32 0/1: the
+sum of a flag is a count, and NCCL reduces no bool.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from nansentinel.checks.health import Row, assembled
+from nansentinel.result import ACTIVATION, KINDS
+
+#: The signals a spike is judged on, in the order of the thresholds.
+SIGNALS = ("loss", "grad_norm")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class OwnRow(Row):
+    """This rank's own part of its vector: its :class:`Row`, then its verdicts taken on the
+    device, read back with the totals."""
+
+    spike_loss: bool = False
+    spike_grad: bool = False
+    not_quiet: bool = False
+    """A signal above its quiet threshold (or non-finite): the rank is not a calm reference."""
+    flagged: bool = False
+    reached: bool = False
+    """Non-finite only downstream of what arrived from another rank (judged on the device)."""
+    dropped: bool = False
+    """This rank's gradients were replaced by zeros before their reduction (effects/drop.py)."""
+
+    @classmethod
+    def from_values(cls, values: Sequence[float]) -> OwnRow:
+        """The own section of a vector read back on the host (the whole vector)."""
+        return cls(*_decoded(cls, values[O.start:O.start + O.size]))
+
+    @property
+    def kinds(self) -> tuple[str, ...]:
+        checked = (self.batch_norm, self.loss_value, self.grad_norm_value)
+        kinds = [k for k, x in zip(KINDS, checked, strict=True) if not math.isfinite(x)]
+        if self.fwd_origin:
+            kinds.append(ACTIVATION)
+        if self.bwd_origin and "grad" not in kinds:
+            kinds.append("grad")  # the gradients it sent back are gradients too
+        return tuple(kinds)
+
+    @property
+    def boundary(self) -> tuple[str, ...]:
+        """Where a pipeline boundary saw a non-finite value on this rank, in words."""
+        words = ("forward output from finite inputs", "sent gradients from finite received ones",
+                 "received activations", "received gradients",
+                 "loss from finite activations and targets")
+        on = (self.fwd_origin, self.bwd_origin, self.recv_act, self.recv_grad, self.loss_origin)
+        return tuple(w for w, f in zip(words, on, strict=True) if f)
+
+    @property
+    def loss(self) -> float | None:
+        return self.loss_value if self.has_loss else None
+
+    @property
+    def grad_norm(self) -> float | None:
+        return self.grad_norm_value if self.has_grad else None
+
+    def value(self, signal: str) -> float | None:
+        return self.loss if signal == "loss" else self.grad_norm
+
+    def spiked(self) -> list[str]:
+        """The signals this rank's own reference saw spike (judged on the device)."""
+        return [s for s, on in zip(SIGNALS, (self.spike_loss, self.spike_grad), strict=True)
+                if on]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Totals:
+    """The summed part of the exchange: counts and sums over every rank, the same on all."""
+
+    bad_batch: int = 0
+    bad_loss: int = 0
+    bad_grad: int = 0
+    blamed: int = 0
+    flagged: int = 0
+    flagged_rank: float = 0.0
+    """Sum of the flagged ranks' indices: the flagged rank itself when ``flagged == 1``."""
+    spike_loss: int = 0
+    spike_grad: int = 0
+    spike_any: int = 0
+    not_quiet: int = 0
+    injected: int = 0
+    quarantined: int = 0
+    loss_n: int = 0
+    loss_sum: float = 0.0
+    loss_sq: float = 0.0
+    grad_n: int = 0
+    grad_sum: float = 0.0
+    grad_sq: float = 0.0
+    reached: int = 0
+    """Ranks whose only non-finite values arrived from another rank (a pipeline boundary)."""
+    dropped: int = 0
+    """Ranks whose gradients were replaced by zeros before their reduction (effects/drop.py)."""
+
+    @classmethod
+    def from_values(cls, values: Sequence[float]) -> Totals:
+        """The totals of a vector read back on the host (the whole vector, or its totals)."""
+        return cls(*_decoded(cls, values[:T.size]))
+
+    def bad(self, kind: str) -> int:
+        """Ranks whose ``kind`` (batch, loss, grad) was non-finite."""
+        return {"batch": self.bad_batch, "loss": self.bad_loss, "grad": self.bad_grad}[kind]
+
+    @property
+    def single_flagged(self) -> int | None:
+        """The flagged rank when exactly one is (from the sum of indices), else None."""
+        return round(self.flagged_rank) if self.flagged == 1 else None
+
+    @property
+    def device_skips(self) -> bool:
+        """Some rank had a non-finite value or a quarantined batch (:func:`skip_count`, the
+        rule the device gate's ``found_inf`` applies on the device)."""
+        return skip_count([getattr(self, f.name) for f in dataclasses.fields(self)]) > 0
+
+    def sums(self, signal: str) -> tuple[int, float, float]:
+        """Ranks with a finite ``loss`` or ``grad_norm``, its sum and sum of squares."""
+        if signal == "loss":
+            return self.loss_n, self.loss_sum, self.loss_sq
+        return self.grad_n, self.grad_sum, self.grad_sq
+
+    def mean(self, signal: str) -> float | None:
+        """The cluster mean of ``loss`` or ``grad_norm`` over the ranks with a finite one."""
+        n, total, _ = self.sums(signal)
+        return total / n if n else None
+
+    def std(self, signal: str) -> float | None:
+        n, total, sq = self.sums(signal)
+        if not n:
+            return None
+        return math.sqrt(max(0.0, sq / n - (total / n) ** 2))
+
+    def without(self, signal: str, values: list[float]) -> float | None:
+        """The cluster mean of ``signal`` over the ranks other than those with ``values``."""
+        n, total, _ = self.sums(signal)
+        finite = [v for v in values if math.isfinite(v)]
+        rest = n - len(finite)
+        return (total - sum(finite)) / rest if rest > 0 else None
+
+
+class Index:
+    """The wire positions of a record's fields, generated from the record: ``T.bad_batch`` is
+    where ``Totals.bad_batch`` lies in the vector, ``R.loss_value`` where the loss lies in a
+    :class:`Row`. An unknown name is an error at once, not a silent 0."""
+
+    __slots__ = ("_at", "names", "size", "start")
+
+    def __init__(self, record: type, start: int = 0) -> None:
+        self.names: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(record))
+        self._at = {name: start + i for i, name in enumerate(self.names)}
+        self.start, self.size = start, len(self.names)
+
+    def __getattr__(self, name: str) -> int:
+        try:
+            return self._at[name]
+        except KeyError:
+            raise AttributeError(f"no field {name!r} on the wire") from None
+
+    def __repr__(self) -> str:
+        return f"Index({self.start}..{self.start + self.size})"
+
+
+#: Positions in a :class:`Row`, in the totals section, and in the own section (after it).
+R = Index(Row)
+T = Index(Totals)
+O = Index(OwnRow, start=T.size)  # noqa: E741 - the own section, beside R and T
+#: Floats in a rank's vector, and bytes one rank sends per step (fp32), at any world size.
+SIZE = T.size + O.size
+EXCHANGE_BYTES = T.size * 4
+
+
+def _decoded(record: Any, values: Sequence[float]) -> list[Any]:
+    """``values`` as the record's fields: counts rounded to int, flags as bool."""
+    return [_DECODE[f.type](x) for f, x in zip(dataclasses.fields(record), values, strict=True)]
+
+
+_DECODE: dict[Any, Any] = {"int": round, "float": float, "bool": bool}
+
+
+def pack(
+    row: torch.Tensor, thresholds: torch.Tensor, rank: int, *, amp: bool,
+    dropped: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """This rank's exchange vector (``SIZE`` fp32 on ``row``'s device), without a host sync.
+
+    Args:
+        row: the health row (:class:`Row` layout, fp32).
+        thresholds: ``[spike loss, spike grad, quiet loss, quiet grad]`` of this rank's own
+            rolling references (``inf`` while a series warms up; see decide/spikes.py).
+        rank: this rank's index, summed where the rank is flagged.
+        amp: under GradScaler a non-finite gradient alone is fp16 overflow, not blame.
+        dropped: 0-d fp32 on the device, 1 where this rank's gradients were replaced by zeros
+            before their reduction (``policy="drop"``); None: they were not.
+    """
+    finite = torch.isfinite(row[R.batch_norm:R.grad_norm_value + 1])  # batch, loss, grad
+    bad = (~finite).to(torch.float32)
+    signal, has = row[R.loss_value:R.grad_norm_value + 1], row[R.has_loss:R.has_grad + 1]
+    above = signal.repeat(2) >= thresholds  # spike loss, spike grad, quiet loss, quiet grad
+    spike = (above[:2] & finite[1:]) * has
+    not_quiet = ((above[2:] | ~finite[1:]) * has).amax()
+    # No host-made tensor anywhere: a host-to-device copy would sync the stream.
+    # Where a non-finite value began (checks/pipeline.py): a rank whose batch, forward output
+    # or sent gradients went non-finite from finite inputs is an origin; a loss or gradient
+    # that is non-finite after a non-finite value arrived from another stage was only reached.
+    # Under GradScaler non-finite gradients alone are fp16 overflow, so only the forward counts.
+    fwd = torch.maximum(row[R.fwd_origin], row[R.loss_origin])
+    bwd = row[R.bwd_origin]
+    recv_act, received = row[R.recv_act], torch.maximum(row[R.recv_act], row[R.recv_grad])
+    if amp:
+        origin = torch.stack([bad[0], fwd, bad[1] * (1.0 - recv_act)]).amax()
+        nonfinite = torch.maximum(bad[:2].amax(), fwd)
+    else:
+        origin = torch.stack([bad[0], fwd, bwd, bad[1:].amax() * (1.0 - received)]).amax()
+        nonfinite = torch.stack([bad.amax(), fwd, bwd]).amax()
+    blamed = origin * (1.0 - row[R.quarantined])
+    reached = nonfinite * received * (1.0 - origin)
+    flagged = torch.stack([blamed, spike.amax(), reached]).amax()
+    kept = signal.nan_to_num(0.0, 0.0, 0.0) * has  # a non-finite value is counted, not added
+    sums = torch.stack([finite[1:] * has, kept, kept * kept], dim=1).reshape(-1)
+    left_out = (torch.zeros_like(reached) if dropped is None
+                else dropped.to(reached.device, torch.float32)).reshape(1)
+    # What is computed, named where it is computed; its place is the schema's (assembled).
+    pieces = (
+        (("bad_batch", "bad_loss", "bad_grad"), bad),
+        (("blamed", "flagged", "flagged_rank", "spike_loss", "spike_grad", "spike_any",
+          "not_quiet", "injected", "quarantined"),
+         torch.stack([blamed, flagged, flagged * float(rank), spike[0], spike[1], spike.amax(),
+                      not_quiet, row[R.injected], row[R.quarantined]])),
+        (("loss_n", "loss_sum", "loss_sq", "grad_n", "grad_sum", "grad_sq"), sums),
+        (("reached", "dropped"), torch.cat([reached.reshape(1), left_out])),
+        (tuple(f"own.{n}" for n in R.names), row),
+        (("own.spike_loss", "own.spike_grad", "own.not_quiet", "own.flagged", "own.reached",
+          "own.dropped"),
+         torch.cat([spike, not_quiet.reshape(1), flagged.reshape(1), reached.reshape(1),
+                    left_out])),
+    )
+    return assembled(pieces, WIRE)
+
+
+#: Every slot of a vector, in wire order (the own section's names prefixed ``own.``).
+WIRE = (*T.names, *(f"own.{n}" for n in O.names))
+
+
+def skip_count(totals: Any) -> Any:
+    """The ranks whose step no policy could apply as it is: a non-finite batch, loss or
+    gradient, or a quarantined batch. ``totals`` in wire order: the summed vector on the device
+    (the device gate's ``found_inf``, no host sync) or the host's values
+    (``Totals.device_skips``): one rule for both gates."""
+    return totals[T.bad_batch] + totals[T.bad_loss] + totals[T.bad_grad] + totals[T.quarantined]
+
