@@ -141,10 +141,8 @@ class SentinelTrainer(Trainer):
             input_dict=input_dict, labels=labels, global_valid_tokens=global_valid_tokens
         )
         self._groups += 1
-        path = self.sentinel.gradients
         if self._groups == self.gradient_accumulation_steps and (
-            path.name == "local" or not getattr(path, "reduces", True)
-        ):
+                not self.sentinel.gradients.caps.reduces):
             # Gradients no reduction checked (FSDP on a mesh of one, as under PP on one rank
             # per stage) are checked here, after the last backward and before torchtitan's
             # clip_grad_norm_: its norm is all-reduced over the pipeline (and TP) ranks, and

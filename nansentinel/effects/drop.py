@@ -54,7 +54,7 @@ it clips before the rescale). A world of one never drops: its one rank is every 
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -62,6 +62,9 @@ from nansentinel.checks import local
 from nansentinel.checks.health import LocalHealth
 from nansentinel.config import ConfigError
 from nansentinel.wire.collectives import job_size
+
+if TYPE_CHECKING:
+    from nansentinel.engines import Capabilities
 
 
 def flag_of(health: LocalHealth) -> torch.Tensor:
@@ -71,7 +74,7 @@ def flag_of(health: LocalHealth) -> torch.Tensor:
     Under FSDP2 that is on FSDP's reduce-scatter stream, and the flag is read again on the
     default stream when the exchange is packed at ``step()``: the allocator is told, so that
     its memory is not handed to the next step's reduce-scatter before that read (as
-    gradpaths/fsdp.py does for the norms it keeps)."""
+    engines/fsdp.py does for the norms it keeps)."""
     flag = health.poisoned()
     if flag.is_cuda:
         flag.record_stream(torch.cuda.default_stream(flag.device))
@@ -104,40 +107,25 @@ def rescale(optimizer: torch.optim.Optimizer, factor: float) -> None:
             torch._foreach_mul_(grads, factor)
 
 
-def refusal(path: Any, *, pipelined: bool, world_size: int) -> str | None:
-    """Why ``policy="drop"`` cannot leave a rank out on this gradient path (None: it can).
+def refusal(caps: Capabilities, *, world_size: int) -> str | None:
+    """Why ``policy="drop"`` cannot leave a rank out here (None: it can).
 
     Args:
-        path: the run's gradient path (gradpaths/).
-        pipelined: this rank holds pipeline stages.
+        caps: the run's gradient path's capabilities (``caps.drop``: the path's own reason).
         world_size: the ranks of the sentinel's exchange (its decision's world).
     """
-    if pipelined:
-        return ("pipeline stages make a data-parallel replica of several ranks (one per "
-                "stage), and a stage's gradients cannot be left out alone")
-    if path.name == "deepspeed":
-        return ("DeepSpeed reduces the gradients inside its engine, where no rank's "
-                "contribution can be replaced before the reduction")
+    if caps.drop is not None:
+        return caps.drop
     job = job_size()
-    if path.name == "local" and world_size > 1:
-        return ("the gradients are reduced by hand (check_grads() before your own "
-                "all-reduce), and nansentinel cannot replace this rank's contribution in a "
-                "reduction it does not run; use DDP or FSDP2")
-    if path.name == "ddp" and any(hasattr(p, "to_local") for p in path.model.parameters()):
-        return ("the DDP model holds DTensor parameters (tensor parallel): a data-parallel "
-                "replica is several ranks")
-    if path.name == "fsdp" and path.replica_groups is not None:
-        return ("the FSDP2 mesh does not span the job (tensor or pipeline parallel beside "
-                "it): a data-parallel replica is several ranks")
     if world_size != job:
         return (f"the sentinel's process group holds {world_size} of the job's {job} ranks: "
                 "the others are another parallel dimension, whose ranks would decide apart")
     return None
 
 
-def refuse_unsupported(path: Any, *, pipelined: bool, world_size: int, rank: int) -> None:
+def refuse_unsupported(caps: Capabilities, *, world_size: int, rank: int) -> None:
     """Raise a :class:`ConfigError` naming why ``policy="drop"`` cannot run here."""
-    why = refusal(path, pipelined=pipelined, world_size=world_size)
+    why = refusal(caps, world_size=world_size)
     if why is not None:
         raise ConfigError(
             f"policy='drop' is refused on rank {rank}: {why}. Use policy='skip' "

@@ -21,6 +21,7 @@ read (and replaced) without the rest of the step.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -41,6 +42,10 @@ class GradientSink(Protocol):
         """The count of this rank's forward collectives (origins.py): a path whose wrapper
         issues its own collectives in the forward (DDP's buffer broadcast) brackets them with
         ``aside()`` and ``resume()``."""
+
+    @property
+    def world_size(self) -> int:
+        """The ranks of the step's exchange: the world its decision spans."""
 
     @property
     def inferring(self) -> bool:
@@ -73,11 +78,65 @@ class GradientSink(Protocol):
         """Add ``seconds`` of the sentinel's own work to this step's cost."""
 
 
+PIPELINE_GATE = ("pipeline stages reach their next sentinel call at different points of the "
+                 "schedule, where a detection's collectives would not pair up")
+PIPELINE_DROP = ("pipeline stages make a data-parallel replica of several ranks (one per "
+                 "stage), and a stage's gradients cannot be left out alone")
+PIPELINE_REPLICAS = ("a pipeline or DTensor parameters without DDP or HSDP (the ranks of the "
+                     "job are not replicas of each other)")
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class Capabilities:
+    """What a gradient path supports, and how, as data: the layers above ask these, never the
+    path's name. A refusal is its reason in words (None: supported), so that whoever refuses
+    says why. Each path declares its own at class level (``CAPS``, what the matrix test
+    enumerates) and refines them for this run at construction (``caps``)."""
+
+    label: str
+    """How messages name the path (``DDP``, ``FSDP2``): words, not a key to branch on."""
+    reduces: bool = True
+    """Its reductions check the gradients as they leave (a hook on each reduction); False: the
+    local gradients are checked at ``check_grads()`` / ``step()`` (the user reduces them, or
+    nothing is reduced)."""
+    steps_optimizer: bool = False
+    """The engine steps its own optimizer and loss scale (``engines.steps_of`` adapts it)."""
+    device_gate: str | None = None
+    """Why the device gate cannot take a step of this path (None: it can)."""
+    replay: str | None = None
+    """Why a detection is not replayed on this path (None: it can be)."""
+    drop: str | None = None
+    """Why ``policy="drop"`` cannot leave a rank out on this path (None: it can)."""
+    rollback: str | None = None
+    """Why rollbacks (``policy="rollback"``, a spike action ``rollback``) are refused."""
+    fingerprints: str | None = None
+    """Why there are no replica fingerprints (None: :attr:`replica_group` holds the replicas)."""
+    pipelined: bool = False
+    """This rank holds pipeline stages (:meth:`staged`): their refusals come first."""
+    replica_group: Any = None
+    """The process group of this rank's replicas when :attr:`fingerprints` is None:
+    :data:`EXCHANGE` for the exchange's own group (the user reduces by hand, so the ranks of
+    the exchange are replicas)."""
+
+    def staged(self) -> Capabilities:
+        """These capabilities under pipeline stages: no device gate, no drop, and the ranks
+        of the exchange (every stage) are not replicas of each other."""
+        fingerprints = self.fingerprints
+        if fingerprints is None and self.replica_group is EXCHANGE:
+            fingerprints = PIPELINE_REPLICAS
+        return dataclasses.replace(self, device_gate=PIPELINE_GATE, drop=PIPELINE_DROP,
+                                   fingerprints=fingerprints, pipelined=True)
+
+
+#: :attr:`Capabilities.replica_group` of a path whose replicas are the exchange's ranks.
+EXCHANGE = "the exchange's group"
+
+
 class GradPath(Protocol):
     """One way of checking the local gradients before their reduction."""
 
-    #: ``ddp``, ``fsdp``, ``deepspeed`` or ``local``.
-    name: str
+    #: What it supports, for this run (see :class:`Capabilities`).
+    caps: Capabilities
     #: Process groups the path's own collectives run on in the forward (FSDP2's parameter
     #: all-gathers): they carry no batch's NaN to another rank's loss (origins.py).
     mesh_groups: Sequence[Any]
@@ -97,20 +156,27 @@ class GradPath(Protocol):
         """Forget this step's per-parameter records (called after every decision)."""
 
 
-def attach(model: torch.nn.Module, sink: GradientSink) -> GradPath:
-    """Choose and install the gradient path for ``model`` (once, at construction)."""
-    from torch.nn.parallel import DistributedDataParallel
-
-    if isinstance(model, DistributedDataParallel):
-        from nansentinel.engines.ddp import DDPPath
-
-        return DDPPath(model, sink)
-    from nansentinel.engines import deepspeed, fsdp
-
-    if deepspeed.is_engine(model):
-        return deepspeed.DeepSpeedPath(model, sink)
-    if fsdp.is_fsdp(model):
-        return fsdp.FSDPPath(model, sink)
+def registry() -> tuple[Any, ...]:
+    """Every gradient path, in the order a model is offered to them (the first whose
+    ``recognizes(model)`` is true takes it; the local path takes anything). A new engine is
+    one module here and one line in this tuple: the matrix test takes its ``CAPS`` from here."""
+    from nansentinel.engines.ddp import DDPPath
+    from nansentinel.engines.deepspeed import DeepSpeedPath
+    from nansentinel.engines.fsdp import FSDPPath
     from nansentinel.engines.local import LocalGradPath
 
-    return LocalGradPath(model, sink)
+    return (DDPPath, DeepSpeedPath, FSDPPath, LocalGradPath)
+
+
+def recognize(model: Any) -> Any:
+    """The gradient path class that takes ``model``."""
+    return next(path for path in registry() if path.recognizes(model))
+
+
+def attach(model: torch.nn.Module, sink: GradientSink, *, staged: bool = False) -> GradPath:
+    """Choose and install the gradient path for ``model`` (once, at construction).
+    ``staged``: this rank holds pipeline stages (:meth:`Capabilities.staged`)."""
+    path = recognize(model)(model, sink)
+    if staged:
+        path.caps = path.caps.staged()
+    return path

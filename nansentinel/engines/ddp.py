@@ -11,6 +11,7 @@ loss was non-finite sends zeros in place of its bucket (drop.py); the averaging 
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Any
 
@@ -19,7 +20,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from nansentinel import checks
-from nansentinel.engines import GradientSink
+from nansentinel.engines import Capabilities, GradientSink
 from nansentinel.engines.local import check_local_grads, naming_detail
 from nansentinel.result import SentinelUsageError
 
@@ -27,13 +28,18 @@ from nansentinel.result import SentinelUsageError
 class DDPPath:
     """Checks DDP's buckets in its communication hook (DDP allows one hook per model)."""
 
-    name = "ddp"
+    CAPS = Capabilities(label="DDP")
     mesh_groups: tuple[Any, ...] = ()
+
+    @staticmethod
+    def recognizes(model: Any) -> bool:
+        return isinstance(model, DistributedDataParallel)
 
     def __init__(self, model: DistributedDataParallel, sink: GradientSink) -> None:
         self.model = model
         self.sink = sink
         self.group = model.process_group
+        self.caps = self._capabilities()
         self.world_size = dist.get_world_size(self.group)
         backend = str(dist.get_backend(self.group))
         device = next((p.device for p in model.parameters()), torch.device("cpu"))
@@ -56,6 +62,15 @@ class DDPPath:
                 f"{dist.get_rank()}: {exc}. Construct the Sentinel before the first backward and "
                 "do not register another comm hook."
             ) from exc
+
+    def _capabilities(self) -> Capabilities:
+        """DDP's group holds this rank's replicas; DTensor parameters (tensor parallel) make a
+        replica several ranks, which ``policy="drop"`` cannot leave out alone."""
+        tensor_parallel = any(hasattr(p, "to_local") for p in self.model.parameters())
+        return dataclasses.replace(
+            self.CAPS, replica_group=self.group,
+            drop=("the DDP model holds DTensor parameters (tensor parallel): a data-parallel "
+                  "replica is several ranks") if tensor_parallel else None)
 
     def _own_begins(self, *_: Any) -> None:
         forward = getattr(self.sink, "forward", None)

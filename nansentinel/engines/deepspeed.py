@@ -48,7 +48,7 @@ from typing import Any
 import torch
 
 from nansentinel import checks
-from nansentinel.engines import GradientSink
+from nansentinel.engines import Capabilities, GradientSink
 
 #: The seam per ZeRO setup (see the module docstring).
 ALLREDUCE, BUCKET, PARTITION = "allreduce", "bucket", "partition"
@@ -106,7 +106,19 @@ def seam_refusal(engine: Any) -> str | None:
 class DeepSpeedPath:
     """Checks a DeepSpeed engine's local gradients at its stage's seam (see module docstring)."""
 
-    name = "deepspeed"
+    CAPS = Capabilities(
+        label="DeepSpeed", steps_optimizer=True,
+        device_gate="engine.step() takes DeepSpeed's own overflow decision on the host",
+        replay=("a replay's backward would run DeepSpeed's gradient hooks and reduce the "
+                "gradients being judged"),
+        drop=("DeepSpeed reduces the gradients inside its engine, where no rank's "
+              "contribution can be replaced before the reduction"),
+        rollback=("ZeRO partitions the weights and optimizer state that a snapshot would have "
+                  "to hold"),
+        fingerprints="DeepSpeed (ZeRO partitions what replicas hold alike: not measured there)",
+    )
+    caps = CAPS
+    recognizes = staticmethod(is_engine)
 
     def __init__(self, engine: Any, sink: GradientSink) -> None:
         self.engine = engine

@@ -15,7 +15,7 @@ The sentinel's step flow is the one of every other model; this module gives it w
 and how a skip is done, and refuses what it has not been tested with:
 
 - **the gradients** are checked before DeepSpeed reduces them, at each stage's seam
-  (``gradpaths/deepspeed.py``);
+  (``engines/deepspeed.py``);
 - **an apply** is ``engine.step()``;
 - **a skip** is DeepSpeed's own overflow skip, forced on every rank alike: ``engine.step()``
   runs with the optimizer's overflow decision set, so DeepSpeed's code does what it does after
@@ -67,10 +67,10 @@ from typing import Any
 import torch
 
 from nansentinel.config import SentinelConfig, resolve_hostname
-from nansentinel.engines.deepspeed import is_engine, seam_refusal
+from nansentinel.engines.deepspeed import DeepSpeedPath, is_engine, seam_refusal
 from nansentinel.result import SentinelUsageError
 
-#: The DeepSpeed release whose private seams this module and gradpaths/deepspeed.py were read
+#: The DeepSpeed release whose private seams this module and engines/deepspeed.py were read
 #: from and tested with.
 TESTED_VERSION = "0.19.8"
 #: The optimizer wrappers whose overflow decision the skip knows how to force (see above).
@@ -217,14 +217,13 @@ def refusal_of(
     if extra:
         return (f"{', '.join(extra)} given beside the engine; DeepSpeed's own are used (its "
                 "optimizer and loss scale, its data-parallel group): pass the engine alone")
+    caps = DeepSpeedPath.CAPS
     if replay is not None:
-        return ("replay= is not supported: a replay's backward would run DeepSpeed's gradient "
-                "hooks and reduce the gradients being judged; pass no replay")
+        return f"replay= is not supported: {caps.replay}; pass no replay"
     if snapshots is not None or "rollback" in (
             config.policy, config.loss_spike_action, config.grad_spike_action):
-        return ("rollbacks are not supported (ZeRO partitions the weights and optimizer state "
-                "that a snapshot would have to hold); use policy='skip' or 'abort' and restore "
-                "with engine.load_checkpoint")
+        return (f"rollbacks are not supported ({caps.rollback}); use policy='skip' or 'abort' "
+                "and restore with engine.load_checkpoint")
     if config.gate == "device":
         return ("gate='device' is not supported: engine.step() decides on the host (DeepSpeed "
                 "reads its overflow flag there itself); use gate='host' or 'auto'")

@@ -48,6 +48,7 @@ torch older than 2.9.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from collections.abc import Sequence
@@ -57,7 +58,7 @@ import torch
 import torch.distributed as dist
 
 from nansentinel import checks
-from nansentinel.engines import GradientSink
+from nansentinel.engines import Capabilities, GradientSink
 from nansentinel.engines.local import check_local_grads, scan_parameters
 from nansentinel.result import SentinelUsageError
 
@@ -166,7 +167,12 @@ class CheckedReduceScatter(ReduceScatter):  # type: ignore[misc,valid-type]
 class FSDPPath:
     """Installs a :class:`CheckedReduceScatter` on every FSDP group of an FSDP2 model."""
 
-    name = "fsdp"
+    CAPS = Capabilities(
+        label="FSDP2", device_gate="the FSDP2 gradient path keeps the host gate",
+        replay="its backward would reduce-scatter through the gradient path being judged",
+        fingerprints="pure FSDP (no replicate dimension: every rank holds a different shard)",
+    )
+    recognizes = staticmethod(is_fsdp)
     #: The FSDP mesh's process groups (shard, then replicate under HSDP) when they do not span
     #: the job (pipeline stages hold different parameters): the naming's flag per parameter is
     #: max-reduced over them, not the job. None: over the job's peers.
@@ -196,6 +202,24 @@ class FSDPPath:
         for module_name, module in model.named_modules():
             if isinstance(module, FSDPModule):
                 self._install(module_name or "<root>", module, names)
+        self.caps = self._capabilities()
+
+    def _capabilities(self) -> Capabilities:
+        """HSDP: the mesh's replicate dimension holds this rank's replicas; a mesh that does
+        not span the job (TP or PP beside it) makes a replica several ranks, which
+        ``policy="drop"`` cannot leave out alone; on a shard mesh of one nothing is reduced."""
+        caps = dataclasses.replace(self.CAPS, reduces=self.reduces)
+        if self.replica_groups is not None:
+            caps = dataclasses.replace(caps, drop=(
+                "the FSDP2 mesh does not span the job (tensor or pipeline parallel beside it): "
+                "a data-parallel replica is several ranks"))
+        for p in self.model.parameters():
+            mesh, placements = getattr(p, "device_mesh", None), getattr(p, "placements", ())
+            for dim, placement in enumerate(placements):
+                if placement.is_replicate() and mesh.size(dim) > 1:
+                    return dataclasses.replace(caps, fingerprints=None,
+                                               replica_group=mesh.get_group(dim))
+        return caps
 
     def _install(self, where: str, module: Any, names: dict[int, str]) -> None:
         param_groups = module._get_fsdp_state()._fsdp_param_groups

@@ -16,6 +16,7 @@ Computing the full norm would take a collective on every step, and blame needs n
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Iterable
 from typing import Any
@@ -23,7 +24,7 @@ from typing import Any
 import torch
 
 from nansentinel import checks
-from nansentinel.engines import GradientSink
+from nansentinel.engines import EXCHANGE, PIPELINE_REPLICAS, Capabilities, GradientSink
 
 
 def local_grad(p: torch.Tensor) -> torch.Tensor | None:
@@ -66,12 +67,25 @@ def naming_detail(named: Iterable[tuple[str, torch.Tensor]], poisoned: bool,
 class LocalGradPath:
     """Checks the parameters' local ``.grad`` tensors on demand."""
 
-    name = "local"
+    CAPS = Capabilities(label="local gradients", reduces=False, replica_group=EXCHANGE)
     mesh_groups: tuple[Any, ...] = ()
+
+    @staticmethod
+    def recognizes(model: Any) -> bool:
+        return True  # anything the other paths did not take
 
     def __init__(self, model: torch.nn.Module, sink: GradientSink) -> None:
         self.model = model
         self.sink = sink
+        caps = self.CAPS
+        if sink.world_size > 1:
+            caps = dataclasses.replace(caps, drop=(
+                "the gradients are reduced by hand (check_grads() before your own "
+                "all-reduce), and nansentinel cannot replace this rank's contribution in a "
+                "reduction it does not run; use DDP or FSDP2"))
+        if any(hasattr(p, "device_mesh") for p in model.parameters()):
+            caps = dataclasses.replace(caps, fingerprints=PIPELINE_REPLICAS)
+        self.caps = caps
 
     def check_now(self) -> None:
         started = time.perf_counter()

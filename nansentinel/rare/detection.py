@@ -96,13 +96,14 @@ class Detector:
         incidents: IncidentWriter, module: torch.nn.Module, amp: bool,
         replay: ReplayFn | None, guarded: Callable[[], Any],
     ) -> Detector:
-        """The detection of a run, from its config. The replay is off under FSDP2: its
-        backward would reduce-scatter through the gradient path being judged."""
-        if gradients.name == "fsdp" and replay is not None and config.replay:
-            log.info("nansentinel: replay is off under FSDP2 (its backward would "
-                     "reduce-scatter through the gradient path being judged); detections get "
-                     "verdict None")
-        on = config.replay and gradients.name != "fsdp"
+        """The detection of a run, from its config. The replay is off where the gradient
+        path says why (``caps.replay``: under FSDP2 its backward would reduce-scatter through
+        the gradient path being judged)."""
+        off = gradients.caps.replay
+        if off is not None and replay is not None and config.replay:
+            log.info("nansentinel: replay is off under %s (%s); detections get verdict None",
+                     gradients.caps.label, off)
+        on = config.replay and off is None
         return cls(peers, identity, amp=amp, gradients=gradients, incidents=incidents,
                    module=module, replay=replay if on else None, anomaly=config.replay_anomaly,
                    guarded=guarded, spike_report_every=config.spike_window)

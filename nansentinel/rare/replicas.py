@@ -37,6 +37,7 @@ import torch
 
 from nansentinel import checks
 from nansentinel.decide.policy import ABORT, APPLY, EXCLUDE, Decision, History
+from nansentinel.engines import EXCHANGE, Capabilities
 from nansentinel.result import RankIdentity, StepResult
 from nansentinel.wire.collectives import Peers
 
@@ -219,28 +220,6 @@ def flip_bit(tensor: torch.Tensor) -> None:
 
 
 # --- the side effects ----------------------------------------------------------------------
-
-
-def replica_group(
-    model: torch.nn.Module, path: str, exchange_group: Any, *, pipelined: bool = False
-) -> tuple[bool, Any]:
-    """``(covered, group)``: the process group of this rank's replicas. DDP: its group; FSDP2:
-    the mesh's replicate dimension (HSDP), none under pure FSDP; local gradients: the
-    exchange's group (the user all-reduces by hand, so the ranks are replicas), except under a
-    pipeline (the exchange spans every stage, and stages hold different layers) or with
-    DTensor parameters (tensor-parallel shards differ by design): none there."""
-    if path == "ddp":
-        return True, model.process_group
-    if path != "fsdp":
-        if pipelined or any(hasattr(p, "device_mesh") for p in model.parameters()):
-            return False, None
-        return True, exchange_group
-    for p in model.parameters():
-        mesh, placements = getattr(p, "device_mesh", None), getattr(p, "placements", ())
-        for dim, placement in enumerate(placements):
-            if placement.is_replicate() and mesh.size(dim) > 1:
-                return True, mesh.get_group(dim)
-    return False, None
 
 
 class ReplicaCheck:
@@ -436,30 +415,22 @@ class ReplicaCheck:
 
 def replica_check(
     model: torch.nn.Module, module: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
-    path: str, config: Any, peers: Peers, device: torch.device, identity: RankIdentity,
-    inject: Callable[[int], bool] | None, pipelined: bool = False, incidents: Any = None,
+    caps: Capabilities, config: Any, peers: Peers, device: torch.device, identity: RankIdentity,
+    inject: Callable[[int], bool] | None, incidents: Any = None,
 ) -> ReplicaCheck | None:
-    """The check for this run, or None: ``fingerprint_every=0``, one process, pure FSDP, or
-    local gradients under a pipeline or tensor parallelism (no known replicas: said once, by
-    rank 0)."""
+    """The check for this run, or None: ``fingerprint_every=0``, one process, or a gradient
+    path that knows no replicas (``caps.fingerprints`` says why, once, by rank 0: pure FSDP,
+    DeepSpeed, local gradients under a pipeline or tensor parallelism)."""
     if config.fingerprint_every == 0 or peers.alone:
         return None
-    if path == "deepspeed":  # ZeRO partitions what replicas hold alike: not measured there
+    if caps.fingerprints is not None:
         if identity.rank == 0:
-            log.info("nansentinel: no replica fingerprints under DeepSpeed")
+            log.info("nansentinel: no replica fingerprints under %s", caps.fingerprints)
         return None
-    covered, group = replica_group(model, path, peers.group, pipelined=pipelined)
-    if not covered:
-        if identity.rank == 0:
-            why = ("pure FSDP (no replicate dimension: every rank holds a different shard)"
-                   if path == "fsdp" else "a pipeline or DTensor parameters without DDP or "
-                   "HSDP (the ranks of the job are not replicas of each other)")
-            log.info("nansentinel: no replica fingerprints under %s", why)
-        return None
+    group = peers.group if caps.replica_group is EXCHANGE else caps.replica_group
     check = ReplicaCheck(
         module, optimizer, group=group, peers=peers, device=device,
         every=config.fingerprint_every, action=config.divergence_action, identity=identity,
         inject=inject, skip=getattr(model, "parameters_to_ignore", ()), incidents=incidents,
     )
     return None if check.replicas.alone else check
-

@@ -2,7 +2,7 @@
 
 ``check_batch`` and ``check_loss`` add to the step's
 :class:`~nansentinel.checks.health.LocalHealth`;
-the gradient path (gradpaths/) checks each reduction's local gradients and, with the last one,
+the gradient path (engines/) checks each reduction's local gradients and, with the last one,
 launches the exchange of the step's health vector (``schema.pack``). Everything here stays on
 the device: no host sync, no collective but the exchange's own sum.
 """
@@ -66,8 +66,8 @@ class CurrentStep:
         whose groups' collectives, like the gradient path's own, are no forward's). Under
         ``policy="drop"`` a path that cannot leave a rank out is refused here (drop.py)."""
         if self.drop:
-            drop.refuse_unsupported(gradients, pipelined=bool(stages),
-                                    world_size=self.exchange.world_size, rank=self.rank)
+            drop.refuse_unsupported(gradients.caps, world_size=self.exchange.world_size,
+                                    rank=self.rank)
         self.gradients = gradients
         self.stages = [StageWatch(s, self.device) for s in stages]
         self.forward = ForwardCollectives(exclude=quiet_groups(list(gradients.mesh_groups),
@@ -127,7 +127,11 @@ class CurrentStep:
             watch.reset()
         self.forward.start()  # no check_batch this step: the forward begins now
 
-    # --- gradpaths.GradientSink ---------------------------------------------------------------
+    # --- engines.GradientSink ---------------------------------------------------------------
+
+    @property
+    def world_size(self) -> int:
+        return self.exchange.world_size
 
     @property
     def inferring(self) -> bool:

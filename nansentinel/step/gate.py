@@ -40,29 +40,26 @@ log = logging.getLogger("nansentinel")
 if TYPE_CHECKING:
     from nansentinel.checks.buffers import FloatingBuffers
     from nansentinel.decide.policy import Decision
+    from nansentinel.engines import Capabilities
     from nansentinel.step.judge import StepJudge, Tail
 
 
 def device_gate_refusal(
-    optimizer: torch.optim.Optimizer, *, scaler: Any, config: Any, path: str,
-    pipelined: bool = False,
+    optimizer: torch.optim.Optimizer, *, scaler: Any, config: Any, caps: Capabilities,
 ) -> str | None:
     """Why the device gate cannot take this run (None: it can).
 
     The gate needs an optimizer that reads ``found_inf`` (torch's fused ones set
     ``_step_supports_amp_scaling``), a decision the device can take (no spike action other than
-    ``warn``), no GradScaler (its own ``found_inf`` would have to be merged), a DDP or local
-    gradient path (FSDP2's sharded optimizer state is not measured yet), a policy other than
-    ``drop`` (whose dropped steps are rescaled on the host first), and no pipeline: the
-    gate decides a step at each rank's next sentinel call, and under a pipeline schedule the
-    stages make their next call at different points (the first stage at ``check_batch``
-    before the schedule, the last at ``check_loss`` inside it, middle stages at ``step()``),
-    so a detection's collectives on one stage would wait for activations the others cannot
-    send until it returns.
+    ``warn``), no GradScaler (its own ``found_inf`` would have to be merged), a policy other
+    than ``drop`` (whose dropped steps are rescaled on the host first), and a gradient path
+    that allows it (``caps.device_gate``: FSDP2's sharded optimizer state is not measured yet,
+    DeepSpeed decides on the host; under a pipeline the stages make their next call at
+    different points of the schedule, where a detection's collectives would not pair up; that
+    one is said first).
     """
-    if pipelined:
-        return ("pipeline stages reach their next sentinel call at different points of the "
-                "schedule, where a detection's collectives would not pair up")
+    if caps.pipelined:
+        return caps.device_gate
     if not getattr(optimizer, "_step_supports_amp_scaling", False):
         return (
             f"{type(optimizer).__name__} is not fused (it cannot skip a step on the device); "
@@ -77,11 +74,7 @@ def device_gate_refusal(
     if config.policy == "drop":
         return ("policy drop rescales a dropped step's gradients on the host, after the "
                 "decision, before the optimizer steps")
-    if path == "fsdp":
-        return "the FSDP2 gradient path keeps the host gate"
-    if path == "deepspeed":
-        return "engine.step() takes DeepSpeed's own overflow decision on the host"
-    return None
+    return caps.device_gate
 
 
 class DeviceGate:
@@ -400,7 +393,7 @@ class GatedSteps:
 
 def gated_steps(
     config: Any, optimizer: torch.optim.Optimizer, device: torch.device, *, scaler: Any,
-    path: str, pipelined: bool, speak: bool, judge: StepJudge, buffers: FloatingBuffers,
+    caps: Capabilities, speak: bool, judge: StepJudge, buffers: FloatingBuffers,
     params: list[torch.Tensor], guarded: Callable[[], Any], rearm: Callable[[], None],
     stop_if: Callable[[Decision, StepResult], None],
 ) -> GatedSteps | None:
@@ -409,8 +402,7 @@ def gated_steps(
     mode = config.gate
     if mode == "host" or (mode == "auto" and device.type != "cuda"):
         return None
-    refusal = device_gate_refusal(optimizer, scaler=scaler, config=config, path=path,
-                                  pipelined=pipelined)
+    refusal = device_gate_refusal(optimizer, scaler=scaler, config=config, caps=caps)
     if refusal is not None:
         if speak:
             log.info("nansentinel: host gate (one host sync before every optimizer step): %s",

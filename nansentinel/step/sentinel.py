@@ -4,7 +4,7 @@
 
     check_batch ─┐
     check_loss ──┤ this rank's flags, kept on the device (current.py, local.py, checks.py)
-    backward ────┤ the gradient path (gradpaths/): each DDP bucket or FSDP group checked
+    backward ────┤ the gradient path (engines/): each DDP bucket or FSDP group checked
                  │ before its reduction; the health exchange leaves with the last one
     step() ──────┘ the totals (exchange.py: the one host sync) → judge.py: [flagged: name
                    them, detection.py] → decide (policy.py) → act; on the device gate the
@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from nansentinel import gradpaths
+from nansentinel import engines
 from nansentinel.checks import pipeline
 from nansentinel.checks.health import identify, local_device
 from nansentinel.checks.quarantine import Quarantine
@@ -93,7 +93,8 @@ class Sentinel:
             device=self.device, rank=self.rank, exchange=self.exchange, injector=self.injector,
             quarantine=self.quarantine, module=self.module, deadline=self.deadline,
             thresholds=lambda: self.judge.thresholds(), amp=scaler is not None, policy=cfg.policy)
-        self.gradients: gradpaths.GradPath = gradpaths.attach(model, self.current)
+        self.gradients: engines.GradPath = engines.attach(model, self.current,
+                                                          staged=bool(pipelined))
         self.current.attach(self.gradients, pipelined)
         self.incidents = incident.IncidentWriter(cfg, self.identity, peers, self.job_id)
         self.detector = Detector.for_run(
@@ -101,8 +102,8 @@ class Sentinel:
             module=self.module, amp=scaler is not None, replay=replay,
             guarded=self.deadline.guarded)
         self.replicas = replica_check(
-            model, self.module, opt, path=self.gradients.name, config=cfg, peers=peers,
-            device=self.device, identity=self.identity, pipelined=bool(pipelined),
+            model, self.module, opt, caps=self.gradients.caps, config=cfg, peers=peers,
+            device=self.device, identity=self.identity,
             inject=lambda step: self.injector.due("bitflip", step), incidents=self.incidents)
         self.judge = StepJudge(
             cfg, world_size=self.world_size, rank=self.rank, device=self.device,
@@ -114,8 +115,8 @@ class Sentinel:
                                release=getattr(self.gradients, "release", None))
         #: The device gate's steps (gate.py); None: the host gate.
         self.device_gate = gated_steps(
-            cfg, opt, self.device, scaler=scaler, path=self.gradients.name,
-            pipelined=bool(pipelined), speak=self.rank == 0, judge=self.judge,
+            cfg, opt, self.device, scaler=scaler, caps=self.gradients.caps,
+            speak=self.rank == 0, judge=self.judge,
             buffers=self.current.buffers, params=self._params, guarded=self.deadline.guarded,
             rearm=self._rearm, stop_if=self.end.stop_if)
         self._serve(registry)

@@ -61,7 +61,7 @@ def test_ddp_drops_one_or_two_ranks_and_matches_the_hand_reduction(
     runs: list[dict[str, Any]],
 ) -> None:
     outs = [r["ddp"] for r in runs]
-    assert outs[0]["path"] == "ddp"
+    assert outs[0]["path"] == "DDP"
     _check(outs, DDP_PLAN, DDP_STEPS)
     records = outs[0]["records"]
     assert records[1]["kinds"] == ["batch", "loss", "grad"]  # named as under skip
@@ -87,7 +87,7 @@ def test_fsdp2_and_hsdp_drop_and_match_the_hand_reduction(
     runs: list[dict[str, Any]], mesh: str, steps: int,
 ) -> None:
     outs = [r[mesh] for r in runs]
-    assert outs[0]["path"] == "fsdp"
+    assert outs[0]["path"] == "FSDP2"
     _check(outs, FSDP_PLAN, steps)
     # The norms taken before the withhold still name the dropped rank's parameters.
     assert list(outs[0]["records"][1]["parameters"]) == [1]

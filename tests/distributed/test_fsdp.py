@@ -45,7 +45,7 @@ def test_fault_matrix_fsdp2(runs: list[dict[str, Any]], mesh: str) -> None:
     outs = [r[f"matrix-{mesh}"] for r in runs]
     for out in outs:
         assert out["error"] is None, out["error"]
-        assert out["path"] == "fsdp"
+        assert out["path"] == "FSDP2"
         assert [r["step"] for r in out["records"]] == list(range(7))
         for rec in out["records"]:
             if rec["step"] in BAD:
@@ -129,7 +129,7 @@ def test_unsupported_fsdp_setups_are_refused_at_construction(
 def test_world_of_one_checks_the_local_gradients_at_step(tmp_path: Path) -> None:
     out = values(run_ranks(one_process, 1, tmp_path, report_dir=str(tmp_path / "r"),
                            timeout=90))[0]
-    assert out["error"] is None and out["path"] == "fsdp"
+    assert out["error"] is None and out["path"] == "FSDP2"
     assert [r["outcome"] for r in out["records"]] == ["applied", "skipped", "applied"]
     assert sorted(out["records"][1]["parameters"][0]) == ["embed.weight", "pos"]
     assert torch.isfinite(out["weights"]).all()
@@ -178,7 +178,7 @@ def test_cpu_offload_runs_checks_and_names_the_poisoned_rank(
 ) -> None:
     outs = [r["offload"] for r in precision]
     for out in outs:
-        assert out["error"] is None and out["path"] == "fsdp"
+        assert out["error"] is None and out["path"] == "FSDP2"
         assert out["device"] == "cpu"  # a CPU mesh: the mesh's device is the shards' device
         assert [x["outcome"] for x in out["records"]] == ["applied", "skipped", "applied"]
         assert out["records"][1]["parameters"] == {1: ["embed.weight", "pos"]}

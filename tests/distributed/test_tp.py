@@ -85,7 +85,7 @@ def test_a_fault_on_any_rank_names_its_tp_groups_host(
     for me, r in enumerate(runs):
         out = r[loss]
         assert out["loss_types"] == [LOSSES[loss]]
-        assert out["path"] == "fsdp"
+        assert out["path"] == "FSDP2"
         assert [rec["step"] for rec in out["records"]] == list(range(STEPS))
         for rec in out["records"]:
             step = rec["step"]

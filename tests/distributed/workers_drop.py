@@ -173,7 +173,8 @@ def train(rank: int, world: int, *, path: str, plan: Plan, steps: int, report_di
         records.append(record)
     sentinel.close()
     skip_list = sorted(Path(report_dir).glob("skip-list*"))
-    return {"records": records, "weights": _weights(model, path), "path": sentinel.gradients.name,
+    return {"records": records, "weights": _weights(model, path),
+            "path": sentinel.gradients.caps.label,
             "gate": "host" if sentinel.device_gate is None else "device",
             "strikes": dict(sentinel.history.strikes),
             "skip_list": [json.loads(line) for f in skip_list

@@ -135,7 +135,7 @@ def train_fsdp(rank: int, world: int, *, steps: int, report_dir: str, hsdp: bool
         if watcher is not None:
             watcher.close()
     return {"records": records, "weights": full_weights(model), "error": error,
-            "path": watcher.gradients.name if watcher is not None else None,
+            "path": watcher.gradients.caps.label if watcher is not None else None,
             "device": str(watcher.device) if watcher is not None else None}
 
 

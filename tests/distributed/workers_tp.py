@@ -156,7 +156,7 @@ def train(rank: int, world: int, *, steps: int, loss_kind: str, report_dir: str,
         if watcher is not None:
             watcher.close()
     return {"records": records, "weights": full_weights(model), "loss_types": sorted(loss_types),
-            "path": watcher.gradients.name if watcher is not None else None}
+            "path": watcher.gradients.caps.label if watcher is not None else None}
 
 
 #: Each rank in turn, each drill kind at its own step, a healthy step after each (and step 0).

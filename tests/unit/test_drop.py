@@ -26,6 +26,10 @@ from nansentinel.decide.policy import (
 )
 from nansentinel.effects import drop
 from nansentinel.effects.metrics import SentinelMetrics
+from nansentinel.engines.ddp import DDPPath
+from nansentinel.engines.deepspeed import DeepSpeedPath
+from nansentinel.engines.fsdp import FSDPPath
+from nansentinel.engines.local import LocalGradPath
 from nansentinel.rare.incident import _NEXT
 from nansentinel.reading.incidents import _OUTCOME_WORDS
 from nansentinel.result import OUTCOMES, Outcome, RankIdentity, StepResult
@@ -185,37 +189,45 @@ def test_withhold_zeroes_only_a_flagged_contribution_and_rescale_divides() -> No
     assert torch.allclose(a.grad, torch.tensor([1.0, 2.0])) and b.grad is None
 
 
-def _path(name: str, **kw: Any) -> SimpleNamespace:
-    return SimpleNamespace(name=name, **kw)
+def _caps(path_class: Any, **fields: Any) -> Any:
+    """A path's capabilities for this run, computed by the path itself on a bare instance."""
+    path = path_class.__new__(path_class)
+    for name, value in fields.items():
+        setattr(path, name, value)
+    return path._capabilities()
 
 
 def test_refusals_name_why() -> None:
-    plain = _path("ddp", model=torch.nn.Linear(2, 2))
-    assert drop.refusal(plain, pipelined=False, world_size=1) is None
-    assert drop.refusal(_path("local"), pipelined=False, world_size=1) is None  # one rank
+    plain = _caps(DDPPath, model=torch.nn.Linear(2, 2), group=None)
+    alone = LocalGradPath(torch.nn.Linear(2, 2), SimpleNamespace(world_size=1)).caps
+    assert drop.refusal(plain, world_size=1) is None
+    assert drop.refusal(alone, world_size=1) is None  # one rank
+    by_hand = LocalGradPath(torch.nn.Linear(2, 2), SimpleNamespace(world_size=4)).caps
     refused = {
-        "pipeline stages": drop.refusal(plain, pipelined=True, world_size=1),
-        "DeepSpeed": drop.refusal(_path("deepspeed"), pipelined=False, world_size=1),
-        "reduced by hand": drop.refusal(_path("local"), pipelined=False, world_size=4),
-        "mesh does not span": drop.refusal(_path("fsdp", replica_groups=[object()]),
-                                           pipelined=False, world_size=1),
-        "2 of the job's 1": drop.refusal(plain, pipelined=False, world_size=2),
+        "pipeline stages": drop.refusal(plain.staged(), world_size=1),
+        "DeepSpeed": drop.refusal(DeepSpeedPath.CAPS, world_size=1),
+        "reduced by hand": drop.refusal(by_hand, world_size=4),
+        "mesh does not span": drop.refusal(_caps(FSDPPath, model=torch.nn.Linear(2, 2),
+                                                 reduces=True, replica_groups=[object()]),
+                                           world_size=1),
+        "2 of the job's 1": drop.refusal(plain, world_size=2),
     }
     tp = torch.nn.Linear(2, 2)
     tp.weight.to_local = lambda: None  # type: ignore[attr-defined]  # a DTensor's duck type
-    refused["DTensor parameters"] = drop.refusal(_path("ddp", model=tp), pipelined=False,
+    refused["DTensor parameters"] = drop.refusal(_caps(DDPPath, model=tp, group=None),
                                                  world_size=1)
     for words, why in refused.items():
         assert why is not None and words in why, (words, why)
     with pytest.raises(ConfigError, match="policy='drop' is refused on rank 3") as err:
-        drop.refuse_unsupported(_path("deepspeed"), pipelined=False, world_size=1, rank=3)
+        drop.refuse_unsupported(DeepSpeedPath.CAPS, world_size=1, rank=3)
     assert err.value.field == "policy"
 
 
 def test_drop_keeps_the_host_gate() -> None:
     fused = torch.optim.AdamW([torch.nn.Parameter(torch.ones(2))], fused=True)
     cfg = SentinelConfig(gate="device", policy="drop")
-    assert "policy drop" in str(device_gate_refusal(fused, scaler=None, config=cfg, path="ddp"))
+    assert "policy drop" in str(device_gate_refusal(fused, scaler=None, config=cfg,
+                                                    caps=DDPPath.CAPS))
 
 
 def test_reports_metrics_and_the_reader_have_words_for_every_outcome() -> None:

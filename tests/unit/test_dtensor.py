@@ -24,7 +24,7 @@ from torch.distributed.tensor.debug import CommDebugMode
 import nansentinel
 from nansentinel import checks
 from nansentinel.checks.health import LocalHealth
-from nansentinel.engines.local import check_local_grads, scan_parameters
+from nansentinel.engines.local import LocalGradPath, check_local_grads, scan_parameters
 
 CPU = torch.device("cpu")
 
@@ -213,7 +213,7 @@ def test_a_sentinel_steps_on_a_dtensor_loss_and_skips_its_nan(
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     outcomes, losses = [], []
     with nansentinel.Sentinel(model, opt, report_dir=str(tmp_path), metrics_port=0) as sentinel:
-        assert sentinel.gradients.name == "local"
+        assert isinstance(sentinel.gradients, LocalGradPath)
         for step in range(3):
             x = torch.ones(2, 4)
             if step == 1:

@@ -10,6 +10,9 @@ import torch
 
 import nansentinel
 from nansentinel.config import ConfigError, SentinelConfig
+from nansentinel.engines.ddp import DDPPath
+from nansentinel.engines.deepspeed import DeepSpeedPath
+from nansentinel.engines.fsdp import FSDPPath
 from nansentinel.result import ResultPending
 from nansentinel.step.gate import DeviceGate, PendingResult, device_gate_refusal
 from nansentinel.wire.schema import SIZE, T
@@ -56,13 +59,17 @@ def test_refusals_say_why(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> N
     assert s.device_gate is None and "use fused=True" in caplog.text
     cfg = SentinelConfig(gate="device")
     fused = torch.optim.AdamW([torch.nn.Parameter(torch.ones(2))], fused=True)
-    assert device_gate_refusal(fused, scaler=None, config=cfg, path="ddp") is None
-    assert "GradScaler" in str(device_gate_refusal(fused, scaler=object(), config=cfg, path="ddp"))
+    ddp = DDPPath.CAPS
+    assert device_gate_refusal(fused, scaler=None, config=cfg, caps=ddp) is None
+    assert "GradScaler" in str(device_gate_refusal(fused, scaler=object(), config=cfg, caps=ddp))
     spiky = SentinelConfig(gate="device", loss_spike_action="skip")
-    assert "spike" in str(device_gate_refusal(fused, scaler=None, config=spiky, path="ddp"))
-    assert "FSDP2" in str(device_gate_refusal(fused, scaler=None, config=cfg, path="fsdp"))
+    assert "spike" in str(device_gate_refusal(fused, scaler=None, config=spiky, caps=ddp))
+    assert "FSDP2" in str(device_gate_refusal(fused, scaler=None, config=cfg,
+                                              caps=FSDPPath.CAPS))
+    assert "DeepSpeed" in str(device_gate_refusal(fused, scaler=None, config=cfg,
+                                                  caps=DeepSpeedPath.CAPS))
     assert "pipeline stages" in str(device_gate_refusal(fused, scaler=None, config=cfg,
-                                                        path="local", pipelined=True))
+                                                        caps=FSDPPath.CAPS.staged()))
 
 
 def test_found_inf_follows_the_view() -> None:
