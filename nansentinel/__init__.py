@@ -27,6 +27,7 @@ from nansentinel.result import (
     SentinelUsageError,
     StepResult,
 )
+from nansentinel.step.record import PendingResult
 from nansentinel.step.sentinel import Sentinel
 
 __version__ = "0.1.0"
@@ -38,6 +39,7 @@ __all__ = [
     "HostExcludedError",
     "NonFiniteError",
     "Outcome",
+    "PendingResult",
     "RankIdentity",
     "ResultPending",
     "Sentinel",

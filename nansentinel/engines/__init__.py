@@ -78,6 +78,32 @@ class GradientSink(Protocol):
         """Add ``seconds`` of the sentinel's own work to this step's cost."""
 
 
+@dataclasses.dataclass(slots=True)
+class KeptNorms:
+    """Per-parameter norms of one step's local gradients, taken before their reduction (a few
+    hundred floats on the device): the device gate decides a step at the next sentinel call,
+    after the user has zeroed (or freed) the gradients, so a detection names the poisoned
+    parameters from these instead of holding a second set of gradients until then."""
+
+    names: list[list[str]] = dataclasses.field(default_factory=list)
+    norms: list[torch.Tensor] = dataclasses.field(default_factory=list)
+    """One fp32 vector per check (a bucket, a device and dtype group), beside its names."""
+
+    def add(self, names: list[str], norms: torch.Tensor) -> None:
+        self.names.append(names)
+        self.norms.append(norms)
+
+    def poisoned(self, order: dict[str, int] | None = None) -> list[str]:
+        """The names whose norm is non-finite, in ``order`` (name -> place, the model's
+        parameter order) where given: one host read (a detection only)."""
+        if not self.norms:
+            return []
+        flat = torch.cat([n.detach().reshape(-1).float().cpu() for n in self.norms])
+        every = [name for names in self.names for name in names]
+        names = [every[i] for i in (~torch.isfinite(flat)).nonzero().flatten().tolist()]
+        return sorted(names, key=order.__getitem__) if order is not None else names
+
+
 PIPELINE_GATE = ("pipeline stages reach their next sentinel call at different points of the "
                  "schedule, where a detection's collectives would not pair up")
 PIPELINE_DROP = ("pipeline stages make a data-parallel replica of several ranks (one per "
@@ -145,12 +171,23 @@ class GradPath(Protocol):
         """Check the local gradients now, at ``check_grads()`` (or at ``step()`` when no
         reduction checked them this step: no backward, or every micro-batch under ``no_sync``)."""
 
-    def naming_detail(self, poisoned: bool, peers: Peers) -> dict[str, Any]:
+    #: Keep this step's per-parameter norms for :meth:`take_norms` (the device gate sets it:
+    #: the step is decided after the user has zeroed the gradients). Paths that always keep
+    #: per-parameter norms (FSDP2, DeepSpeed) ignore it; they keep the host gate.
+    keep_norms: bool
+
+    def take_norms(self) -> KeptNorms | None:
+        """This step's per-parameter norms, kept when :attr:`keep_norms` is set (None
+        otherwise): handed to the step's record before the path forgets the step."""
+
+    def naming_detail(self, poisoned: bool, peers: Peers,
+                      kept: KeptNorms | None = None) -> dict[str, Any]:
         """After a gradient fault, on every rank, before the gradients are discarded: this
         rank's share of the report, with ``parameters``, the fully-qualified names of its
         parameters whose local gradients were non-finite before the reduction, where this
-        rank was ``poisoned``. May run a collective of ``peers`` (FSDP2), the same on every
-        rank; its size does not depend on the world size."""
+        rank was ``poisoned`` (from ``kept`` when given: the gradients are gone by then). May
+        run a collective of ``peers`` (FSDP2), the same on every rank; its size does not
+        depend on the world size."""
 
     def reset(self) -> None:
         """Forget this step's per-parameter records (called after every decision)."""

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from nansentinel import checks
-from nansentinel.engines import Capabilities, GradientSink
+from nansentinel.engines import Capabilities, GradientSink, KeptNorms
 from nansentinel.engines.local import check_local_grads, naming_detail
 from nansentinel.result import SentinelUsageError
 
@@ -46,6 +46,9 @@ class DDPPath:
         #: How a bucket is averaged (see :func:`averaging`).
         self.averaging = averaging(backend, device.type, self.world_size)
         self.buckets = 0
+        self.keep_norms = False
+        self._kept: KeptNorms | None = None
+        self._names = {id(p): n for n, p in model.module.named_parameters()}
         # DDP's own collectives in its forward (the buffer broadcast, the bucket rebuild) lie
         # between its forward hooks and its module's: bracketed, they are left out of the
         # forward's collectives (collectives.ForwardCollectives), while a user's collective
@@ -87,13 +90,37 @@ class DDPPath:
         ``no_sync``): check the local gradients as they are."""
         check_local_grads(self.model.parameters(), self.sink)
 
-    def naming_detail(self, poisoned: bool, peers: Any) -> dict[str, Any]:
-        """Scan the gradients: after the all-reduce a NaN sits wherever any rank had one, so
-        this rank's scan shows its own (and, with several poisoned ranks, theirs too)."""
+    def take_norms(self) -> KeptNorms | None:
+        kept, self._kept = self._kept, None
+        return kept
+
+    def naming_detail(self, poisoned: bool, peers: Any,
+                      kept: KeptNorms | None = None) -> dict[str, Any]:
+        """From the norms kept before the reduction (the device gate), or by a scan of the
+        gradients: after the all-reduce a NaN sits wherever any rank had one, so this rank's
+        scan shows its own (and, with several poisoned ranks, theirs too)."""
+        if kept is not None:
+            order = {name: i for i, name in enumerate(self._names.values())}
+            names = kept.poisoned(order) if poisoned else []
+            return {"parameters": names} if names else {}
         return naming_detail(self.model.named_parameters(), poisoned, prefix="module.")
 
     def reset(self) -> None:
         self.buckets = 0
+        self._kept = None
+
+    def bucket_norm(self, bucket: Any) -> torch.Tensor:
+        """One L2 norm of the bucket's local gradients (fp32 accumulation, NaN and Inf
+        propagate): of the flat buffer (one read, one kernel), or, where the step's
+        per-parameter norms are kept (:attr:`keep_norms`), of the per-parameter norms taken
+        in one fused multi-tensor pass over the same bytes."""
+        if not self.keep_norms:
+            return checks.tensor_norm(bucket.buffer())
+        norms = checks.grad_norms(bucket.gradients())
+        if self._kept is None:
+            self._kept = KeptNorms()
+        self._kept.add([self._names.get(id(p), "<unnamed>") for p in bucket.parameters()], norms)
+        return torch.linalg.vector_norm(norms)
 
 
 AVG, SCALE_THEN_SUM, SUM = "avg", "scale_then_sum", "sum"
@@ -129,8 +156,7 @@ def _comm_hook(state, bucket):  # type: ignore[no-untyped-def]
     if path.buckets == 0:
         sink.before_reduction(buffer)
     path.buckets += 1
-    # One norm over the flat bucket: one read of contiguous memory, one kernel.
-    sink.add_grad_norm(checks.tensor_norm(buffer))
+    sink.add_grad_norm(path.bucket_norm(bucket))
     sink.withhold(buffer)  # policy="drop": a poisoned rank sends zeros (drop.py)
     if path.averaging == AVG:
         work = dist.all_reduce(buffer, dist.ReduceOp.AVG, path.group, async_op=True)

@@ -48,7 +48,7 @@ from typing import Any
 import torch
 
 from nansentinel import checks
-from nansentinel.engines import Capabilities, GradientSink
+from nansentinel.engines import Capabilities, GradientSink, KeptNorms
 
 #: The seam per ZeRO setup (see the module docstring).
 ALLREDUCE, BUCKET, PARTITION = "allreduce", "bucket", "partition"
@@ -119,6 +119,7 @@ class DeepSpeedPath:
     )
     caps = CAPS
     recognizes = staticmethod(is_engine)
+    keep_norms = False  # its per-parameter norms are always kept (self.norms)
 
     def __init__(self, engine: Any, sink: GradientSink) -> None:
         self.engine = engine
@@ -253,7 +254,11 @@ class DeepSpeedPath:
         self.sink.launch_exchange()  # beside DeepSpeed's all-reduce, not after it
         self.engine.allreduce_gradients()  # public; DeepSpeed's own cost, not the sentinel's
 
-    def naming_detail(self, poisoned: bool, peers: Any) -> dict[str, Any]:
+    def take_norms(self) -> KeptNorms | None:
+        return None  # its own per-parameter norms name the parameters; it keeps the host gate
+
+    def naming_detail(self, poisoned: bool, peers: Any,
+                      kept: KeptNorms | None = None) -> dict[str, Any]:
         """A poisoned rank's parameters whose local gradients were non-finite before the
         reduction, from the norms the checks kept (one host copy, after a detection only; no
         collective)."""

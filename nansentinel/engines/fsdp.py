@@ -58,7 +58,7 @@ import torch
 import torch.distributed as dist
 
 from nansentinel import checks
-from nansentinel.engines import Capabilities, GradientSink
+from nansentinel.engines import Capabilities, GradientSink, KeptNorms
 from nansentinel.engines.local import check_local_grads, scan_parameters
 from nansentinel.result import SentinelUsageError
 
@@ -173,6 +173,7 @@ class FSDPPath:
         fingerprints="pure FSDP (no replicate dimension: every rank holds a different shard)",
     )
     recognizes = staticmethod(is_fsdp)
+    keep_norms = False  # its per-parameter norms are always kept (self.norms)
     #: The FSDP mesh's process groups (shard, then replicate under HSDP) when they do not span
     #: the job (pipeline stages hold different parameters): the naming's flag per parameter is
     #: max-reduced over them, not the job. None: over the job's peers.
@@ -344,7 +345,11 @@ class FSDPPath:
             check_local_grads(self.model.parameters(), self.sink)
             self.sink.spent(time.perf_counter() - started)
 
-    def naming_detail(self, poisoned: bool, peers: Any) -> dict[str, Any]:
+    def take_norms(self) -> KeptNorms | None:
+        return None  # its own per-parameter norms name the parameters; it keeps the host gate
+
+    def naming_detail(self, poisoned: bool, peers: Any,
+                      kept: KeptNorms | None = None) -> dict[str, Any]:
         """This rank's share of the naming, on every rank after a grad fault (see the module
         docstring): one max-reduce of a flag per parameter (is its reduced shard non-finite
         on some rank?), whose size is the model's, not the world's; then, on a poisoned rank,

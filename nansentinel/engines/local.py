@@ -24,7 +24,13 @@ from typing import Any
 import torch
 
 from nansentinel import checks
-from nansentinel.engines import EXCHANGE, PIPELINE_REPLICAS, Capabilities, GradientSink
+from nansentinel.engines import (
+    EXCHANGE,
+    PIPELINE_REPLICAS,
+    Capabilities,
+    GradientSink,
+    KeptNorms,
+)
 
 
 def local_grad(p: torch.Tensor) -> torch.Tensor | None:
@@ -33,14 +39,19 @@ def local_grad(p: torch.Tensor) -> torch.Tensor | None:
     return None if grad is None else checks.local(grad)
 
 
-def check_local_grads(params: Iterable[torch.Tensor], sink: GradientSink) -> None:
+def check_local_grads(params: Iterable[torch.Tensor], sink: GradientSink,
+                      kept: KeptNorms | None = None,
+                      names: dict[int, str] | None = None) -> None:
     """Fire a due grad drill into the first local gradient, then record one norm per
-    (device, dtype) group of the local gradients."""
-    grads = [g for p in params if (g := local_grad(p)) is not None]
-    if grads:
-        sink.before_reduction(grads[0])
-    for _, norms in checks.grouped_norms(grads):
+    (device, dtype) group of the local gradients; their per-parameter norms go to ``kept``
+    too, by the names in ``names`` (parameter id -> name), where given."""
+    pairs = [(p, g) for p in params if (g := local_grad(p)) is not None]
+    if pairs:
+        sink.before_reduction(pairs[0][1])
+    for idx, norms in checks.grouped_norms([g for _, g in pairs]):
         sink.add_grad_norm(torch.linalg.vector_norm(norms))
+        if kept is not None and names is not None:
+            kept.add([names.get(id(pairs[i][0]), "<unnamed>") for i in idx], norms)
 
 
 def scan_parameters(named: Iterable[tuple[str, torch.Tensor]], prefix: str = "") -> list[str]:
@@ -86,14 +97,30 @@ class LocalGradPath:
         if any(hasattr(p, "device_mesh") for p in model.parameters()):
             caps = dataclasses.replace(caps, fingerprints=PIPELINE_REPLICAS)
         self.caps = caps
+        self.keep_norms = False
+        self._kept: KeptNorms | None = None
 
     def check_now(self) -> None:
         started = time.perf_counter()
-        check_local_grads(self.model.parameters(), self.sink)
+        if self.keep_norms:
+            self._kept = KeptNorms()
+            check_local_grads(self.model.parameters(), self.sink, self._kept,
+                              {id(p): n for n, p in self.model.named_parameters()})
+        else:
+            check_local_grads(self.model.parameters(), self.sink)
         self.sink.spent(time.perf_counter() - started)
 
-    def naming_detail(self, poisoned: bool, peers: Any) -> dict[str, Any]:
+    def take_norms(self) -> KeptNorms | None:
+        kept, self._kept = self._kept, None
+        return kept
+
+    def naming_detail(self, poisoned: bool, peers: Any,
+                      kept: KeptNorms | None = None) -> dict[str, Any]:
+        if kept is not None:
+            order = {name: i for i, (name, _) in enumerate(self.model.named_parameters())}
+            names = kept.poisoned(order) if poisoned else []
+            return {"parameters": names} if names else {}
         return naming_detail(self.model.named_parameters(), poisoned)
 
     def reset(self) -> None:
-        pass
+        self._kept = None

@@ -39,7 +39,7 @@ from nansentinel.checks.quarantine import Quarantine, Signature
 from nansentinel.decide import origins
 from nansentinel.decide.policy import APPLY, Decision, is_blamed
 from nansentinel.decide.spikes import Spikes
-from nansentinel.engines import GradPath
+from nansentinel.engines import GradPath, KeptNorms
 from nansentinel.rare import incident
 from nansentinel.rare import trace as tracing
 from nansentinel.rare.curves import Curves
@@ -197,23 +197,23 @@ class Detector:
 
     def evidence(
         self, view: ClusterView, bad: tuple[RankHealth, ...], spikes: Spikes, *, batch: Any,
-        grads_restored: Callable[[], Any] = contextlib.nullcontext,
-        discard: Callable[[], None] = lambda: None,
+        kept: KeptNorms | None = None, discard: Callable[[], None] | None = None,
     ) -> tuple[str | None, dict[str, Any]]:
         """The replay's verdict and this rank's share of the report: the names of its
-        non-finite parameters (``grads_restored`` puts back the gradients the device gate
-        held), its replay and the peer's.
+        non-finite parameters, its replay and the peer's.
 
-        The parameters are named from the poisoned gradients; then, when a rank is blamed (no
-        policy applies such a step) and a replay is to run, ``discard()`` frees them first:
-        the replay takes a set of gradients of its own, and a detection then needs no more
-        memory than a training step."""
+        The parameters are named from the poisoned gradients, or from the per-parameter norms
+        ``kept`` before their reduction (the device gate: the gradients are the user's again
+        by then); then, when a rank is blamed (no policy applies such a step) and a replay is
+        to run, ``discard()`` frees the poisoned gradients first: the replay takes a set of
+        gradients of its own, and a detection then needs no more memory than a training
+        step."""
         detail: dict[str, Any] = {}
         if any("grad" in r.kinds for r in bad):
             poisoned = any(r.rank == self.peers.rank and "grad" in r.kinds for r in bad)
-            with grads_restored(), self.guarded():
-                detail = self.gradients.naming_detail(poisoned, self.peers)
-        if bad and self.replay is not None:
+            with self.guarded():
+                detail = self.gradients.naming_detail(poisoned, self.peers, kept)
+        if bad and self.replay is not None and discard is not None:
             discard()
         if not (bad or spikes):
             return None, detail

@@ -23,6 +23,7 @@ from nansentinel.common.inject import Injector
 from nansentinel.effects import drop
 from nansentinel.rare import samples as skip_list
 from nansentinel.result import SentinelUsageError
+from nansentinel.step.record import Stage, StepRecord
 from nansentinel.wire.collectives import ForwardCollectives, quiet_groups
 from nansentinel.wire.exchange import HealthExchange
 from nansentinel.wire.schema import pack
@@ -57,6 +58,8 @@ class CurrentStep:
         self.thresholds, self.amp, self.drop = thresholds, amp, policy == "drop"
         self.index = 0
         self.local = LocalHealth(device)
+        #: This step's record (step/record.py): OPEN until the exchange leaves.
+        self.record = StepRecord(self.index, self.local)
         self.gradients: Any = None
         self.stages: list[StageWatch] = []
         self.forward = ForwardCollectives()
@@ -116,12 +119,17 @@ class CurrentStep:
 
     def next(self) -> None:
         """The step was decided (or handed to the device gate): the next one begins."""
-        self.reset()
         self.index += 1
+        self.reset()
+
+    def restart_at(self, index: int) -> None:
+        """The run resumes at step ``index`` (a checkpoint's)."""
+        self.index = self.record.index = index
 
     def reset(self) -> None:
         self.buffers.reset()
         self.local = LocalHealth(self.device)
+        self.record = StepRecord(self.index, self.local)
         self.gradients.reset()
         for watch in self.stages:
             watch.reset()
@@ -167,6 +175,7 @@ class CurrentStep:
             watch.fold(self.local)
         self.exchange.launch(self.index, pack(self.local.row(), self.thresholds(), self.rank,
                                               amp=self.amp, dropped=self.local.dropped))
+        self.record.to(Stage.LAUNCHED)
 
     def diagnosed(self, future: torch.futures.Future, step: int,
                   reduced_in_place: torch.Tensor) -> torch.futures.Future:

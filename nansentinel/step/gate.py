@@ -22,26 +22,24 @@ Every other optimizer keeps the host gate: one host read of the view, then step 
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
 import functools
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from nansentinel.checks.health import LocalHealth
 from nansentinel.result import ResultPending, StepResult
-from nansentinel.wire.schema import OwnRow, Totals, skip_count
+from nansentinel.step.record import PendingResult, Stage, StepRecord
+from nansentinel.wire.schema import skip_count
 
 log = logging.getLogger("nansentinel")
 
 if TYPE_CHECKING:
     from nansentinel.checks.buffers import FloatingBuffers
     from nansentinel.decide.policy import Decision
-    from nansentinel.engines import Capabilities
-    from nansentinel.step.judge import StepJudge, Tail
+    from nansentinel.engines import Capabilities, KeptNorms
+    from nansentinel.step.judge import StepJudge
 
 
 def device_gate_refusal(
@@ -150,168 +148,44 @@ def _pinned(numel: int, dtype: torch.dtype) -> torch.Tensor:
     return torch.empty(numel, dtype=dtype, pin_memory=True)
 
 
-@dataclasses.dataclass(slots=True)
-class Pending:
-    """A step gated on the device whose host decision has not run yet."""
-
-    step: int
-    local: LocalHealth
-    """The step's own health record (its ``seconds`` the sentinel's time so far)."""
-    host: torch.Tensor
-    event: Any
-    grads: list[tuple[torch.Tensor, torch.Tensor | None]]
-    """Every parameter with the gradient it had at ``step()``: naming a poisoned parameter
-    reads them even when the user has already zeroed (set to None) the gradients."""
-    skipped: bool = False
-    """The host had decided to skip already (batches discarded after a rollback)."""
-    buffers: int = 0
-    """Floating buffers put back on the device if the step was skipped (buffers.py)."""
-
-    def values(self) -> list[float]:
-        """The summed vector as host floats. Waits for the copy only if it has not landed
-        yet (the event is asked first, which is no sync); it was queued right after the last
-        gradient all-reduce, so by the next sentinel call it has usually landed."""
-        if self.event is not None and not self.event.query():
-            self.event.synchronize()
-        return self.host.tolist()
-
-    def settled(self) -> bool:
-        return self.event is None or bool(self.event.query())
-
-    def early(self, name: str) -> Any:
-        """A field of :data:`EARLY_FIELDS`, from the vector alone (no collective): ``applied``
-        is what the device did, which is the decision's own."""
-        values = self.values()
-        totals, own = Totals.from_values(values), OwnRow.from_values(values)
-        if name == "step":
-            return self.step
-        if name == "applied":
-            return not (totals.device_skips or self.skipped)
-        if name == "injected":
-            return totals.injected > 0
-        return {"local_kinds": list(own.kinds), "local_loss": own.loss,
-                "local_grad_norm": own.grad_norm}[name]
-
-    def drop_grads(self) -> None:
-        """Let go of the held gradients once the parameters are named: a replay that follows
-        then needs no more memory than a training step (the user may hold them still)."""
-        self.grads = [(p, None) for p, _ in self.grads]
-
-    @contextlib.contextmanager
-    def grads_restored(self) -> Iterator[None]:
-        """The gradients as they were at ``step()``, for the parameter naming."""
-        current = [(p, p.grad) for p, _ in self.grads]
-        try:
-            for p, g in self.grads:
-                p.grad = g
-            yield
-        finally:
-            for p, g in current:
-                p.grad = g
-
-
-def held_grads(params: list[torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
-    return [(p, p.grad) for p in params]
-
-
-#: What a device-gated result answers before its step is decided: known without a collective.
-EARLY_FIELDS = frozenset({"step", "applied", "injected", "local_kinds", "local_loss",
-                          "local_grad_norm"})
-
-
-class PendingResult:
-    """A :class:`StepResult` whose host decision runs at the next sentinel call.
-
-    Reading a field never runs a collective. The first read waits for the cluster's totals
-    (one host sync, by the caller's choice): a step that found nothing is then decided on the
-    spot, locally, and every field answers. A step that found something is named and decided
-    with every rank at the next sentinel call (``check_batch``, ``check_loss``, ``step``,
-    ``close``), where an abort is raised; before that only :data:`EARLY_FIELDS` answer (its
-    ``applied`` is exact: the device already skipped it) and the others raise
-    :class:`~nansentinel.result.ResultPending`. :meth:`resolve` returns the plain
-    ``StepResult`` once decided.
-    """
-
-    __slots__ = ("_early", "_resolve", "_result")
-
-    def __init__(
-        self, resolve: Callable[[], None], early: Callable[[str], Any] | None = None
-    ) -> None:
-        self._resolve: Callable[[], None] | None = resolve
-        self._early = early
-        self._result: StepResult | BaseException | None = None
-
-    def set(self, value: StepResult | BaseException) -> None:
-        self._result = value
-        self._resolve = None
-        self._early = None
-
-    def resolve(self) -> StepResult:
-        """The decided result (decided now if that needs no collective; raises the abort the
-        decision raised, or :class:`ResultPending` before a detection's decision)."""
-        if self._result is None and self._resolve is not None:
-            self._resolve()
-        if isinstance(self._result, BaseException):
-            raise self._result
-        if self._result is None:
-            raise RuntimeError("nansentinel: a deferred step result was never decided")
-        return self._result
-
-    @property
-    def resolved(self) -> bool:
-        return self._result is not None
-
-    def __getattr__(self, name: str) -> Any:
-        if self._result is None and self._early is not None and name in EARLY_FIELDS:
-            return self._early(name)
-        return getattr(self.resolve(), name)
-
-    def __repr__(self) -> str:
-        if self._result is None:
-            return "PendingResult(<decided at the next sentinel call>)"
-        return f"PendingResult({self._result!r})"
-
-    def __eq__(self, other: object) -> bool:
-        other = other.resolve() if isinstance(other, PendingResult) else other
-        return self.resolve() == other
-
-    __hash__ = None  # type: ignore[assignment]
-
-
 class GatedSteps:
     """The steps of the device gate: launched on the device, decided at the next sentinel call.
 
     :meth:`launch` runs the optimizer step gated by a device-side ``found_inf`` and hands back
-    a :class:`PendingResult`; :meth:`resolve`, called on every rank at its next sentinel call,
-    decides it with every other rank. A read of the result decides it earlier only when that
-    needs no collective (:meth:`decide_if_local`), and then leaves the step's collective tail
-    (the replica check, a snapshot) for the next sentinel call.
+    a :class:`~nansentinel.step.record.PendingResult`; :meth:`resolve`, called on every rank at
+    its next sentinel call, decides it with every other rank and finishes it. A read of the
+    result decides it earlier only when that needs no collective (:meth:`decide_if_local`),
+    and then leaves the record ``DECIDED`` until the next sentinel call, where what it owes
+    every rank together (the replica check, a snapshot) runs (step/record.py).
+
+    No gradient is held until the decision: the gradient path keeps the step's per-parameter
+    norms instead (``keep_norms``), so a loop that frees or zeroes its gradients after
+    ``step()`` carries one set of gradients through the next forward, not two, and a
+    detection still names the poisoned parameters.
 
     Args:
-        gate: the device gate. judge: decides a step (judge.py).
+        gate: the device gate. judge: decides and finishes a step (judge.py).
         buffers: the floating buffers, put back on the device when a step is skipped.
-        params: every parameter, whose gradients are held until the decision.
         guarded: a context manager arming the watchdog around a collective.
         rearm: re-arms the watchdog when a step is decided inside the next step's collectives.
         stop_if: raises the decision's abort (the stop path).
     """
 
-    def __init__(
-        self, gate: DeviceGate, judge: StepJudge, *, buffers: FloatingBuffers,
-        params: list[torch.Tensor], guarded: Callable[[], Any], rearm: Callable[[], None],
-        stop_if: Callable[[Decision, StepResult], None],
-    ) -> None:
-        self.gate, self.judge, self.buffers, self.params = gate, judge, buffers, params
+    def __init__(self, gate: DeviceGate, judge: StepJudge, buffers: FloatingBuffers, *,
+                 guarded: Callable[[], Any], rearm: Callable[[], None],
+                 stop_if: Callable[[Decision, StepResult], None]) -> None:
+        self.gate, self.judge, self.buffers = gate, judge, buffers
         self.guarded, self.rearm, self.stop_if = guarded, rearm, stop_if
-        self._pending: tuple[Pending, PendingResult] | None = None
-        self._tail: Callable[[], None] | None = None
+        #: The step launched and not yet finished, and the result handed out for it.
+        self._pending: tuple[StepRecord, PendingResult] | None = None
 
     def ready(self) -> bool:
         return self.gate.ready()
 
-    def launch(self, step: int, vector: torch.Tensor, local: LocalHealth) -> PendingResult:
+    def launch(self, record: StepRecord, vector: torch.Tensor, kept: KeptNorms | None
+               ) -> PendingResult:
         """Launch the optimizer step gated by a device-side found_inf; decide later."""
-        judge, opt = self.judge, self.gate.optimizer
+        judge, opt, local = self.judge, self.gate.optimizer, record.local
         with local.timed():
             skip = judge.history.skip_batches > 0  # known on the host: no need to look
             found_inf = self.gate.found_inf(vector, skip)
@@ -321,80 +195,90 @@ class GatedSteps:
         with local.timed():
             judge.cooldown.restore(opt, saved_lr)  # counted at the decision, if applied
             self.buffers.restore_where(found_inf)  # a skipped step's forward leaves no trace
-            pending = Pending(step, local, host, event, held_grads(self.params), skip,
-                              buffers=self.buffers.copied)
-        result = PendingResult(self.decide_if_local, pending.early)
-        self._pending = (pending, result)
+            record.gated, record.host, record.event, record.skipped = True, host, event, skip
+            record.buffers, record.kept = self.buffers.copied, kept
+        result = PendingResult(self.decide_if_local, functools.partial(_early, record))
+        self._pending = (record, result)
         return result
 
     def settled(self) -> bool:
-        return self._pending is not None and self._pending[0].settled()
+        return self._pending is not None and self._pending[0].landed()
 
     def decide_if_local(self) -> None:
         """A read of a pending result: decide it now if that needs no collective (nothing
         was flagged), else say when it will be decided. Never starts a collective."""
         if self._pending is None:
             return
-        pending, _ = self._pending
-        if self.judge.needs_detection(Totals.from_values(pending.values())):
+        record, result = self._pending
+        if record.stage is Stage.DECIDED:
+            return
+        if self.judge.needs_detection(record.totals):
             raise ResultPending(
-                f"nansentinel: step {pending.step} found a non-finite value or a spike; rank "
+                f"nansentinel: step {record.index} found a non-finite value or a spike; rank "
                 f"{self.judge.rank} names and decides it with every other rank at its next "
                 "sentinel call (check_batch, check_loss, step or close), where an abort is "
                 "raised. Until then only step, applied (the device already skipped it), "
                 "injected and local_* can be read."
             )
-        self.resolve(reading=True)
+        self._decide(record, result)
 
-    def resolve(self, *, reading: bool = False) -> None:
-        """Decide the step pending here, if any (raises its abort). Called on every rank at
-        its next sentinel call, so that a detection's collectives run at the same point
-        everywhere; ``reading``: from a read on this rank alone (the tail then waits)."""
-        if not reading and self._tail is not None:
-            tail, self._tail = self._tail, None
-            tail()
+    def resolve(self) -> None:
+        """Decide and finish the step pending here, if any (raises its abort). Called on every
+        rank at its next sentinel call, so that a detection's collectives, and the replica
+        check and snapshot a decided step owes, run at the same point everywhere."""
         if self._pending is None:
             return
-        pending, result = self._pending
+        record, result = self._pending
         self._pending = None
-        with self.guarded():
-            values = pending.values()
-        self.rearm()
+        if record.stage is Stage.LAUNCHED:
+            with self.guarded():
+                record.read()
+            self.rearm()
+            self._decide(record, result)
         try:
-            decided, decision, tail = self.judge.judge(pending.step, values, pending.local,
-                                                       pending)
-            result.set(decided)
-            if reading:  # the tail's collectives run at the next sentinel call, everywhere
-                self._tail = functools.partial(self._deferred, tail, result)
-                return
-            self._finish(tail, decided, decision, result)
+            self.judge.finish(record)
+            result.set(record.decided)
+            assert record.decision is not None
+            self.stop_if(record.decision, record.decided)
         except BaseException as exc:
             result.set(exc)
             raise
 
-    def _deferred(self, tail: Tail, result: PendingResult) -> None:
+    def _decide(self, record: StepRecord, result: PendingResult) -> None:
+        """``LAUNCHED``/``READ`` -> ``DECIDED``: the decision and its acts (collectives only
+        if something was flagged: never from a read that :meth:`decide_if_local` allowed)."""
         try:
-            self._finish(tail, result.resolve(), None, result)
+            self.judge.decide(record)
+            result.set(record.decided)
         except BaseException as exc:
             result.set(exc)
             raise
-
-    def _finish(self, tail: Tail, decided: StepResult, decision: Decision | None,
-                result: PendingResult) -> None:
-        decided, final = tail(decided, decision)
-        result.set(decided)
-        self.stop_if(final, decided)
 
     def abandon(self) -> None:
-        """Forget the pending step and its tail (the loop failed: no collective now)."""
+        """Forget the pending step (the loop failed: no collective now)."""
+        if self._pending is not None:
+            self._pending[0].to(Stage.ABANDONED)
         self._pending = None
-        self._tail = None
+
+
+def _early(record: StepRecord, name: str) -> Any:
+    """An early field of a pending result, from the vector alone (no collective): ``applied``
+    is what the device did, which is the decision's own."""
+    if name == "step":
+        return record.index
+    totals, own = record.totals, record.own
+    if name == "applied":
+        return not (totals.device_skips or record.skipped)
+    if name == "injected":
+        return totals.injected > 0
+    return {"local_kinds": list(own.kinds), "local_loss": own.loss,
+            "local_grad_norm": own.grad_norm}[name]
 
 
 def gated_steps(
     config: Any, optimizer: torch.optim.Optimizer, device: torch.device, *, scaler: Any,
     caps: Capabilities, speak: bool, judge: StepJudge, buffers: FloatingBuffers,
-    params: list[torch.Tensor], guarded: Callable[[], Any], rearm: Callable[[], None],
+    guarded: Callable[[], Any], rearm: Callable[[], None],
     stop_if: Callable[[Decision, StepResult], None],
 ) -> GatedSteps | None:
     """The device gate where ``config.gate`` and the run allow it, else None (the host gate);
@@ -408,5 +292,5 @@ def gated_steps(
             log.info("nansentinel: host gate (one host sync before every optimizer step): %s",
                      refusal)
         return None
-    return GatedSteps(DeviceGate(optimizer, device), judge, buffers=buffers, params=params,
-                      guarded=guarded, rearm=rearm, stop_if=stop_if)
+    return GatedSteps(DeviceGate(optimizer, device), judge, buffers, guarded=guarded,
+                      rearm=rearm, stop_if=stop_if)

@@ -8,16 +8,15 @@
              metrics
 
 A healthy step reads the totals and acts: one decision, one optimizer step, a few counters.
-What only a detection needs lives in detection.py; what the decision is, in policy.py. The
-tail is handed back to the caller, because on the device gate a step decided by a read of its
+What only a detection needs lives in detection.py; what the decision is, in policy.py.
+:meth:`StepJudge.decide` takes a step's record to ``DECIDED`` and :meth:`StepJudge.finish` to
+``DONE`` (step/record.py): apart, because on the device gate a step decided by a read of its
 result on one rank must leave its collectives (the replica check, a snapshot) for the next
 sentinel call, where every rank runs them (gate.py).
 """
 
 from __future__ import annotations
 
-import contextlib
-import functools
 import time
 from collections.abc import Callable
 from typing import Any
@@ -25,7 +24,7 @@ from typing import Any
 import torch
 
 from nansentinel.checks.buffers import FloatingBuffers
-from nansentinel.checks.health import LocalHealth, to_device
+from nansentinel.checks.health import to_device
 from nansentinel.checks.quarantine import Quarantine
 from nansentinel.config import SentinelConfig
 from nansentinel.decide.policy import DROP, ROLLBACK, Decision, History, blamed, decide
@@ -36,11 +35,9 @@ from nansentinel.rare.curves import Curves
 from nansentinel.rare.detection import Detector
 from nansentinel.rare.replicas import ReplicaCheck
 from nansentinel.result import StepResult
+from nansentinel.step.record import Stage, StepRecord
 from nansentinel.wire.schema import OwnRow, Totals
 from nansentinel.wire.view import ClusterView
-
-#: ``tail(result, decision or None) -> (result, decision)``: what a decided step still owes.
-Tail = Callable[[StepResult, Decision | None], tuple[StepResult, Decision]]
 
 
 class StepJudge:
@@ -87,35 +84,34 @@ class StepJudge:
         """The step flagged a rank or the cluster mean spiked: naming it takes collectives."""
         return totals.flagged > 0 or self.spikes.cluster_spikes(totals)
 
-    def judge(
-        self, step: int, values: list[float], local: LocalHealth, pending: Any = None, *,
-        optimizer_step: bool = True,
-    ) -> tuple[StepResult, Decision, Tail]:
-        """Decide one step and act on it (optimizer, buffers, scaler, rollback, report).
-        ``pending``: the optimizer step already ran gated on the device (gate.Pending).
-        Returns the result, the decision and the step's tail (see the module docstring)."""
+    def decide(self, record: StepRecord, *, optimizer_step: bool = True) -> None:
+        """Decide one step and act on it (optimizer, buffers, scaler, rollback, report):
+        ``LAUNCHED``/``READ`` -> ``DECIDED``, with the record's view, decision and result.
+        On the device gate (``record.gated``) the optimizer step already ran on the device."""
         started = time.perf_counter()
+        local, values = record.local, record.read()
+        if record.stage is Stage.LAUNCHED:
+            record.to(Stage.READ)
         totals, own = Totals.from_values(values), OwnRow.from_values(values)
-        view = ClusterView(step, self.world_size, totals)
+        view = ClusterView(record.index, self.world_size, totals)
         if self.needs_detection(totals):
             with self.guarded():
-                view = self.detector.view(step, totals, own, self.spikes.ratios(own),
+                view = self.detector.view(record.index, totals, own, self.spikes.ratios(own),
                                           local.forward_groups, batch=local.batch)
         spikes = self.spikes.judge(view)
         self.spikes.record(own, totals, spikes)
-        self.curves.add(step, own, totals)
+        self.curves.add(record.index, own, totals)
         bad = blamed(view, amp=self.amp)
         verdict, detail = self.detector.evidence(
-            view, bad, spikes, batch=local.batch,
-            grads_restored=pending.grads_restored if pending else contextlib.nullcontext,
-            discard=pending.drop_grads if pending else self._discard_before_replay,
+            view, bad, spikes, batch=local.batch, kept=record.kept,
+            discard=None if record.gated else self._discard_before_replay,
         ) if bad or spikes else (None, {})
         snapshot_step = self.snapshots.step if self.snapshots is not None else None
         decision = decide(view, self.history, self.config, amp=self.amp, spikes=spikes,
                           verdict=verdict, snapshot_step=snapshot_step)
         self.history.record(view, decision, self.config, verdict=verdict,
                             snapshot_step=snapshot_step)
-        rolled_back_to, restored, not_ours = self._act(decision, view, own, pending,
+        rolled_back_to, restored, not_ours = self._act(decision, view, own, record,
                                                        optimizer_step)
         result = self._result(view, own, decision, spikes, verdict, rolled_back_to, restored)
         if decision.bad or spikes or decision.action == ROLLBACK:
@@ -123,12 +119,31 @@ class StepJudge:
                 view, decision, result, spikes, detail=detail, batch=local.batch,
                 ids=local.ids, quarantine=self.quarantine, curves=self.curves,
             )
-        spent = local.seconds + time.perf_counter() - started - not_ours
-        snapshot = decision.applies and optimizer_step
-        tail = functools.partial(self._tail, view, decision, spent, snapshot)
-        return result, decision, tail
+        record.view, record.decision, record.result = view, decision, result
+        record.spent = local.seconds + time.perf_counter() - started - not_ours
+        record.snapshot = decision.applies and optimizer_step
+        record.to(Stage.DECIDED)
 
-    def _act(self, decision: Decision, view: ClusterView, own: OwnRow, pending: Any,
+    def finish(self, record: StepRecord) -> None:
+        """What a decided step owes every rank together: the snapshot and the replica check
+        (collectives, both), then its metrics (``DECIDED`` -> ``DONE``). The replica check may
+        change the result and the decision (a divergence)."""
+        started = time.perf_counter()
+        view, result, decision = record.view, record.result, record.decision
+        assert view is not None and result is not None and decision is not None
+        if record.snapshot:
+            self.maybe_snapshot(view)
+        if self.replicas is not None and not decision.stops:  # after the optimizer step
+            result, decision = self.replicas.check(
+                view.step, result, decision, self.history, config=self.config,
+                guarded=self.guarded,
+            )
+        if self.metrics is not None:
+            self.metrics.observe_step(result, record.spent + time.perf_counter() - started)
+        record.result, record.decision = result, decision
+        record.to(Stage.DONE)
+
+    def _act(self, decision: Decision, view: ClusterView, own: OwnRow, record: StepRecord,
              optimizer_step: bool) -> tuple[int | None, int, float]:
         """The decision's acts: ``(rolled back to, buffers restored, optimizer seconds)``."""
         left_out = self._leave_out(decision, view, own)
@@ -140,7 +155,7 @@ class StepJudge:
                 self._post_hook = self.optimizer.register_step_post_hook(self._callers_step)
             return None, left_out, 0.0
         if decision.applies:
-            if pending is not None:  # the device gate has stepped already
+            if record.gated:  # the device gate has stepped already
                 self.cooldown.count()
                 return None, left_out, 0.0
             started = time.perf_counter()
@@ -151,7 +166,7 @@ class StepJudge:
                 else:
                     self.optimizer.step()
             return None, left_out, time.perf_counter() - started
-        restored = pending.buffers if pending is not None else self._discard(optimizer_step)
+        restored = record.buffers if record.gated else self._discard(optimizer_step)
         rolled_back_to = None
         if decision.action == ROLLBACK and self.snapshots is not None:
             rolled_back_to = self.snapshots.load()
@@ -189,23 +204,6 @@ class StepJudge:
     def _discard_grads(self) -> None:
         """Free the gradients of a step no policy applies (before its replay, too)."""
         self.optimizer.zero_grad(set_to_none=True)
-
-    def _tail(self, view: ClusterView, judged: Decision, spent: float, snapshot: bool,
-              result: StepResult, decision: Decision | None) -> tuple[StepResult, Decision]:
-        """What a decided step owes every rank together: the snapshot and the replica check
-        (collectives, both), then its metrics."""
-        started = time.perf_counter()
-        decision = decision if decision is not None else judged
-        if snapshot:
-            self.maybe_snapshot(view)
-        if self.replicas is not None and not decision.stops:  # after the optimizer step
-            result, decision = self.replicas.check(
-                view.step, result, decision, self.history, config=self.config,
-                guarded=self.guarded,
-            )
-        if self.metrics is not None:
-            self.metrics.observe_step(result, spent + time.perf_counter() - started)
-        return result, decision
 
     def caller_did_not_step(self) -> None:
         """``step(optimizer_step=False)`` came round again without the caller's optimizer

@@ -41,6 +41,7 @@ from nansentinel.result import ResultPending, StepResult
 from nansentinel.step.current import CurrentStep
 from nansentinel.step.gate import gated_steps
 from nansentinel.step.judge import StepJudge
+from nansentinel.step.record import PendingResult
 from nansentinel.wire import watchdog
 from nansentinel.wire.exchange import HealthExchange
 
@@ -117,8 +118,10 @@ class Sentinel:
         self.device_gate = gated_steps(
             cfg, opt, self.device, scaler=scaler, caps=self.gradients.caps,
             speak=self.rank == 0, judge=self.judge,
-            buffers=self.current.buffers, params=self._params, guarded=self.deadline.guarded,
-            rearm=self._rearm, stop_if=self.end.stop_if)
+            buffers=self.current.buffers, guarded=self.deadline.guarded, rearm=self._rearm,
+            stop_if=self.end.stop_if)
+        if self.device_gate is not None:  # decided later: name from norms, hold no gradient
+            self.gradients.keep_norms = True
         self._serve(registry)
 
     def _place(self, model: Any, optimizer: Any, scaler: Any, group: Any, pipelined: list[Any],
@@ -199,15 +202,16 @@ class Sentinel:
         if not self.exchange.launched:  # DeepSpeed's path launches it before its all-reduce
             self.current.launch_exchange()
 
-    def step(self, *, optimizer_step: bool = True) -> StepResult | None:
+    def step(self, *, optimizer_step: bool = True) -> StepResult | PendingResult | None:
         """Decide this step with every rank and act: the optimizer (or GradScaler) steps only
         when every rank is healthy; otherwise every rank skips, rolls back, or raises
         :class:`NonFiniteError` (:class:`HostExcludedError`). ``optimizer_step=False``: the
         caller (a framework) steps the optimizer itself right after; on a skip the gradients
-        are then ``None``. On the device gate a :class:`~nansentinel.step.gate.PendingResult` comes
-        back, decided at the next sentinel call (or on a read that needs no collective). With
-        a DeepSpeed engine it replaces ``engine.step()``, and returns None on a micro-batch
-        before the accumulation boundary (counted, decided at the boundary)."""
+        are then ``None``. On the device gate a
+        :class:`~nansentinel.step.record.PendingResult` comes back, decided at the next
+        sentinel call (or on a read that needs no collective). With a DeepSpeed engine it
+        replaces ``engine.step()``, and returns None on a micro-batch before the accumulation
+        boundary (counted, decided at the boundary)."""
         self._resolve()
         if self.engine is not None and self.engine.accumulating(
                 optimizer_step=optimizer_step, step=self.step_index):
@@ -215,20 +219,20 @@ class Sentinel:
         self.judge.caller_did_not_step()
         if not self.exchange.launched:
             self.check_grads()
-        local = self.current.local
+        record = self.current.record
         if optimizer_step and self.device_gate is not None and self.device_gate.ready():
-            step, vector = self.exchange.take()
-            pending: Any = self.device_gate.launch(step, vector, local)
+            _, vector = self.exchange.take()
+            pending = self.device_gate.launch(record, vector, self.gradients.take_norms())
             self.current.next()
             return pending
-        step, values = self.exchange.wait()  # waiting for the all-reduce beside it: not ours
+        _, record.values = self.exchange.wait()  # waiting for the all-reduce beside it
         self.deadline.disarm()
-        result, decision, tail = self.judge.judge(step, values, local,
-                                                  optimizer_step=optimizer_step)
-        result, decision = tail(result, decision)
+        self.judge.decide(record, optimizer_step=optimizer_step)
+        self.judge.finish(record)
         self.current.next()
-        self.end.stop_if(decision, result)
-        return result
+        assert record.decision is not None
+        self.end.stop_if(record.decision, record.decided)
+        return record.decided
 
     # --- state for checkpoints, and the end ---------------------------------------------------
 
@@ -248,7 +252,7 @@ class Sentinel:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what :meth:`state_dict` saved."""
-        self.current.index = int(state["step"])
+        self.current.restart_at(int(state["step"]))
         self.judge.load_state_dict(state, self.step_index)
 
     def close(self) -> None:

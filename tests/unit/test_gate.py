@@ -14,7 +14,8 @@ from nansentinel.engines.ddp import DDPPath
 from nansentinel.engines.deepspeed import DeepSpeedPath
 from nansentinel.engines.fsdp import FSDPPath
 from nansentinel.result import ResultPending
-from nansentinel.step.gate import DeviceGate, PendingResult, device_gate_refusal
+from nansentinel.step.gate import DeviceGate, device_gate_refusal
+from nansentinel.step.record import PendingResult
 from nansentinel.wire.schema import SIZE, T
 
 
@@ -198,3 +199,68 @@ def test_copy_to_host_is_fenced_on_the_vectors_device_not_the_current_one(
     assert isinstance(host, Host) and isinstance(event, Event)
     cuda1 = torch.device("cuda", 1)
     assert calls == [("stream", cuda1), ("copy", True), ("record", f"stream of {cuda1}")]
+
+
+def test_no_gradient_is_held_until_the_decision(tmp_path: Path) -> None:
+    """Issue 35 item 2: after step() on the device gate and the user's zero_grad, no second
+    set of gradients lives on (counted by weak references) through the next forward."""
+    import weakref
+
+    model, opt, s = make(tmp_path, gate="device")
+    one_step(model, s).resolve()
+    opt.zero_grad(set_to_none=True)
+    one_step(model, s)
+    grads = [weakref.ref(p.grad) for p in model.parameters() if p.grad is not None]
+    assert grads
+    opt.zero_grad(set_to_none=True)  # the user's: the step is not decided yet
+    assert all(g() is None for g in grads), "the device gate kept gradients alive"
+    s.check_batch({"x": torch.ones(2)})
+    s.close()
+
+
+def test_zeroed_in_place_gradients_still_name_the_poisoned_parameter(tmp_path: Path) -> None:
+    """A loop that zeroes in place (set_to_none=False) before the decision: the parameters
+    are named from the norms kept before the reduction, not from the zeroed gradients."""
+    model, opt, s = make(tmp_path, gate="device", inject="kind=grad,rank=0,step=1")
+    one_step(model, s).resolve()
+    opt.zero_grad(set_to_none=False)
+    r = one_step(model, s)
+    opt.zero_grad(set_to_none=False)
+    s.check_batch({"x": torch.ones(2)})
+    assert r.outcome == "skipped" and r.kinds == ["grad"]
+    assert r.parameters == {0: ["0.weight"]}  # the drill writes into the first gradient
+    s.close()
+
+
+def test_a_step_goes_through_its_states_in_order() -> None:
+    from nansentinel.checks.health import LocalHealth
+    from nansentinel.step.record import NEXT, Stage, StepRecord
+
+    record = StepRecord(3, LocalHealth(torch.device("cpu")))
+    for stage in (Stage.LAUNCHED, Stage.READ, Stage.DECIDED, Stage.DONE):
+        record.to(stage)
+    with pytest.raises(AssertionError, match="step 3 cannot go from done to open"):
+        record.to(Stage.OPEN)
+    assert all(Stage.ABANDONED in NEXT[s] for s in Stage if s not in (Stage.DONE,
+                                                                        Stage.ABANDONED))
+    skipping = StepRecord(4, LocalHealth(torch.device("cpu")))
+    with pytest.raises(AssertionError, match="from open to decided"):
+        skipping.to(Stage.DECIDED)
+
+
+def test_a_pending_result_declares_every_field_of_a_step_result_with_its_type() -> None:
+    import dataclasses
+    import typing
+
+    from nansentinel.step.record import EARLY_FIELDS, _Decided, _Early
+
+    hints = typing.get_type_hints(nansentinel.StepResult)
+    declared = {name: value for name, value in vars(PendingResult).items()
+                if isinstance(value, _Early | _Decided)}
+    fields = {f.name for f in dataclasses.fields(nansentinel.StepResult)}
+    assert set(declared) == fields | {"healthy"}
+    for name, descriptor in declared.items():
+        if name in hints:
+            (arg,) = typing.get_args(descriptor.__orig_class__)  # type: ignore[attr-defined]
+            assert arg == hints[name], (name, arg, hints[name])
+    assert {"step", "applied", "injected"} <= EARLY_FIELDS and "outcome" not in EARLY_FIELDS
