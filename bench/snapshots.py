@@ -107,6 +107,7 @@ def one_rank(rank: int, world: int, args: dict[str, Any]) -> dict[str, Any]:
     from nansentinel.common.report import to_cpu
     from nansentinel.effects.recovery import MemorySnapshots
     from nansentinel.wire.collectives import Peers
+    from nansentinel.wire.context import Watched
 
     torch.set_num_threads(1)
     net = _model(args)
@@ -118,7 +119,7 @@ def one_rank(rank: int, world: int, args: dict[str, Any]) -> dict[str, Any]:
 
     # after: the sharded snapshot, as the Sentinel builds it under DDP.
     peers = Peers(None, torch.device("cpu"))
-    snaps = MemorySnapshots(net, opt, peers=peers, replicas=peers)
+    snaps = MemorySnapshots(Watched(net, net, opt), peers=peers, replicas=peers)
     rss0 = _rss()
     snaps.save(1)
     first_growth = _rss() - rss0

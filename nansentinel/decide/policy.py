@@ -197,32 +197,34 @@ def blamed(view: ClusterView, *, amp: bool = False) -> tuple[RankHealth, ...]:
     return tuple(r for r in view.flagged if is_blamed(r, amp=amp))
 
 
-def decide(
-    view: ClusterView,
-    history: History,
-    config: SentinelConfig,
-    *,
-    amp: bool = False,
-    spikes: Spikes | None = None,
-    verdict: str | None = None,
-    snapshot_step: int | None = None,
-) -> Decision:
-    """Decide ``apply | skip | overflow | rollback | abort | exclude | drop`` for one step.
+@dataclasses.dataclass(frozen=True, slots=True)
+class Evidence:
+    """What a step's decision weighs beside the view, the same on every rank.
 
     Args:
-        view: the cluster view of this step (the same on every rank).
-        history: the history before this step (not modified here).
-        config: the sentinel config (the same on every rank).
-        amp: a GradScaler is in use, so non-finite gradients alone are fp16 overflow that the
+        amp: a loss scale is in use, so non-finite gradients alone are fp16 overflow that the
             scaler handles by skipping and lowering its scale, not a rank's fault.
         spikes: loss / gradient-norm spikes of this step.
         verdict: the replay verdict, when a replay ran.
         snapshot_step: the step of the snapshot a rollback would restore (None: none yet).
     """
-    bad = blamed(view, amp=amp)
-    overflow = amp and view.totals.bad_grad > 0
+
+    amp: bool = False
+    spikes: Spikes | None = None
+    verdict: str | None = None
+    snapshot_step: int | None = None
+
+
+def decide(view: ClusterView, history: History, config: SentinelConfig,
+           evidence: Evidence = Evidence()) -> Decision:
+    """Decide ``apply | skip | overflow | rollback | abort | exclude | drop`` for one step,
+    from the cluster view (the same on every rank), the history before it (not modified
+    here), the config and the step's :class:`Evidence`."""
+    spikes, snapshot_step = evidence.spikes, evidence.snapshot_step
+    bad = blamed(view, amp=evidence.amp)
+    overflow = evidence.amp and view.totals.bad_grad > 0
     if bad:
-        return _nonfinite(view, bad, history, config, overflow, verdict, snapshot_step)
+        return _nonfinite(view, bad, history, config, evidence, overflow)
     if view.quarantined:
         return Decision(SKIP, (), "a quarantined batch came round again", QUARANTINE, overflow)
     if view.totals.dropped:  # withheld gradients are never applied as they are
@@ -233,7 +235,8 @@ def decide(
         if action != "warn":
             reason = "spike in " + ", ".join(spikes.signals())
             if action == "rollback":
-                return _rollback(history, config, (), overflow, snapshot_step, reason, SPIKE)
+                return _rollback(history, config, Decision(SKIP, (), reason, SPIKE, overflow),
+                                 snapshot_step)
             return Decision(SKIP, (), reason, SPIKE, overflow)
     if history.skip_batches > 0:
         return Decision(
@@ -252,14 +255,10 @@ def _most_severe(spikes: Spikes, config: SentinelConfig) -> str:
 
 
 def _nonfinite(
-    view: ClusterView,
-    bad: tuple[RankHealth, ...],
-    history: History,
-    config: SentinelConfig,
-    overflow: bool,
-    verdict: str | None,
-    snapshot_step: int | None,
+    view: ClusterView, bad: tuple[RankHealth, ...], history: History, config: SentinelConfig,
+    evidence: Evidence, overflow: bool,
 ) -> Decision:
+    verdict = evidence.verdict
     provisional = Decision(SKIP, bad, cause=NONFINITE, overflow=overflow)
     for host in blamed_hosts(view, provisional, verdict):
         strikes = history.strikes_within(host, view.step, config) + 1
@@ -290,8 +289,8 @@ def _nonfinite(
             ),
         )
     if config.policy == "rollback":
-        return _rollback(history, config, bad, overflow, snapshot_step, "policy is rollback",
-                         NONFINITE)
+        return _rollback(history, config, dataclasses.replace(
+            provisional, reason="policy is rollback"), evidence.snapshot_step)
     return provisional
 
 
@@ -329,23 +328,17 @@ def dropping(
     return view.world_size - n
 
 
-def _rollback(
-    history: History,
-    config: SentinelConfig,
-    bad: tuple[RankHealth, ...],
-    overflow: bool,
-    snapshot_step: int | None,
-    reason: str,
-    cause: str,
-) -> Decision:
+def _rollback(history: History, config: SentinelConfig, skip: Decision,
+              snapshot_step: int | None) -> Decision:
+    """A rollback to the snapshot at ``snapshot_step``, in place of ``skip`` (the step's
+    skip: its blamed ranks, reason, cause and overflow)."""
     if snapshot_step is None:
-        return Decision(SKIP, bad, f"{reason}, but no snapshot yet: skipped", cause, overflow)
+        return dataclasses.replace(skip, reason=f"{skip.reason}, but no snapshot yet: skipped")
     done = history.rollbacks.get(snapshot_step, 0)
     if done >= config.max_rollbacks:
-        return Decision(
-            ABORT, bad,
-            f"{done} rollbacks to the snapshot of step {snapshot_step} did not help "
-            f"(max_rollbacks={config.max_rollbacks})",
-            cause, overflow,
-        )
-    return Decision(ROLLBACK, bad, f"{reason}: restoring step {snapshot_step}", cause, overflow)
+        return dataclasses.replace(
+            skip, action=ABORT,
+            reason=f"{done} rollbacks to the snapshot of step {snapshot_step} did not help "
+                   f"(max_rollbacks={config.max_rollbacks})")
+    return dataclasses.replace(skip, action=ROLLBACK,
+                               reason=f"{skip.reason}: restoring step {snapshot_step}")

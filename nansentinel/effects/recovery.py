@@ -20,7 +20,7 @@ import dataclasses
 import logging
 import socket
 from collections import OrderedDict
-from collections.abc import Callable, Collection, Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any, Protocol
 
 import psutil
@@ -30,6 +30,7 @@ from nansentinel.wire.collectives import dtensor_from_local
 
 if TYPE_CHECKING:
     from nansentinel.wire.collectives import Peers
+    from nansentinel.wire.context import Context, Watched
 
 log = logging.getLogger("nansentinel")
 
@@ -176,29 +177,29 @@ class MemorySnapshots:
     write into them.
 
     Args:
-        module: the model (DDP's inner module).
-        optimizer: its optimizer.
-        scaler: a GradScaler, whose state is kept too.
+        watched: the module (DDP's inner module), its optimizer and GradScaler, whose states
+            are kept; the model's parameters the replicas do not keep identical (DDP's
+            ``parameters_to_ignore``) are kept whole.
         peers: the ranks that decide together (the exchange's); None: this process alone.
         replicas: the data-parallel replicas to shard across (DDP's process group); None: keep
             every tensor whole.
-        unreplicated: names of parameters the replicas do not keep identical (DDP's
-            ``parameters_to_ignore``): kept whole.
         hostname: this host's name, for the refusal message.
         available: host bytes free now (default: ``psutil.virtual_memory().available``).
         shard_min_numel: tensors with fewer elements are kept whole.
     """
 
     def __init__(
-        self, module: torch.nn.Module, optimizer: torch.optim.Optimizer, scaler: Any = None, *,
-        peers: Peers | None = None, replicas: Peers | None = None,
-        unreplicated: Collection[str] = (), hostname: str | None = None,
-        available: Callable[[], int] = _available_bytes, shard_min_numel: int = SHARD_MIN_NUMEL,
+        self, watched: Watched, *, peers: Peers | None = None, replicas: Peers | None = None,
+        hostname: str | None = None, available: Callable[[], int] = _available_bytes,
+        shard_min_numel: int = SHARD_MIN_NUMEL,
     ) -> None:
-        self.module, self.optimizer, self.scaler = module, optimizer, scaler
+        module = watched.module
+        self.module, self.optimizer = module, watched.optimizer
+        self.scaler = watched.scaler
+        optimizer = self.optimizer
         self.peers = peers
         self.replicas = replicas if replicas is not None and not replicas.alone else None
-        self.unreplicated = frozenset(unreplicated)
+        self.unreplicated = frozenset(watched.unreplicated)
         self.hostname = hostname or socket.gethostname()
         self.available = available
         self.shard_min_numel = shard_min_numel
@@ -542,16 +543,14 @@ class Cooldown:
             self.factor = 1.0
 
 
-def snapshot_store(
-    snapshots: tuple[Any, Any] | SnapshotStore | None, config: Any, *, model: torch.nn.Module,
-    module: torch.nn.Module, optimizer: torch.optim.Optimizer, scaler: Any, peers: Peers,
-    device: torch.device, hostname: str,
-) -> SnapshotStore | None:
+def snapshot_store(snapshots: tuple[Any, Any] | SnapshotStore | None, ctx: Context,
+                   watched: Watched) -> SnapshotStore | None:
     """Where this run's last good state goes: the user's ``(save, load)`` pair or store, else
     host memory when a rollback is configured, else nowhere (no copies made).
 
     Under DDP every replica holds the same weights and optimizer state, so each rank keeps 1/W
     of them (:class:`MemorySnapshots`), over DDP's own group."""
+    config = ctx.config
     if isinstance(snapshots, tuple):
         return UserSnapshots(*snapshots)
     if snapshots is not None:
@@ -562,11 +561,10 @@ def snapshot_store(
 
     from nansentinel.wire.collectives import Peers
 
+    model, peers = watched.model, ctx.peers
     replicas = None
     if isinstance(model, DistributedDataParallel):
         replicas = (peers if model.process_group is peers.group
-                    else Peers(model.process_group, device))
-    return MemorySnapshots(
-        module, optimizer, scaler, peers=peers, replicas=replicas,
-        unreplicated=getattr(model, "parameters_to_ignore", ()), hostname=hostname,
-    )
+                    else Peers(model.process_group, ctx.device))
+    return MemorySnapshots(watched, peers=peers, replicas=replicas,
+                           hostname=ctx.identity.hostname)

@@ -27,6 +27,7 @@ from nansentinel.result import (
     StepResult,
 )
 from nansentinel.wire.collectives import job_rank
+from nansentinel.wire.context import Context
 from nansentinel.wire.exchange import HealthExchange, diagnosis_grace
 
 log = logging.getLogger("nansentinel")
@@ -48,21 +49,13 @@ def leave_verdict(
 
 
 def stop(
-    decision: Decision,
-    result: StepResult,
-    message: str,
-    *,
-    config: SentinelConfig,
-    identity: RankIdentity,
-    exchange: HealthExchange,
-    job_id: str | None,
-    guarded: Callable[[], Any],
-    lingering: bool,
+    ctx: Context, decision: Decision, result: StepResult, message: str, *, lingering: bool,
 ) -> None:
     """Raise :class:`NonFiniteError` (or :class:`HostExcludedError`) on this rank, after the
-    exclusion record (rank 0), this rank's verdict and a barrier, so that every rank raises
-    with everything on disk. ``guarded()`` is a context manager arming the watchdog around the
-    barrier; ``lingering`` keeps the exporter up ``config.metrics_linger`` seconds first."""
+    exclusion record (rank 0), this rank's verdict and a barrier (armed by the watchdog), so
+    that every rank raises with everything on disk. ``lingering`` keeps the exporter up
+    ``config.metrics_linger`` seconds first."""
+    config, identity = ctx.config, ctx.identity
     if config.exclusion_file and decision.exclude_host and identity.rank == 0:
         from nansentinel.common.exclusion import ExclusionRecord, ExclusionStore
 
@@ -78,7 +71,7 @@ def stop(
                     "report_path": result.report_path,
                 },
                 time=time.time(),
-                job_id=job_id,
+                job_id=ctx.job_id,
             )
         )
     leave_verdict(
@@ -87,8 +80,8 @@ def stop(
         report_path=result.report_path,
     )
     # Rank 0's report and the exclusion record are on disk before anyone raises.
-    with guarded():
-        exchange.peers.barrier()
+    with ctx.guarded():
+        ctx.peers.barrier()
     if lingering and config.metrics_linger > 0:
         log.info(
             "nansentinel: rank %d keeps its exporter up %g s for the final scrape",
@@ -185,19 +178,15 @@ class RunEnd:
     point of every rank (:meth:`close`), or abandoned after this rank's loop failed.
 
     Args:
-        config, identity, exchange, job_id: the run's, as :func:`stop` takes them.
-        deadline: the step deadline (watchdog.py): it arms the barriers and is closed last.
+        ctx: the run (its deadline arms the barriers and is closed last).
         judge: holds the exporter (``judge.metrics``), flushed before a stop and closed last.
         release: gives the model back as its framework made it (DeepSpeed's all-reduce
             switch), once the run is over.
     """
 
-    def __init__(self, config: SentinelConfig, identity: RankIdentity,
-                 exchange: HealthExchange, job_id: str | None, *, deadline: Any,
-                 judge: Any, release: Callable[[], None] | None = None) -> None:
-        self.config, self.identity, self.exchange, self.job_id = (
-            config, identity, exchange, job_id)
-        self.deadline, self.judge, self.release = deadline, judge, release
+    def __init__(self, ctx: Context, judge: Any,
+                 release: Callable[[], None] | None = None) -> None:
+        self.ctx, self.judge, self.release = ctx, judge, release
         self.closed = False
         self.stopped = False
         """The run was stopped here: this rank's verdict is left already."""
@@ -212,9 +201,8 @@ class RunEnd:
             metrics.flush()
         from nansentinel.rare.incident import describe_abort
 
-        stop(decision, result, describe_abort(decision, result), config=self.config,
-             identity=self.identity, exchange=self.exchange, job_id=self.job_id,
-             guarded=self.deadline.guarded, lingering=metrics is not None)
+        stop(self.ctx, decision, result, describe_abort(decision, result),
+             lingering=metrics is not None)
 
     def close(self, resolve: Callable[[], None], last_step: int) -> None:
         """``resolve()`` the pending step, meet every rank at one barrier (unless a collective
@@ -225,11 +213,11 @@ class RunEnd:
         self.closed = True
         try:
             resolve()
-            if not self.exchange.failed:
-                with self.deadline.guarded():
-                    self.exchange.peers.barrier()
+            if not self.ctx.exchange.failed:
+                with self.ctx.guarded():
+                    self.ctx.peers.barrier()
                 if not self.stopped:
-                    leave_verdict(self.config, self.identity, last_step, CLOSED,
+                    leave_verdict(self.ctx.config, self.ctx.identity, last_step, CLOSED,
                                   "the sentinel closed cleanly: training finished")
         finally:
             self.shut()
@@ -240,7 +228,7 @@ class RunEnd:
         metrics, self.judge.metrics = self.judge.metrics, None
         if metrics is not None:
             metrics.close()
-        self.deadline.close()
+        self.ctx.deadline.close()
         release, self.release = self.release, None
         if release is not None:
             release()

@@ -193,6 +193,38 @@ class GradPath(Protocol):
         """Forget this step's per-parameter records (called after every decision)."""
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class Given:
+    """What the user handed the Sentinel, as given: an engine that steps its own optimizer
+    checks the rest against itself (DeepSpeed refuses an own optimizer, scaler, group, replay
+    function, snapshots or pipeline stages beside it)."""
+
+    model: Any
+    optimizer: Any = None
+    scaler: Any = None
+    group: Any = None
+    replay: Any = None
+    snapshots: Any = None
+    stages: Any = None
+
+
+def steps_of(given: Given, config: Any, env: Any) -> tuple[Any, Any, Any]:
+    """What the Sentinel steps: ``(engine adapter, optimizer, scaler)``. A path whose engine
+    steps its own optimizer (``caps.steps_optimizer``: DeepSpeed) adapts it (its
+    ``adapt(given, config, env)``, which refuses what it does not support); any other model
+    steps the optimizer and scaler it was given (the optimizer is then required)."""
+    path = recognize(given.model)
+    if path.CAPS.steps_optimizer:
+        adapter = path.adapt(given, config, env)
+        return adapter, adapter.optimizer, adapter.scaler
+    if given.optimizer is None:
+        from nansentinel.result import SentinelUsageError
+
+        raise SentinelUsageError("nansentinel: Sentinel(model, optimizer) needs the optimizer "
+                                 "(only a DeepSpeed engine brings its own)")
+    return None, given.optimizer, given.scaler
+
+
 def registry() -> tuple[Any, ...]:
     """Every gradient path, in the order a model is offered to them (the first whose
     ``recognizes(model)`` is true takes it; the local path takes anything). A new engine is

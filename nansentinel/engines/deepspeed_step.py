@@ -67,8 +67,10 @@ from typing import Any
 import torch
 
 from nansentinel.config import SentinelConfig, resolve_hostname
-from nansentinel.engines.deepspeed import DeepSpeedPath, is_engine, seam_refusal
+from nansentinel.engines import Given
+from nansentinel.engines.deepspeed import DeepSpeedPath, seam_refusal
 from nansentinel.result import SentinelUsageError
+from nansentinel.wire.collectives import job_rank
 
 #: The DeepSpeed release whose private seams this module and engines/deepspeed.py were read
 #: from and tested with.
@@ -159,51 +161,26 @@ class EngineAdapter:
         return True
 
 
-def adapt(
-    model: Any, optimizer: Any, config: SentinelConfig, env: Mapping[str, str], *,
-    scaler: Any, group: Any, replay: Any, snapshots: Any, stages: Any,
-) -> EngineAdapter | None:
-    """An :class:`EngineAdapter` for a DeepSpeed engine (the Sentinel's other arguments
-    checked against it), or None for any other model. Raises :class:`SentinelUsageError` for
-    what is not supported (see the module docstring)."""
-    if not is_engine(model):
-        return None
+def adapt(given: Given, config: SentinelConfig, env: Mapping[str, str]) -> EngineAdapter:
+    """An :class:`EngineAdapter` for the DeepSpeed engine ``given.model`` (the Sentinel's other
+    arguments checked against it). Raises :class:`SentinelUsageError` for what is not
+    supported (see the module docstring)."""
     where = _where(config, env)
-    refusal = refusal_of(model, optimizer, config, scaler=scaler, group=group, replay=replay,
-                         snapshots=snapshots, stages=stages)
+    refusal = refusal_of(given, config)
     if refusal is not None:
         raise SentinelUsageError(
             f"nansentinel: cannot watch this DeepSpeed engine on {where} (before step 0): "
             f"{refusal}. Nothing was installed; the job stops here."
         )
-    return EngineAdapter(model, where)
+    return EngineAdapter(given.model, where)
 
 
-def steps_of(
-    model: Any, optimizer: Any, config: SentinelConfig, env: Mapping[str, str], *,
-    scaler: Any, group: Any, replay: Any, snapshots: Any, stages: Any,
-) -> tuple[EngineAdapter | None, Any, Any]:
-    """What the Sentinel steps: ``(engine adapter, optimizer, scaler)`` — for a DeepSpeed
-    engine its adapter, its optimizer and loss scale (:func:`adapt`); for any other model
-    none, and the optimizer and scaler it was given (the optimizer is then required)."""
-    engine = adapt(model, optimizer, config, env, scaler=scaler, group=group, replay=replay,
-                   snapshots=snapshots, stages=stages)
-    if engine is not None:
-        return engine, engine.optimizer, engine.scaler
-    if optimizer is None:
-        raise SentinelUsageError("nansentinel: Sentinel(model, optimizer) needs the optimizer "
-                                 "(only a DeepSpeed engine brings its own)")
-    return None, optimizer, scaler
-
-
-def refusal_of(
-    engine: Any, optimizer: Any, config: SentinelConfig, *, scaler: Any = None,
-    group: Any = None, replay: Any = None, snapshots: Any = None, stages: Any = None,
-) -> str | None:
+def refusal_of(given: Given, config: SentinelConfig) -> str | None:
     """Why the Sentinel cannot take this engine with these arguments, with what to do (None:
     it can). Pure reads of the engine's configuration."""
     import deepspeed
 
+    engine, optimizer = given.model, given.optimizer
     version = _release(deepspeed.__version__)
     if version != TESTED_VERSION:
         return (f"DeepSpeed {deepspeed.__version__} is untested (nansentinel reads DeepSpeed's "
@@ -211,16 +188,16 @@ def refusal_of(
                 f"deepspeed=={TESTED_VERSION}, or watch a plain DDP model")
     ours = {"optimizer": optimizer is not None and optimizer not in (
                 engine.optimizer, getattr(engine, "basic_optimizer", None)),
-            "scaler": scaler is not None, "group": group is not None,
-            "stages": stages is not None}
-    extra = [name for name, given in ours.items() if given]
+            "scaler": given.scaler is not None, "group": given.group is not None,
+            "stages": given.stages is not None}
+    extra = [name for name, on in ours.items() if on]
     if extra:
         return (f"{', '.join(extra)} given beside the engine; DeepSpeed's own are used (its "
                 "optimizer and loss scale, its data-parallel group): pass the engine alone")
     caps = DeepSpeedPath.CAPS
-    if replay is not None:
+    if given.replay is not None:
         return f"replay= is not supported: {caps.replay}; pass no replay"
-    if snapshots is not None or "rollback" in (
+    if given.snapshots is not None or "rollback" in (
             config.policy, config.loss_spike_action, config.grad_spike_action):
         return (f"rollbacks are not supported ({caps.rollback}); use policy='skip' or 'abort' "
                 "and restore with engine.load_checkpoint")
@@ -333,7 +310,4 @@ def _release(version: str) -> str:
 
 
 def _where(config: SentinelConfig, env: Mapping[str, str]) -> str:
-    import torch.distributed as dist
-
-    rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-    return f"rank {rank} (host {resolve_hostname(config.hostname, env)})"
+    return f"rank {job_rank()} (host {resolve_hostname(config.hostname, env)})"

@@ -43,10 +43,10 @@ from nansentinel.engines import GradPath, KeptNorms
 from nansentinel.rare import incident
 from nansentinel.rare import trace as tracing
 from nansentinel.rare.curves import Curves
-from nansentinel.rare.incident import IncidentWriter
-from nansentinel.rare.replay import ReplayFn, blame
+from nansentinel.rare.incident import Case, IncidentWriter
+from nansentinel.rare.replay import Replayer, ReplayFn, blame
 from nansentinel.result import RankIdentity, StepResult
-from nansentinel.wire.collectives import Peers
+from nansentinel.wire.context import Context
 from nansentinel.wire.schema import SIGNALS, OwnRow, Totals
 from nansentinel.wire.view import ClusterView, RankHealth
 
@@ -58,55 +58,53 @@ _EXACT_INDICES = 2**24
 class Detector:
     """The rare path of a step, run by every rank together when the totals flag something.
 
+    Owns what the rare path keeps between steps: the last steps' curves the reports show, and
+    the quarantine of batches a ``data`` verdict blamed.
+
     Args:
-        peers: the process group (or none: alone).
-        identity: this rank's identity (sent only when this rank is named).
-        amp: a GradScaler is in use (a non-finite gradient alone is not blame).
+        ctx: the run (peers, identity, whether a loss scale makes gradient overflow nobody's
+            fault, the deadline armed around the rare path's collectives).
         gradients: the gradient path, which names the poisoned parameters.
         incidents: writes the report and the poisoned batch.
-        module: the unwrapped model, for the replay.
-        replay: the user's replay function (None: no replay).
-        anomaly: replay once more under ``set_detect_anomaly``.
-        guarded: a context manager arming the watchdog around a collective.
+        replayer: the module and the user's replay function (None: no replay).
+        quarantine: batches known to be bad; a ``data`` verdict adds one.
     """
 
-    def __init__(
-        self, peers: Peers, identity: RankIdentity, *, amp: bool, gradients: GradPath,
-        incidents: IncidentWriter, module: torch.nn.Module, replay: ReplayFn | None,
-        anomaly: bool, guarded: Callable[[], Any], spike_report_every: int = 100,
-    ) -> None:
-        self.peers = peers
-        self.identity = identity
-        self.amp = amp
-        self.gradients = gradients
-        self.incidents = incidents
-        self.module = module
-        self.replay = replay
-        self.anomaly = anomaly
-        self.guarded = guarded
+    def __init__(self, ctx: Context, gradients: GradPath, incidents: IncidentWriter,
+                 replayer: Replayer, quarantine: Quarantine) -> None:
+        self.ctx, self.peers, self.identity = ctx, ctx.peers, ctx.identity
+        self.gradients, self.incidents, self.quarantine = gradients, incidents, quarantine
+        self.replayer = replayer
+        self.module, self.replay = replayer.module, replayer.fn
+        #: The last steps' loss and gradient norm, this rank's and the cluster's (reports).
+        self.curves = Curves()
         #: At most one warn-level spike report per this many steps (``spike_window``).
-        self.spike_report_every = spike_report_every
+        self.spike_report_every = ctx.config.spike_window
         self._last_spike_report: int | None = None
         #: Told about each warn-level spike logged without a report (the metrics counter).
         self.suppressed: Callable[[], None] | None = None
 
-    @classmethod
-    def for_run(
-        cls, config: Any, peers: Peers, identity: RankIdentity, *, gradients: GradPath,
-        incidents: IncidentWriter, module: torch.nn.Module, amp: bool,
-        replay: ReplayFn | None, guarded: Callable[[], Any],
-    ) -> Detector:
-        """The detection of a run, from its config. The replay is off where the gradient
+    @staticmethod
+    def replayer(ctx: Context, gradients: GradPath, module: torch.nn.Module,
+                 replay: ReplayFn | None) -> Replayer:
+        """What this run's detections replay with, from its config: off where the gradient
         path says why (``caps.replay``: under FSDP2 its backward would reduce-scatter through
         the gradient path being judged)."""
+        config = ctx.config
         off = gradients.caps.replay
         if off is not None and replay is not None and config.replay:
             log.info("nansentinel: replay is off under %s (%s); detections get verdict None",
                      gradients.caps.label, off)
         on = config.replay and off is None
-        return cls(peers, identity, amp=amp, gradients=gradients, incidents=incidents,
-                   module=module, replay=replay if on else None, anomaly=config.replay_anomaly,
-                   guarded=guarded, spike_report_every=config.spike_window)
+        return Replayer(module, replay if on else None, ctx.peers, config.replay_anomaly)
+
+    @property
+    def amp(self) -> bool:
+        return self.ctx.amp
+
+    @property
+    def guarded(self) -> Callable[[], Any]:
+        return self.ctx.guarded
 
     def view(
         self, step: int, totals: Totals, own: OwnRow, ratios: dict[str, float],
@@ -218,44 +216,35 @@ class Detector:
         if not (bad or spikes):
             return None, detail
         with self.guarded():
-            verdict, replayed = blame(
-                view, list(bad), spikes, peers=self.peers, module=self.module, batch=batch,
-                fn=self.replay, anomaly=self.anomaly,
-            )
+            verdict, replayed = blame(view, list(bad), spikes, batch, self.replayer)
         detail.update(replayed)
         return verdict, detail
 
-    def record(
-        self, view: ClusterView, decision: Decision, result: StepResult, spikes: Spikes, *,
-        detail: dict[str, Any], batch: Any, ids: Any, quarantine: Quarantine, curves: Curves,
-    ) -> StepResult:
+    def record(self, case: Case) -> StepResult:
         """Write the incident (report on rank 0, the poisoned batch, log lines); a ``data``
-        verdict adds the batch's signature to ``quarantine``. Returns ``result`` with its
-        parameters and report path.
+        verdict adds the batch's signature to the quarantine. Returns the case's result with
+        its parameters and report path.
 
         A warn-level spike (nothing blamed, the step applied) on an unstable run can come
         every few steps, and a report each time is noise: at most one is written per
         ``spike_report_every`` steps; the others are one log line on rank 0 and a count
         (``nansentinel_spike_reports_suppressed_total``). Every rank keeps the same count
         from the same decisions, so every rank skips the report's gather alike."""
-        if not self._worth_a_report(view.step, decision, spikes):
+        view, decision, result = case.view, case.decision, case.result
+        if not self._worth_a_report(view.step, decision, case.spikes):
             if self.peers.rank == 0:
                 log.warning("%s (no report: one warn-level spike report per %d steps)",
-                            incident.describe(view, decision, result, spikes),
+                            incident.describe(view, decision, result, case.spikes),
                             self.spike_report_every)
             if self.suppressed is not None:
                 self.suppressed()
             return result
-        result, details = self.incidents.write(
-            view, decision, result, spikes, detail=detail, batch=batch, ids=ids, curves=curves,
-            guarded=self.guarded,
-        )
+        result, details = self.incidents.write(case, self.curves)
         if result.verdict == "data":
             for d in details.values():
                 if d.get("signature"):
-                    quarantine.add(Signature.from_json(d["signature"]), view.step)
+                    self.quarantine.add(Signature.from_json(d["signature"]), view.step)
         return result
-
 
     def _worth_a_report(self, step: int, decision: Decision, spikes: Spikes) -> bool:
         if decision.bad or decision.action != APPLY or not spikes:

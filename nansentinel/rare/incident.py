@@ -17,13 +17,12 @@ from pathlib import Path
 from typing import Any
 
 from nansentinel.common import report
-from nansentinel.config import SentinelConfig
 from nansentinel.decide.policy import Decision
 from nansentinel.decide.spikes import CLUSTER, Spikes
 from nansentinel.rare import samples as skip_list
 from nansentinel.rare.curves import Curves
-from nansentinel.result import KINDS, NAMED, Outcome, RankIdentity, StepResult
-from nansentinel.wire.collectives import Peers
+from nansentinel.result import KINDS, NAMED, Outcome, StepResult
+from nansentinel.wire.context import Context
 from nansentinel.wire.schema import SIGNALS
 from nansentinel.wire.view import ClusterView, RankHealth
 
@@ -109,15 +108,25 @@ def describe_abort(decision: Decision, result: StepResult) -> str:
     )
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class Case:
+    """One incident as the rare path records it: the cluster's view and decision, this rank's
+    result and the step's spikes (the same on every rank but ``result``'s ``local_*``), and
+    what this rank alone knows of its step: its share of the evidence (``detail``: the
+    gradient path's parameter naming, the replay's findings), its last batch and its ids
+    (``[(batch, ids), …]``, every batch checked with ids this step)."""
+
+    view: ClusterView
+    decision: Decision
+    result: StepResult
+    spikes: Spikes
+    detail: dict[str, Any] = dataclasses.field(default_factory=dict)
+    batch: Any = None
+    ids: Any = None
+
+
 def payload(
-    view: ClusterView,
-    decision: Decision,
-    result: StepResult,
-    spikes: Spikes,
-    details: dict[int, dict[str, Any]],
-    message: str,
-    *,
-    job_id: str | None,
+    case: Case, details: dict[int, dict[str, Any]], message: str, *, job_id: str | None,
     policy: str,
 ) -> dict[str, Any]:
     """The incident report's JSON content (no NaN: JSON has none; non-finite numbers become
@@ -151,6 +160,7 @@ def payload(
         entry.update(details.get(r.rank) or {})
         return entry
 
+    view, decision, result = case.view, case.decision, case.result
     replay = next((d["replay"] for d in details.values() if d and "replay" in d), None)
     named = view.listed[:REPORTED]
     return {
@@ -173,7 +183,7 @@ def payload(
         "consecutive_skips": result.consecutive_skips,
         "world_size": view.world_size,
         "verdict": result.verdict,
-        "spikes": spikes.to_json(),
+        "spikes": case.spikes.to_json(),
         "rolled_back_to": result.rolled_back_to,
         "lr_factor": result.lr_factor,
         "buffers_restored": result.buffers_restored,
@@ -216,67 +226,52 @@ class IncidentWriter:
     detail in one gather (only now, never on a healthy step, and only they speak), rank 0
     writes the report and every rank logs its part."""
 
-    def __init__(
-        self, config: SentinelConfig, identity: RankIdentity, peers: Peers,
-        job_id: str | None,
-    ) -> None:
-        self.config = config
-        self.identity = identity
-        self.peers = peers
-        self.job_id = job_id
+    def __init__(self, ctx: Context) -> None:
+        self.ctx = ctx
+        self.config = ctx.config
+        self.identity = ctx.identity
         #: Told about each incident file that could not be written (the metrics counter).
         self.failed: Callable[[str], None] | None = None
 
-    def write(
-        self,
-        view: ClusterView,
-        decision: Decision,
-        result: StepResult,
-        spikes: Spikes,
-        *,
-        detail: dict[str, Any],
-        batch: Any,
-        guarded: Callable[[], Any],
-        ids: Any = None,
-        curves: Curves | None = None,
-    ) -> tuple[StepResult, dict[int, dict[str, Any]]]:
-        """Record one incident; returns ``result`` with ``parameters`` and ``report_path``,
-        and the named ranks' details (rank -> detail).
+    def write(self, case: Case, curves: Curves | None = None
+              ) -> tuple[StepResult, dict[int, dict[str, Any]]]:
+        """Record one incident; returns the case's result with ``parameters`` and
+        ``report_path``, and the named ranks' details (rank -> detail).
 
-        ``detail`` is this rank's share (the gradient path's parameter naming, the replay's
-        findings); it travels if this rank is one of the first ``REPORTED`` blamed ranks or
-        the replay's peer, and the batch of a blamed rank is saved beside the report. A blamed
-        rank adds its curves and, with ``ids`` (``[(batch, ids), …]``, every batch checked
-        with ids this step), the ids of its rows at fault; rank 0 appends those to the skip
-        list when the batch is at fault (see :func:`skipped_ids`).
+        The case's ``detail`` (this rank's share) travels if this rank is one of the first
+        ``REPORTED`` blamed ranks or the replay's peer, and the batch of a blamed rank is saved
+        beside the report. A blamed rank adds its curves and the ids of its rows at fault;
+        rank 0 appends those to the skip list when the batch is at fault (see
+        :func:`skipped_ids`).
         """
+        view, decision, result = case.view, case.decision, case.result
         rank = self.identity.rank
-        stem = report.incident_stem(self.job_id, view.step)
+        stem = report.incident_stem(self.ctx.job_id, view.step)
         base = Path(self.config.report_dir)
         bad = decision.bad_ranks
         speakers = sorted({*bad[:REPORTED], *([view.replay_peer] if view.replay_peer is not
                                                None else [])})
-        detail = dict(detail)
+        detail = dict(case.detail)
         if rank in bad:
             # Local work only, before the gather every rank joins: whatever fails here is
             # said in the report, never raised (a rank that raised would miss the gather).
             _, error = report.attempt(
-                "detail", lambda: self._own_detail(detail, view, result, base, stem, batch,
-                                                   ids, curves),
+                "detail", lambda: self._own_detail(detail, case, base / stem, curves),
                 rank=rank, step=view.step, failed=self.failed,
             )
             if error is not None:
                 detail["detail_error"] = error
-        with guarded():
-            gathered = self.peers.gather_from(speakers, detail)
+        with self.ctx.guarded():
+            gathered = self.ctx.peers.gather_from(speakers, detail)
         details = {r: d for r, d in gathered.items() if isinstance(d, dict)}
         parameters = {r: d["parameters"] for r, d in details.items() if d.get("parameters")}
         result = dataclasses.replace(result, parameters=parameters)
-        message = describe(view, decision, result, spikes)
+        case = dataclasses.replace(case, result=result)
+        message = describe(view, decision, result, case.spikes)
         if rank == 0:
             path, _ = report.attempt(
-                "report", lambda: self._report(view, decision, result, spikes, details,
-                                               message, curves, base / f"{stem}.json"),
+                "report", lambda: self._report(case, details, message, curves,
+                                               base / f"{stem}.json"),
                 rank=rank, step=view.step, failed=self.failed,
             )
             if path is not None:
@@ -306,7 +301,7 @@ class IncidentWriter:
         """Write an incident report that is not a step's NaN (``suffix`` ``-replicas``: a
         replica divergence) as every report is written: atomically, never over a file, a
         failure one line and a count. Rank 0 calls it; returns the path, None on failure."""
-        stem = report.incident_stem(self.job_id, step)
+        stem = report.incident_stem(self.ctx.job_id, step)
         path, _ = report.attempt(
             "report", lambda: report.write_json(
                 Path(self.config.report_dir) / f"{stem}{suffix}.json", content),
@@ -314,52 +309,48 @@ class IncidentWriter:
         )
         return path
 
-    def _own_detail(
-        self, detail: dict[str, Any], view: ClusterView, result: StepResult, base: Path,
-        stem: str, batch: Any, ids: Any, curves: Curves | None,
-    ) -> Path:
+    def _own_detail(self, detail: dict[str, Any], case: Case, stem: Path,
+                    curves: Curves | None) -> Path:
         """A blamed rank's share: its curves, its sample ids, its batch saved beside the
-        report (``detail`` is filled in place). Returns the report directory."""
-        rank = self.identity.rank
+        report (``stem``: the report's path without its suffix; ``detail`` is filled in
+        place). Returns the report directory."""
+        rank, batch = self.identity.rank, case.batch
         if curves is not None:
             detail["history"] = curves.own()
-        if ids:
-            detail.update(sample_detail(ids, verdict=result.verdict))
+        if case.ids:
+            detail.update(sample_detail(case.ids, verdict=case.result.verdict))
         if batch is not None and not self.config.save_batches:
             detail["batch_not_saved"] = "save_batches=False"
         elif batch is not None:
             path, error = report.attempt(
-                "batch", lambda: report.save_batch(base / f"{stem}-rank{rank}-batch.pt", batch),
-                rank=rank, step=view.step, failed=self.failed,
+                "batch", lambda: report.save_batch(
+                    stem.with_name(f"{stem.name}-rank{rank}-batch.pt"), batch),
+                rank=rank, step=case.view.step, failed=self.failed,
             )
             detail.update({"batch_path": str(path)} if path else {"batch_error": error})
-        return base
+        return stem.parent
 
-    def _report(
-        self, view: ClusterView, decision: Decision, result: StepResult, spikes: Spikes,
-        details: dict[int, dict[str, Any]], message: str, curves: Curves | None, path: Path,
-    ) -> Path:
+    def _report(self, case: Case, details: dict[int, dict[str, Any]], message: str,
+                curves: Curves | None, path: Path) -> Path:
         """Rank 0: the report's content, the skip list's new lines, the file."""
-        content = payload(
-            view, decision, result, spikes, details, message, job_id=self.job_id,
-            policy=self.config.policy,
-        )
+        content = payload(case, details, message, job_id=self.ctx.job_id,
+                          policy=self.config.policy)
         if curves is not None:
             content["history"] = curves.cluster()
-        skipped = skipped_ids(details, result.verdict)
+        skipped = skipped_ids(details, case.result.verdict)
         if skipped:
-            content.update(self._skip(view.step, skipped, result.verdict))
+            content.update(self._skip(case.view.step, skipped, case.result.verdict))
         return report.write_json(path, content)
 
     def _skip(self, step: int, skipped: dict[int, list[Any]], verdict: str | None
               ) -> dict[str, Any]:
         """Append the ids at fault to the job's skip list (rank 0 alone writes it)."""
         path = (Path(self.config.skip_list) if self.config.skip_list
-                else skip_list.default_path(self.config.report_dir, self.job_id))
+                else skip_list.default_path(self.config.report_dir, self.ctx.job_id))
         for r, ids in skipped.items():
             written, error = report.attempt(
                 "skip_list", lambda r=r, ids=ids: skip_list.append(path, {
-                    "job": self.job_id, "step": step, "rank": r, "verdict": verdict,
+                    "job": self.ctx.job_id, "step": step, "rank": r, "verdict": verdict,
                     "ids": [list(i) if isinstance(i, tuple) else i for i in ids],
                 }),
                 rank=self.identity.rank, step=step, failed=self.failed,

@@ -71,20 +71,35 @@ class ReplayResult:
         return d
 
 
-def replay(
-    module: torch.nn.Module, batch: Any, fn: ReplayFn, *, anomaly: bool = False,
-    localise: bool = True, peers: Peers | None = None, watch: bool = False,
-    backward: bool = True,
-) -> ReplayResult:
-    """Replay ``fn(module, batch)`` forward and backward with localisation hooks.
+@dataclasses.dataclass(frozen=True, slots=True)
+class Mode:
+    """How a :func:`replay` runs.
+
+    Args:
+        localise: localisation hooks on every module and parameter gradient (False: none, a
+            rank that replays only so that the collectives inside its function pair up).
+        watch: each collective's input is flagged as it is issued (collective_inputs.py).
+        backward: forward and backward (False: the forward and loss alone, under
+            ``torch.no_grad()``: what the trace of a forward collective needs).
+        anomaly: a second pass under anomaly mode when the first was not finite (alone only:
+            see the module docstring).
+    """
+
+    localise: bool = True
+    watch: bool = False
+    backward: bool = True
+    anomaly: bool = False
+
+
+def replay(module: torch.nn.Module, batch: Any, fn: ReplayFn, mode: Mode = Mode(),
+           peers: Peers | None = None) -> ReplayResult:
+    """Replay ``fn(module, batch)`` forward and backward with localisation hooks (``mode``).
 
     Leaves no trace: gradients are taken with ``torch.autograd.grad`` (nothing accumulates
     into ``.grad``, and DDP's reducer, which hooks gradient accumulation, never sees the
     replay), buffers (e.g. BatchNorm statistics) and the RNG state are restored, hooks removed.
-    Any exception from ``fn`` is recorded, not raised. ``localise=False``: no hooks (a rank
-    that replays only so that the collectives inside ``fn`` pair up). ``collectives`` counts
-    the collectives the replay issued. ``anomaly``: a second pass under anomaly mode when the
-    first was not finite (alone only: see the module docstring).
+    Any exception from ``fn`` is recorded, not raised. ``collectives`` counts the collectives
+    the replay issued.
 
     The hooks keep one 0-d flag per module output and parameter gradient on the device, and
     the host reads them, with the loss, once at the end: a replay costs one host sync however
@@ -93,12 +108,11 @@ def replay(
     the same point (:class:`_Lockstep`), so that no rank's next collective pairs with another
     rank's collective inside ``fn``.
 
-    ``watch``: each collective's input is flagged as it is issued (collective_inputs.py),
-    read in the same host read, and the first non-finite one is ``first_collective``.
-    ``backward=False``: the forward and loss alone, under ``torch.no_grad()`` (no activations
-    kept, no second set of gradients): what the trace of a forward collective needs
-    (trace.py), at less memory than a training step.
+    With ``mode.watch`` each collective's input flag is read in the same host read, and the
+    first non-finite one is ``first_collective``. ``mode.backward=False`` keeps no activations
+    and takes no second set of gradients: less memory than a training step.
     """
+    localise, watch, backward = mode.localise, mode.watch, mode.backward
     seen: list[tuple[str, str, torch.Tensor]] = []  # (what, name, 0-d "finite" flag), in order
 
     def forward_hook(name: str) -> Callable[..., None]:
@@ -172,7 +186,7 @@ def replay(
         if entered is not None:
             result.first_collective, result.first_collective_op = entered
     result.collectives = counter.count
-    if anomaly and not result.finite and result.error is None:
+    if mode.anomaly and not result.finite and result.error is None:
         # A second pass: anomaly mode raises at the first bad backward op, before the
         # parameter hooks above could see anything, so it cannot share their pass.
         result.anomaly = _anomaly_trace(module, batch, fn, params)
@@ -263,17 +277,20 @@ def _anomaly_trace(
     return None
 
 
-def blame(
-    view: ClusterView,
-    blamed: list[RankHealth],
-    spikes: Spikes,
-    *,
-    peers: Peers,
-    module: torch.nn.Module,
-    batch: Any,
-    fn: ReplayFn | None,
-    anomaly: bool = False,
-) -> tuple[str | None, dict[str, Any]]:
+@dataclasses.dataclass(frozen=True, slots=True)
+class Replayer:
+    """What a detection replays with: the unwrapped module, the user's replay function (None:
+    no replay), the peers every rank replays in lockstep with, and whether a non-finite replay
+    runs once more under anomaly mode."""
+
+    module: torch.nn.Module
+    fn: ReplayFn | None
+    peers: Peers
+    anomaly: bool = False
+
+
+def blame(view: ClusterView, blamed: list[RankHealth], spikes: Spikes, batch: Any,
+          replayer: Replayer) -> tuple[str | None, dict[str, Any]]:
     """The verdict of one step, the same on every rank, and this rank's replay detail (for
     the incident report's gather).
 
@@ -292,6 +309,7 @@ def blame(
     replays are judged by who was non-finite *first*, at that collective, before anything
     could have reached them (:func:`judged`).
     """
+    peers, module, fn, anomaly = replayer.peers, replayer.module, replayer.fn, replayer.anomaly
     world = peers.world_size
     if world > 1 and (len(blamed) == world or spikes.cluster_wide):
         return "divergence", {}
@@ -327,7 +345,7 @@ def blame(
         return None, detail
     ours = peers.rank == subject.rank
     theirs = peers.rank == peer and "peer_replay_skipped" not in detail
-    result = replay(module, mine, fn, localise=ours or theirs, peers=peers, watch=True)
+    result = replay(module, mine, fn, Mode(localise=ours or theirs, watch=True), peers)
     if ours:
         detail["replay"] = result.to_json()
     elif theirs:

@@ -38,8 +38,9 @@ import torch
 from nansentinel import checks
 from nansentinel.decide.policy import ABORT, APPLY, EXCLUDE, Decision, History
 from nansentinel.engines import EXCHANGE, Capabilities
-from nansentinel.result import RankIdentity, StepResult
+from nansentinel.result import StepResult
 from nansentinel.wire.collectives import Peers
+from nansentinel.wire.context import Context, Watched
 
 log = logging.getLogger("nansentinel")
 
@@ -226,34 +227,33 @@ class ReplicaCheck:
     """The fingerprint check of one rank; see the module docstring.
 
     Args:
-        module: the unwrapped module; optimizer: its optimizer.
-        group: the replica group; peers: the exchange's (every rank of the job).
-        every: ``fingerprint_every``; action: ``divergence_action``.
-        identity: this rank; inject: ``fn(step) -> bool``, a bitflip drill due now.
-        skip: parameters that are not replicated.
+        ctx: the run (``fingerprint_every``, ``divergence_action``, this rank, the exchange's
+            peers: every rank of the job).
+        watched: the unwrapped module and its optimizer, whose state is fingerprinted (the
+            model's unreplicated parameters left out).
+        group: the replica group.
+        inject: ``fn(step) -> bool``, a bitflip drill due now.
         incidents: the run's incident writer, for rank 0's report (None: no report).
     """
 
-    def __init__(
-        self, module: torch.nn.Module, optimizer: torch.optim.Optimizer, *, group: Any,
-        peers: Peers, device: torch.device, every: int, action: str, identity: RankIdentity,
-        inject: Callable[[int], bool] | None = None, skip: Iterable[str] = (),
-        incidents: Any = None,
-    ) -> None:
-        self.module, self.optimizer = module, optimizer
+    def __init__(self, ctx: Context, watched: Watched, group: Any, *,
+                 inject: Callable[[int], bool] | None = None, incidents: Any = None) -> None:
+        self.ctx = ctx
+        self.module, self.optimizer = watched.module, watched.optimizer
         self.group = group
-        self.replicas = Peers(group, device)
+        self.replicas = Peers(group, ctx.device)
         #: Where the fingerprints are made (replicas.fingerprint's device rule).
-        self.device = device
-        self.peers = peers
-        self.every, self.action = every, action
-        self.identity = identity
+        self.device = ctx.device
+        self.peers = ctx.peers
+        self.every = ctx.config.fingerprint_every
+        self.action = ctx.config.divergence_action
+        self.identity = ctx.identity
         self.inject = inject
         #: Rank 0's reports go through the run's one incident writer (incident.py).
         self.incidents = incidents
-        self.skip = tuple(skip)
+        self.skip = watched.unreplicated
         #: The replica group is the whole job (DDP): no second flag is needed.
-        self.whole_job = self.replicas.world_size == peers.world_size
+        self.whole_job = self.replicas.world_size == self.peers.world_size
         #: The step of the last check at which every replica agreed (None: none yet).
         self.last_agreed: int | None = None
         #: Findings of every check that disagreed, for tests and the drill.
@@ -274,8 +274,7 @@ class ReplicaCheck:
         return state, fp, disagreeing(both.tolist())  # the check's one host read
 
     def check(
-        self, step: int, result: StepResult, decision: Decision, history: History, *,
-        config: Any, guarded: Callable[[], Any],
+        self, step: int, result: StepResult, decision: Decision, history: History,
     ) -> tuple[StepResult, Decision]:
         """Run the check if it is due; on a divergence name, act, record. Returns the step's
         result and decision, changed only when replicas disagreed."""
@@ -288,7 +287,7 @@ class ReplicaCheck:
                 flip_bit(nonempty)
         if not self.due(step):
             return result, decision
-        with guarded():
+        with self.ctx.guarded():
             state, fp, slots = self.compare()
             anywhere = float(bool(slots))
             if not self.whole_job:
@@ -299,15 +298,14 @@ class ReplicaCheck:
             findings = self._name(state, fp, slots)
         act = action_for(findings, self.action)
         if act == "repair":
-            with guarded():
+            with self.ctx.guarded():
                 self._repair(state, findings)
         since = self.last_agreed
         lasted = step - since if since is not None else step + 1
         if act == "repair":
             self.last_agreed = step
         self.found.append((step, findings))
-        return self._record(step, result, decision, history, findings, act, (lasted, since),
-                            config)
+        return self._record(step, (result, decision), history, findings, act, (lasted, since))
 
     def _name(self, state: list[tuple[str, torch.Tensor]], fp: torch.Tensor, slots: list[int]
               ) -> list[Finding]:
@@ -354,11 +352,13 @@ class ReplicaCheck:
                 tensor.copy_(buf)
 
     def _record(
-        self, step: int, result: StepResult, decision: Decision, history: History,
-        findings: list[Finding], act: str, lasted_since: tuple[int, int | None], config: Any,
+        self, step: int, decided: tuple[StepResult, Decision], history: History,
+        findings: list[Finding], act: str, lasted_since: tuple[int, int | None],
     ) -> tuple[StepResult, Decision]:
-        """The result, strikes, decision, log lines and report of a divergence."""
-        lasted, since = lasted_since
+        """The result, strikes, decision, log lines and report of a divergence (``decided``:
+        the step's result and decision before it)."""
+        (result, decision), (lasted, since) = decided, lasted_since
+        config = self.ctx.config
         bad = sorted({r for f in findings for r in f.bad})
         hosts = sorted({h for f in findings for h in f.bad_hosts})
         strike = sorted({h for f in findings if f.majority for h in f.bad_hosts})
@@ -413,24 +413,18 @@ class ReplicaCheck:
         return result, decision
 
 
-def replica_check(
-    model: torch.nn.Module, module: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
-    caps: Capabilities, config: Any, peers: Peers, device: torch.device, identity: RankIdentity,
-    inject: Callable[[int], bool] | None, incidents: Any = None,
-) -> ReplicaCheck | None:
+def replica_check(ctx: Context, watched: Watched, caps: Capabilities, *,
+                  inject: Callable[[int], bool] | None,
+                  incidents: Any = None) -> ReplicaCheck | None:
     """The check for this run, or None: ``fingerprint_every=0``, one process, or a gradient
     path that knows no replicas (``caps.fingerprints`` says why, once, by rank 0: pure FSDP,
     DeepSpeed, local gradients under a pipeline or tensor parallelism)."""
-    if config.fingerprint_every == 0 or peers.alone:
+    if ctx.config.fingerprint_every == 0 or ctx.peers.alone:
         return None
     if caps.fingerprints is not None:
-        if identity.rank == 0:
+        if ctx.rank == 0:
             log.info("nansentinel: no replica fingerprints under %s", caps.fingerprints)
         return None
-    group = peers.group if caps.replica_group is EXCHANGE else caps.replica_group
-    check = ReplicaCheck(
-        module, optimizer, group=group, peers=peers, device=device,
-        every=config.fingerprint_every, action=config.divergence_action, identity=identity,
-        inject=inject, skip=getattr(model, "parameters_to_ignore", ()), incidents=incidents,
-    )
+    group = ctx.peers.group if caps.replica_group is EXCHANGE else caps.replica_group
+    check = ReplicaCheck(ctx, watched, group, inject=inject, incidents=incidents)
     return None if check.replicas.alone else check

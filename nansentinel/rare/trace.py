@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from nansentinel.decide.origins import Trace
-from nansentinel.rare.replay import NO_COLLECTIVE, ReplayFn, replay
+from nansentinel.rare.replay import NO_COLLECTIVE, Mode, ReplayFn, replay
 from nansentinel.wire.collectives import Peers
 
 
@@ -44,10 +44,10 @@ def locate(peers: Peers, module: torch.nn.Module, batch: Any, fn: ReplayFn
     it from the first origin). Called on every rank, on the rare path only."""
     world, rank = peers.world_size, peers.rank
     if batch is None:
-        result = replay(module, None, _no_batch, localise=False, peers=peers, backward=False)
+        result = replay(module, None, _no_batch, Mode(localise=False, backward=False), peers)
     else:
-        result = replay(module, batch, fn, localise=False, peers=peers, watch=True,
-                        backward=False)
+        result = replay(module, batch, fn, Mode(localise=False, watch=True, backward=False),
+                        peers)
     at = result.first_collective if result.first_collective is not None else NO_COLLECTIVE
     # place * world + rank: the place and who, exact in int64 up to 2**22 ranks.
     low, high, finite, ran = peers.min_ints([

@@ -9,23 +9,23 @@ the device: no host sync, no collective but the exchange's own sum.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from nansentinel import checks
 from nansentinel.checks.buffers import FloatingBuffers
-from nansentinel.checks.health import LocalHealth
+from nansentinel.checks.health import LocalHealth, to_device
 from nansentinel.checks.pipeline import StageWatch
 from nansentinel.checks.quarantine import Quarantine
 from nansentinel.common.inject import Injector
+from nansentinel.decide.spikes import SpikeDetector
 from nansentinel.effects import drop
 from nansentinel.rare import samples as skip_list
 from nansentinel.result import SentinelUsageError
 from nansentinel.step.record import Stage, StepRecord
 from nansentinel.wire.collectives import ForwardCollectives, quiet_groups
-from nansentinel.wire.exchange import HealthExchange
+from nansentinel.wire.context import Context
 from nansentinel.wire.schema import pack
 
 
@@ -36,28 +36,27 @@ class CurrentStep:
     attached after it (:meth:`attach`), since the path needs a sink at construction.
 
     Args:
-        device, rank: this rank's. exchange: the step's health exchange.
+        ctx: the run (its device, rank, exchange, the deadline of the step's collectives,
+            whether a loss scale makes gradient overflow nobody's fault, and the policy: under
+            ``drop`` a rank whose batch or loss is non-finite has its gradients withheld from
+            the step's reductions, effects/drop.py).
         injector: the run's drills. quarantine: batches known to be bad (quarantine.py).
         module: the unwrapped model, whose floating buffers a skipped step puts back.
-        deadline: the watchdog of the step's collectives (watchdog.StepDeadline).
-        thresholds: this rank's spike thresholds on the device (judge.py), read at packing.
-        amp: a GradScaler is in use (non-finite gradients alone are not blame).
-        policy: the config's; under ``drop`` a rank whose batch or loss is non-finite has its
-            gradients withheld from the step's reductions (drop.py).
+        spikes: the spike references, whose thresholds the device judges this rank's own
+            spikes against (sent again only when they change).
     """
 
-    def __init__(
-        self, *, device: torch.device, rank: int, exchange: HealthExchange, injector: Injector,
-        quarantine: Quarantine, module: torch.nn.Module, deadline: Any,
-        thresholds: Callable[[], torch.Tensor], amp: bool, policy: str = "skip",
-    ) -> None:
-        self.device, self.rank, self.exchange, self.injector = device, rank, exchange, injector
+    def __init__(self, ctx: Context, injector: Injector, quarantine: Quarantine,
+                 module: torch.nn.Module, spikes: SpikeDetector) -> None:
+        self.device, self.rank, self.exchange = ctx.device, ctx.rank, ctx.exchange
+        self.injector, self.deadline, self.amp = injector, ctx.deadline, ctx.amp
         #: The floating buffers of ``module``, copied again for every step (buffers.py).
         self.buffers = FloatingBuffers(module)
-        self.quarantine, self.deadline = quarantine, deadline
-        self.thresholds, self.amp, self.drop = thresholds, amp, policy == "drop"
+        self.quarantine, self.spikes = quarantine, spikes
+        self.drop = ctx.config.policy == "drop"
+        self._thresholds: tuple[int, torch.Tensor] | None = None
         self.index = 0
-        self.local = LocalHealth(device)
+        self.local = LocalHealth(self.device)
         #: This step's record (step/record.py): OPEN until the exchange leaves.
         self.record = StepRecord(self.index, self.local)
         self.gradients: Any = None
@@ -124,9 +123,18 @@ class CurrentStep:
 
     def restart_at(self, index: int) -> None:
         """The run resumes at step ``index`` (a checkpoint's)."""
-        self.index = self.record.index = index
+        self.index = self.record.index = self.deadline.step = index
+
+    def thresholds(self) -> torch.Tensor:
+        """This rank's spike thresholds on the device, sent again only when its references
+        changed (every tenth of a window): the step's own verdict is taken there."""
+        version = self.spikes.version
+        if self._thresholds is None or self._thresholds[0] != version:
+            self._thresholds = (version, to_device(self.spikes.thresholds(), self.device))
+        return self._thresholds[1]
 
     def reset(self) -> None:
+        self.deadline.step = self.index
         self.buffers.reset()
         self.local = LocalHealth(self.device)
         self.record = StepRecord(self.index, self.local)

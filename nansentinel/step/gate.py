@@ -40,6 +40,7 @@ if TYPE_CHECKING:
     from nansentinel.decide.policy import Decision
     from nansentinel.engines import Capabilities, KeptNorms
     from nansentinel.step.judge import StepJudge
+    from nansentinel.wire.context import Context
 
 
 def device_gate_refusal(
@@ -275,22 +276,21 @@ def _early(record: StepRecord, name: str) -> Any:
             "local_grad_norm": own.grad_norm}[name]
 
 
-def gated_steps(
-    config: Any, optimizer: torch.optim.Optimizer, device: torch.device, *, scaler: Any,
-    caps: Capabilities, speak: bool, judge: StepJudge, buffers: FloatingBuffers,
-    guarded: Callable[[], Any], rearm: Callable[[], None],
-    stop_if: Callable[[Decision, StepResult], None],
-) -> GatedSteps | None:
-    """The device gate where ``config.gate`` and the run allow it, else None (the host gate);
-    a refusal is said once, by rank 0 (``speak``)."""
-    mode = config.gate
-    if mode == "host" or (mode == "auto" and device.type != "cuda"):
+def gated_steps(ctx: Context, judge: StepJudge, caps: Capabilities, *,
+                rearm: Callable[[], None],
+                stop_if: Callable[[Decision, StepResult], None]) -> GatedSteps | None:
+    """The device gate where ``config.gate`` and the run allow it (the judge's optimizer,
+    scaler and gradient path's ``caps``), else None (the host gate); a refusal is said once,
+    by rank 0."""
+    mode = ctx.config.gate
+    if mode == "host" or (mode == "auto" and ctx.device.type != "cuda"):
         return None
-    refusal = device_gate_refusal(optimizer, scaler=scaler, config=config, caps=caps)
+    refusal = device_gate_refusal(judge.optimizer, scaler=judge.scaler, config=ctx.config,
+                                  caps=caps)
     if refusal is not None:
-        if speak:
+        if ctx.rank == 0:
             log.info("nansentinel: host gate (one host sync before every optimizer step): %s",
                      refusal)
         return None
-    return GatedSteps(DeviceGate(optimizer, device), judge, buffers, guarded=guarded,
-                      rearm=rearm, stop_if=stop_if)
+    return GatedSteps(DeviceGate(judge.optimizer, ctx.device), judge, judge.buffers,
+                      guarded=ctx.guarded, rearm=rearm, stop_if=stop_if)

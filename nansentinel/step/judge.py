@@ -17,68 +17,84 @@ sentinel call, where every rank runs them (gate.py).
 
 from __future__ import annotations
 
+import dataclasses
 import time
-from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from nansentinel.checks.buffers import FloatingBuffers
-from nansentinel.checks.health import to_device
-from nansentinel.checks.quarantine import Quarantine
-from nansentinel.config import SentinelConfig
-from nansentinel.decide.policy import DROP, ROLLBACK, Decision, History, blamed, decide
+from nansentinel.decide.policy import (
+    DROP,
+    ROLLBACK,
+    Decision,
+    Evidence,
+    History,
+    blamed,
+    decide,
+)
 from nansentinel.decide.spikes import SpikeDetector, Spikes
 from nansentinel.effects import drop, scaling
 from nansentinel.effects.recovery import Cooldown, SnapshotStore
-from nansentinel.rare.curves import Curves
 from nansentinel.rare.detection import Detector
+from nansentinel.rare.incident import Case
 from nansentinel.rare.replicas import ReplicaCheck
 from nansentinel.result import StepResult
 from nansentinel.step.record import Stage, StepRecord
+from nansentinel.wire.context import Context
 from nansentinel.wire.schema import OwnRow, Totals
 from nansentinel.wire.view import ClusterView
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Stepping:
+    """What a decided step acts on.
+
+    Args:
+        optimizer: stepped when a step applies (DeepSpeed: the engine's step).
+        scaler: a GradScaler (or DeepSpeed's loss scale), stepped and updated with it.
+        buffers: the floating buffers, put back when a step is not applied.
+        snapshots: the last good state, for rollbacks (None: none kept).
+        replicas: the replica fingerprint check, after the optimizer step (None: none).
+    """
+
+    optimizer: torch.optim.Optimizer
+    scaler: Any
+    buffers: FloatingBuffers
+    snapshots: SnapshotStore | None = None
+    replicas: ReplicaCheck | None = None
 
 
 class StepJudge:
     """Decides each step on this rank, from the same numbers as every other rank, and acts.
 
     Owns what the decision remembers and saves with the checkpoint (the policy history, the
-    spike references, the rollback cooldown, the quarantine) and the curves the reports show.
+    spike references, the rollback cooldown; the quarantine is the detector's).
+
+    Args:
+        ctx: the run. stepping: what a decided step acts on. detector: the rare path.
+        spikes: the spike references (the step in progress reads their thresholds too).
     """
 
-    def __init__(
-        self, config: SentinelConfig, *, world_size: int, rank: int, device: torch.device,
-        optimizer: torch.optim.Optimizer, scaler: Any, detector: Detector,
-        snapshots: SnapshotStore | None, buffers: FloatingBuffers,
-        replicas: ReplicaCheck | None, quarantine: Quarantine, guarded: Callable[[], Any],
-    ) -> None:
-        self.config, self.world_size, self.rank, self.device = config, world_size, rank, device
-        self.optimizer, self.scaler = optimizer, scaler
-        self.detector, self.snapshots, self.buffers = detector, snapshots, buffers
-        self.replicas, self.quarantine, self.guarded = replicas, quarantine, guarded
+    def __init__(self, ctx: Context, stepping: Stepping, detector: Detector,
+                 spikes: SpikeDetector) -> None:
+        self.ctx, self.config = ctx, ctx.config
+        self.world_size, self.rank = ctx.world_size, ctx.rank
+        self.optimizer, self.scaler = stepping.optimizer, stepping.scaler
+        self.buffers, self.snapshots = stepping.buffers, stepping.snapshots
+        self.replicas = stepping.replicas
+        self.detector, self.spikes = detector, spikes
+        self.quarantine, self.curves = detector.quarantine, detector.curves
+        self.guarded = ctx.guarded
         self.history = History()
         self.cooldown = Cooldown()
-        self.spikes = SpikeDetector(window=config.spike_window, warmup=config.spike_warmup,
-                                    ratio=config.spike_ratio, zscore=config.spike_zscore)
-        #: The last steps' loss and gradient norm, this rank's and the cluster's (reports).
-        self.curves = Curves()
         self.metrics: Any = None
-        self._thresholds: tuple[int, torch.Tensor] | None = None
         self._after_step: tuple[list[float] | None, ClusterView] | None = None
         self._post_hook: Any = None
 
     @property
     def amp(self) -> bool:
-        return self.scaler is not None
-
-    def thresholds(self) -> torch.Tensor:
-        """This rank's spike thresholds on the device, sent again only when its references
-        changed (every tenth of a window): the step's own verdict is taken there."""
-        version = self.spikes.version
-        if self._thresholds is None or self._thresholds[0] != version:
-            self._thresholds = (version, to_device(self.spikes.thresholds(), self.device))
-        return self._thresholds[1]
+        return self.ctx.amp
 
     def needs_detection(self, totals: Totals) -> bool:
         """The step flagged a rank or the cluster mean spiked: naming it takes collectives."""
@@ -107,18 +123,16 @@ class StepJudge:
             discard=None if record.gated else self._discard_before_replay,
         ) if bad or spikes else (None, {})
         snapshot_step = self.snapshots.step if self.snapshots is not None else None
-        decision = decide(view, self.history, self.config, amp=self.amp, spikes=spikes,
-                          verdict=verdict, snapshot_step=snapshot_step)
+        evidence = Evidence(self.amp, spikes, verdict, snapshot_step)
+        decision = decide(view, self.history, self.config, evidence)
         self.history.record(view, decision, self.config, verdict=verdict,
                             snapshot_step=snapshot_step)
         rolled_back_to, restored, not_ours = self._act(decision, view, own, record,
                                                        optimizer_step)
-        result = self._result(view, own, decision, spikes, verdict, rolled_back_to, restored)
+        result = self._result(view, own, decision, evidence, (rolled_back_to, restored))
         if decision.bad or spikes or decision.action == ROLLBACK:
-            result = self.detector.record(
-                view, decision, result, spikes, detail=detail, batch=local.batch,
-                ids=local.ids, quarantine=self.quarantine, curves=self.curves,
-            )
+            result = self.detector.record(Case(view, decision, result, spikes, detail,
+                                               local.batch, local.ids))
         record.view, record.decision, record.result = view, decision, result
         record.spent = local.seconds + time.perf_counter() - started - not_ours
         record.snapshot = decision.applies and optimizer_step
@@ -134,10 +148,7 @@ class StepJudge:
         if record.snapshot:
             self.maybe_snapshot(view)
         if self.replicas is not None and not decision.stops:  # after the optimizer step
-            result, decision = self.replicas.check(
-                view.step, result, decision, self.history, config=self.config,
-                guarded=self.guarded,
-            )
+            result, decision = self.replicas.check(view.step, result, decision, self.history)
         if self.metrics is not None:
             self.metrics.observe_step(result, record.spent + time.perf_counter() - started)
         record.result, record.decision = result, decision
@@ -230,9 +241,12 @@ class StepJudge:
             snaps.save(view.step)
 
     def _result(
-        self, view: ClusterView, mine: OwnRow, decision: Decision, spikes: Spikes,
-        verdict: str | None, rolled_back_to: int | None, buffers_restored: int,
+        self, view: ClusterView, mine: OwnRow, decision: Decision, evidence: Evidence,
+        acted: tuple[int | None, int],
     ) -> StepResult:
+        """The step's result: ``acted`` is (the step rolled back to, buffers restored)."""
+        (rolled_back_to, buffers_restored), verdict = acted, evidence.verdict
+        spikes = evidence.spikes if evidence.spikes is not None else Spikes()
         return StepResult(
             step=view.step, applied=decision.applies, outcome=decision.outcome,
             bad_ranks=decision.bad_ranks, bad_hosts=decision.bad_hosts, kinds=decision.kinds,

@@ -18,7 +18,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -30,23 +30,26 @@ from nansentinel.checks.health import identify, local_device
 from nansentinel.checks.quarantine import Quarantine
 from nansentinel.common.inject import Injector, parse_inject
 from nansentinel.config import SentinelConfig, resolve_hostname
+from nansentinel.decide.spikes import SpikeDetector
 from nansentinel.effects import stop
 from nansentinel.effects.recovery import SnapshotStore, snapshot_store
-from nansentinel.engines.deepspeed_step import steps_of
-from nansentinel.rare import incident
 from nansentinel.rare.detection import Detector
+from nansentinel.rare.incident import IncidentWriter
 from nansentinel.rare.replay import ReplayFn
 from nansentinel.rare.replicas import replica_check
 from nansentinel.result import ResultPending, StepResult
 from nansentinel.step.current import CurrentStep
-from nansentinel.step.gate import gated_steps
-from nansentinel.step.judge import StepJudge
+from nansentinel.step.gate import GatedSteps, gated_steps
+from nansentinel.step.judge import StepJudge, Stepping
 from nansentinel.step.record import PendingResult
 from nansentinel.wire import watchdog
+from nansentinel.wire.context import Context, Watched
 from nansentinel.wire.exchange import HealthExchange
 
 if TYPE_CHECKING:
     import torch.distributed as dist
+
+    from nansentinel.engines.deepspeed_step import EngineAdapter
 
 log = logging.getLogger("nansentinel")
 
@@ -56,8 +59,9 @@ class Sentinel:
 
     Args:
         model: plain, ``DistributedDataParallel``, an FSDP2 root (1-D, HSDP) or a DeepSpeed
-            engine (ZeRO 0-3: its optimizer, deepspeed.py); with ``stages`` the list of a
-            pipeline rank's stage modules. Construct the sentinel before the first backward.
+            engine (ZeRO 0-3: its optimizer, engines/deepspeed_step.py); with ``stages`` the
+            list of a pipeline rank's stage modules. Construct the sentinel before the first
+            backward.
         optimizer: stepped by :meth:`step` only when every rank is healthy (none for engines).
         scaler: a ``torch.amp.GradScaler``, stepped and updated by :meth:`step`.
         group: the process group (default: DDP's, else the default group, else none).
@@ -68,7 +72,20 @@ class Sentinel:
         stages: this rank's ``PipelineStage`` (or a list): its boundaries are checked.
         env: where ``NANSENTINEL_*`` is read (default ``os.environ``).
         **overrides: :class:`SentinelConfig` fields; keyword > env > default.
+
+    Its collaborators are private; what the loop may read is the short surface at the end of
+    the class (:attr:`config`, :attr:`identity`, :attr:`rank`, :attr:`step_index`, ...).
     """
+
+    _ctx: Context
+    _watched: Watched
+    _current: CurrentStep
+    _gradients: engines.GradPath
+    _detector: Detector
+    _judge: StepJudge
+    _end: stop.RunEnd
+    _gate: GatedSteps | None
+    _engine: EngineAdapter | None
 
     def __init__(
         self, model: torch.nn.Module | list[torch.nn.Module],
@@ -80,92 +97,77 @@ class Sentinel:
     ) -> None:
         if isinstance(replay, bool):  # the config field (keyword > env), not a function
             overrides["replay"], replay = replay, None
-        self.config = cfg = SentinelConfig.from_env(env, **overrides)
+        cfg = SentinelConfig.from_env(env, **overrides)
+        environ = os.environ if env is None else env
+        # What it watches and steps (a DeepSpeed engine brings its own optimizer).
+        model = torch.nn.ModuleList(model) if isinstance(model, list | tuple) else model
+        given = engines.Given(model, optimizer, scaler, group, replay, snapshots, stages)
+        self._engine, optimizer, scaler = engines.steps_of(given, cfg, environ)
+        wrapped = isinstance(model, DistributedDataParallel) or self._engine is not None
+        self._watched = watched = Watched(model, model.module if wrapped else model, optimizer,
+                                          scaler)
+        # Where this rank runs, who it is, and the deadline on its collectives.
         pipelined = pipeline.stages_of(stages) if stages is not None else []
-        self._place(model, optimizer, scaler, group, pipelined, os.environ if env is None else env,
-                    replay=replay, snapshots=snapshots, stages=stages)
-        peers, model, opt, scaler = self.exchange.peers, self.model, self.optimizer, self.scaler
-        self.snapshots = snapshot_store(
-            snapshots, cfg, model=model, module=self.module, optimizer=opt, scaler=scaler,
-            peers=peers, device=self.device, hostname=self.identity.hostname)
-        self.quarantine = Quarantine(self.device, size=cfg.quarantine_size,
-                                     steps=cfg.quarantine_steps)
-        self.current = CurrentStep(
-            device=self.device, rank=self.rank, exchange=self.exchange, injector=self.injector,
-            quarantine=self.quarantine, module=self.module, deadline=self.deadline,
-            thresholds=lambda: self.judge.thresholds(), amp=scaler is not None, policy=cfg.policy)
-        self.gradients: engines.GradPath = engines.attach(model, self.current,
-                                                          staged=bool(pipelined))
-        self.current.attach(self.gradients, pipelined)
-        self.incidents = incident.IncidentWriter(cfg, self.identity, peers, self.job_id)
-        self.detector = Detector.for_run(
-            cfg, peers, self.identity, gradients=self.gradients, incidents=self.incidents,
-            module=self.module, amp=scaler is not None, replay=replay,
-            guarded=self.deadline.guarded)
-        self.replicas = replica_check(
-            model, self.module, opt, caps=self.gradients.caps, config=cfg, peers=peers,
-            device=self.device, identity=self.identity,
-            inject=lambda step: self.injector.due("bitflip", step), incidents=self.incidents)
-        self.judge = StepJudge(
-            cfg, world_size=self.world_size, rank=self.rank, device=self.device,
-            optimizer=opt, scaler=scaler, detector=self.detector, snapshots=self.snapshots,
-            buffers=self.current.buffers, replicas=self.replicas, quarantine=self.quarantine,
-            guarded=self.deadline.guarded)
-        self.end = stop.RunEnd(cfg, self.identity, self.exchange, self.job_id,
-                               deadline=self.deadline, judge=self.judge,
-                               release=getattr(self.gradients, "release", None))
-        #: The device gate's steps (gate.py); None: the host gate.
-        self.device_gate = gated_steps(
-            cfg, opt, self.device, scaler=scaler, caps=self.gradients.caps,
-            speak=self.rank == 0, judge=self.judge,
-            buffers=self.current.buffers, guarded=self.deadline.guarded, rearm=self._rearm,
-            stop_if=self.end.stop_if)
-        if self.device_gate is not None:  # decided later: name from norms, hold no gradient
-            self.gradients.keep_norms = True
+        self._ctx = ctx = self._context(cfg, watched, group, pipelined, environ)
+        # The step in progress, its gradient path, the rare path, the judge, the end, the gate.
+        spikes = SpikeDetector(window=cfg.spike_window, warmup=cfg.spike_warmup,
+                               ratio=cfg.spike_ratio, zscore=cfg.spike_zscore)
+        quarantine = Quarantine(ctx.device, size=cfg.quarantine_size,
+                                steps=cfg.quarantine_steps)
+        injector = Injector(parse_inject(cfg.inject) if cfg.inject else [], ctx.rank,
+                            ctx.identity.hostname)
+        self._current = CurrentStep(ctx, injector, quarantine, watched.module, spikes)
+        self._gradients = engines.attach(model, self._current, staged=bool(pipelined))
+        self._current.attach(self._gradients, pipelined)
+        incidents = IncidentWriter(ctx)
+        self._detector = Detector(ctx, self._gradients, incidents,
+                                  Detector.replayer(ctx, self._gradients, watched.module, replay),
+                                  quarantine)
+        replicas = replica_check(ctx, watched, self._gradients.caps,
+                                 inject=functools.partial(injector.due, "bitflip"),
+                                 incidents=incidents)
+        stepping = Stepping(optimizer, scaler, self._current.buffers,
+                            snapshot_store(snapshots, ctx, watched), replicas)
+        self._judge = StepJudge(ctx, stepping, self._detector, spikes)
+        self._end = stop.RunEnd(ctx, self._judge, getattr(self._gradients, "release", None))
+        self._gate = gated_steps(ctx, self._judge, self._gradients.caps, rearm=self._rearm,
+                                 stop_if=self._end.stop_if)
+        if self._gate is not None:  # decided later: name from norms, hold no gradient
+            self._gradients.keep_norms = True
+            ctx.deadline.also_settled(self._gate.settled)
         self._serve(registry)
 
-    def _place(self, model: Any, optimizer: Any, scaler: Any, group: Any, pipelined: list[Any],
-               environ: Any, **engine_args: Any) -> None:
-        """Where this rank runs: what it steps (a DeepSpeed engine's own optimizer), its model
-        (and the module inside DDP or the engine), device, process group and identity (left at
-        the store: nothing is gathered at start), its drills, the deadline on its
-        collectives."""
-        cfg = self.config
-        #: A DeepSpeed engine's adapter (its optimizer, loss scale, micro-batches); else None.
-        self.engine, optimizer, scaler = steps_of(model, optimizer, cfg, environ, scaler=scaler,
-                                                  group=group, **engine_args)
-        self.model = model = torch.nn.ModuleList(model) if isinstance(model, list | tuple) \
-            else model
-        self.optimizer, self.scaler = optimizer, scaler
-        ddp = isinstance(model, DistributedDataParallel)
-        self.module = model.module if ddp or self.engine is not None else model
-        if group is None and ddp and not pipelined:
+    @staticmethod
+    def _context(cfg: SentinelConfig, watched: Watched, group: Any, pipelined: list[Any],
+                 environ: Mapping[str, str]) -> Context:
+        """Where this rank runs: its device, process group and identity (left at the store:
+        nothing is gathered at start), and the deadline on its collectives."""
+        model = watched.model
+        if group is None and isinstance(model, DistributedDataParallel) and not pipelined:
             group = model.process_group  # under a pipeline: the whole job (the default group)
-        self._params = list(model.parameters())
-        self.device = local_device(self._params)
-        self.exchange = HealthExchange(group, self.device, cfg.exchange_timeout)
-        self.rank, self.world_size = self.exchange.rank, self.exchange.world_size
-        self.identity = identify(self.rank, self.world_size,
-                                 resolve_hostname(cfg.hostname, environ),
-                                 int(environ.get("LOCAL_RANK", "0") or 0), self.device)
-        self.exchange.publish(self.identity)
-        self.job_id = cfg.job_id or environ.get("TORCHELASTIC_RUN_ID")
-        self.injector = Injector(parse_inject(cfg.inject) if cfg.inject else [], self.rank,
-                                 self.identity.hostname)
-        self.deadline = watchdog.StepDeadline(
-            self.exchange, cfg.exchange_timeout, step=lambda: self.step_index,
-            settled=self._settled, speak=self.rank == 0,
-            on_expire=functools.partial(stop.on_timeout, config=cfg, identity=self.identity,
-                                        exchange=self.exchange))
+        device = local_device(list(model.parameters()))
+        exchange = HealthExchange(group, device, cfg.exchange_timeout)
+        identity = identify(exchange.rank, exchange.world_size,
+                            resolve_hostname(cfg.hostname, environ),
+                            int(environ.get("LOCAL_RANK", "0") or 0), device)
+        exchange.publish(identity)
+        deadline = watchdog.StepDeadline(
+            exchange, cfg.exchange_timeout, speak=identity.rank == 0,
+            on_expire=functools.partial(stop.on_timeout, config=cfg, identity=identity,
+                                        exchange=exchange))
+        return Context(cfg, identity, exchange, device,
+                       cfg.job_id or environ.get("TORCHELASTIC_RUN_ID"), deadline,
+                       amp=watched.scaler is not None)
 
     def _serve(self, registry: Any) -> None:
         if not self.config.metrics_port:
             return
         from nansentinel.effects.metrics import serve_rank  # prometheus only where metrics are on
 
-        self.metrics = serve_rank(self.identity, self.config, registry, self.device)
-        self.incidents.failed = self.metrics.observe_report_failure
-        self.detector.suppressed = self.metrics.observe_suppressed_report
+        metrics = serve_rank(self.identity, self.config, registry, self.device)
+        self._judge.metrics = metrics
+        self._detector.incidents.failed = metrics.observe_report_failure
+        self._detector.suppressed = metrics.observe_suppressed_report
 
     # --- the calls of a training loop --------------------------------------------------------
 
@@ -173,34 +175,34 @@ class Sentinel:
         """Check every floating-point tensor of ``batch`` (any nesting) before ``backward``;
         returns it. ``ids``: a sample id per row, read after a detection (the skip list)."""
         self._resolve()
-        self.current.check_batch(batch, ids)
+        self._current.check_batch(batch, ids)
         return batch
 
     def check_loss(self, loss: torch.Tensor | float) -> None:
         """Check the loss (a tensor, a number; a non-scalar one element-wise) before
         ``backward``, so that its flag leaves with the gradients."""
         self._resolve()
-        self.current.add_loss(loss)
+        self._current.add_loss(loss)
 
     def wrap_loss(self, loss_fn: Callable[..., Any]) -> Callable[..., Any]:
         """``loss_fn`` checked, for a pipeline schedule (``loss_fn=sentinel.wrap_loss(fn)``)."""
 
         def add_loss(loss: Any) -> torch.Tensor:
             self._resolve()
-            return self.current.add_loss(loss)
+            return self._current.add_loss(loss)
 
-        return pipeline.wrap_loss(loss_fn, self.current.stages, add_loss,
-                                  lambda: self.current.local, self.device)
+        return pipeline.wrap_loss(loss_fn, self._current.stages, add_loss,
+                                  lambda: self._current.local, self.device)
 
     def check_grads(self) -> None:
         """Check the local gradients now and start the exchange: only if you reduce
         gradients by hand, after ``backward`` and *before* your all-reduce (DDP and FSDP2
         check them themselves; ``step()`` calls this when nothing did)."""
         self._resolve()
-        self.current.require_open("check_grads")
-        self.gradients.check_now()
-        if not self.exchange.launched:  # DeepSpeed's path launches it before its all-reduce
-            self.current.launch_exchange()
+        self._current.require_open("check_grads")
+        self._gradients.check_now()
+        if not self._ctx.exchange.launched:  # DeepSpeed's path launches it before its all-reduce
+            self._current.launch_exchange()
 
     def step(self, *, optimizer_step: bool = True) -> StepResult | PendingResult | None:
         """Decide this step with every rank and act: the optimizer (or GradScaler) steps only
@@ -213,25 +215,25 @@ class Sentinel:
         replaces ``engine.step()``, and returns None on a micro-batch before the accumulation
         boundary (counted, decided at the boundary)."""
         self._resolve()
-        if self.engine is not None and self.engine.accumulating(
+        if self._engine is not None and self._engine.accumulating(
                 optimizer_step=optimizer_step, step=self.step_index):
             return None
-        self.judge.caller_did_not_step()
-        if not self.exchange.launched:
+        self._judge.caller_did_not_step()
+        if not self._ctx.exchange.launched:
             self.check_grads()
-        record = self.current.record
-        if optimizer_step and self.device_gate is not None and self.device_gate.ready():
-            _, vector = self.exchange.take()
-            pending = self.device_gate.launch(record, vector, self.gradients.take_norms())
-            self.current.next()
+        record = self._current.record
+        if optimizer_step and self._gate is not None and self._gate.ready():
+            _, vector = self._ctx.exchange.take()
+            pending = self._gate.launch(record, vector, self._gradients.take_norms())
+            self._current.next()
             return pending
-        _, record.values = self.exchange.wait()  # waiting for the all-reduce beside it
-        self.deadline.disarm()
-        self.judge.decide(record, optimizer_step=optimizer_step)
-        self.judge.finish(record)
-        self.current.next()
+        _, record.values = self._ctx.exchange.wait()  # waiting for the all-reduce beside it
+        self._ctx.deadline.disarm()
+        self._judge.decide(record, optimizer_step=optimizer_step)
+        self._judge.finish(record)
+        self._current.next()
         assert record.decision is not None
-        self.end.stop_if(record.decision, record.decided)
+        self._end.stop_if(record.decision, record.decided)
         return record.decided
 
     # --- state for checkpoints, and the end ---------------------------------------------------
@@ -242,18 +244,18 @@ class Sentinel:
         pending on the device gate that found something is decided later, and the history
         saved now is the one before it (its skip has happened on the device already)."""
         try:
-            if self.device_gate is not None:
-                self.device_gate.decide_if_local()
+            if self._gate is not None:
+                self._gate.decide_if_local()
         except ResultPending:
             log.warning("nansentinel: state_dict() on rank %d while step %d's detection is "
                         "pending (decided at the next sentinel call on every rank); the saved "
                         "history is the one before it", self.rank, self.step_index - 1)
-        return {"step": self.step_index, **self.judge.state_dict()}
+        return {"step": self.step_index, **self._judge.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what :meth:`state_dict` saved."""
-        self.current.restart_at(int(state["step"]))
-        self.judge.load_state_dict(state, self.step_index)
+        self._current.restart_at(int(state["step"]))
+        self._judge.load_state_dict(state, self.step_index)
 
     def close(self) -> None:
         """End the run on this rank; call it on every rank. Decides a step still pending,
@@ -261,13 +263,13 @@ class Sentinel:
         aborts a process that tears its group down while a peer still uses it), leaves the
         launcher a ``closed`` verdict, and stops the exporter and the watchdog. A second call
         does nothing; after a loop that raised on this rank, :meth:`abandon` instead."""
-        self.end.close(self._resolve, self.step_index - 1)
+        self._end.close(self._resolve, self.step_index - 1)
 
     def abandon(self) -> None:
         """Stop the exporter and the watchdog without a collective (the loop failed here)."""
-        if self.device_gate is not None:
-            self.device_gate.abandon()
-        self.end.shut()
+        if self._gate is not None:
+            self._gate.abandon()
+        self._end.shut()
 
     def __enter__(self) -> Sentinel:
         return self
@@ -275,37 +277,63 @@ class Sentinel:
     def __exit__(self, exc_type: object, *rest: object) -> None:
         self.close() if exc_type is None else self.abandon()
 
-    # --- the layers' state, read here as before ------------------------------------------------
+    # --- what the loop may read ------------------------------------------------------------
 
-    step_index = property(lambda self: self.current.index)
-    local = property(lambda self: self.current.local)
-    stages = property(lambda self: self.current.stages)
-    forward = property(lambda self: self.current.forward)
-    history = property(lambda self: self.judge.history)
-    cooldown = property(lambda self: self.judge.cooldown)
-    spikes = property(lambda self: self.judge.spikes)
-    curves = property(lambda self: self.judge.curves)
-    watchdog = property(lambda self: self.deadline.dog)
-    buffers = property(lambda self: self.current.buffers)
-
-    #: The exporter (metrics.py); None without ``metrics_port``, or once closed.
-    metrics = property(lambda self: self.judge.metrics,
-                       lambda self, value: setattr(self.judge, "metrics", value))
+    config = property(lambda self: self._ctx.config, doc="The validated config.")
+    identity = property(lambda self: self._ctx.identity, doc="This rank: host, device, GPU.")
+    rank = property(lambda self: self._ctx.rank, doc="This rank in the exchange's group.")
+    world_size = property(lambda self: self._ctx.world_size,
+                          doc="The ranks that decide together.")
+    device = property(lambda self: self._ctx.device, doc="Where this rank computes.")
+    job_id = property(lambda self: self._ctx.job_id, doc="The job's id, in file names.")
+    exchange = property(lambda self: self._ctx.exchange, doc="The step's health exchange.")
+    model = property(lambda self: self._watched.model, doc="The model as handed in.")
+    module = property(lambda self: self._watched.module,
+                      doc="The module inside it (DDP's, the engine's).")
+    step_index = property(lambda self: self._current.index, doc="The step in progress.")
+    local = property(lambda self: self._current.local, doc="This step's health so far.")
+    stages = property(lambda self: self._current.stages, doc="The pipeline stages watched.")
+    forward = property(lambda self: self._current.forward,
+                       doc="This step's forward collectives, counted (origins).")
+    buffers = property(lambda self: self._current.buffers,
+                       doc="The floating buffers a skipped step puts back.")
+    gradients = property(lambda self: self._gradients,
+                         doc="The gradient path; its ``caps`` say what it supports.")
+    device_gate = property(lambda self: self._gate,
+                           doc="The device gate's steps; None: the host gate.")
+    engine = property(lambda self: self._engine,
+                      doc="A DeepSpeed engine's adapter; None for any other model.")
+    optimizer = property(lambda self: self._judge.optimizer, doc="What a step applies with.")
+    scaler = property(lambda self: self._judge.scaler, doc="Its loss scale, if any.")
+    history = property(lambda self: self._judge.history, doc="The policy's history.")
+    cooldown = property(lambda self: self._judge.cooldown, doc="The rollback LR cooldown.")
+    spikes = property(lambda self: self._judge.spikes, doc="The spike references.")
+    snapshots = property(lambda self: self._judge.snapshots, doc="The last good state.")
+    replicas = property(lambda self: self._judge.replicas,
+                        doc="The replica fingerprint check; None: none.")
+    curves = property(lambda self: self._detector.curves,
+                      doc="The last steps' loss and gradient norm (reports).")
+    replays = property(lambda self: self._detector.replay is not None,
+                       doc="A detection is replayed (a function given, the path allows it).")
+    quarantine = property(lambda self: self._detector.quarantine,
+                          doc="Batches a data verdict blamed.")
+    watchdog = property(lambda self: self._ctx.deadline.dog,
+                        doc="The deadline's watchdog; None alone.")
+    metrics = property(lambda self: self._judge.metrics,
+                       lambda self, value: setattr(self._judge, "metrics", value),
+                       doc="The exporter (metrics.py); None without ``metrics_port``, or once "
+                           "closed. Settable: a test or a host process may attach its own.")
 
     # --- internals ---------------------------------------------------------------------------
 
     def _resolve(self) -> None:
         """Decide a step pending on the device gate (at a call every rank makes)."""
-        if self.device_gate is not None:
-            self.device_gate.resolve()
+        if self._gate is not None:
+            self._gate.resolve()
 
     def _rearm(self) -> None:
         """A step decided inside the next step's armed collectives re-arms the watchdog."""
-        if self.exchange.launched:
-            self.deadline.arm()
+        if self._ctx.exchange.launched:
+            self._ctx.deadline.arm()
 
-    def _settled(self) -> bool:
-        """The armed collectives have completed (the watchdog asks before it fires)."""
-        gated = self.device_gate
-        return self.exchange.settled() or (gated is not None and gated.settled())
 

@@ -66,14 +66,15 @@ class Watchdog:
             collectives completed but that the loop never decided (it stopped after backward)
             must not kill the process later, so expiry asks this first, and neither is such a
             step late.
-        on_late: called once per armed step, from the watchdog thread, when the step has been
-            armed ``late_after`` seconds (before expiry) and is not settled, in a thread of its
-            own so that it cannot delay the expiry; exceptions are the callee's to handle.
-        late_after: seconds from :meth:`arm` to ``on_late``.
+        late: ``(seconds, on_late)``: ``on_late(step)`` is called once per armed step, from
+            the watchdog thread, when the step has been armed that many seconds (before
+            expiry) and is not settled, in a thread of its own so that it cannot delay the
+            expiry; exceptions are the callee's to handle.
         clock: monotonic clock (injected by tests).
         poll: how often the thread looks, in seconds.
-        on_poll: called from the watchdog thread at every look (:meth:`TimeoutFit.check`);
-            an exception is logged and the watchdog goes on.
+
+    :attr:`on_poll`, set after construction, is called from the watchdog thread at every look
+    (:meth:`TimeoutFit.check`); an exception is logged and the watchdog goes on.
     """
 
     def __init__(
@@ -82,17 +83,16 @@ class Watchdog:
         on_expire: Callable[[int], None],
         *,
         settled: Callable[[], bool] = lambda: False,
-        on_late: Callable[[int], None] | None = None,
-        late_after: float = 0.0,
+        late: tuple[float, Callable[[int], None]] | None = None,
         clock: Callable[[], float] = time.monotonic,
         poll: float = 0.5,
-        on_poll: Callable[[], None] | None = None,
     ) -> None:
+        late_after, on_late = late if late is not None else (0.0, None)
         self.on_expire = on_expire
         self.settled = settled
         self.on_late = on_late
         self.clock = clock
-        self.on_poll = on_poll
+        self.on_poll: Callable[[], None] | None = None
         self._max_poll = poll
         self.retime(timeout, late_after)
         # (step, deadline, time of on_late, time armed)
@@ -295,35 +295,46 @@ class StepDeadline:
     completes, and around the rare path's own collectives (:meth:`guarded`). Alone (world
     size 1) there is nothing to wait for, and every call is a no-op.
 
+    The step flow tells it which step is in progress (:attr:`step`), and what else may hold
+    armed collectives that completed (:meth:`also_settled`: the device gate's pending step).
+
     Args:
-        exchange: the run's exchange (its world, check-in, group timeout).
+        exchange: the run's exchange (its world, check-in, group timeout, and whether its
+            collectives have completed).
         configured: ``exchange_timeout``; the watchdog is kept inside the group's own timeout
             (:class:`TimeoutFit`, now and whenever it changes).
-        step: the step in progress (the sentinel's counter).
         on_expire: ``fn(step)`` from the watchdog's thread when the deadline passes.
-        settled: whether the armed collectives have in fact completed.
         speak: rank 0 says when the timeout is clamped.
     """
 
-    def __init__(self, exchange: Any, configured: float, *, step: Callable[[], int],
-                 on_expire: Callable[[int], None], settled: Callable[[], bool],
-                 speak: bool) -> None:
-        self.step = step
+    def __init__(self, exchange: Any, configured: float, *,
+                 on_expire: Callable[[int], None], speak: bool) -> None:
+        #: The step in progress (the step flow's counter).
+        self.step = 0
+        self._settled: list[Callable[[], bool]] = [exchange.settled]
         self.dog: Watchdog | None = None
         if exchange.world_size > 1:
-            self.dog = Watchdog(watchdog_deadline(configured), on_expire, settled=settled,
-                                on_late=exchange.check_in, late_after=late_after(configured))
+            self.dog = Watchdog(watchdog_deadline(configured), on_expire, settled=self.settled,
+                                late=(late_after(configured), exchange.check_in))
             self.dog.on_poll = TimeoutFit(exchange, configured, self.dog, speak=speak).check
             # A diagnosis waits for the live ranks' check-ins from the step's arming on.
             exchange.armed_for = self.dog.armed_for
 
+    def also_settled(self, settled: Callable[[], bool]) -> None:
+        """``settled()`` says too whether the armed collectives have completed."""
+        self._settled.append(settled)
+
+    def settled(self) -> bool:
+        """The armed collectives have completed (the watchdog asks before it fires)."""
+        return any(s() for s in self._settled)
+
     def arm(self) -> None:
         if self.dog is not None:
-            self.dog.arm(self.step())
+            self.dog.arm(self.step)
 
     def restart(self) -> None:
         if self.dog is not None:
-            self.dog.restart(self.step())
+            self.dog.restart(self.step)
 
     def disarm(self) -> None:
         if self.dog is not None:

@@ -11,6 +11,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import nansentinel
 from nansentinel.effects.recovery import MemorySnapshots
 from nansentinel.wire.collectives import Peers
+from nansentinel.wire.context import Watched
 
 #: A weight of 301 x 299 = 89,999 elements: above the sharding threshold, and a multiple of
 #: none of 2, 3, 4, so the last slice is padded.
@@ -81,7 +82,7 @@ def buffers_and_refusal(rank: int, world: int) -> dict[str, Any]:
     model = DDP(net)
     opt = torch.optim.AdamW(model.parameters(), lr=0.01)
     peers = Peers(None, torch.device("cpu"))
-    snaps = MemorySnapshots(net, opt, peers=peers, replicas=peers, shard_min_numel=1,
+    snaps = MemorySnapshots(Watched(net, net, opt), peers=peers, replicas=peers, shard_min_numel=1,
                             hostname=f"host{rank}")
     for step in range(3):
         x, y = _batch(rank, step)
@@ -98,7 +99,8 @@ def buffers_and_refusal(rank: int, world: int) -> dict[str, Any]:
     changed = not torch.equal(flat_state(net, opt), saved)
     snaps.load()
     restored = torch.equal(flat_state(net, opt), saved)
-    tight = MemorySnapshots(net, opt, peers=peers, replicas=peers, hostname=f"host{rank}",
+    tight = MemorySnapshots(Watched(net, net, opt), peers=peers, replicas=peers,
+                            hostname=f"host{rank}",
                             available=(lambda: 0) if rank == 1 else (lambda: 1 << 40))
     try:
         tight.save(7)

@@ -113,7 +113,7 @@ def main() -> None:
         "unchanged": {str(k): v for k, v in probe.unchanged.items()},
         "weights": [p.detach().flatten().tolist() for p in model.parameters()],
         "sentinel_model": type(sentinel.sentinel.model).__name__ if sentinel.sentinel else None,
-        "replays": sentinel.sentinel.detector.replay is not None if sentinel.sentinel else None,
+        "replays": sentinel.sentinel.replays if sentinel.sentinel else None,
     }
     Path(args.out, f"rank{rank}.json").write_text(json.dumps(payload))
 

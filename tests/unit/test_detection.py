@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import contextlib
+from types import SimpleNamespace
 from typing import Any
 
+from nansentinel.config import SentinelConfig
 from nansentinel.rare.detection import Detector, replay_candidate
+from nansentinel.rare.replay import Replayer
 from nansentinel.result import RankIdentity
 from nansentinel.wire.schema import OwnRow, Totals
 
@@ -31,10 +34,15 @@ class Peers:
         return values
 
 
+def fake_context(peers: Any, world: int) -> Any:
+    """The run as the detection reads it: its peers, identity, loss scale and deadline."""
+    return SimpleNamespace(peers=peers, identity=RankIdentity(0, 0, world, "node0", "cpu"),
+                           amp=False, guarded=contextlib.nullcontext, config=SentinelConfig())
+
+
 def detector(peers: Peers) -> Detector:
-    return Detector(peers, RankIdentity(0, 0, peers.world_size, "node0", "cpu"),  # type: ignore[arg-type]
-                    amp=False, gradients=None, incidents=None, module=None,  # type: ignore[arg-type]
-                    replay=None, anomaly=False, guarded=contextlib.nullcontext)
+    return Detector(fake_context(peers, peers.world_size), None,  # type: ignore[arg-type]
+                    None, Replayer(None, None, peers), None)  # type: ignore[arg-type]
 
 
 HEALTHY = OwnRow(1.0, 2.0, 1.0, has_loss=True, has_grad=True)

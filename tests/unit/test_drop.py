@@ -20,6 +20,7 @@ from nansentinel.decide.policy import (
     DROP,
     EXCLUDE,
     SKIP,
+    Evidence,
     History,
     decide,
     max_dropped_ranks,
@@ -104,7 +105,7 @@ def test_a_batch_or_loss_fault_within_the_limit_is_dropped() -> None:
 ])
 def test_what_drop_skips(bad: dict[int, tuple[str, ...]], config: SentinelConfig,
                          verdict: str | None, why: str) -> None:
-    d = decide(view(bad), History(), config, verdict=verdict)
+    d = decide(view(bad), History(), config, Evidence(verdict=verdict))
     assert d.action == SKIP and not d.applies, why
     assert d.bad_ranks == sorted(bad), why
 
@@ -124,10 +125,10 @@ def test_withheld_gradients_are_never_applied_unless_the_step_is_dropped() -> No
 
 def test_under_amp_a_kept_ranks_overflow_skips() -> None:
     mine = view({1: ("loss", "grad")})
-    d = decide(mine, History(), DROP_HALF, amp=True)
+    d = decide(mine, History(), DROP_HALF, Evidence(amp=True))
     assert d.action == DROP and not d.overflow  # the withheld rank's own inf is not overflow
     kept_overflowed = view({1: ("loss", "grad")}, bad_grad=2)
-    assert decide(kept_overflowed, History(), DROP_HALF, amp=True).action == SKIP
+    assert decide(kept_overflowed, History(), DROP_HALF, Evidence(amp=True)).action == SKIP
 
 
 def test_a_dropped_step_is_applied_strikes_its_host_and_escalation_ignores_it() -> None:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import logging
@@ -25,9 +24,16 @@ from nansentinel.decide.policy import (
     Decision,
 )
 from nansentinel.decide.spikes import CLUSTER, Spikes
-from nansentinel.rare.incident import IncidentWriter, describe, describe_abort, first, payload
+from nansentinel.rare.incident import (
+    Case,
+    IncidentWriter,
+    describe,
+    describe_abort,
+    first,
+    payload,
+)
 from nansentinel.result import Outcome, RankIdentity, StepResult
-from nansentinel.wire.collectives import Peers
+from nansentinel.wire import context
 from nansentinel.wire.schema import Totals
 from nansentinel.wire.view import ClusterView, RankHealth
 
@@ -156,7 +162,8 @@ def test_payload_is_strict_json_with_every_rank_and_the_poisoned_one() -> None:
         0: {"note": "r0"},
         1: {"batch_path": "/r/b.pt", "replay": {"first_module": "mlp.fc1", "first_parameter": "w"}},
     }
-    content = payload(v, d, r, spikes, details, "the message", job_id="job-7", policy="skip")
+    content = payload(Case(v, d, r, spikes), details, "the message", job_id="job-7",
+                      policy="skip")
     text = json.dumps(content, allow_nan=False)  # JSON has no NaN: it must not need one
     back = json.loads(text)
     assert isinstance(back["time"], float)
@@ -199,7 +206,7 @@ def test_payload_is_strict_json_with_every_rank_and_the_poisoned_one() -> None:
 
 def test_payload_without_replay_has_no_first_nonfinite_names() -> None:
     v = two_ranks()
-    content = payload(v, skip_decision(v), result(Outcome.SKIPPED), Spikes(), {}, "m",
+    content = payload(Case(v, skip_decision(v), result(Outcome.SKIPPED), Spikes()), {}, "m",
                       job_id=None, policy="abort")
     assert content["first_nonfinite_module"] is None
     assert content["first_nonfinite_parameter"] is None
@@ -230,9 +237,9 @@ def alone_result(view: ClusterView, outcome: Outcome = Outcome.SKIPPED) -> StepR
 
 def writer(report_dir: Path, **cfg: Any) -> IncidentWriter:
     config = SentinelConfig(report_dir=str(report_dir), **cfg)
-    peers = Peers(None, torch.device("cpu"))
-    assert peers.alone and peers.world_size == 1  # no process group: no collective runs
-    return IncidentWriter(config, RankIdentity(0, 0, 1, "node-a", "cpu"), peers, "job-7")
+    ctx = context.alone(config, RankIdentity(0, 0, 1, "node-a", "cpu"), "job-7")
+    assert ctx.peers.alone and ctx.world_size == 1  # no process group: no collective runs
+    return IncidentWriter(ctx)
 
 
 def write(
@@ -250,9 +257,7 @@ def write(
     if decision.bad:
         detail["parameters"] = ["block.0.weight", "block.0.bias"]
     result, details = w.write(
-        view, decision, alone_result(view, decision.outcome), Spikes(), detail=detail,
-        batch=batch, guarded=contextlib.nullcontext,
-    )
+        Case(view, decision, alone_result(view, decision.outcome), Spikes(), detail, batch))
     if seen is not None:
         seen.append(details)
     return result

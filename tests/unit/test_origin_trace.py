@@ -15,7 +15,7 @@ import torch.distributed._functional_collectives as funcol
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from nansentinel.decide import origins
-from nansentinel.rare.replay import NO_COLLECTIVE, judged, replay
+from nansentinel.rare.replay import NO_COLLECTIVE, Mode, judged, replay
 from nansentinel.result import RankIdentity
 from nansentinel.wire import collective_inputs
 from nansentinel.wire.view import RankHealth
@@ -93,7 +93,7 @@ def test_the_replay_names_its_first_non_finite_collective_input_with_one_read(
     real = torch.Tensor.tolist
     torch.Tensor.tolist = lambda t: syncs.append(1) or real(t)  # type: ignore[assignment]
     try:
-        result = replay(net, torch.ones(4, 3), fn, localise=False, watch=True, backward=False)
+        result = replay(net, torch.ones(4, 3), fn, Mode(localise=False, watch=True, backward=False))
     finally:
         torch.Tensor.tolist = real  # type: ignore[method-assign]
     assert (result.first_collective, result.first_collective_op) == (
@@ -158,10 +158,10 @@ def test_the_two_replays_are_judged_at_the_first_non_finite_collective_input(
 def test_without_a_replay_function_the_report_says_why_no_trace_ran() -> None:
     """Every rank's loss non-finite behind a forward collective, no replay= given: nothing
     runs, and the view's origin_trace (the report's) says why the origin was not told."""
-    import contextlib
-
     from nansentinel.rare.detection import Detector
+    from nansentinel.rare.replay import Replayer
     from nansentinel.wire.schema import OwnRow, Totals
+    from tests.unit.test_detection import fake_context
 
     class Peers:
         rank, world_size = 0, 2
@@ -176,9 +176,9 @@ def test_without_a_replay_function_the_report_says_why_no_trace_ran() -> None:
             return values
 
     own = OwnRow(1.0, NAN, NAN, has_loss=True, has_grad=True, flagged=True)
-    detector = Detector(Peers(), RankIdentity(0, 0, 2, "node0", "cpu"),  # type: ignore[arg-type]
-                        amp=False, gradients=None, incidents=None, module=None,  # type: ignore[arg-type]
-                        replay=None, anomaly=False, guarded=contextlib.nullcontext)
+    peers = Peers()
+    detector = Detector(fake_context(peers, 2), None, None,  # type: ignore[arg-type]
+                        Replayer(None, None, peers), None)  # type: ignore[arg-type]
     view = detector.view(3, Totals(bad_loss=2, blamed=2, flagged=2, flagged_rank=1.0), own, {},
                          ("0",))
     assert [r.rank for r in view.flagged] == [0, 1] and view.reached == []

@@ -3,7 +3,16 @@
 from __future__ import annotations
 
 from nansentinel.config import SentinelConfig
-from nansentinel.decide.policy import ABORT, APPLY, EXCLUDE, OVERFLOW, SKIP, History, decide
+from nansentinel.decide.policy import (
+    ABORT,
+    APPLY,
+    EXCLUDE,
+    OVERFLOW,
+    SKIP,
+    Evidence,
+    History,
+    decide,
+)
 from nansentinel.result import RankIdentity
 from nansentinel.wire.schema import Totals
 from nansentinel.wire.view import ClusterView, RankHealth
@@ -49,9 +58,9 @@ def test_abort_policy_and_escalation() -> None:
 
 def test_amp_overflow_is_not_blamed_but_bad_loss_is() -> None:
     cfg = SentinelConfig()
-    d = decide(view(0, {1: ("grad",)}), History(), cfg, amp=True)
+    d = decide(view(0, {1: ("grad",)}), History(), cfg, Evidence(amp=True))
     assert d.action == OVERFLOW and d.overflow and d.bad_ranks == []
-    d = decide(view(0, {1: ("loss", "grad")}), History(), cfg, amp=True)
+    d = decide(view(0, {1: ("loss", "grad")}), History(), cfg, Evidence(amp=True))
     assert d.action == SKIP and d.bad_ranks == [1] and d.kinds == ["loss", "grad"]
 
 

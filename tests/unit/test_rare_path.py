@@ -20,6 +20,7 @@ from nansentinel.checks import quarantine
 from nansentinel.common import verdicts
 from nansentinel.effects.recovery import MemorySnapshots
 from nansentinel.rare import replay
+from nansentinel.wire.context import Watched
 
 
 def _loss(module: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -248,7 +249,7 @@ def test_snapshot_copies_are_ordered_before_the_next_write(tmp_path: Path) -> No
     (the forward and the optimizer step) and that a rollback waits on the host first."""
     model = _net(batchnorm=True)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    snaps = MemorySnapshots(model, opt)
+    snaps = MemorySnapshots(Watched(model, model, opt))
     calls: list[str] = []
     snaps.copies.hold = lambda *_: calls.append("hold")  # type: ignore[method-assign]
     snaps.copies.finish = lambda: calls.append("finish")  # type: ignore[method-assign]

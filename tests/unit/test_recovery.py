@@ -8,6 +8,7 @@ import torch
 
 from nansentinel import SnapshotMemoryError
 from nansentinel.effects.recovery import Cooldown, MemorySnapshots, UserSnapshots
+from nansentinel.wire.context import Watched
 
 
 def test_memory_snapshot_restores_model_and_optimizer() -> None:
@@ -16,7 +17,7 @@ def test_memory_snapshot_restores_model_and_optimizer() -> None:
     opt = torch.optim.Adam(model.parameters(), lr=0.1)
     model(torch.randn(4, 3)).sum().backward()
     opt.step()
-    snaps = MemorySnapshots(model, opt)
+    snaps = MemorySnapshots(Watched(model, model, opt))
     assert snaps.step is None
     snaps.save(7)
     saved_w = model.weight.detach().clone()
@@ -102,7 +103,7 @@ def test_saves_reuse_the_same_host_buffers_and_a_new_layout_reallocates_them() -
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 3)
     opt = torch.optim.Adam(model.parameters(), lr=0.1)
-    snaps = MemorySnapshots(model, opt)
+    snaps = MemorySnapshots(Watched(model, model, opt))
     snaps.save(0)  # before the first step: the weights alone, no optimizer state yet
     weights_only = snaps.bytes
     assert weights_only == snaps.unsharded_bytes == (12 + 3) * 4
@@ -125,7 +126,7 @@ def _train_linear(model: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
 
 def test_restore_is_exact_and_later_steps_never_write_into_the_snapshot() -> None:
     model, opt = _trained()
-    snaps = MemorySnapshots(model, opt)
+    snaps = MemorySnapshots(Watched(model, model, opt))
     snaps.save(2)
     saved, kept = _state(model, opt), [b.clone() for b in snaps._buffers]
     for _ in range(3):
@@ -142,7 +143,7 @@ def test_restore_is_exact_and_later_steps_never_write_into_the_snapshot() -> Non
 
 def test_restore_into_an_optimizer_whose_state_is_gone_builds_fresh_tensors() -> None:
     model, opt = _trained()
-    snaps = MemorySnapshots(model, opt)
+    snaps = MemorySnapshots(Watched(model, model, opt))
     snaps.save(2)
     saved, kept = _state(model, opt), [b.clone() for b in snaps._buffers]
     _train(model, opt)
@@ -155,7 +156,7 @@ def test_restore_into_an_optimizer_whose_state_is_gone_builds_fresh_tensors() ->
 
 def test_a_snapshot_that_does_not_fit_is_refused_with_the_bytes_and_nothing_is_allocated() -> None:
     model, opt = _trained()
-    snaps = MemorySnapshots(model, opt, hostname="node7", available=lambda: 100)
+    snaps = MemorySnapshots(Watched(model, model, opt), hostname="node7", available=lambda: 100)
     with pytest.raises(SnapshotMemoryError) as info:
         snaps.save(12)
     message = str(info.value)
@@ -163,14 +164,14 @@ def test_a_snapshot_that_does_not_fit_is_refused_with_the_bytes_and_nothing_is_a
     assert f"needs {needed:,} bytes" in message and "100 bytes" in message
     assert "rank 0 (host node7) at step 12" in message and "rollbacks off" in message
     assert snaps.bytes == 0 and snaps.step is None
-    ok = MemorySnapshots(model, opt, available=lambda: needed)  # exactly enough: it fits
+    ok = MemorySnapshots(Watched(model, model, opt), available=lambda: needed)  # just fits
     ok.save(12)
     assert ok.bytes == needed
 
 
 def test_module_state_dict_versions_survive_the_snapshot() -> None:
     model, opt = _trained()
-    snaps = MemorySnapshots(model, opt)
+    snaps = MemorySnapshots(Watched(model, model, opt))
     snaps.save(2)
     assert snaps._skeleton is not None
     meta = snaps._skeleton["model"]._metadata

@@ -10,7 +10,7 @@ from torch import nn
 
 import nansentinel
 from nansentinel.checks.quarantine import signature
-from nansentinel.rare.replay import replay, verdict_of
+from nansentinel.rare.replay import Mode, replay, verdict_of
 
 
 class LogLayer(nn.Module):
@@ -68,7 +68,7 @@ def test_replay_names_first_module_and_parameter_and_leaves_no_trace() -> None:
 
 
 def test_anomaly_mode_names_the_backward_operation() -> None:
-    r = replay(make(), batch(zero=True), loss_fn, anomaly=True)
+    r = replay(make(), batch(zero=True), loss_fn, Mode(anomaly=True))
     assert not r.finite and r.anomaly and "Backward" in r.anomaly
 
 

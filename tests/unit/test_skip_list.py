@@ -78,12 +78,13 @@ def test_a_skip_list_that_cannot_be_written_is_counted_and_training_goes_on(
     from nansentinel.effects.metrics import SentinelMetrics
     from nansentinel.rare.incident import IncidentWriter
     from nansentinel.result import RankIdentity
+    from nansentinel.wire.context import alone
 
     identity = RankIdentity(0, 0, 1, "node0", "cpu")
     blocked = tmp_path / "file"
     blocked.write_text("not a directory")
     config = SentinelConfig(report_dir=str(tmp_path), skip_list=str(blocked / "skip.jsonl"))
-    writer = IncidentWriter(config, identity, peers=None, job_id="j")  # type: ignore[arg-type]
+    writer = IncidentWriter(alone(config, identity, "j"))
     metrics = SentinelMetrics(identity, registry=CollectorRegistry())
     writer.failed = metrics.observe_report_failure
     out = writer._skip(3, {0: [137]}, "data")

@@ -46,7 +46,7 @@ def test_a_late_step_is_reported_once_before_expiry() -> None:
     late: list[int] = []
     fired: list[int] = []
     # Expiry far after lateness, so a loaded machine's scheduling delays cannot reorder them.
-    dog = Watchdog(5.0, fired.append, on_late=late.append, late_after=0.1, poll=0.02)
+    dog = Watchdog(5.0, fired.append, late=(0.1, late.append), poll=0.02)
     dog.arm(3)
     assert wait_for(lambda: late == [3], timeout=3.0)
     assert fired == []  # late is not expired
@@ -67,7 +67,7 @@ def test_a_slow_step_whose_collectives_finished_is_not_late() -> None:
     """A pause after backward, before ``step()``: the collectives completed, so the rank is
     not blocked in one and its watchdog never checks it in (no store request)."""
     late: list[int] = []
-    dog = Watchdog(5.0, lambda step: None, on_late=late.append, late_after=0.05, poll=0.01,
+    dog = Watchdog(5.0, lambda step: None, late=(0.05, late.append), poll=0.01,
                    settled=lambda: True)
     dog.arm(1)
     time.sleep(0.3)
@@ -142,7 +142,8 @@ def test_watchdog_calls_its_poll_helper_and_survives_its_failure() -> None:
         raise RuntimeError("boom")
 
     fired: list[int] = []
-    dog = Watchdog(0.3, fired.append, poll=0.02, on_poll=helper)
+    dog = Watchdog(0.3, fired.append, poll=0.02)
+    dog.on_poll = helper
     dog.arm(3)
     assert wait_for(lambda: fired == [3])  # the failing helper did not stop the thread
     assert len(calls) >= 2
@@ -168,8 +169,8 @@ def test_a_short_gloo_group_timeout_clamps_the_deadline_and_is_rechecked(
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0,
                             world_size=1, timeout=datetime.timedelta(seconds=60))
-    dog = Watchdog(watchdog_deadline(300.0), lambda step: None, late_after=late_after(300.0),
-                   on_late=lambda step: None)
+    dog = Watchdog(watchdog_deadline(300.0), lambda step: None,
+                   late=(late_after(300.0), lambda step: None))
     try:
         assert group_timeout(None) == 60.0
         exchange = SimpleNamespace(group=None, timeout=300.0)
