@@ -218,8 +218,9 @@ class MemorySnapshots:
 
     @property
     def bytes(self) -> int:
-        """Host bytes this rank holds for the snapshot (its buffers)."""
-        return sum(b.nbytes for b in self._buffers)
+        """Host bytes this rank holds for the snapshot (its buffers), as allocated: a pinned
+        buffer takes its size rounded up to a power of two (:func:`pinned_nbytes`)."""
+        return sum(_held_nbytes(b) for b in self._buffers)
 
     @property
     def unsharded_bytes(self) -> int:
@@ -304,9 +305,11 @@ class MemorySnapshots:
 
     def _allocate(self, layout: tuple[_Slot, ...], step: int) -> None:
         """New buffers for a new layout, once every rank has said its own fit."""
+        # The old buffers are dropped first; pinned ones go back to the system only when the
+        # host cache is emptied (where it cannot be, old and new blocks coexist).
         held = self.bytes
-        needed = sum(s.nbytes for s in layout)
-        available = int(self.available()) + held  # the old buffers are released first
+        needed = sum(_host_nbytes(s) for s in layout)
+        available = int(self.available()) + self._releasable()
         short = needed > available
         rank = self.peers.rank if self.peers is not None else 0
         worst = [1.0 if short else 0.0, float(needed) if short else 0.0,
@@ -331,9 +334,25 @@ class MemorySnapshots:
         if held:
             log.info("nansentinel: the snapshot's layout changed at step %d: %s of host "
                      "buffers reallocated", step, _size(needed))
-        self._buffers = []
+        self._release()
         self._buffers = [_new_buffer(slot) for slot in layout]
         self._layout = layout
+
+    def _releasable(self) -> int:
+        """Host bytes the current buffers give back to the system when :meth:`_release` drops
+        them: all of them, but pinned ones only where the host cache can be emptied."""
+        pinned = sum(_held_nbytes(b) for b in self._buffers if _pinned(b))
+        return self.bytes - (0 if _host_cache_emptiable() else pinned)
+
+    def _release(self) -> None:
+        """Drop the buffers, and give their pinned blocks back to the system: torch's caching
+        host allocator keeps a freed pinned block for reuse by a request of the same rounded
+        size, so without this the old layout's blocks would stay pinned beside the new ones
+        (the copies into them are finished: the caller waited for them)."""
+        pinned = any(_pinned(b) for b in self._buffers)
+        self._buffers = []
+        if pinned and _host_cache_emptiable():
+            torch.accelerator.empty_host_cache()
 
     # --- restore ----------------------------------------------------------------------------
 
@@ -415,6 +434,36 @@ def _copy_in(slot: _Slot, src: torch.Tensor, buf: torch.Tensor, rank: int) -> No
         return
     part = local.reshape(-1)[rank * slot.chunk: (rank + 1) * slot.chunk]
     buf[: part.numel()].copy_(part, non_blocking=True)  # the padding stays zero
+
+
+def pinned_nbytes(nbytes: int) -> int:
+    """Host bytes torch's caching host allocator pins for a request of ``nbytes``: the next
+    power of two (``CachingHostAllocator.h``: ``c10::llvm::PowerOf2Ceil(size)``, the block
+    size it asks ``cudaHostAlloc`` for and keys its free list by), so a 21.5 MB slice takes
+    32 MB."""
+    return 0 if nbytes <= 0 else 1 << (nbytes - 1).bit_length()
+
+
+def _host_nbytes(slot: _Slot) -> int:
+    """Host bytes :func:`_new_buffer` will take for ``slot``: rounded as the pinned allocator
+    rounds when the state lives on an accelerator (counted so even where pinning then fails:
+    the fit check errs on the safe side)."""
+    return pinned_nbytes(slot.nbytes) if slot.device.type != "cpu" else slot.nbytes
+
+
+def _pinned(buf: torch.Tensor) -> bool:
+    return torch.accelerator.is_available() and buf.is_pinned()
+
+
+def _held_nbytes(buf: torch.Tensor) -> int:
+    """Host bytes a buffer holds as allocated (a pinned one: its rounded block)."""
+    return pinned_nbytes(buf.nbytes) if _pinned(buf) else buf.nbytes
+
+
+def _host_cache_emptiable() -> bool:
+    """Whether freed pinned blocks can be given back to the system (torch >= 2.8 with an
+    accelerator: ``torch.accelerator.empty_host_cache``)."""
+    return hasattr(torch.accelerator, "empty_host_cache") and torch.accelerator.is_available()
 
 
 def _new_buffer(slot: _Slot) -> torch.Tensor:
