@@ -218,6 +218,18 @@ def flip_bit(tensor: torch.Tensor) -> None:
     flat[:1].view(bits).bitwise_xor_(1 << max(0, mantissa - 11))
 
 
+def repair_row(identity: RankIdentity, global_rank: int, fp: torch.Tensor, slots: list[int]
+               ) -> dict[str, Any]:
+    """What each rank of a disagreeing replica group tells the others: who it is and its
+    fingerprints of the disagreeing ``slots`` only (the same list on every rank of the group).
+    All of them would be O(world x parameters) summed on every GPU and parsed on every host
+    at the moment a repair is needed (~3 GB under DDP at 131,072 ranks); these are
+    O(world x differing tensors), usually one or two a rank."""
+    wanted = fp[torch.tensor(slots, dtype=torch.long, device=fp.device)] if slots else fp[:0]
+    return {"rank": identity.rank, "global": global_rank, "host": identity.hostname,
+            "fp": wanted.tolist()}
+
+
 # --- the side effects ----------------------------------------------------------------------
 
 
@@ -336,12 +348,11 @@ class ReplicaCheck:
         mine: Finding | None = None
         if slots:
             members = list(range(self.replicas.world_size))
-            shared = self.replicas.gather_from(members, {
-                "rank": self.identity.rank, "global": self.replicas.global_rank,
-                "host": self.identity.hostname, "fp": fp.tolist()})
+            shared = self.replicas.gather_from(members, repair_row(
+                self.identity, self.replicas.global_rank, fp, slots))
             ranks = {m: int(shared[m]["rank"]) for m in members}  # type: ignore[index]
             hosts = {ranks[m]: str(shared[m]["host"]) for m in members}  # type: ignore[index]
-            prints = {ranks[m]: tuple(shared[m]["fp"][i] for i in slots)  # type: ignore[index]
+            prints = {ranks[m]: tuple(shared[m]["fp"])  # type: ignore[index]
                       for m in members}
             v = vote(prints)
             self._source = next((int(shared[m]["global"]) for m in members  # type: ignore[index]

@@ -131,3 +131,52 @@ def test_divergence_counter_counts_the_diverged_rank_only() -> None:
     assert registry.get_sample_value(name) == 1.0
     assert registry.get_sample_value("nansentinel_blamed_steps_total") == 0.0  # finite
     assert registry.get_sample_value("nansentinel_rank_healthy") == 1.0
+
+
+def test_a_repair_moves_only_the_disagreeing_slots_at_a_large_simulated_world() -> None:
+    """Issue 35 item 8: on a mismatch every rank of the replica group shares its row, summed on
+    every rank. Under DDP at a simulated 4,096 ranks (torch's fake backend: collectives are
+    no-ops, so each rank's row is written into every slot as the real sum would fill them) the
+    bytes grow with the world times the tensors that differ (one), not times all of them."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from nansentinel.rare.replicas import ReplicaCheck
+    from nansentinel.wire.collectives import Peers
+
+    world = 4096
+    moved: list[int] = []
+    real = dist.all_reduce
+
+    def simulated(t: torch.Tensor, *args: object, **kwargs: object) -> object:
+        moved.append(t.numel() * t.element_size())
+        if t.dtype == torch.int64 and t.numel() == world:  # the rows' sizes: every rank's
+            t.fill_(int(t[0]))
+        elif t.dtype == torch.uint8 and t.numel() and t.numel() % world == 0:  # the rows
+            t.copy_(t[: t.numel() // world].repeat(world))
+        return real(t, *args, **kwargs)
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(16, 16) for _ in range(100)])
+    opt = torch.optim.Adam(model.parameters())
+    model(torch.randn(2, 16)).sum().backward()
+    opt.step()
+    assert not dist.is_initialized()
+    dist.init_process_group("fake", rank=0, world_size=world, store=FakeStore())
+    try:
+        peers = Peers(None, torch.device("cpu"))
+        check = ReplicaCheck(model, opt, group=None, peers=peers, device=torch.device("cpu"),
+                             every=1, action="repair",
+                             identity=RankIdentity(0, 0, world, "node-0000", "cpu"))
+        state, fp, slots = check.compare()
+        assert len(state) == 800 and slots == []  # 200 parameters, 3 Adam tensors each
+        dist.all_reduce = simulated  # type: ignore[assignment]
+        try:
+            check._name(state, fp, [123])  # one tensor differs somewhere in the group
+        finally:
+            dist.all_reduce = real  # type: ignore[assignment]
+    finally:
+        dist.destroy_process_group()
+    rows = moved[1]
+    assert moved[0] == 8 * world  # the sizes
+    assert rows <= 100 * world, f"{rows:,} bytes summed for one differing tensor at W={world}"
