@@ -292,6 +292,9 @@ class ReplicaCheck:
         #: Findings of every check that disagreed, for tests and the drill.
         self.found: list[tuple[int, list[Finding]]] = []
         self._source: int | None = None  # the global rank a repair broadcasts from
+        #: Called before this check writes into the state (a repair, the bitflip drill): a
+        #: snapshot's copies may still be reading it on a side stream (recovery.SideCopies).
+        self.before_write: Callable[[], None] | None = None
 
     def due(self, step: int) -> bool:
         return (step + 1) % self.every == 0
@@ -318,6 +321,7 @@ class ReplicaCheck:
             params = [t for _, t in replicated_state(self.module, self.optimizer, self.skip)]
             nonempty = next((t for t in params if t.numel()), None)
             if nonempty is not None:
+                self._writing()
                 flip_bit(nonempty)
         if not self.due(step):
             return result, decision
@@ -376,6 +380,7 @@ class ReplicaCheck:
             return
         wanted = set(mine.parameters)
         comm = self.replicas.comm_device
+        self._writing()
         for name, tensor in state:
             if name not in wanted:
                 continue
@@ -384,6 +389,10 @@ class ReplicaCheck:
             self.replicas.broadcast_in_place(buf, self._source)
             if buf is not tensor:
                 tensor.copy_(buf)
+
+    def _writing(self) -> None:
+        if self.before_write is not None:
+            self.before_write()
 
     def _record(
         self, step: int, result: StepResult, decision: Decision, history: History,

@@ -31,7 +31,7 @@ from nansentinel.checks.quarantine import Quarantine
 from nansentinel.common.inject import Injector, parse_inject
 from nansentinel.config import SentinelConfig, resolve_hostname
 from nansentinel.effects import stop
-from nansentinel.effects.recovery import SnapshotStore, snapshot_store
+from nansentinel.effects.recovery import MemorySnapshots, SnapshotStore, snapshot_store
 from nansentinel.engines.deepspeed_step import steps_of
 from nansentinel.rare import incident
 from nansentinel.rare.detection import Detector
@@ -104,6 +104,8 @@ class Sentinel:
             model, self.module, opt, path=self.gradients.name, config=cfg, peers=peers,
             device=self.device, identity=self.identity, pipelined=bool(pipelined),
             inject=lambda step: self.injector.due("bitflip", step), incidents=self.incidents)
+        if self.replicas is not None and isinstance(self.snapshots, MemorySnapshots):
+            self.replicas.before_write = self.snapshots.copies.hold  # a repair waits for them
         self.judge = StepJudge(
             cfg, world_size=self.world_size, rank=self.rank, device=self.device,
             optimizer=opt, scaler=scaler, detector=self.detector, snapshots=self.snapshots,

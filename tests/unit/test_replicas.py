@@ -180,3 +180,30 @@ def test_a_repair_moves_only_the_disagreeing_slots_at_a_large_simulated_world() 
     rows = moved[1]
     assert moved[0] == 8 * world  # the sizes
     assert rows <= 100 * world, f"{rows:,} bytes summed for one differing tensor at W={world}"
+
+
+def test_a_repair_and_the_bitflip_drill_wait_for_the_snapshot_copies_before_writing() -> None:
+    """Issue 35 item 6: a snapshot's copies of the parameters run on a side stream that only
+    their next writer waits for; a repair (and the drill's flip) writes into them right after
+    a save, so it calls ``before_write`` (the copies' ``hold``) first."""
+    from nansentinel.rare.replicas import ReplicaCheck
+    from nansentinel.wire.collectives import Peers
+
+    model = torch.nn.Linear(2, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    check = ReplicaCheck(model, opt, group=None, peers=Peers(None, torch.device("cpu")),
+                         device=torch.device("cpu"), every=10, action="repair",
+                         identity=RankIdentity(0, 0, 1, "h", "cpu"), inject=lambda s: s == 3)
+    seen: list[torch.Tensor] = []
+    check.before_write = lambda: seen.append(model.weight.detach().clone())
+    before = model.weight.detach().clone()
+    result = StepResult(step=3, applied=True, outcome=Outcome.APPLIED, bad_ranks=[],
+                        bad_hosts=[], kinds=[], local_kinds=[], local_loss=1.0,
+                        local_grad_norm=1.0, consecutive_skips=0)
+    check.check(3, result, None, None, config=None, guarded=None)  # type: ignore[arg-type]
+    assert len(seen) == 1 and torch.equal(seen[0], before)  # called before the flip
+    assert not torch.equal(model.weight, before)
+    check._source = 0
+    finding = Finding([0], True, [0], [], {0: "h"}, ["weight"], 0)
+    check._repair(replicated_state(model, opt), [finding])
+    assert len(seen) == 2
