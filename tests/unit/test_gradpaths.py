@@ -136,6 +136,47 @@ def test_parameter_norms_read_fsdps_reduce_scatter_layout() -> None:
     assert fsdp.parameter_norms(flat, world, padded).isfinite().tolist() == [True, False, True]
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_parameter_norms_on_an_accelerator_read_the_buffer_once_and_hand_foreach_dense_slices(
+    monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype,
+) -> None:
+    """Issue 35 item 5: on an accelerator (the same code, run here on the CPU) one norm over
+    ``flat.view(world, -1)`` reads the buffer (counted by the profiler: one
+    ``linalg_vector_norm`` of a ``world``-row input, where a foreach over each parameter's
+    strided columns made one per parameter, as CUDA's foreach does for views that are not
+    dense), then the per-parameter segments are contiguous slices of one row, which CUDA's
+    foreach norm takes in its fused multi-tensor path."""
+    from torch.profiler import ProfilerActivity, profile
+
+    world, widths = 8, [6, 3, 10, 1, 0] * 20  # 100 parameters, one of each five empty here
+    flat = torch.randn(world * sum(widths), generator=torch.Generator().manual_seed(0))
+    flat = flat.to(dtype)
+    dense: list[bool] = []
+    real = torch._foreach_norm
+
+    def foreach_norm(tensors: list[torch.Tensor], *args: object, **kwargs: object) -> object:
+        dense.extend(t.is_contiguous() for t in tensors)
+        return real(tensors, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "_foreach_norm", foreach_norm)
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+        norms = fsdp.segment_norms(flat, world, widths)
+    reads = [e for e in prof.events() if e.name == "aten::linalg_vector_norm"
+             and e.input_shapes and len(e.input_shapes[0]) == 2
+             and e.input_shapes[0][0] == world]
+    assert len(reads) == 1, f"{len(reads)} norms read the {world}-row buffer"
+    assert len(dense) == len(widths) and all(dense)
+    columns = flat.float().view(world, -1).split(widths, dim=1)
+    expected = torch.stack([torch.linalg.vector_norm(c) for c in columns])
+    assert norms.dtype == torch.float32
+    torch.testing.assert_close(norms, expected, rtol=1e-6, atol=0)
+    torch.testing.assert_close(fsdp.parameter_norms(flat, world, widths), expected, rtol=1e-6,
+                               atol=0)  # the CPU's own way, the same norms
+    flat.view(world, -1)[5, 6 + 3 + 4] = float("nan")  # parameter 2's shard on row 5
+    poisoned = fsdp.segment_norms(flat, world, widths).isfinite()
+    assert poisoned.tolist() == [i != 2 for i in range(len(widths))]
+
+
 class _Group:
     def __init__(self, size: int) -> None:
         self._size = size
