@@ -5,7 +5,7 @@
 #
 # Installs nothing unless it must: the checkout is put on PYTHONPATH, and only when
 # `import nansentinel` still fails is `pip install -e .` tried (torch must already be there).
-# Each run is bounded by `timeout` (all together at most 13 minutes; RUN_ONLY="big_fused syncs"
+# Each run is bounded by `timeout` (all together at most 14 minutes; RUN_ONLY="big_fused syncs"
 # runs only the named parts, to split it over two commands); logs and
 # JSON are written as it goes, so a run cut short still leaves what it measured.
 set -uo pipefail
@@ -65,8 +65,10 @@ run small_fused 60 --cpu-size --optimizer fused --steps 60 --check-reps 20 \
 run small_memory_fresh 60 --cpu-size --optimizer fused --steps 4 --warmup 1 --check-reps 5 \
     --memory-fresh --variants baseline,sentinel,pyhook
 
-# 5. Host syncs per healthy step added by the sentinel (fused: 0; foreach: at most 1).
-[[ -n "${RUN_ONLY:-}" && " $RUN_ONLY " != *" syncs "* ]] || timeout 45 python bench/gpu_syncs.py 2>&1 | tee "$RESULTS/gpu_syncs.log" || status=$?
+# 5. Host syncs per healthy step added by the sentinel: NCCL at world size 1 (fused: 0;
+#    foreach: at most 1), then 2 gloo ranks over CUDA tensors (the multi-rank path; at most 1,
+#    plus one per replica check). Each path spawns its ranks (~10 s of imports).
+[[ -n "${RUN_ONLY:-}" && " $RUN_ONLY " != *" syncs "* ]] || timeout 90 python bench/gpu_syncs.py 2>&1 | tee "$RESULTS/gpu_syncs.log" || status=$?
 
 echo "run_gpu.sh: done (exit $status); results in $RESULTS"
 exit "$status"

@@ -158,13 +158,18 @@ class MemorySnapshots:
 
     How it is copied: the host buffers are allocated once (pinned when the state lives on an
     accelerator) and every save copies into them with ``non_blocking=True``, so a save
-    allocates nothing and does not block the host per tensor. On CUDA the copies run on a side
-    stream of their own (:class:`SideCopies`), after the step that made the state and beside
-    the next step's compute (a 7 B model under DDP on 8 ranks copies ~14 GB a snapshot: on the
-    compute stream that is a stall of the GPU every ``snapshot_every`` steps). The next write
-    into the state waits for them on the device: the module's next forward (it updates
-    buffers such as BatchNorm statistics) and the optimizer's next step, through a forward
-    pre-hook and a step pre-hook; a rollback waits on the host before it reads the buffers.
+    allocates nothing and does not block the host per tensor. On CUDA the parameters and the
+    optimizer state are copied on a side stream of their own (:class:`SideCopies`), after the
+    step that made them and beside the next forward and backward (a 7 B model under DDP on 8
+    ranks copies ~14 GB a snapshot: on the compute stream, or with the next forward waiting
+    for it, that is a stall of the GPU every ``snapshot_every`` steps); only their next
+    writer waits for them, on the device: the optimizer's next step (a step pre-hook), a
+    replica repair (``ReplicaCheck.before_write``). What the forward itself writes — the
+    module's buffers (BatchNorm statistics; DDP broadcasts them at its forward) — is small and
+    copied on the compute stream, ordered before those writes with no wait at all. A rollback
+    waits on the host before it reads the buffers. Not ordered: a write of the caller's own
+    into the parameters between ``step()`` and the next optimizer step (clamping weights in
+    place); take it on the compute stream after ``sentinel.snapshots.copies.hold()``.
     The buffers are reallocated only when the layout of the state changes (the optimizer's
     state appears at its first step, after a snapshot of the weights alone): only then is the
     fit checked, with one small collective on ``peers`` (every rank changes layout at the same
@@ -210,8 +215,7 @@ class MemorySnapshots:
         self._step: int | None = None
         #: Where the device-to-host copies run, and the waits that order the next writes.
         self.copies = SideCopies()
-        self._hooks = [module.register_forward_pre_hook(self.copies.hold),
-                       optimizer.register_step_pre_hook(self.copies.hold)]
+        self._hooks = [optimizer.register_step_pre_hook(self.copies.hold)]
 
     @property
     def step(self) -> int | None:
@@ -219,8 +223,9 @@ class MemorySnapshots:
 
     @property
     def bytes(self) -> int:
-        """Host bytes this rank holds for the snapshot (its buffers)."""
-        return sum(b.nbytes for b in self._buffers)
+        """Host bytes this rank holds for the snapshot (its buffers), as allocated: a pinned
+        buffer takes its size rounded up to a power of two (:func:`pinned_nbytes`)."""
+        return sum(_held_nbytes(b) for b in self._buffers)
 
     @property
     def unsharded_bytes(self) -> int:
@@ -233,9 +238,17 @@ class MemorySnapshots:
         if layout != self._layout:
             self.copies.finish()  # the old buffers are released: no copy may still write them
             self._allocate(layout, step)
-        with self.copies.side([src for _, src in leaves]):
-            for slot, (_, src), buf in zip(layout, leaves, self._buffers, strict=True):
-                _copy_in(slot, src, buf, self._rank_of_replicas())
+        rank = self._rank_of_replicas()
+        jobs = list(zip(layout, leaves, self._buffers, strict=True))
+        forward_writes = self._forward_writes()
+        early = [job for job in jobs if forward_writes(job[1][0])]
+        late = [job for job in jobs if not forward_writes(job[1][0])]
+        with self.copies.inline([src for _, (_, src), _ in early]):
+            for slot, (_, src), buf in early:
+                _copy_in(slot, src, buf, rank)
+        with self.copies.side([src for _, (_, src), _ in late]):
+            for slot, (_, src), buf in late:
+                _copy_in(slot, src, buf, rank)
         if self.scaler is not None:
             self._scaler_state = copy.deepcopy(self.scaler.state_dict())
         self._skeleton, self._step = skeleton, step
@@ -268,6 +281,12 @@ class MemorySnapshots:
             "optimizer": _flatten(self.optimizer.state_dict(), ("optimizer",), leaves),
         }
         return skeleton, leaves
+
+    def _forward_writes(self) -> Callable[[tuple[Any, ...]], bool]:
+        """Whether a leaf of the state (by its path) is written by the next forward: the
+        module's buffers and extra state, not its parameters nor the optimizer's state."""
+        params = {n for n, _ in self.module.named_parameters(remove_duplicate=False)}
+        return lambda path: path[0] == "model" and path[1] not in params
 
     def _rank_of_replicas(self) -> int:
         return self.replicas.rank if self.replicas is not None else 0
@@ -305,9 +324,11 @@ class MemorySnapshots:
 
     def _allocate(self, layout: tuple[_Slot, ...], step: int) -> None:
         """New buffers for a new layout, once every rank has said its own fit."""
+        # The old buffers are dropped first; pinned ones go back to the system only when the
+        # host cache is emptied (where it cannot be, old and new blocks coexist).
         held = self.bytes
-        needed = sum(s.nbytes for s in layout)
-        available = int(self.available()) + held  # the old buffers are released first
+        needed = sum(_host_nbytes(s) for s in layout)
+        available = int(self.available()) + self._releasable()
         short = needed > available
         rank = self.peers.rank if self.peers is not None else 0
         worst = [1.0 if short else 0.0, float(needed) if short else 0.0,
@@ -332,9 +353,25 @@ class MemorySnapshots:
         if held:
             log.info("nansentinel: the snapshot's layout changed at step %d: %s of host "
                      "buffers reallocated", step, _size(needed))
-        self._buffers = []
+        self._release()
         self._buffers = [_new_buffer(slot) for slot in layout]
         self._layout = layout
+
+    def _releasable(self) -> int:
+        """Host bytes the current buffers give back to the system when :meth:`_release` drops
+        them: all of them, but pinned ones only where the host cache can be emptied."""
+        pinned = sum(_held_nbytes(b) for b in self._buffers if _pinned(b))
+        return self.bytes - (0 if _host_cache_emptiable() else pinned)
+
+    def _release(self) -> None:
+        """Drop the buffers, and give their pinned blocks back to the system: torch's caching
+        host allocator keeps a freed pinned block for reuse by a request of the same rounded
+        size, so without this the old layout's blocks would stay pinned beside the new ones
+        (the copies into them are finished: the caller waited for them)."""
+        pinned = any(_pinned(b) for b in self._buffers)
+        self._buffers = []
+        if pinned and _host_cache_emptiable():
+            torch.accelerator.empty_host_cache()
 
     # --- restore ----------------------------------------------------------------------------
 
@@ -356,21 +393,35 @@ class MemorySnapshots:
 
 
 class SideCopies:
-    """The device-to-host copies of a snapshot, off the compute stream.
+    """The device-to-host copies of a snapshot, off the compute stream where that helps.
 
     On CUDA, :meth:`side` runs the copies on a stream of their own that first waits for the
     compute stream (the copies read the state the last step left), records an event after
     them, and marks every source tensor as used on that stream (``record_stream``), so that the
-    caching allocator does not hand its memory out again before the copy has read it. The next
-    writer of the state calls :meth:`hold` first: the compute stream waits for the event, on
-    the device, without a host sync. :meth:`finish` waits on the host, before the buffers are
-    read there (a rollback) or released. Elsewhere (CPU) every call is a no-op: the copies are
-    plain copies and done when they return.
+    caching allocator does not hand its memory out again before the copy has read it. Only the
+    next writer of that state calls :meth:`hold` first (the optimizer's step, a replica
+    repair): the compute stream waits for the event, on the device, without a host sync, so
+    the next forward and backward run beside the copies. :meth:`inline` is for the state the
+    forward writes (the module's buffers): copied on the compute stream itself, so its writes
+    come after the copies in stream order and nothing waits. :meth:`finish` waits on the host
+    for both, before the buffers are read there (a rollback) or released. Elsewhere (CPU)
+    every call is a no-op: the copies are plain copies and done when they return.
     """
 
     def __init__(self) -> None:
         self._streams: dict[torch.device, Any] = {}
         self._events: dict[torch.device, Any] = {}
+        self._inline: dict[torch.device, Any] = {}
+
+    @contextlib.contextmanager
+    def inline(self, sources: list[torch.Tensor]) -> Iterator[None]:
+        """Copies on the current (compute) stream; an event after them for :meth:`finish`."""
+        yield
+        devices = {t.device for t in sources if t.device.type == "cuda"}
+        for device in devices:
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(device))
+            self._inline[device] = event
 
     @contextlib.contextmanager
     def side(self, sources: list[torch.Tensor]) -> Iterator[None]:
@@ -401,9 +452,10 @@ class SideCopies:
             torch.cuda.current_stream(device).wait_event(event)
 
     def finish(self) -> None:
-        """The host waits for the last copies."""
+        """The host waits for the last copies (on the side stream and inline)."""
         events, self._events = self._events, {}
-        for event in events.values():
+        inline, self._inline = self._inline, {}
+        for event in [*events.values(), *inline.values()]:
             event.synchronize()
 
 
@@ -416,6 +468,36 @@ def _copy_in(slot: _Slot, src: torch.Tensor, buf: torch.Tensor, rank: int) -> No
         return
     part = local.reshape(-1)[rank * slot.chunk: (rank + 1) * slot.chunk]
     buf[: part.numel()].copy_(part, non_blocking=True)  # the padding stays zero
+
+
+def pinned_nbytes(nbytes: int) -> int:
+    """Host bytes torch's caching host allocator pins for a request of ``nbytes``: the next
+    power of two (``CachingHostAllocator.h``: ``c10::llvm::PowerOf2Ceil(size)``, the block
+    size it asks ``cudaHostAlloc`` for and keys its free list by), so a 21.5 MB slice takes
+    32 MB."""
+    return 0 if nbytes <= 0 else 1 << (nbytes - 1).bit_length()
+
+
+def _host_nbytes(slot: _Slot) -> int:
+    """Host bytes :func:`_new_buffer` will take for ``slot``: rounded as the pinned allocator
+    rounds when the state lives on an accelerator (counted so even where pinning then fails:
+    the fit check errs on the safe side)."""
+    return pinned_nbytes(slot.nbytes) if slot.device.type != "cpu" else slot.nbytes
+
+
+def _pinned(buf: torch.Tensor) -> bool:
+    return torch.accelerator.is_available() and buf.is_pinned()
+
+
+def _held_nbytes(buf: torch.Tensor) -> int:
+    """Host bytes a buffer holds as allocated (a pinned one: its rounded block)."""
+    return pinned_nbytes(buf.nbytes) if _pinned(buf) else buf.nbytes
+
+
+def _host_cache_emptiable() -> bool:
+    """Whether freed pinned blocks can be given back to the system (torch >= 2.8 with an
+    accelerator: ``torch.accelerator.empty_host_cache``)."""
+    return hasattr(torch.accelerator, "empty_host_cache") and torch.accelerator.is_available()
 
 
 def _new_buffer(slot: _Slot) -> torch.Tensor:

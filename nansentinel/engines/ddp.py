@@ -2,11 +2,12 @@
 
 DDP hands the hook each flat gradient bucket of this rank, in the order the buckets become
 ready during backward. The hook takes one L2 norm of the bucket (one read of contiguous memory,
-one kernel; NaN and Inf propagate into it), then averages the bucket exactly as DDP's default
-does — NCCL: one ``AVG`` all-reduce; gloo, which has no ``AVG``: scale by 1/world, then sum;
-a world of one: a plain sum (see :func:`averaging`) — and, on the last bucket, launches the
-health exchange so it leaves with the gradients. Under ``policy="drop"`` a rank whose batch or
-loss was non-finite sends zeros in place of its bucket (drop.py); the averaging is unchanged.
+one kernel; NaN and Inf propagate into it), then averages the bucket with DDP's default's
+arithmetic, on every backend — scale each element by 1/world at fp32 (or divide it by the
+world, where DDP would), then sum; a world of one: a plain sum (see :func:`averaging`) — and,
+on the last bucket, launches the health exchange so it leaves with the gradients. Under
+``policy="drop"`` a rank whose batch or loss was non-finite sends zeros in place of its bucket
+(drop.py); the averaging is unchanged.
 """
 
 from __future__ import annotations
@@ -45,6 +46,12 @@ class DDPPath:
         device = next((p.device for p in model.parameters()), torch.device("cpu"))
         #: How a bucket is averaged (see :func:`averaging`).
         self.averaging = averaging(backend, device.type, self.world_size)
+        #: This step's buckets are divided by the world, not multiplied by its inverse: what
+        #: DDP's default does to gradients that already were its bucket views (see
+        #: :meth:`_own_ends`).
+        self.divides = False
+        self._as_view = bool(getattr(model, "gradient_as_bucket_view", False))
+        self._probe = next((p for p in model.parameters() if p.requires_grad), None)
         self.buckets = 0
         self.keep_norms = False
         self._kept: KeptNorms | None = None
@@ -84,6 +91,8 @@ class DDPPath:
         forward = getattr(self.sink, "forward", None)
         if forward is not None:
             forward.resume()
+        if self._as_view and self._probe is not None:
+            self.divides = kept_as_view(self._probe.grad)
 
     def check_now(self) -> None:
         """No bucket was reduced this step (no backward, or every micro-batch under
@@ -123,20 +132,54 @@ class DDPPath:
         return torch.linalg.vector_norm(norms)
 
 
-AVG, SCALE_THEN_SUM, SUM = "avg", "scale_then_sum", "sum"
+SCALE_THEN_SUM, SUM = "scale_then_sum", "sum"
 
 
 def averaging(backend: str, device_type: str, world_size: int) -> str:
-    """How the hook averages a bucket across ``world_size`` ranks.
+    """How the hook averages a bucket across ``world_size`` ranks: as DDP's default does, on
+    every backend and in every dtype, so that a healthy step is plain DDP's bit for bit.
 
-    NCCL on CUDA: one ``AVG`` all-reduce, as DDP's default does. Gloo has no ``AVG``: scale by
-    1/world, then sum. A world of one: a plain sum, which is the identity, because NCCL's
-    one-rank ``AVG`` dropped trailing elements (NVIDIA/nccl#1950, seen on 2.27.5, fixed in
-    2.29.7) and FSDP2 forces a sum there for the same reason.
+    DDP's default divides each gradient while copying it into its bucket (``mul_out`` with the
+    scalar 1/world, computed at fp32 even for a bf16/fp16 bucket; ``div_`` by the world for a
+    gradient that already is its bucket view, see :func:`kept_as_view`), then all-reduces with
+    ``SUM``. The hook sees the bucket after the copy, so it scales the bucket the same way,
+    then sums: ``SCALE_THEN_SUM``, whatever the backend and device.
+
+    Not NCCL's ``AVG``: NCCL pre-multiplies each input by 1/world *rounded to the bucket's
+    dtype* (``hostToDevRedOp``: ``__float2bfloat16(float(1.0/nRanks))``), so with bf16 buckets
+    at 6, 12, 24, 48, 96 or 384 ranks every averaged gradient came out 0.195% too large
+    (bf16(1/24) * 24 = 1.00195), and fp16 and other sizes were off by other amounts. NCCL's
+    ``PreMulSum`` cannot fix it: its factor has the bucket's dtype too. Gloo has no ``AVG``.
+
+    A world of one: a plain sum, which is the identity (DDP's division by one is exact),
+    because NCCL's one-rank ``AVG`` dropped trailing elements (NVIDIA/nccl#1950, seen on
+    2.27.5, fixed in 2.29.7) and FSDP2 forces a sum there for the same reason.
+    ``backend`` and ``device_type`` no longer change the rule; they stay in the signature for
+    the callers that record them.
     """
-    if world_size == 1:
-        return SUM
-    return AVG if "nccl" in backend and device_type == "cuda" else SCALE_THEN_SUM
+    del backend, device_type
+    return SUM if world_size == 1 else SCALE_THEN_SUM
+
+
+def kept_as_view(grad: torch.Tensor | None) -> bool:
+    """Whether DDP's default would *divide* this gradient by the world rather than multiply it
+    by 1/world: it does when the gradient already is a view of its bucket when backward
+    reaches it (``gradient_as_bucket_view=True`` and gradients zeroed in place, not set to
+    None), and multiplies while copying otherwise. The two differ in the last bit of an fp32
+    gradient at a world that is not a power of two. Probed on one parameter after each
+    forward (a gradient set to None since, or a fresh one accumulated under ``no_sync``, is no
+    view of anything), so the hook does what DDP's reducer does without a per-parameter hook.
+    """
+    return grad is not None and grad._base is not None
+
+
+def scale(buffer: torch.Tensor, world_size: int, divides: bool) -> None:
+    """Scale a bucket by 1/world in place, as DDP's default does before its ``SUM``: the
+    scalar is computed at fp32 (torch's ``opmath``) for a bf16/fp16 bucket too."""
+    if divides:
+        buffer.div_(world_size)
+    else:
+        buffer.mul_(1.0 / world_size)
 
 
 def _comm_hook(state, bucket):  # type: ignore[no-untyped-def]
@@ -158,12 +201,9 @@ def _comm_hook(state, bucket):  # type: ignore[no-untyped-def]
     path.buckets += 1
     sink.add_grad_norm(path.bucket_norm(bucket))
     sink.withhold(buffer)  # policy="drop": a poisoned rank sends zeros (drop.py)
-    if path.averaging == AVG:
-        work = dist.all_reduce(buffer, dist.ReduceOp.AVG, path.group, async_op=True)
-    else:
-        if path.averaging == SCALE_THEN_SUM:
-            buffer.mul_(1.0 / path.world_size)
-        work = dist.all_reduce(buffer, group=path.group, async_op=True)
+    if path.averaging == SCALE_THEN_SUM:
+        scale(buffer, path.world_size, path.divides)
+    work = dist.all_reduce(buffer, group=path.group, async_op=True)
     # A failure (a peer died) becomes the step's one diagnosis, naming the missing ranks.
     future = sink.diagnosed(work.get_future(), sink.step_index, buffer)
     if bucket.is_last():

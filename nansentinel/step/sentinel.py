@@ -32,7 +32,7 @@ from nansentinel.common.inject import Injector, parse_inject
 from nansentinel.config import SentinelConfig, resolve_hostname
 from nansentinel.decide.spikes import SpikeDetector
 from nansentinel.effects import stop
-from nansentinel.effects.recovery import SnapshotStore, snapshot_store
+from nansentinel.effects.recovery import MemorySnapshots, SnapshotStore, snapshot_store
 from nansentinel.rare.detection import Detector
 from nansentinel.rare.incident import IncidentWriter
 from nansentinel.rare.replay import ReplayFn
@@ -123,11 +123,13 @@ class Sentinel:
         self._detector = Detector(ctx, self._gradients, incidents,
                                   Detector.replayer(ctx, self._gradients, watched.module, replay),
                                   quarantine)
+        snaps = snapshot_store(snapshots, ctx, watched)
         replicas = replica_check(ctx, watched, self._gradients.caps,
                                  inject=functools.partial(injector.due, "bitflip"),
                                  incidents=incidents)
-        stepping = Stepping(optimizer, scaler, self._current.buffers,
-                            snapshot_store(snapshots, ctx, watched), replicas)
+        if replicas is not None and isinstance(snaps, MemorySnapshots):
+            replicas.before_write = snaps.copies.hold  # a repair waits for the copies
+        stepping = Stepping(optimizer, scaler, self._current.buffers, snaps, replicas)
         self._judge = StepJudge(ctx, stepping, self._detector, spikes)
         self._end = stop.RunEnd(ctx, self._judge, getattr(self._gradients, "release", None))
         self._gate = gated_steps(ctx, self._judge, self._gradients.caps, rearm=self._rearm,

@@ -123,7 +123,7 @@ class HealthExchange:
             return False
         if work is None:
             return True
-        return bool(work.is_completed()) and not (self.nccl and work.exception() is not None)
+        return bool(work.is_completed()) and not (self.nccl and nccl_failed(work))
 
     def launch(self, step: int, vector: torch.Tensor) -> None:
         """Start summing the totals of this rank's ``vector`` (``schema.pack``) across the group
@@ -134,28 +134,40 @@ class HealthExchange:
             self._work = dist.all_reduce(vector[:T.size], group=self.group, async_op=True)
 
     def wait(self) -> tuple[int, list[float]]:
-        """Wait for the sum (bounded by the timeout); the step and the vector as host floats.
+        """Wait for the sum; the step and the vector as host floats.
 
-        This is the step's one host synchronisation.
+        This is the step's one host synchronisation: on NCCL the read itself (``tolist``),
+        after the current stream was made to wait for the collective (:meth:`_wait`); on gloo
+        the wait, bounded by the timeout.
         """
         step, vector, work = self._pop("wait")
-        self._bounded_wait(step, work)
+        self._wait(step, work)
         return step, vector.tolist()
 
     def take(self) -> tuple[int, torch.Tensor]:
         """This step's summed vector, still where it was summed, without reading it.
 
-        On NCCL the current CUDA stream waits for the collective and the host does not (no
-        timeout is passed: with one, NCCL would block the host; the watchdog bounds a hang).
-        Elsewhere (gloo, one process) the host waits, bounded by the timeout, as in
-        :meth:`wait`: there is no device to overlap with.
+        On NCCL the current CUDA stream waits for the collective and the host does not
+        (:meth:`_wait`). Elsewhere (gloo, one process) the host waits, bounded by the timeout,
+        as in :meth:`wait`: there is no device to overlap with.
         """
         step, vector, work = self._pop("take")
-        if work is not None and vector.device.type == "cuda":
-            work.wait()
-        else:
-            self._bounded_wait(step, work)
+        self._wait(step, work)
         return step, vector
+
+    def _wait(self, step: int, work: dist.Work | None) -> None:
+        """Order what follows after ``work``. NCCL: the current stream waits for it, with no
+        timeout: with one, NCCL blocks the host and polls the work's events with short sleeps
+        until it completes, before the read syncs again; the step's deadline (the watchdog)
+        already bounds a hang and names the missing ranks. Gloo: the host waits, bounded by the
+        timeout (:meth:`_bounded_wait`)."""
+        if work is None or not self.nccl:
+            self._bounded_wait(step, work)
+            return
+        try:
+            work.wait()
+        except RuntimeError as exc:  # NCCL's watchdog already failed it
+            raise self.diagnose(step, exc) from exc
 
     def _pop(self, caller: str) -> tuple[int, torch.Tensor, dist.Work | None]:
         """This step's launched vector and its collective, handed over once."""
@@ -334,6 +346,15 @@ class HealthExchange:
                 host = json.loads(store.get(key)).get("hostname", "")
             out.append([r, host])
         return out
+
+
+def nccl_failed(work: dist.Work) -> bool:
+    """Whether NCCL's watchdog failed ``work`` (timed out, or a communicator error): its
+    result future (``get_future_result``, NCCL only) holds a ``WorkResult`` other than
+    ``SUCCESS`` (0). Not ``work.exception()``: deprecated, it warns on every call, and it is
+    called from the watchdog's thread."""
+    result = work.get_future_result()
+    return bool(result.done()) and int(result.value()) != 0
 
 
 def _default_store() -> dist.Store | None:

@@ -4,6 +4,7 @@ ranks."""
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import math
 
 import pytest
@@ -136,16 +137,30 @@ def test_an_absent_value_is_neither_a_spike_nor_unquiet() -> None:
 
 
 class _Work:
-    """A launched collective that has finished, with or without an error."""
+    """A launched collective that has finished, with or without an error, as NCCL's work
+    tells it: ``get_future_result()`` holds a ``WorkResult`` (0 SUCCESS, 1 TIMEOUT, 2
+    COMM_ERROR) once NCCL's watchdog has seen it; ``exception()`` is deprecated (it warns on
+    every call, from the sentinel's watchdog thread) and must not be called."""
 
-    def __init__(self, error: BaseException | None) -> None:
+    def __init__(self, error: BaseException | None, seen: bool = True) -> None:
         self.error = error
+        self.result: torch.futures.Future = torch.futures.Future()
+        if seen:
+            self.result.set_result(0 if error is None else 2)
+        self.waits: list[dict[str, object]] = []
 
     def is_completed(self) -> bool:
         return True  # NCCL says so for a failed work too
 
+    def get_future_result(self) -> torch.futures.Future:
+        return self.result
+
     def exception(self) -> BaseException | None:
-        return self.error
+        raise AssertionError("Work.exception() is deprecated and warns")
+
+    def wait(self, **kwargs: object) -> bool:
+        self.waits.append(kwargs)
+        return True
 
 
 def test_a_failed_nccl_work_is_not_settled_so_the_watchdog_still_names() -> None:
@@ -163,6 +178,24 @@ def test_a_failed_nccl_work_is_not_settled_so_the_watchdog_still_names() -> None
         exchange.nccl = nccl
         exchange._work = _Work(error)  # type: ignore[assignment]
         assert exchange.settled() is settled, (nccl, error)
+    exchange.nccl = True
+    exchange._work = _Work(None, seen=False)  # type: ignore[assignment]
+    assert exchange.settled()  # completed, and NCCL's watchdog has not marked it yet
+
+
+def test_the_nccl_wait_does_not_poll_with_a_timeout() -> None:
+    """Issue 35 item 7: ``work.wait(timeout=...)`` makes NCCL block the host and poll the
+    work's events with sleeps before the read syncs again; the stream waits instead (no
+    timeout) and the step's watchdog bounds a hang, as in ``take()``. Gloo's host wait keeps
+    its timeout: nothing else bounds it there."""
+    exchange = HealthExchange(None, CPU, 5.0)
+    for nccl, how in [(True, {}), (False, {"timeout": datetime.timedelta(seconds=5.0)})]:
+        for call in (exchange.wait, exchange.take):
+            exchange.launch(3, torch.zeros(SIZE))
+            exchange.nccl = nccl
+            work = exchange._work = _Work(None)  # type: ignore[assignment]
+            assert call()[0] == 3
+            assert work.waits == [how], (nccl, call)
 
 
 def test_a_failed_bucket_future_becomes_the_steps_diagnosis() -> None:

@@ -136,6 +136,47 @@ def test_parameter_norms_read_fsdps_reduce_scatter_layout() -> None:
     assert fsdp.parameter_norms(flat, world, padded).isfinite().tolist() == [True, False, True]
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_parameter_norms_on_an_accelerator_read_the_buffer_once_and_hand_foreach_dense_slices(
+    monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype,
+) -> None:
+    """Issue 35 item 5: on an accelerator (the same code, run here on the CPU) one norm over
+    ``flat.view(world, -1)`` reads the buffer (counted by the profiler: one
+    ``linalg_vector_norm`` of a ``world``-row input, where a foreach over each parameter's
+    strided columns made one per parameter, as CUDA's foreach does for views that are not
+    dense), then the per-parameter segments are contiguous slices of one row, which CUDA's
+    foreach norm takes in its fused multi-tensor path."""
+    from torch.profiler import ProfilerActivity, profile
+
+    world, widths = 8, [6, 3, 10, 1, 0] * 20  # 100 parameters, one of each five empty here
+    flat = torch.randn(world * sum(widths), generator=torch.Generator().manual_seed(0))
+    flat = flat.to(dtype)
+    dense: list[bool] = []
+    real = torch._foreach_norm
+
+    def foreach_norm(tensors: list[torch.Tensor], *args: object, **kwargs: object) -> object:
+        dense.extend(t.is_contiguous() for t in tensors)
+        return real(tensors, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "_foreach_norm", foreach_norm)
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+        norms = fsdp.segment_norms(flat, world, widths)
+    reads = [e for e in prof.events() if e.name == "aten::linalg_vector_norm"
+             and e.input_shapes and len(e.input_shapes[0]) == 2
+             and e.input_shapes[0][0] == world]
+    assert len(reads) == 1, f"{len(reads)} norms read the {world}-row buffer"
+    assert len(dense) == len(widths) and all(dense)
+    columns = flat.float().view(world, -1).split(widths, dim=1)
+    expected = torch.stack([torch.linalg.vector_norm(c) for c in columns])
+    assert norms.dtype == torch.float32
+    torch.testing.assert_close(norms, expected, rtol=1e-6, atol=0)
+    torch.testing.assert_close(fsdp.parameter_norms(flat, world, widths), expected, rtol=1e-6,
+                               atol=0)  # the CPU's own way, the same norms
+    flat.view(world, -1)[5, 6 + 3 + 4] = float("nan")  # parameter 2's shard on row 5
+    poisoned = fsdp.segment_norms(flat, world, widths).isfinite()
+    assert poisoned.tolist() == [i != 2 for i in range(len(widths))]
+
+
 class _Group:
     def __init__(self, size: int) -> None:
         self._size = size
@@ -192,10 +233,58 @@ def test_local_scan_names_nonfinite_gradients_and_strips_the_prefix() -> None:
     assert naming_detail(model.named_parameters(), poisoned=True) == {"parameters": ["1.bias"]}
 
 
-def test_ddp_averages_as_ddp_does_but_sums_a_world_of_one() -> None:
-    from nansentinel.engines.ddp import AVG, SCALE_THEN_SUM, SUM, averaging
+def _nccl_avg_input(x: torch.Tensor, world: int) -> torch.Tensor:
+    """What NCCL's ``AVG`` adds up for one rank's input: ``x`` times 1/world rounded to the
+    input's dtype first (NCCL's ``hostToDevRedOp``: ``ncclDevPreMulSum`` with
+    ``__float2bfloat16(float(1.0/nRanks))`` for bf16, ``__float2half`` for fp16)."""
+    return x * torch.tensor(1.0 / world, dtype=torch.float32).to(x.dtype)
 
-    assert averaging("nccl", "cuda", 8) == AVG
-    assert averaging("gloo", "cpu", 8) == averaging("nccl", "cpu", 2) == SCALE_THEN_SUM
+
+def _plain_ddp_input(x: torch.Tensor, world: int) -> torch.Tensor:
+    """What DDP's default adds up (with ``SUM``): each gradient multiplied by the scalar
+    1/world while it is copied into the bucket (``at::mul_out`` with a wrapped double scalar,
+    computed at fp32 for bf16/fp16)."""
+    out = torch.empty_like(x)
+    torch.mul(x, 1.0 / world, out=out)
+    return out
+
+
+def _hook_input(rule: str, x: torch.Tensor, world: int) -> torch.Tensor:
+    """What the hook hands its all-reduce under ``rule`` (the reduction's op is then SUM)."""
+    if rule == "avg":  # the rule before issue 35: NCCL's AVG on CUDA
+        return _nccl_avg_input(x, world)
+    from nansentinel.engines.ddp import SCALE_THEN_SUM, SUM, scale
+
+    assert rule in (SCALE_THEN_SUM, SUM)
+    y = x.clone()
+    if rule == SCALE_THEN_SUM:
+        scale(y, world, divides=False)
+    return y
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("backend", [("nccl", "cuda"), ("gloo", "cpu"), ("gloo", "cuda")])
+def test_ddp_averages_with_plain_ddps_arithmetic_on_every_backend(
+    dtype: torch.dtype, backend: tuple[str, str],
+) -> None:
+    """Each rank's contribution to the sum is what plain DDP contributes, bit for bit: the
+    scale 1/world at fp32, never rounded to bf16/fp16 first as NCCL's AVG does (0.195% too
+    large at 24 ranks in bf16: ``bf16(1/24) * 24``)."""
+    from nansentinel.engines.ddp import averaging
+
+    x = torch.randn(4096, generator=torch.Generator().manual_seed(0)).to(dtype)
+    for world in (2, 3, 6, 24, 96, 1000):
+        rule = averaging(*backend, world)
+        got, want = _hook_input(rule, x, world), _plain_ddp_input(x, world)
+        assert torch.equal(got, want), (backend, dtype, world, rule)
+    assert torch.tensor(1 / 24).bfloat16().float().item() * 24 == pytest.approx(1.00195, abs=1e-5)
+
+
+def test_a_world_of_one_sums_and_gradients_kept_as_views_are_divided() -> None:
+    from nansentinel.engines.ddp import SUM, averaging, kept_as_view
+
     # NCCL's one-rank AVG dropped trailing elements (NVIDIA/nccl#1950): a sum is the identity.
     assert averaging("nccl", "cuda", 1) == averaging("gloo", "cpu", 1) == SUM
+    bucket = torch.zeros(8)
+    assert kept_as_view(bucket[2:6].view(2, 2))  # DDP's gradient_as_bucket_view, kept
+    assert not kept_as_view(torch.zeros(2, 2)) and not kept_as_view(None)

@@ -3,9 +3,10 @@ it guards. Each test here failed on the main branch before the fix it names."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -243,25 +244,43 @@ def test_warn_level_spike_reports_are_one_per_window(
     assert suppressed == spiked - len(reports)
 
 
-def test_snapshot_copies_are_ordered_before_the_next_write(tmp_path: Path) -> None:
-    """Item 6: the snapshot's device-to-host copy ran on the compute stream. On the CPU the
-    copies are plain; what is checked here is that every writer of the state waits for them
-    (the forward and the optimizer step) and that a rollback waits on the host first."""
+def test_snapshot_copies_overlap_the_next_forward_and_order_the_next_writes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Items 6 of issues 20 and 35: the parameters and optimizer state are copied on a side
+    stream that only their next writer waits for (the optimizer's step), so the next forward
+    runs beside the copies; the buffers the forward writes (BatchNorm statistics) are copied
+    on the compute stream, which orders them without a wait; a rollback waits on the host.
+    On the CPU the copies are plain: what is checked is which copies go where and who waits."""
+    from nansentinel.effects.recovery import SideCopies
+
+    calls: list[object] = []
+
+    @contextlib.contextmanager
+    def record(kind: str, sources: list[torch.Tensor]) -> Iterator[None]:
+        calls.append((kind, {t.data_ptr() for t in sources}))
+        yield
+
+    monkeypatch.setattr(SideCopies, "hold", lambda self, *_: calls.append("hold"))
+    monkeypatch.setattr(SideCopies, "finish", lambda self: calls.append("finish"))
+    monkeypatch.setattr(SideCopies, "side", lambda self, src: record("side", src))
+    monkeypatch.setattr(SideCopies, "inline", lambda self, src: record("inline", src),
+                        raising=False)
     model = _net(batchnorm=True)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     snaps = MemorySnapshots(Watched(model, model, opt))
-    calls: list[str] = []
-    snaps.copies.hold = lambda *_: calls.append("hold")  # type: ignore[method-assign]
-    snaps.copies.finish = lambda: calls.append("finish")  # type: ignore[method-assign]
-    snaps._hooks[0].remove()
-    snaps._hooks[1].remove()
-    snaps._hooks = [model.register_forward_pre_hook(snaps.copies.hold),
-                    opt.register_step_pre_hook(snaps.copies.hold)]
     snaps.save(0)
+    assert calls[0] == "finish"  # the first layout: nothing to wait for, then allocated
+    (inline, early), (side, late) = calls[1:]
+    buffers = {b.data_ptr() for b in model.buffers()}  # BatchNorm's statistics and count
+    assert (inline, side) == ("inline", "side")
+    assert early == buffers and late == {p.data_ptr() for p in model.parameters()}
+    calls.clear()
     model(torch.randn(4, 4)).sum().backward()
+    assert calls == []  # the forward and backward wait for nothing
     opt.step()
     snaps.load()
-    assert calls[-3:] == ["hold", "hold", "finish"]
+    assert calls == ["hold", "finish"]
 
 
 @pytest.mark.parametrize("bad", ["NaN", "nan", "Infinity"])

@@ -3,6 +3,8 @@ cooldown composes with a scheduler."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 
@@ -176,3 +178,56 @@ def test_module_state_dict_versions_survive_the_snapshot() -> None:
     assert snaps._skeleton is not None
     meta = snaps._skeleton["model"]._metadata
     assert meta == model.state_dict()._metadata and meta["1"]["version"] == 2  # BatchNorm's
+
+
+def _gpu_slot(name: str, numel: int) -> Any:
+    """A slot of state living on a GPU (pinned host buffer), built without one."""
+    from nansentinel.effects.recovery import _Slot
+
+    return _Slot(("model", name), torch.float32, (numel,), torch.device("cuda"), 0, False)
+
+
+SLICE = 5_375_000  # fp32 elements: a 21.5 MB slice, which the pinned allocator rounds to 32 MiB
+
+
+def test_pinned_buffers_are_counted_as_the_caching_host_allocator_rounds_them() -> None:
+    from nansentinel.effects.recovery import pinned_nbytes
+
+    assert [pinned_nbytes(n) for n in (0, 1, 4096, 4097, SLICE * 4)] == [0, 1, 4096, 8192, 2**25]
+    model, opt = _trained()
+    snaps = MemorySnapshots(Watched(model, model, opt), hostname="node7",
+                            available=lambda: 30_000_000)
+    with pytest.raises(SnapshotMemoryError, match=f"needs {2**25:,} bytes"):
+        snaps._allocate((_gpu_slot("w", SLICE),), step=3)  # 21.5 MB < 30 MB, but 32 MiB pinned
+    assert snaps.bytes == 0
+
+
+@pytest.mark.parametrize("emptiable", [True, False])
+def test_a_new_layout_counts_the_old_pinned_blocks_unless_the_host_cache_is_emptied(
+    monkeypatch: pytest.MonkeyPatch, emptiable: bool,
+) -> None:
+    """torch's caching host allocator keeps a freed pinned block for the next request of its
+    size: on a layout change the old blocks stay pinned beside the new ones unless the host
+    cache is emptied between them."""
+    from nansentinel.effects import recovery
+
+    emptied: list[int] = []
+    monkeypatch.setattr(recovery, "_pinned", lambda buf: True)  # as on a GPU host
+    monkeypatch.setattr(recovery, "_host_cache_emptiable", lambda: emptiable)
+    monkeypatch.setattr(torch.accelerator, "empty_host_cache",
+                        lambda: emptied.append(len(snaps._buffers)), raising=False)
+    free = [10**9]
+    model, opt = _trained()
+    snaps = MemorySnapshots(Watched(model, model, opt), available=lambda: free[0])
+    snaps._allocate((_gpu_slot("w", SLICE),), step=0)
+    assert snaps.bytes == 2**25
+    free[0] = 20_000_000  # 20 MB free beside the 32 MiB held: the new layout needs 32 MiB + 4 KiB
+    grown = (_gpu_slot("w", SLICE), _gpu_slot("b", 1000))
+    if emptiable:
+        snaps._allocate(grown, step=1)
+        assert emptied == [0]  # emptied after the old buffers were dropped, before the new ones
+        assert snaps.bytes == 2**25 + 4096
+    else:
+        with pytest.raises(SnapshotMemoryError, match=f"needs {2**25 + 4096:,} bytes"):
+            snaps._allocate(grown, step=1)
+        assert snaps.bytes == 2**25 and not emptied  # the old snapshot is kept

@@ -21,6 +21,7 @@ from nansentinel.rare.replicas import (
     vote,
 )
 from nansentinel.result import Outcome, RankIdentity, StepResult
+from nansentinel.wire.context import Watched
 
 
 def _max_reduce(*prints: torch.Tensor) -> list[int]:
@@ -131,3 +132,89 @@ def test_divergence_counter_counts_the_diverged_rank_only() -> None:
     assert registry.get_sample_value(name) == 1.0
     assert registry.get_sample_value("nansentinel_blamed_steps_total") == 0.0  # finite
     assert registry.get_sample_value("nansentinel_rank_healthy") == 1.0
+
+
+def test_a_repair_moves_only_the_disagreeing_slots_at_a_large_simulated_world() -> None:
+    """Issue 35 item 8: on a mismatch every rank of the replica group shares its row, summed on
+    every rank. Under DDP at a simulated 4,096 ranks (torch's fake backend: collectives are
+    no-ops, so each rank's row is written into every slot as the real sum would fill them) the
+    bytes grow with the world times the tensors that differ (one), not times all of them."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from nansentinel.rare.replicas import ReplicaCheck
+    from nansentinel.wire.collectives import Peers
+
+    world = 4096
+    moved: list[int] = []
+    real = dist.all_reduce
+
+    def simulated(t: torch.Tensor, *args: object, **kwargs: object) -> object:
+        moved.append(t.numel() * t.element_size())
+        if t.dtype == torch.int64 and t.numel() == world:  # the rows' sizes: every rank's
+            t.fill_(int(t[0]))
+        elif t.dtype == torch.uint8 and t.numel() and t.numel() % world == 0:  # the rows
+            t.copy_(t[: t.numel() // world].repeat(world))
+        return real(t, *args, **kwargs)
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(16, 16) for _ in range(100)])
+    opt = torch.optim.Adam(model.parameters())
+    model(torch.randn(2, 16)).sum().backward()
+    opt.step()
+    assert not dist.is_initialized()
+    dist.init_process_group("fake", rank=0, world_size=world, store=FakeStore())
+    try:
+        ctx = _context(Peers(None, torch.device("cpu")), RankIdentity(0, 0, world, "node-0000",
+                                                                      "cpu"), every=1)
+        check = ReplicaCheck(ctx, Watched(model, model, opt), None)
+        state, fp, slots = check.compare()
+        assert len(state) == 800 and slots == []  # 200 parameters, 3 Adam tensors each
+        dist.all_reduce = simulated  # type: ignore[assignment]
+        try:
+            check._name(state, fp, [123])  # one tensor differs somewhere in the group
+        finally:
+            dist.all_reduce = real  # type: ignore[assignment]
+    finally:
+        dist.destroy_process_group()
+    rows = moved[1]
+    assert moved[0] == 8 * world  # the sizes
+    assert rows <= 100 * world, f"{rows:,} bytes summed for one differing tensor at W={world}"
+
+
+def test_a_repair_and_the_bitflip_drill_wait_for_the_snapshot_copies_before_writing() -> None:
+    """Issue 35 item 6: a snapshot's copies of the parameters run on a side stream that only
+    their next writer waits for; a repair (and the drill's flip) writes into them right after
+    a save, so it calls ``before_write`` (the copies' ``hold``) first."""
+    from nansentinel.rare.replicas import ReplicaCheck
+    from nansentinel.wire.collectives import Peers
+
+    model = torch.nn.Linear(2, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ctx = _context(Peers(None, torch.device("cpu")), RankIdentity(0, 0, 1, "h", "cpu"), every=10)
+    check = ReplicaCheck(ctx, Watched(model, model, opt), None, inject=lambda s: s == 3)
+    seen: list[torch.Tensor] = []
+    check.before_write = lambda: seen.append(model.weight.detach().clone())
+    before = model.weight.detach().clone()
+    result = StepResult(step=3, applied=True, outcome=Outcome.APPLIED, bad_ranks=[],
+                        bad_hosts=[], kinds=[], local_kinds=[], local_loss=1.0,
+                        local_grad_norm=1.0, consecutive_skips=0)
+    check.check(3, result, None, None)  # type: ignore[arg-type]
+    assert len(seen) == 1 and torch.equal(seen[0], before)  # called before the flip
+    assert not torch.equal(model.weight, before)
+    check._source = 0
+    finding = Finding([0], True, [0], [], {0: "h"}, ["weight"], 0)
+    check._repair(replicated_state(model, opt), [finding])
+    assert len(seen) == 2
+
+
+def _context(peers: object, identity: RankIdentity, *, every: int) -> object:
+    """The run as a replica check reads it (its peers, identity, device, config, deadline)."""
+    import contextlib
+    from types import SimpleNamespace
+
+    from nansentinel.config import SentinelConfig
+
+    config = SentinelConfig(fingerprint_every=every, divergence_action="repair")
+    return SimpleNamespace(peers=peers, identity=identity, device=torch.device("cpu"),
+                           config=config, guarded=contextlib.nullcontext)
