@@ -144,6 +144,8 @@ def _engines() -> tuple[list[type], list[str]]:
     for path in engines.registry():
         if only and path.__name__ not in only:
             continue
+        if path.__name__ not in BUILDERS:
+            pytest.fail(f"{path.__name__} has no matrix builder (test_every_engine_has_a_builder)")
         missing = BUILDERS[path.__name__].available()
         if missing:
             notes.append(f"{path.__name__} left out: {missing}")
