@@ -202,8 +202,8 @@ def refusal_of(given: Given, config: SentinelConfig) -> str | None:
         return (f"rollbacks are not supported ({caps.rollback}); use policy='skip' or 'abort' "
                 "and restore with engine.load_checkpoint")
     if config.gate == "device":
-        return ("gate='device' is not supported: engine.step() decides on the host (DeepSpeed "
-                "reads its overflow flag there itself); use gate='host' or 'auto'")
+        return (f"gate='device' is not supported: {caps.device_gate} (DeepSpeed reads its "
+                "overflow flag there itself); use gate='host' or 'auto'")
     setup = _setup_refusal(engine)
     if setup is not None:
         return setup

@@ -1,37 +1,60 @@
-"""The invariants of DESIGN.md, in every combination users make (issue 26).
+"""The invariants of DESIGN.md, in every combination users make, on every engine (issues 26, 36).
 
-Policy (skip, rollback, abort, drop) x gate x optimizer x GradScaler x BatchNorm x gradient
-accumulation x replay x replica fingerprints x rank 0 alone reading results, crossed with
-faults of four kinds (batch, loss, forward activation, backward) on one rank and on two, on 3
-gloo ranks under DDP. A CI run takes a random sample of the combinations; its seed is printed, and
-``NANSENTINEL_MATRIX_SEED=S`` reruns the same sample. ``NANSENTINEL_MATRIX=all`` runs every
-combination (thousands: hours), ``NANSENTINEL_MATRIX=N`` a sample of N.
+Engine (every gradient path of ``nansentinel.engines.registry()``: DDP, DeepSpeed, FSDP2, local
+gradients reduced by hand) x policy (skip, rollback, abort, drop) x gate x optimizer x
+GradScaler x BatchNorm x gradient accumulation x replay x replica fingerprints x rank 0 alone
+reading results, crossed with faults of four kinds (batch, loss, forward activation, backward)
+on one rank and on two, on 3 gloo ranks. A CI run takes a random sample of the combinations,
+a share per engine (:attr:`~tests.distributed.workers_invariants.Run.runs` and ``refusals``);
+its seed is printed, and ``NANSENTINEL_MATRIX_SEED=S`` reruns the same sample.
+``NANSENTINEL_MATRIX=N`` takes a sample of N (shared out in the same proportions),
+``NANSENTINEL_MATRIX=all`` every combination (tens of thousands: days);
+``NANSENTINEL_MATRIX_ENGINES=FSDPPath,LocalGradPath`` only those engines.
 
-After each combination:
+The engine dimension comes from the registry, and what each engine allows from its
+capabilities, never from its name (:func:`allowance`): a new engine is in the matrix the day it
+lands in ``registry()``, with a builder in ``workers_invariants.BUILDERS`` (how to build its
+model, optimizer and loop on CPU gloo ranks; :func:`test_every_engine_has_a_builder` fails until
+it has one). The capabilities judged are the run's: each set of ranks first builds every
+engine of its combinations for the plain setup and reads ``sentinel.gradients.caps`` back (the
+declared ``CAPS``, refined at construction: the local path refuses a drop on 3 ranks); the
+declared ones only choose which combinations the sample takes.
+
+A combination the capabilities refuse must be refused clearly: the Sentinel's construction
+raises, on every rank, ``SentinelUsageError`` or ``ConfigError`` (whose ``.field`` names the
+setting), with the capability's reason in its message and the rank named. Where the design
+falls back instead (the host gate for the device gate, no replay, no replica fingerprints),
+the combination runs and the fallback is asserted. After every other combination:
 - every rank took the same decision at every step, and the run ended on every rank alike
   (to the end, or ``NonFiniteError`` at the same step under ``policy="abort"``); under
   ``policy="drop"`` a batch, loss or forward fault on one rank is ``dropped`` (applied, that
   rank named), and the rank left out puts its floating buffers back;
-- weights and optimizer state are finite and bit-identical across replicas, floating buffers
-  finite; and where the policy promises it (every faulty step skipped, or an abort), weights,
-  buffers, optimizer state and the scale equal, bit for bit, a run that never saw the faulty
-  steps;
+- weights and optimizer state are finite and bit-identical across replicas (whole: FSDP2's
+  shards and ZeRO's optimizer partitions gathered), floating buffers finite; and where the
+  policy promises it (every faulty step skipped, or an abort), weights, buffers, optimizer
+  state and the scale equal, bit for bit, a run that never saw the faulty steps;
 - one valid report per incident, and the skip list holds the poisoned rows of batch faults;
 - the optimizer and the scaler take one more step afterwards.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import random
+import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from nansentinel import engines
+from nansentinel.engines import Capabilities
 from tests.distributed.harness import run_ranks, values
 from tests.distributed.workers_invariants import (
+    BUILDERS,
     FAULT_STEPS,
+    PLAIN,
     STEPS,
     drops,
     every_combo,
@@ -43,25 +66,175 @@ from tests.distributed.workers_invariants import (
 )
 
 WORLD = 3
-#: Combinations a CI run takes (each ~0.5-1 s on 3 gloo ranks: ~25 s).
-SAMPLE = 32
 #: Combinations handed to one set of ranks (the rest go to the next set).
 CHUNK = 48
+#: The error types a refusal may raise (nansentinel.SentinelUsageError, nansentinel.ConfigError).
+REFUSALS = ("SentinelUsageError", "ConfigError")
+#: The setting each capability's refusal is about (``ConfigError.field``).
+SETTING = {"device_gate": "gate", "replay": "replay", "drop": "policy", "rollback": "policy"}
 
 
-def _sample() -> tuple[list[dict[str, Any]], int | None]:
-    combos = every_combo()
+@dataclasses.dataclass(frozen=True)
+class Refusal:
+    """One reason a combination is refused: the setting (``ConfigError.field`` when that is
+    the error raised) and the words the message must hold (the capability's reason)."""
+
+    setting: str
+    reason: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Allowance:
+    """What an engine does with a combination: refuses it at construction (any one of
+    ``refusals`` may be the one raised), or runs it with the ``fallbacks`` its capabilities
+    give (``device_gate``: the host gate; ``replay``: off; ``fingerprints``: none)."""
+
+    refusals: tuple[Refusal, ...] = ()
+    fallbacks: frozenset[str] = frozenset()
+
+
+def allowance(combo: dict[str, Any], caps: Capabilities) -> Allowance:
+    """What the engine whose capabilities are ``caps`` allows of ``combo``, from those alone.
+
+    A drop, and a rollback, that the capabilities give a reason against are refused (no
+    fallback exists: the policy is the user's choice). The device gate and the replay are the
+    sentinel's own: on a path that the sentinel steps, it keeps the host gate or turns the
+    replay off (saying why in the log); a path that steps its own optimizer
+    (``steps_optimizer``) is handed the step through its engine's adapter
+    (``engines.deepspeed_step``), which refuses at construction what its capabilities rule out,
+    since no step of the sentinel's is there to fall back on, and refuses a GradScaler given
+    beside the engine, whose own loss scale is used. Replica fingerprints that the capabilities
+    give a reason against are not measured (said once in the log).
+    """
+    refusals: list[Refusal] = []
+    fallbacks: set[str] = set()
+    for name in ("drop", "rollback"):
+        why = getattr(caps, name)
+        if combo["policy"] == name and why is not None:
+            refusals.append(Refusal(SETTING[name], why))
+    for name, asked in (("device_gate", combo["gate"] == "device"),
+                        ("replay", combo["replay"])):
+        why = getattr(caps, name)
+        if asked and why is not None:
+            if caps.steps_optimizer:
+                refusals.append(Refusal(SETTING[name], why))
+            else:
+                fallbacks.add(name)
+    if caps.steps_optimizer and combo["scaler"] != "none":
+        refusals.append(Refusal("scaler", "scaler"))  # "scaler given beside the engine"
+    if combo["fingerprint"] and caps.fingerprints is not None:
+        fallbacks.add("fingerprints")
+    return Allowance(tuple(refusals), frozenset(fallbacks))
+
+
+def device_gated(combo: dict[str, Any], allowed: Allowance) -> bool:
+    """Whether the device gate takes the combination's steps: asked for, not a fallback of
+    the engine, and the setup's own conditions (step/gate.device_gate_refusal): a fused
+    optimizer, no GradScaler, no drop."""
+    return (combo["gate"] == "device" and "device_gate" not in allowed.fallbacks
+            and combo["optimizer"] == "adamw_fused" and combo["scaler"] == "none"
+            and combo["policy"] != "drop")
+
+
+def _engines() -> tuple[list[type], list[str]]:
+    """The engines the matrix runs here (``NANSENTINEL_MATRIX_ENGINES`` narrows them), and a
+    note per engine left out (its package is not installed)."""
+    only = {e for e in os.environ.get("NANSENTINEL_MATRIX_ENGINES", "").split(",") if e}
+    chosen, notes = [], []
+    for path in engines.registry():
+        if only and path.__name__ not in only:
+            continue
+        if path.__name__ not in BUILDERS:
+            pytest.fail(f"{path.__name__} has no matrix builder (test_every_engine_has_a_builder)")
+        missing = BUILDERS[path.__name__].available()
+        if missing:
+            notes.append(f"{path.__name__} left out: {missing}")
+        else:
+            chosen.append(path)
+    return chosen, notes
+
+
+def _strata(paths: list[type]) -> dict[tuple[str, bool], list[dict[str, Any]]]:
+    """Every combination of each engine, split by whether its declared ``CAPS`` refuse it."""
+    strata: dict[tuple[str, bool], list[dict[str, Any]]] = {}
+    for path in paths:
+        for combo in every_combo(path.__name__):
+            refused = bool(allowance(combo, path.CAPS).refusals)
+            strata.setdefault((path.__name__, refused), []).append(combo)
+    return strata
+
+
+def _allocate(n: int, shares: dict[Any, int], sizes: dict[Any, int]) -> dict[Any, int]:
+    """``n`` shared out in proportion to ``shares`` (largest remainders; none over its size)."""
+    total = sum(shares.values())
+    quotas = {k: n * s / total for k, s in shares.items()}
+    counts = {k: min(int(q), sizes[k]) for k, q in quotas.items()}
+    for k in sorted(quotas, key=lambda k: int(quotas[k]) - quotas[k]):  # stable on ties
+        if sum(counts.values()) >= n:
+            break
+        if counts[k] < sizes[k]:
+            counts[k] += 1
+    return counts
+
+
+def _sample() -> tuple[list[dict[str, Any]], int | None, list[str]]:
+    paths, notes = _engines()
+    strata = _strata(paths)
     wanted = os.environ.get("NANSENTINEL_MATRIX", "")
     if wanted == "all":
-        return combos, None
+        return [c for combos in strata.values() for c in combos], None, notes
     seed = int(os.environ.get("NANSENTINEL_MATRIX_SEED") or random.SystemRandom().randrange(10**6))
-    n = int(wanted) if wanted else SAMPLE
-    return random.Random(seed).sample(combos, n), seed
+    shares = {key: (BUILDERS[key[0]].refusals if key[1] else BUILDERS[key[0]].runs)
+              for key in strata}
+    shares = {k: s for k, s in shares.items() if s > 0}
+    n = int(wanted) if wanted else sum(shares.values())
+    counts = _allocate(n, shares, {k: len(strata[k]) for k in shares})
+    rng = random.Random(seed)
+    return [c for key in shares for c in rng.sample(strata[key], counts[key])], seed, notes
 
 
-def check(combo: dict[str, Any], ranks: list[dict[str, Any]], where: str) -> None:
+def check_refused(combo: dict[str, Any], allowed: Allowance, ranks: list[dict[str, Any]],
+                  where: str) -> None:
+    """Refused as the capabilities say, clearly: on every rank, a documented error naming the
+    rank, with one of the reasons (and its setting, for a ``ConfigError``)."""
+    first = ranks[0]["refused"]
+    assert allowed.refusals, (
+        f"{where}: refused, though the engine's capabilities allow it: {first}")
+    reasons = [r.reason for r in allowed.refusals]
+    for rank, out in enumerate(ranks):
+        refused = out["refused"]
+        assert refused is not None and refused["type"] in REFUSALS, (
+            f"{where}: rank {rank} was not refused like the others: {refused}")
+        said = [r for r in allowed.refusals if r.reason in refused["message"]]
+        assert said, (f"{where}: rank {rank}'s refusal does not say why (one of {reasons}): "
+                      f"{refused['message']}")
+        if refused["type"] == "ConfigError":
+            assert refused["field"] in {r.setting for r in said}, (
+                f"{where}: ConfigError.field {refused['field']!r} for {refused['message']}")
+        assert f"rank {rank}" in refused["message"], (
+            f"{where}: the refusal does not name rank {rank}: {refused['message']}")
+
+
+def check(combo: dict[str, Any], caps: Capabilities, ranks: list[dict[str, Any]],
+          where: str) -> None:
+    allowed = allowance(combo, caps)
     faulty = [r["faulty"] for r in ranks]
+    if any(out["refused"] is not None for out in faulty):
+        check_refused(combo, allowed, faulty, where)
+        return
+    assert not allowed.refusals, (
+        f"{where}: the Sentinel took it, though the capabilities refuse it: {allowed.refusals}")
     reference = [r["reference"] for r in ranks]
+    # The engine's fallbacks, and the features it keeps.
+    for out in faulty:
+        assert out["path"] == combo["engine"], f"{where}: taken by {out['path']}"
+        gate = "device" if device_gated(combo, allowed) else "host"
+        assert out["gate"] == gate, f"{where}: the {out['gate']} gate, expected the {gate} gate"
+        assert out["replay"] == (combo["replay"] and "replay" not in allowed.fallbacks), (
+            f"{where}: replay {'on' if out['replay'] else 'off'}")
+        assert out["fingerprints"] == (
+            combo["fingerprint"] and "fingerprints" not in allowed.fallbacks), (
+            f"{where}: replica fingerprints {'on' if out['fingerprints'] else 'off'}")
     # Every rank decided the same at every step, and ended alike.
     first = faulty[0]
     for out in faulty[1:]:
@@ -102,10 +275,12 @@ def check(combo: dict[str, Any], ranks: list[dict[str, Any]], where: str) -> Non
     # Equal to the run that never saw the faulty steps, where the policy promises it.
     promised = aborts or all(outcomes[s]["outcome"] == "skipped" for s in faults)
     if promised:
+        shared = BUILDERS[combo["engine"]].shares_buffers
         for rank, (mine, ref) in enumerate(zip(faulty, reference, strict=True)):
-            # After an abort the last forward's DDP broadcast is what differs: every replica
-            # holds rank 0's buffers from before the step, where the reference kept its own.
-            keys = ("params", "optimizer") if rank and aborts else (
+            # After an abort under DDP the last forward's buffer broadcast is what differs:
+            # every replica holds rank 0's buffers from before the step, where the reference
+            # kept its own.
+            keys = ("params", "optimizer") if rank and aborts and shared else (
                 "params", "buffers", "optimizer")
             for key in keys:
                 assert same(mine["state"][key], ref["state"][key]), (
@@ -145,20 +320,51 @@ def check(combo: dict[str, Any], ranks: list[dict[str, Any]], where: str) -> Non
         assert all(out["next"] for out in faulty), f"{where}: the next step did not apply"
 
 
-@pytest.mark.timeout(600)
+def test_every_engine_has_a_builder() -> None:
+    """Every gradient path of the registry is in the matrix: a new engine without a builder
+    (workers_invariants.BUILDERS) fails here, not silently outside the matrix."""
+    names = [path.__name__ for path in engines.registry()]
+    missing = [name for name in names if name not in BUILDERS]
+    assert not missing, (f"no matrix builder for {missing}: add a Run subclass with "
+                         "engine = <the path> to tests/distributed/workers_invariants.BUILDERS")
+    assert sorted(BUILDERS) == sorted(names), f"builders of no registered engine: {BUILDERS}"
+    for name, builder in BUILDERS.items():
+        assert builder.engine.__name__ == name
+        # The plain setup (the probe's) is every engine's: nothing its capabilities refuse.
+        assert not allowance(dict(PLAIN, engine=name), builder.engine.CAPS).refusals, name
+
+
+@pytest.mark.timeout(900)
 def test_every_invariant_in_every_combination(tmp_path: Path, capsys: Any) -> None:
-    combos, seed = _sample()
+    combos, seed, notes = _sample()
+    per_engine = {e: sum(c["engine"] == e for c in combos)
+                  for e in dict.fromkeys(c["engine"] for c in combos)}
+    only = os.environ.get("NANSENTINEL_MATRIX_ENGINES")
     with capsys.disabled():
-        print(f"\ninvariant matrix: {len(combos)} combination(s), seed "
+        print(f"\ninvariant matrix: {len(combos)} combination(s) "
+              f"({', '.join(f'{e} {n}' for e, n in per_engine.items())}), seed "
               f"{seed if seed is not None else '(all)'} "
-              f"(rerun: NANSENTINEL_MATRIX_SEED={seed} NANSENTINEL_MATRIX={len(combos)})")
+              f"(rerun: NANSENTINEL_MATRIX_SEED={seed} "
+              f"NANSENTINEL_MATRIX={os.environ.get('NANSENTINEL_MATRIX') or len(combos)}"
+              f"{f' NANSENTINEL_MATRIX_ENGINES={only}' if only else ''})"
+              + "".join(f"; {note}" for note in notes))
+    started = time.monotonic()
     for start in range(0, len(combos), CHUNK):
         chunk = combos[start:start + CHUNK]
         outs = values(run_ranks(
             run_combos, WORLD,
             tmp_path, combos=chunk, report_dir=str(tmp_path / f"r{start}"),
-            timeout=60 + 20 * len(chunk),
+            env={"DS_ACCELERATOR": "cpu"}, timeout=90 + 20 * len(chunk),
         ))
+        probes = outs[0]["probes"]
+        for engine, probe in probes.items():
+            assert probe["path"] == engine, f"{engine}'s builder made a model {probe['path']} took"
+            assert all(out["probes"][engine] == probe for out in outs), (
+                f"{engine}: capabilities differ across ranks")
         for i, combo in enumerate(chunk):
             where = f"seed {seed}, combination {start + i}: {combo}"
-            check(combo, [outs[r][i] for r in range(WORLD)], where)
+            caps = Capabilities(**probes[combo["engine"]]["caps"])
+            check(combo, caps, [outs[r]["outs"][i] for r in range(WORLD)], where)
+    with capsys.disabled():
+        print(f"invariant matrix: {len(combos)} combination(s) in "
+              f"{time.monotonic() - started:.1f} s")

@@ -60,15 +60,22 @@ def config(stage: int, dtype: str = "fp32", accumulate: int = 1, **zero: Any) ->
     return cfg
 
 
+def on_cpu_gloo() -> None:
+    """Ready DeepSpeed (imported here) for ``deepspeed.initialize`` on CPU gloo ranks.
+
+    DeepSpeed's CPU backend JIT-compiles a shared-memory all-reduce at init (a C++ toolchain
+    and, on a fresh machine, a compile of a minute), used only by its inference all-reduce:
+    marked not compatible, so that training talks gloo through torch.distributed as ever."""
+    import deepspeed.ops
+
+    vars(deepspeed.ops)["__compatible_ops__"] = {"deepspeed_shm_comm": False}
+
+
 def engine_for(cfg: dict[str, Any]) -> Any:
     """A fresh engine on the demo model (seed 0: the same initial weights everywhere)."""
     import deepspeed
-    import deepspeed.ops
 
-    # DeepSpeed's CPU backend JIT-compiles a shared-memory all-reduce at init (a C++ toolchain
-    # and, on a fresh machine, a compile of a minute), used only by its inference all-reduce:
-    # marked not compatible, so that training talks gloo through torch.distributed as ever.
-    vars(deepspeed.ops)["__compatible_ops__"] = {"deepspeed_shm_comm": False}
+    on_cpu_gloo()
     if cfg.get("fp16", {}).get("enabled"):
         # DeepSpeed's CPU accelerator reports fp16 as unsupported unless the CPU has
         # AVX512-FP16 (a probe of mkldnn); torch computes fp16 on any CPU, slowly. The probe

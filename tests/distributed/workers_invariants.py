@@ -1,19 +1,32 @@
-"""The combination matrix's training loop (issue 26): one combination of what users combine,
-run with its faults and once more without the faulty steps, on gloo ranks.
+"""The combination matrix's training loop (issues 26, 36): one combination of what users
+combine, on one engine, run with its faults and once more without the faulty steps, on gloo
+ranks.
 
 A combination is a plain dict (``Combo``), so that the test can sample them with a printed
-seed and ship them to spawned ranks. Every rank runs the same list of combinations in one
-process group, one after the other, and returns per combination what the invariants are
-checked on (tests/distributed/test_invariants.py).
+seed and ship them to spawned ranks. Its ``engine`` is the name of a gradient path class of
+``nansentinel.engines.registry()`` (DDP, DeepSpeed, FSDP2, local gradients reduced by hand);
+:data:`BUILDERS` holds, per engine, a :class:`Run` subclass that builds that engine's model,
+optimizer and loop on CPU gloo ranks. A new engine joins the matrix with one such subclass
+(``engine = TheNewPath``), listed in :data:`BUILDERS`; the test fails until it has one.
+
+Every rank runs the same list of combinations in one process group, one after the other:
+first, per engine of the list, a probe (the engine built for the plain setup, a Sentinel on
+it, its capabilities for this run read back), then each combination. A combination whose
+Sentinel construction is refused returns the refusal; any other returns what the invariants
+are checked on (tests/distributed/test_invariants.py, which also decides, from the
+capabilities, which combinations are refused).
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import importlib.util
 import itertools
 import json
 import math
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
@@ -22,10 +35,19 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import nansentinel
-from nansentinel.result import ResultPending
+from nansentinel import engines
+from nansentinel.config import ConfigError
+from nansentinel.engines import Capabilities
+from nansentinel.engines.ddp import DDPPath
+from nansentinel.engines.deepspeed import DeepSpeedPath
+from nansentinel.engines.fsdp import FSDPPath
+from nansentinel.engines.local import LocalGradPath
+from nansentinel.result import ResultPending, SentinelUsageError
 
-#: The dimensions of the matrix and their values.
+#: The dimensions of the matrix and their values; ``engine``: every gradient path of the
+#: registry, by class name.
 DIMENSIONS: dict[str, tuple[Any, ...]] = {
+    "engine": tuple(path.__name__ for path in engines.registry()),
     "policy": ("skip", "rollback", "abort", "drop"),
     "gate": ("host", "device"),
     "optimizer": ("adamw_fused", "adamw_foreach", "sgd"),
@@ -38,19 +60,29 @@ DIMENSIONS: dict[str, tuple[Any, ...]] = {
     "fault": ("batch", "loss", "activation", "backward"),
     "faulty_ranks": (1, 2),
 }
+#: The setup every engine must take (the probe's): nothing any capability refuses.
+PLAIN: dict[str, Any] = {
+    "policy": "skip", "gate": "host", "optimizer": "adamw_foreach", "scaler": "none",
+    "batchnorm": False, "accumulate": 1, "replay": False, "fingerprint": False,
+    "rank0_reads": False, "fault": "batch", "faulty_ranks": 1,
+}
 STEPS = 8
 #: The steps a combination's fault hits (each followed by healthy steps).
 FAULT_STEPS = (3, 5)
 #: Rollbacks need a snapshot before the first fault.
 SNAPSHOT_EVERY = 2
+#: The capability fields the probe sends back (``replica_group`` is a process group).
+CAPS_FIELDS = tuple(f.name for f in dataclasses.fields(Capabilities) if f.name != "replica_group")
 
 Combo = dict[str, Any]
 
 
-def every_combo() -> list[Combo]:
-    names = list(DIMENSIONS)
+def every_combo(engine: str | None = None) -> list[Combo]:
+    """Every combination (of one ``engine``, or of all)."""
+    dims = dict(DIMENSIONS, engine=(engine,)) if engine is not None else DIMENSIONS
+    names = list(dims)
     return [dict(zip(names, values, strict=True))
-            for values in itertools.product(*DIMENSIONS.values())]
+            for values in itertools.product(*dims.values())]
 
 
 class _NanGrad(torch.autograd.Function):
@@ -86,9 +118,13 @@ class Net(nn.Module):
         return self.out(torch.relu(self.norm(h)))
 
 
+#: Rows of a micro-batch (DeepSpeed's ``train_micro_batch_size_per_gpu``).
+ROWS = 8
+
+
 def batch_for(rank: int, step: int, micro: int) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(10_000 * step + 100 * micro + rank)
-    x = torch.randn(8, 8, generator=g)
+    x = torch.randn(ROWS, 8, generator=g)
     return {"x": x, "y": x.sum(dim=1, keepdim=True)}
 
 
@@ -131,23 +167,268 @@ def _inject_spec(combo: Combo, faults: dict[int, list[int]]) -> str:
                     for s, ranks in faults.items() for r in ranks)
 
 
-def _state(model: nn.Module, opt: torch.optim.Optimizer, scaler: Any) -> dict[str, Any]:
-    module = model.module if isinstance(model, DDP) else model
-    params = torch.cat([p.detach().reshape(-1) for p in module.parameters()])
-    buffers = [b.detach().clone() for b in module.buffers() if b.is_floating_point()]
-    opt_tensors = []
-    for group in opt.param_groups:
-        for p in group["params"]:
-            for key in sorted(opt.state.get(p, {}), key=str):
-                value = opt.state[p][key]
-                if isinstance(value, torch.Tensor):
-                    opt_tensors.append(value.detach().reshape(-1).double().clone())
-    return {
-        "params": params.clone(),
-        "buffers": torch.cat([b.reshape(-1) for b in buffers]) if buffers else torch.zeros(0),
-        "optimizer": torch.cat(opt_tensors) if opt_tensors else torch.zeros(0),
-        "scale": float(scaler.get_scale()) if scaler is not None else None,
-    }
+def _flat(tensors: list[torch.Tensor], dtype: torch.dtype | None = None) -> torch.Tensor:
+    if not tensors:
+        return torch.zeros(0)
+    return torch.cat([t.detach().reshape(-1).to(dtype or t.dtype).clone() for t in tensors])
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    """The whole tensor: a DTensor gathered (a collective: every rank, in the same order)."""
+    full = getattr(t, "full_tensor", None)
+    return full() if full is not None else t
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's values of ``t`` (a DTensor's local shard), detached."""
+    to_local = getattr(t, "to_local", None)
+    return (to_local() if to_local is not None else t).detach()
+
+
+# --- the engines ---------------------------------------------------------------------------
+
+
+class Run:
+    """One combination's model, optimizer, GradScaler and loop on this rank, for one engine.
+
+    The base class is the plain model stepped by the user's optimizer; each engine's subclass
+    wraps it (:meth:`build`) and changes the steps of the loop its engine does differently.
+    Built afresh per run (seed 0: the same initial weights on every rank), whether the
+    Sentinel then takes it or refuses it.
+    """
+
+    #: The gradient path class of ``engines.registry()`` this builds a model for.
+    engine: ClassVar[type]
+    #: The wrapper copies rank 0's floating buffers into every replica in each forward (DDP's
+    #: ``broadcast_buffers``): after an abort, only rank 0's equal the run without the fault.
+    shares_buffers: ClassVar[bool] = False
+    #: Combinations a CI run takes of this engine: that its capabilities let run, and that
+    #: they refuse (its share of the sample, by its cost on the 2-core CI machine).
+    runs: ClassVar[int] = 8
+    refusals: ClassVar[int] = 2
+
+    def __init__(self, combo: Combo, rank: int, world: int) -> None:
+        self.combo, self.rank, self.world = combo, rank, world
+        torch.manual_seed(0)
+        self.net = Net(combo["batchnorm"])
+        self.scaler = (torch.amp.GradScaler("cpu", init_scale=1024.0)
+                       if combo["scaler"] != "none" else None)
+        self.model, self.optimizer = self.build(self.net)
+
+    @staticmethod
+    def available() -> str | None:
+        """Why this engine cannot run here (a package missing); None: it can."""
+        return None
+
+    def build(self, net: Net) -> tuple[Any, torch.optim.Optimizer | None]:
+        """(what the Sentinel is handed, the optimizer the user steps through it)."""
+        return net, _optimizer(self.combo["optimizer"], net.parameters())
+
+    def sentinel(self, **kwargs: Any) -> nansentinel.Sentinel:
+        """The Sentinel on this engine's model, as its users construct it."""
+        return nansentinel.Sentinel(self.model, self.optimizer, scaler=self.scaler, **kwargs)
+
+    def sync(self, last: bool) -> contextlib.AbstractContextManager[Any]:
+        """Around a micro-batch: gradients reduced only on the last one."""
+        return contextlib.nullcontext()
+
+    def loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        return loss_of(self.model, batch) / self.combo["accumulate"]
+
+    def backward(self, loss: torch.Tensor) -> None:
+        (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
+
+    def between(self, sentinel: nansentinel.Sentinel) -> None:
+        """After a micro-batch before the last."""
+
+    def reduce(self, sentinel: nansentinel.Sentinel | None) -> None:
+        """After the last micro-batch's backward, before the clipping and ``step()`` (None:
+        after the run, the sentinel closed)."""
+
+    def clip(self) -> None:
+        if self.scaler is not None and self.combo["scaler"] == "clip":
+            self.scaler.unscale_(self.optimizer)
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
+
+    def zero_grad(self) -> None:
+        assert self.optimizer is not None
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def optimizer_state(self) -> torch.Tensor:
+        """Every tensor of the optimizer state, whole, flat, in fp64 (collectives under FSDP2:
+        every rank, in the same order)."""
+        assert self.optimizer is not None
+        opt = self.optimizer
+        tensors = [_full(v) for group in opt.param_groups for p in group["params"]
+                   for _, v in sorted(opt.state.get(p, {}).items(), key=lambda kv: str(kv[0]))
+                   if isinstance(v, torch.Tensor)]
+        return _flat(tensors, torch.float64)
+
+    def state(self) -> dict[str, Any]:
+        """Weights and optimizer state whole, this rank's floating buffers, the scale."""
+        return {
+            "params": _flat([_full(p) for p in self.net.parameters()]),
+            "buffers": _flat([b for b in self.net.buffers() if b.is_floating_point()]),
+            "optimizer": self.optimizer_state(),
+            "scale": float(self.scaler.get_scale()) if self.scaler is not None else None,
+        }
+
+    def one_more_step(self) -> bool:
+        """A plain step after the run (the sentinel closed): the optimizer and the scaler still
+        work. True if the weights moved and stayed finite."""
+        before = [_local(p).clone() for p in self.net.parameters()]
+        self._one_more_step()
+        after = [_local(p) for p in self.net.parameters()]
+        changed = any(not torch.equal(a, b) for a, b in zip(before, after, strict=True))
+        return changed and all(bool(torch.isfinite(p).all()) for p in after)
+
+    def _one_more_step(self) -> None:
+        opt, scaler = self.optimizer, self.scaler
+        assert opt is not None
+        self.backward(loss_of(self.model, batch_for(self.rank, 99, 0)))
+        self.reduce(None)
+        if scaler is not None:
+            if self.combo["scaler"] == "clip":
+                scaler.unscale_(opt)
+            scaler.step(opt)
+            scaler.update()
+        else:
+            opt.step()
+        opt.zero_grad(set_to_none=True)
+
+
+class DDPRun(Run):
+    """DistributedDataParallel on the default group; ``no_sync`` before the last micro-batch."""
+
+    engine = DDPPath
+    shares_buffers = True
+    runs = 12
+    refusals = 0  # DDP's capabilities refuse nothing of the matrix
+
+    def build(self, net: Net) -> tuple[Any, torch.optim.Optimizer | None]:
+        model = DDP(net)
+        return model, _optimizer(self.combo["optimizer"], model.parameters())
+
+    def sync(self, last: bool) -> contextlib.AbstractContextManager[Any]:
+        return self.model.no_sync() if not last else contextlib.nullcontext()
+
+
+class LocalRun(Run):
+    """The plain model; the user reduces by hand: ``check_grads()``, then an all-reduce of each
+    gradient and a division by the world (every rank, in the same order)."""
+
+    engine = LocalGradPath
+
+    def reduce(self, sentinel: nansentinel.Sentinel | None) -> None:
+        if sentinel is not None:
+            sentinel.check_grads()
+        for p in self.net.parameters():
+            if p.grad is not None:
+                dist.all_reduce(p.grad)
+                p.grad.div_(self.world)
+
+
+_MESHES: dict[int, Any] = {}
+
+
+class FSDPRun(Run):
+    """FSDP2: ``fully_shard`` on a 1-D mesh of every rank; gradient sync off before the last
+    micro-batch; weights and optimizer state compared whole (``full_tensor()``)."""
+
+    engine = FSDPPath
+
+    def build(self, net: Net) -> tuple[Any, torch.optim.Optimizer | None]:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        if self.world not in _MESHES:  # one mesh (on the default group) for every run
+            _MESHES[self.world] = init_device_mesh("cpu", (self.world,))
+        fully_shard(net, mesh=_MESHES[self.world])
+        return net, _optimizer(self.combo["optimizer"], net.parameters())
+
+    def sync(self, last: bool) -> contextlib.AbstractContextManager[Any]:
+        self.model.set_requires_gradient_sync(last)
+        return contextlib.nullcontext()
+
+    def _one_more_step(self) -> None:
+        self.model.set_requires_gradient_sync(True)
+        super()._one_more_step()
+
+
+class DeepSpeedRun(Run):
+    """A DeepSpeed engine at ZeRO-1, fp32, on the combination's torch optimizer, with
+    DeepSpeed's own ``gradient_accumulation_steps``: ``engine.backward`` and ``sentinel.step()``
+    every micro-batch (docs/deepspeed.md). ZeRO-1 without ``overlap_comm``: the public
+    ``allreduce`` seam, and the cheapest engine to build on CPU. The GradScaler of a
+    combination is handed to the Sentinel beside the engine, as a user would."""
+
+    engine = DeepSpeedPath
+    runs = 2  # building an engine is the slowest part of a combination, and importing
+    refusals = 2  # DeepSpeed takes seconds: a fixed few per CI run
+
+    @staticmethod
+    def available() -> str | None:
+        return None if importlib.util.find_spec("deepspeed") else "deepspeed is not installed"
+
+    def build(self, net: Net) -> tuple[Any, torch.optim.Optimizer | None]:
+        import logging
+
+        import deepspeed
+
+        from tests.distributed.workers_deepspeed import on_cpu_gloo
+
+        on_cpu_gloo()
+        logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
+        config = {
+            "train_micro_batch_size_per_gpu": ROWS,
+            "gradient_accumulation_steps": self.combo["accumulate"],
+            "zero_optimization": {"stage": 1},
+            "zero_allow_untested_optimizer": True,
+            "steps_per_print": 10**9,
+        }
+        opt = _optimizer(self.combo["optimizer"], net.parameters())
+        engine, *_ = deepspeed.initialize(model=net, optimizer=opt, config=config)
+        return engine, None
+
+    def sentinel(self, **kwargs: Any) -> nansentinel.Sentinel:
+        return nansentinel.Sentinel(self.model, scaler=self.scaler, **kwargs)
+
+    def loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        return loss_of(self.model, batch)  # engine.backward divides by the accumulation
+
+    def backward(self, loss: torch.Tensor) -> None:
+        self.model.backward(loss)
+
+    def between(self, sentinel: nansentinel.Sentinel) -> None:
+        assert sentinel.step() is None, "a micro-batch before the boundary decided"
+
+    def zero_grad(self) -> None:
+        """Nothing: ``engine.step()`` (applied or skipped) clears the gradients."""
+
+    def optimizer_state(self) -> torch.Tensor:
+        """ZeRO-1 partitions the optimizer state: every rank's partition, gathered in rank
+        order (a collective)."""
+        opt = self.model.basic_optimizer
+        own = [v for group in opt.param_groups for p in group["params"]
+               for _, v in sorted(opt.state.get(p, {}).items(), key=lambda kv: str(kv[0]))
+               if isinstance(v, torch.Tensor)]
+        parts: list[Any] = [None] * self.world
+        dist.all_gather_object(parts, _flat(own, torch.float64))
+        return torch.cat(parts)
+
+    def _one_more_step(self) -> None:
+        for micro in range(self.combo["accumulate"]):
+            self.model.backward(loss_of(self.model, batch_for(self.rank, 99, micro)))
+            self.model.step()
+
+
+#: Engine (its class name in ``engines.registry()``) -> how to build and drive it.
+BUILDERS: dict[str, type[Run]] = {
+    run.engine.__name__: run for run in (DDPRun, DeepSpeedRun, FSDPRun, LocalRun)
+}
+
+
+# --- one combination -----------------------------------------------------------------------
 
 
 def _outcome(result: Any) -> dict[str, Any]:
@@ -156,18 +437,38 @@ def _outcome(result: Any) -> dict[str, Any]:
             "report_path": result.report_path, "reason": result.reason}
 
 
+def _anywhere(flag: bool) -> bool:
+    """True on every rank if ``flag`` is true on some rank."""
+    t = torch.tensor([int(flag)])
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item())
+
+
+def _constructed(run: Run, **kwargs: Any) -> tuple[nansentinel.Sentinel | None, Any]:
+    """``(sentinel, None)``, or ``(None, the refusal)`` where this rank's construction raised
+    one of the documented errors (any other error fails the rank). Every rank learns whether
+    some rank refused, so that none trains alone: the one that built its sentinel abandons it
+    and reports that it was not refused."""
+    try:
+        sentinel, refused = run.sentinel(**kwargs), None
+    except (SentinelUsageError, ConfigError) as exc:
+        sentinel, refused = None, {"type": type(exc).__name__, "message": str(exc),
+                                   "field": getattr(exc, "field", None)}
+    if _anywhere(refused is not None) and sentinel is not None:
+        sentinel.abandon()
+        return None, {"type": None, "message": "this rank was not refused", "field": None}
+    return sentinel, refused
+
+
 def run_one(rank: int, world: int, combo: Combo, report_dir: Path, *, faulty: bool,
             stop_before: int | None = None) -> dict[str, Any]:
     """Train one combination: with its faults (``faulty``), or as the reference that never
-    saw the faulty steps (and, after an abort, stops before the aborted step)."""
-    torch.manual_seed(0)
-    net = Net(combo["batchnorm"])
-    model = DDP(net)
-    opt = _optimizer(combo["optimizer"], model.parameters())
-    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0) if combo["scaler"] != "none" else None
+    saw the faulty steps (and, after an abort, stops before the aborted step). A refused
+    construction returns ``{"refused": ...}``."""
+    run = BUILDERS[combo["engine"]](combo, rank, world)
     faults = faults_of(combo, world)
-    sentinel = nansentinel.Sentinel(
-        model, opt, scaler=scaler, report_dir=str(report_dir), env={},
+    sentinel, refused = _constructed(
+        run, report_dir=str(report_dir), env={},
         policy=combo["policy"], gate=combo["gate"],
         replay=loss_of if combo["replay"] else None,
         fingerprint_every=1 if combo["fingerprint"] else 0,
@@ -175,6 +476,8 @@ def run_one(rank: int, world: int, combo: Combo, report_dir: Path, *, faulty: bo
         inject=(_inject_spec(combo, faults) or None) if faulty else None,
         max_consecutive_skips=10, rollback_skip_batches=1,
     )
+    if sentinel is None:
+        return {"refused": refused}
     results: list[Any] = []
     reads: list[str] = []
     error = None
@@ -185,21 +488,22 @@ def run_one(rank: int, world: int, combo: Combo, report_dir: Path, *, faulty: bo
         for step in steps:
             hit = faulty and rank in faults.get(step, ()) and combo["fault"] in (
                 "activation", "backward")
-            net.fault = combo["fault"] if hit else None
+            run.net.fault = combo["fault"] if hit else None
             for micro in range(combo["accumulate"]):
                 last = micro == combo["accumulate"] - 1
                 batch = sentinel.check_batch(batch_for(rank, step, micro),
                                              ids=[sample_id(rank, step, micro, i)
-                                                  for i in range(8)])
-                with model.no_sync() if not last else _nothing():
-                    loss = loss_of(model, batch) / combo["accumulate"]
+                                                  for i in range(ROWS)])
+                with run.sync(last):
+                    loss = run.loss(batch)
                     sentinel.check_loss(loss)
-                    (scaler.scale(loss) if scaler is not None else loss).backward()
-            if scaler is not None and combo["scaler"] == "clip":
-                scaler.unscale_(opt)
-                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+                    run.backward(loss)
+                if not last:
+                    run.between(sentinel)
+            run.reduce(sentinel)
+            run.clip()
             result = sentinel.step()
-            net.fault = None
+            run.net.fault = None
             results.append(result)
             if rank == 0 and combo["rank0_reads"]:  # a loop that logs on rank 0 alone
                 try:
@@ -207,7 +511,7 @@ def run_one(rank: int, world: int, combo: Combo, report_dir: Path, *, faulty: bo
                 except ResultPending:
                     reads.append("pending")
                 sentinel.state_dict()
-            opt.zero_grad(set_to_none=True)
+            run.zero_grad()
         sentinel.close()
     except nansentinel.NonFiniteError as exc:
         error = {"type": type(exc).__name__, "step": exc.result.step}
@@ -220,11 +524,14 @@ def run_one(rank: int, world: int, combo: Combo, report_dir: Path, *, faulty: bo
             outcomes.append({"step": step, "outcome": "aborted", "applied": False,
                              "bad_ranks": None, "buffers_restored": None,
                              "report_path": None})
-    out = {"outcomes": outcomes, "error": error, "state": _state(model, opt, scaler),
-           "gate": "device" if sentinel.device_gate is not None else "host", "reads": reads}
+    out = {"refused": None, "outcomes": outcomes, "error": error, "state": run.state(),
+           "path": type(sentinel.gradients).__name__,
+           "gate": "device" if sentinel.device_gate is not None else "host",
+           "replay": sentinel.detector.replay is not None,
+           "fingerprints": sentinel.replicas is not None, "reads": reads}
     # Usable the next step: one more healthy step on the same optimizer and scaler.
     if error is None:
-        out["next"] = _one_more_step(rank, model, opt, scaler, sentinel, combo)
+        out["next"] = run.one_more_step()
     if rank == 0:
         out["reports"] = _reports(report_dir)
         skip_list = next(report_dir.glob("*skip*"), None)
@@ -233,23 +540,18 @@ def run_one(rank: int, world: int, combo: Combo, report_dir: Path, *, faulty: bo
     return out
 
 
-def _one_more_step(rank: int, model: nn.Module, opt: torch.optim.Optimizer, scaler: Any,
-                   sentinel: nansentinel.Sentinel, combo: Combo) -> bool:
-    """A plain step after the run (the sentinel closed): the optimizer and scaler still work."""
-    before = [p.detach().clone() for p in model.parameters()]
-    loss = loss_of(model, batch_for(rank, 99, 0))
-    (scaler.scale(loss) if scaler is not None else loss).backward()
-    if scaler is not None:
-        if combo["scaler"] == "clip":
-            scaler.unscale_(opt)
-        scaler.step(opt)
-        scaler.update()
-    else:
-        opt.step()
-    opt.zero_grad(set_to_none=True)
-    changed = any(not torch.equal(a, p) for a, p in zip(before, model.parameters(), strict=True))
-    finite = all(bool(torch.isfinite(p).all()) for p in model.parameters())
-    return changed and finite
+def probe(rank: int, world: int, engine: str, report_dir: Path) -> dict[str, Any]:
+    """The engine built for :data:`PLAIN`, a Sentinel on it: the class of the gradient path
+    that took it (``path``) and its capabilities for this run (``CAPS`` refined at
+    construction: the local path refuses a drop on more than one rank, for instance)."""
+    run = BUILDERS[engine](dict(PLAIN, engine=engine), rank, world)
+    sentinel = run.sentinel(report_dir=str(report_dir), env={}, hostname=f"host{rank}",
+                            metrics_port=0, **{k: PLAIN[k] for k in ("policy", "gate")})
+    caps = sentinel.gradients.caps
+    out = {"path": type(sentinel.gradients).__name__,
+           "caps": {name: getattr(caps, name) for name in CAPS_FIELDS}}
+    sentinel.close()
+    return out
 
 
 def _reports(directory: Path) -> list[dict[str, Any]]:
@@ -265,27 +567,25 @@ def _reports(directory: Path) -> list[dict[str, Any]]:
     return out
 
 
-class _nothing:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> None:
-        return None
-
-
 def run_combos(rank: int, world: int, *, combos: list[Combo], report_dir: str
-               ) -> list[dict[str, Any]]:
-    """Every combination with its faults, then its reference; in one process group."""
+               ) -> dict[str, Any]:
+    """Per engine of ``combos`` its :func:`probe`, then every combination with its faults and
+    its reference; in one process group. ``{"probes": {engine: probe}, "outs": [...]}``."""
+    probes = {engine: probe(rank, world, engine, Path(report_dir) / f"probe-{engine}")
+              for engine in dict.fromkeys(c["engine"] for c in combos)}
     outs = []
     for i, combo in enumerate(combos):
         base = Path(report_dir) / f"c{i}"
         faulty = run_one(rank, world, combo, base / "faulty", faulty=True)
-        stop = faulty["error"]["step"] if faulty["error"] else None
-        reference = run_one(rank, world, combo, base / "reference", faulty=False,
-                            stop_before=stop)
+        if faulty["refused"] is None:
+            stop = faulty["error"]["step"] if faulty["error"] else None
+            reference = run_one(rank, world, combo, base / "reference", faulty=False,
+                                stop_before=stop)
+        else:
+            reference = None
         outs.append({"faulty": faulty, "reference": reference})
         dist.barrier()
-    return outs
+    return {"probes": probes, "outs": outs}
 
 
 def finite(t: torch.Tensor) -> bool:
@@ -298,3 +598,4 @@ def same(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 def close(a: float | None, b: float | None) -> bool:
     return (a is None and b is None) or (a is not None and b is not None and math.isclose(a, b))
+
