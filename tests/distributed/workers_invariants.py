@@ -527,7 +527,7 @@ def run_one(rank: int, world: int, combo: Combo, report_dir: Path, *, faulty: bo
     out = {"refused": None, "outcomes": outcomes, "error": error, "state": run.state(),
            "path": type(sentinel.gradients).__name__,
            "gate": "device" if sentinel.device_gate is not None else "host",
-           "replay": sentinel.detector.replay is not None,
+           "replay": sentinel.replays,
            "fingerprints": sentinel.replicas is not None, "reads": reads}
     # Usable the next step: one more healthy step on the same optimizer and scaler.
     if error is None:
