@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from nansentinel import gradpaths
+from nansentinel import engines
 from nansentinel.checks import pipeline
 from nansentinel.checks.health import identify, local_device
 from nansentinel.checks.quarantine import Quarantine
@@ -93,7 +93,7 @@ class Sentinel:
             device=self.device, rank=self.rank, exchange=self.exchange, injector=self.injector,
             quarantine=self.quarantine, module=self.module, deadline=self.deadline,
             thresholds=lambda: self.judge.thresholds(), amp=scaler is not None, policy=cfg.policy)
-        self.gradients: gradpaths.GradPath = gradpaths.attach(model, self.current)
+        self.gradients: engines.GradPath = engines.attach(model, self.current)
         self.current.attach(self.gradients, pipelined)
         self.incidents = incident.IncidentWriter(cfg, self.identity, peers, self.job_id)
         self.detector = Detector.for_run(
