@@ -114,3 +114,27 @@ def attach(model: torch.nn.Module, sink: GradientSink) -> GradPath:
     from nansentinel.engines.local import LocalGradPath
 
     return LocalGradPath(model, sink)
+
+
+def wrapper_of(module: torch.nn.Module, model: torch.nn.Module) -> bool:
+    """True when ``module`` is the wrapper around ``model`` that reduces its gradients and that
+    the Sentinel attaches to: ``DistributedDataParallel``, or a DeepSpeed engine. A framework
+    that hands its callbacks the bare model (the Hugging Face Trainer) meets the wrapper at its
+    first forward and asks here, so that no integration recognises an engine by itself."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    from nansentinel.engines import deepspeed
+
+    if isinstance(module, DistributedDataParallel) or deepspeed.is_engine(module):
+        return getattr(module, "module", None) is model
+    return False
+
+
+def takes_replay(model: Any) -> bool:
+    """False for a model whose gradient path cannot run a replay: a DeepSpeed engine, whose
+    gradient hooks would reduce, in a replay's backward, the gradients being judged. A framework
+    callback then builds the Sentinel without its replay function, unless the user asked for
+    one (and gets the engine's refusal)."""
+    from nansentinel.engines import deepspeed
+
+    return not deepspeed.is_engine(model)
