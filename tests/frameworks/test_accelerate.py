@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from tests.frameworks import runner
+from tests.frameworks import runner, test_gpu_script
 
 pytest.importorskip("accelerate")
 
@@ -71,6 +71,9 @@ def test_accelerate_loop_on_ddp_skips_rolls_back_drops_and_names_cpu_true(tmp_pa
         assert alone and "process group of 2 ranks" in alone and "cpu=True" in alone, alone
     _assert_skips([r["skip"] for r in results], "DistributedDataParallel")
     _assert_rollback_and_drop(results)
+    # The GPU script's checks of this cell pass on what this run wrote (its faults are these).
+    gpu = test_gpu_script.load()
+    assert gpu.check(gpu.cells(2)["accelerate-ddp"], tmp_path, 2) == []
 
 
 @pytest.mark.timeout(300)

@@ -1,15 +1,14 @@
 """bench/gpu_frameworks.py, the GPU run of the framework cells, as far as a CPU machine goes: it
-says clearly that it needs a GPU, plans every cell of the table, and its checks pass on a real
-run of one cell on CPU ranks (``--cpu``: with the CPU patches, as the tests run it)."""
+says clearly that it needs a GPU and plans every cell of the table without the CPU patches; its
+checks pass on the real run of the Accelerate DDP cell (test_accelerate.py applies them to the
+files that run wrote, as the script would)."""
 
 from __future__ import annotations
 
-import json
+import importlib.util
 import subprocess
 import sys
-from pathlib import Path
-
-import pytest
+from types import ModuleType
 
 from tests.frameworks import runner
 
@@ -37,10 +36,13 @@ def test_it_plans_every_seam_tested_cell_without_the_cpu_patches() -> None:
     assert all("--cuda" in line for line in proc.stdout.splitlines())
 
 
-@pytest.mark.timeout(200)
-def test_its_checks_pass_on_a_real_cell_on_cpu(tmp_path: Path) -> None:
-    out = tmp_path / "frameworks.json"
-    proc = _script("--cpu", "--only=accelerate-ddp", f"--json={out}", timeout=180)
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
-    result = json.loads(out.read_text())
-    assert result["world"] == 2 and result["cells"]["accelerate-ddp"]["pass"], result
+def load() -> ModuleType:
+    """The script as a module (bench/ is not a package)."""
+    spec = importlib.util.spec_from_file_location("gpu_frameworks", SCRIPT)
+    assert spec is not None and spec.loader is not None
+    module = sys.modules.get(spec.name)
+    if module is None:
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module  # its dataclasses look their module up there
+        spec.loader.exec_module(module)
+    return module
