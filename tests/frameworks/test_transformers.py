@@ -19,10 +19,13 @@ WORKER = "hf_worker.py"
 
 @pytest.mark.timeout(300)
 def test_hf_trainer_ddp_skips_model_made_faults_on_both_ranks(tmp_path: Path) -> None:
+    """Then, in the same ranks, one train() each under policy='rollback' and policy='drop'
+    (a dropped step's gradients are rescaled at the decision, after the Trainer's
+    max_grad_norm clip: docs/frameworks.md)."""
     proc = runner.run(
         runner.torchrun(WORKER, str(tmp_path), "--steps=6", "--accumulate=2",
-                        "--faults=2:0:log0,4:1:grad"),
-        tmp_path, timeout=240,
+                        "--faults=2:0:log0,4:1:grad", "--phases=skip,rollback,drop"),
+        tmp_path, timeout=280,
     )
     assert proc.returncode == 0, proc.stdout[-6000:]
     results = runner.ranks(tmp_path, 2, proc)
@@ -32,6 +35,7 @@ def test_hf_trainer_ddp_skips_model_made_faults_on_both_ranks(tmp_path: Path) ->
         # As when Accelerate's GradScaler skips: global_step advances, the scheduler does not.
         assert res["global_step"] == 6 and res["sentinel_steps"] == 6
         assert res["scheduler_steps"] == 4
+    _assert_rolled_back_and_dropped(tmp_path, drill=False)
 
 
 @pytest.mark.timeout(300)
@@ -169,19 +173,19 @@ def test_hf_trainer_on_deepspeed_zero_1_2_3_skips_each_ranks_fault(tmp_path: Pat
         assert "ConfigError" in refused["drop"] and "policy='skip'" in refused["drop"]
 
 
-def _assert_rolled_back_and_dropped(tmp_path: Path) -> None:
-    """The rollback and drop phases: with the batch drill on rank 1 at step 1 beside a fault
-    on rank 1 at step 3 (a backward NaN to roll back, a forward log(0) to drop)."""
+def _assert_rolled_back_and_dropped(tmp_path: Path, *, drill: bool = True) -> None:
+    """The rollback and drop phases: a fault on rank 1 at step 3 (a backward NaN to roll
+    back, a forward log(0) to drop), and, with ``drill``, the batch drill on rank 1 at step 1."""
     rollback = [json.loads((tmp_path / f"rank{r}-rollback.json").read_text()) for r in range(2)]
     for res in rollback:
         assert {s: (r["outcome"], r["rolled_back_to"], r["bad_ranks"])
                 for s, r in res["skipped"].items()} == {
-            "1": ("rolled_back", 0, [1]), "3": ("rolled_back", 2, [1])}
+            **({"1": ("rolled_back", 0, [1])} if drill else {}), "3": ("rolled_back", 2, [1])}
     runner.assert_same_finite_weights(rollback)
     drop = [json.loads((tmp_path / f"rank{r}-drop.json").read_text()) for r in range(2)]
     for res in drop:  # applied without rank 1's gradients
         assert res["outcomes"] == {s: {"outcome": "dropped", "bad_ranks": [1]}
-                                   for s in ("1", "3")}
+                                   for s in (("1", "3") if drill else ("3",))}
         assert not any(res["unchanged"].values()) and not res["skipped"]
     runner.assert_same_finite_weights(drop)
 
@@ -202,20 +206,6 @@ def test_hf_trainer_on_fsdp2_seam_on_cpu(tmp_path: Path) -> None:
     _assert_three_faults_skipped(results)
     assert all(r["gradient_path"] == "fsdp" and r["sentinel_model"].startswith("FSDP")
                for r in results)
-    _assert_rolled_back_and_dropped(tmp_path)
-
-
-@pytest.mark.timeout(300)
-def test_hf_trainer_ddp_rolls_back_and_drops(tmp_path: Path) -> None:
-    """policy='rollback' and policy='drop' under the Trainer on DDP (2 gloo ranks), one
-    train() each. A dropped step's gradients are rescaled at the decision, after the Trainer's
-    max_grad_norm clip (docs/frameworks.md)."""
-    proc = runner.run(
-        runner.torchrun(WORKER, str(tmp_path), "--steps=6", "--accumulate=2",
-                        "--phases=rollback,drop"),
-        tmp_path, timeout=280, env={"NANSENTINEL_INJECT": "kind=batch,rank=1,step=1"},
-    )
-    assert proc.returncode == 0, proc.stdout[-6000:]
     _assert_rolled_back_and_dropped(tmp_path)
 
 
