@@ -70,5 +70,13 @@ run small_memory_fresh 60 --cpu-size --optimizer fused --steps 4 --warmup 1 --ch
 #    plus one per replica check). Each path spawns its ranks (~10 s of imports).
 [[ -n "${RUN_ONLY:-}" && " $RUN_ONLY " != *" syncs "* ]] || timeout 90 python bench/gpu_syncs.py 2>&1 | tee "$RESULTS/gpu_syncs.log" || status=$?
 
+# 6. The framework x engine cells of docs/frameworks.md on the GPUs, without the CPU patches
+#    (~5 min on one GPU): not in the default run (its 13 minutes); RUN_ONLY=frameworks runs it.
+if [[ " ${RUN_ONLY:-} " == *" frameworks "* ]]; then
+    echo "== frameworks: gpu_frameworks.py"
+    timeout 540 python bench/gpu_frameworks.py --json "$RESULTS/frameworks.json" \
+        2>&1 | tee "$RESULTS/frameworks.log" || status=$?
+fi
+
 echo "run_gpu.sh: done (exit $status); results in $RESULTS"
 exit "$status"

@@ -5,13 +5,16 @@
     from nansentinel.lightning import SentinelCallback
     trainer = L.Trainer(strategy="ddp", devices=8, num_nodes=4, callbacks=[SentinelCallback()])
 
-Lightning runs the loop, wraps the model in DDP and steps the optimizer itself, so the three
-calls go into its hooks (the order is Lightning 2.6's automatic optimization):
+Lightning runs the loop, wraps the model and steps the optimizer itself, so the three calls go
+into its hooks (the order is Lightning 2.6's automatic optimization):
 
 - ``on_train_start`` — after ``strategy.setup`` has wrapped the model: the :class:`Sentinel` is
-  built on ``trainer.strategy.model`` (the DDP module, or the LightningModule on one device),
-  which registers its DDP comm hook before the first backward. Lightning's own
-  ``ddp_comm_hook`` argument is honoured on CUDA only; this path works on every device.
+  built on ``trainer.strategy.model``, which is, by strategy: the DDP module (its comm hook,
+  registered before the first backward; Lightning's own ``ddp_comm_hook`` argument is honoured
+  on CUDA only, this path works on every device); the LightningModule under
+  ``ModelParallelStrategy``, FSDP2-sharded below its root in ``configure_model`` (a checked
+  reduce-scatter on every ``fully_shard``-ed module); the DeepSpeed engine under
+  ``DeepSpeedStrategy`` (each ZeRO stage's seam); the LightningModule on one device.
 - ``on_train_batch_start`` — ``check_batch`` (once per micro-batch under accumulation).
 - ``on_before_backward`` — ``check_loss``; the backward then runs the comm hook, which checks
   each bucket before its all-reduce (no comm hook under ``no_sync`` micro-batches: the last one
@@ -19,6 +22,8 @@ calls go into its hooks (the order is Lightning 2.6's automatic optimization):
 - ``on_before_optimizer_step`` — ``step(optimizer_step=False)``, inside Lightning's closure,
   after backward and before gradient clipping and the optimizer's update. A skip sets every
   gradient to None, so the update that follows changes neither weights nor optimizer state.
+  Under DeepSpeed, Lightning's ``engine.step()`` right after this hook is the sentinel's step
+  (callbacks.EngineSteps): it applies, or skips through DeepSpeed's own overflow path.
 
 On a skipped step Lightning does what it does when its own GradScaler skips: ``global_step``
 advances, step-interval LR schedulers step, and the accumulation window ends (its gradients
@@ -65,7 +70,7 @@ class SentinelCallback(SentinelState, pl.Callback):
                 f"nansentinel: SentinelCallback supports one optimizer, the LightningModule "
                 f"configured {len(trainer.optimizers)} (rank {trainer.global_rank})"
             )
-        self._close()  # a second fit() on the same callback starts afresh
+        self.release()  # a second fit() on the same callback starts afresh
         scaler = getattr(trainer.precision_plugin, "scaler", None)
         self.build(trainer.strategy.model, trainer.optimizers[0], scaler=scaler,
                    replay=_replay_training_step)
@@ -86,18 +91,19 @@ class SentinelCallback(SentinelState, pl.Callback):
     def on_before_optimizer_step(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any
     ) -> None:
-        self.decided(self._require().step(optimizer_step=False))
+        sentinel = self._require()
+        if not self.drives_engine:  # DeepSpeed: decided in Lightning's engine.step() next
+            self.decided(sentinel.step(optimizer_step=False))
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._close()
+        self.release()
 
     def on_exception(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
     ) -> None:
         # No collective: the exception may be this rank's alone (an abort is every rank's,
         # and its own stop path already met the others).
-        if self.sentinel is not None:
-            self.sentinel.abandon()
+        self.release(abandon=True)
 
     # --- checkpoints: the sentinel's counters travel with Lightning's ------------------------
 
@@ -117,10 +123,6 @@ class SentinelCallback(SentinelState, pl.Callback):
 
     def _require(self) -> Sentinel:
         return self.require("a training batch", "on_train_start")
-
-    def _close(self) -> None:
-        if self.sentinel is not None:
-            self.sentinel.close()
 
 
 def _replay_training_step(module: torch.nn.Module, batch: Any) -> torch.Tensor:

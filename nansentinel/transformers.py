@@ -5,30 +5,36 @@
     from nansentinel.transformers import SentinelCallback
     trainer = Trainer(model=model, args=args, train_dataset=ds, callbacks=[SentinelCallback()])
 
-The Trainer (on Accelerate) wraps the model in DDP and steps the optimizer itself, and its
-callbacks see neither the batch, nor the loss, nor the DDP wrapper. So (transformers 5.x):
+The Trainer (on Accelerate) wraps the model, steps the optimizer itself, and its callbacks see
+neither the batch, nor the loss, nor the wrapper. So (transformers 5.x):
 
-- ``on_train_begin`` — after ``accelerator.prepare``. The Trainer hands callbacks the unwrapped
-  model only, and no public attribute leads from it (nor from the optimizer, scheduler or data
-  loaders callbacks get) to the DDP wrapper Accelerate built. On one process the
-  :class:`Sentinel` is built here; on several, the wrapper is met at its first forward by
-  torch's public global forward pre-hook (``register_module_forward_pre_hook``), armed only until
-  then, and the :class:`Sentinel` is built on it there, registering its DDP comm hook before the
-  first backward. A training forward of the model without a DDP wrapper around it (FSDP,
-  DeepSpeed) is refused by name.
+- ``on_train_begin`` — after ``accelerator.prepare``. The Trainer hands callbacks the bare
+  model, except under FSDP, where the model it hands over is the FSDP2 root itself: the
+  :class:`Sentinel` is built on it at once (a checked reduce-scatter on every ``fully_shard``-ed
+  module). Under DDP and DeepSpeed no public attribute leads from the model (nor from the
+  optimizer, scheduler or data loaders callbacks get) to the wrapper Accelerate built, so the
+  wrapper is met at its first forward by torch's public global forward pre-hook
+  (``register_module_forward_pre_hook``), armed only until then, and the :class:`Sentinel` is
+  built on it there, before the first backward: on the DDP module (its comm hook) or on the
+  DeepSpeed engine (each ZeRO stage's seam). On one process without DeepSpeed it is built here
+  on the model. A training forward of the bare model on several ranks is refused by name, and
+  so is a Trainer that runs each rank alone in a process group of several (CPU ranks without
+  ``use_cpu=True``).
 - a forward pre-hook on the model — ``check_batch`` on the inputs of every training forward
   (each micro-batch under accumulation); a forward hook — ``check_loss`` on the ``loss`` the
   model returns. A loss computed outside the model (a custom ``compute_loss``) is not checked
   by itself; its non-finite gradients still are.
 - ``on_pre_optimizer_step`` — ``step(optimizer_step=False)``, after gradient clipping and
   before ``optimizer.step()``. A skip sets every gradient to None: the update changes neither
-  weights nor optimizer state.
+  weights nor optimizer state. Under DeepSpeed the step was decided already: Accelerate calls
+  ``engine.step()`` from ``accelerator.backward`` at the accumulation boundary, and that call is
+  the sentinel's (callbacks.EngineSteps), which applies the step or forces DeepSpeed's own
+  overflow skip on every rank.
 - ``on_optimizer_step`` — on a skipped step the Accelerate optimizer is marked as skipped, as
   its GradScaler marks an overflow, so that the Trainer does what it does then: the LR
-  scheduler does not step, ``global_step`` still advances, the accumulation window ends.
-  Accelerate has no public setter: its read side (``step_was_skipped``) is public, the flag
-  behind it (``_is_overflow``, accelerate 1.x, tested with 1.15) is not, so the mark is checked
-  through the public read, and a test pins it (tests/frameworks/test_transformers.py).
+  scheduler does not step, ``global_step`` still advances, the accumulation window ends
+  (accelerate.mark_skipped). Under DeepSpeed, Accelerate reads DeepSpeed's own overflow flag,
+  which the forced skip sets.
 
 An abort raises :class:`~nansentinel.result.NonFiniteError` out of ``trainer.train()`` on every
 rank. Importing this module imports transformers; importing ``nansentinel`` does not.
@@ -36,18 +42,21 @@ rank. Importing this module imports transformers; importing ``nansentinel`` does
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Mapping
 from typing import Any
 
 import torch
-from torch.nn.parallel import DistributedDataParallel
 from transformers import TrainerCallback
 
+from nansentinel import engines
+from nansentinel.accelerate import mark_skipped, require_one_world
 from nansentinel.callbacks import SentinelState
+from nansentinel.engines import fsdp
 from nansentinel.result import SentinelUsageError
 from nansentinel.step.sentinel import Sentinel
 from nansentinel.wire.collectives import job_rank, job_size
+
+__all__ = ["SentinelCallback", "mark_skipped"]
 
 
 class SentinelCallback(SentinelState, TrainerCallback):
@@ -74,12 +83,15 @@ class SentinelCallback(SentinelState, TrainerCallback):
                 "nansentinel: the Trainer gave SentinelCallback no model or optimizer at "
                 "on_train_begin"
             )
+        require_one_world(getattr(args, "world_size", None), "the Trainer",
+                          "TrainingArguments(use_cpu=True)")
         # The Accelerate wrapper's zero_grad is a no-op inside an accumulation window and its
         # step hooks are not torch's: the sentinel works on the optimizer underneath.
         self._model, self._raw = model, getattr(optimizer, "optimizer", optimizer)
         self._scaler = getattr(optimizer, "scaler", None)
-        world = job_size()
-        if world > 1:
+        if fsdp.is_fsdp(model):  # FSDP2: the Trainer hands callbacks the sharded root itself
+            self._build(model)
+        elif job_size() > 1 or getattr(args, "deepspeed_plugin", None) is not None:
             self._finder = torch.nn.modules.module.register_module_forward_pre_hook(
                 self._find_wrapper)
         else:
@@ -93,17 +105,22 @@ class SentinelCallback(SentinelState, TrainerCallback):
         self.build(model, self._raw, scaler=self._scaler, replay=self._replay)
 
     def _find_wrapper(self, module: torch.nn.Module, args: Any) -> None:
-        """Global forward pre-hook, armed from train begin until the DDP wrapper of the model
-        runs its first forward (it runs before the model's own, and before any backward)."""
-        if isinstance(module, DistributedDataParallel) and module.module is self._model:
+        """Global forward pre-hook, armed from train begin until the wrapper of the model (DDP,
+        a DeepSpeed engine) runs its first forward (it runs before the model's own, and before
+        any backward)."""
+        if engines.wrapper_of(module, self._model):
             self._stop_finding()
             self._build(module)
         elif module is self._model and self._training(module):
             self._stop_finding()
+            if job_size() == 1:  # one process under DeepSpeed's plugin, but no engine: as is
+                self._build(module)
+                return
             raise SentinelUsageError(
-                f"nansentinel: the Trainer runs {job_size()} ranks but did not wrap "
-                "the model in DistributedDataParallel (FSDP or DeepSpeed?); SentinelCallback "
-                f"supports DDP and single-process training (rank {job_rank()})"
+                f"nansentinel: the Trainer runs {job_size()} ranks but neither wrapped the model "
+                "in DistributedDataParallel or a DeepSpeed engine nor sharded it with FSDP2 "
+                "(fsdp_config version 2); SentinelCallback supports those and single-process "
+                f"training (rank {job_rank()})"
             )
 
     def _stop_finding(self) -> None:
@@ -112,11 +129,14 @@ class SentinelCallback(SentinelState, TrainerCallback):
             self._finder = None
 
     def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        self.decided(self._require().step(optimizer_step=False))
+        sentinel = self._require()
+        if not self.drives_engine:  # DeepSpeed: decided in accelerator.backward's engine.step()
+            self.decided(sentinel.step(optimizer_step=False))
 
     def on_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         optimizer = kwargs.get("optimizer")
-        if self.last is not None and not self.last.applied and mark_skipped(optimizer, True):
+        if (self.last is not None and not self.last.applied and not self.drives_engine
+                and mark_skipped(optimizer, True)):
             self._marked = optimizer  # cleared again at on_step_end
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
@@ -133,8 +153,7 @@ class SentinelCallback(SentinelState, TrainerCallback):
         for handle in self._hooks:
             handle.remove()
         self._hooks = []
-        if self.sentinel is not None:
-            self.sentinel.close()
+        self.release()
 
     # --- model hooks ---------------------------------------------------------------------------
 
@@ -174,31 +193,3 @@ class SentinelCallback(SentinelState, TrainerCallback):
     def _require(self) -> Sentinel:
         return self.require("a training forward", "on_train_begin")
 
-
-_warned: set[str] = set()
-
-
-def mark_skipped(optimizer: Any, skipped: bool) -> bool:
-    """Mark an Accelerate optimizer's step as skipped (or not), as its GradScaler does on an
-    overflow, so that ``accelerator.optimizer_step_was_skipped`` holds and the Trainer leaves
-    the LR scheduler where it is. False for an optimizer that is not Accelerate's.
-
-    Accelerate reads the mark through the public ``step_was_skipped`` but sets it only in
-    private (``_is_overflow``); the mark is checked through the public read, and where an
-    Accelerate release no longer honours it, said once instead of silently stepping the
-    scheduler on skipped steps."""
-    if not hasattr(type(optimizer), "step_was_skipped"):
-        return False
-    optimizer._is_overflow = skipped
-    if optimizer.step_was_skipped != skipped:
-        import accelerate
-
-        if accelerate.__version__ not in _warned:
-            _warned.add(accelerate.__version__)
-            warnings.warn(
-                f"nansentinel: accelerate {accelerate.__version__} no longer reads the skip mark "
-                "(_is_overflow) through step_was_skipped (tested with 1.15): on a step the "
-                "sentinel skips, the Trainer will step the LR scheduler", stacklevel=2,
-            )
-        return False
-    return True

@@ -127,6 +127,8 @@ class Capabilities:
     nothing is reduced)."""
     steps_optimizer: bool = False
     """The engine steps its own optimizer and loss scale (``engines.steps_of`` adapts it)."""
+    wraps: bool = False
+    """The engine wraps the user's module (reached as its ``.module``: DDP, DeepSpeed)."""
     device_gate: str | None = None
     """Why the device gate cannot take a step of this path (None: it can)."""
     replay: str | None = None
@@ -249,3 +251,20 @@ def attach(model: torch.nn.Module, sink: GradientSink, *, staged: bool = False) 
     if staged:
         path.caps = path.caps.staged()
     return path
+
+
+def wrapper_of(module: torch.nn.Module, model: torch.nn.Module) -> bool:
+    """True when ``module`` is the wrapper around ``model`` that reduces its gradients and that
+    the Sentinel attaches to (a path whose ``caps.wraps``: DDP, a DeepSpeed engine). A
+    framework that hands its callbacks the bare model (the Hugging Face Trainer) meets the
+    wrapper at its first forward and asks here, so that no integration recognises an engine by
+    itself."""
+    return recognize(module).CAPS.wraps and getattr(module, "module", None) is model
+
+
+def takes_replay(model: Any) -> bool:
+    """False for a model whose gradient path cannot run a replay (``caps.replay`` says why: a
+    DeepSpeed engine's gradient hooks, FSDP2's reduce-scatter would reduce, in a replay's
+    backward, the gradients being judged). A framework callback then builds the Sentinel
+    without its replay function, unless the user asked for one (and gets the refusal)."""
+    return recognize(model).CAPS.replay is None

@@ -29,7 +29,7 @@ from nansentinel.result import SentinelUsageError
 class DDPPath:
     """Checks DDP's buckets in its communication hook (DDP allows one hook per model)."""
 
-    CAPS = Capabilities(label="DDP")
+    CAPS = Capabilities(label="DDP", wraps=True)
     mesh_groups: tuple[Any, ...] = ()
 
     @staticmethod

@@ -107,7 +107,7 @@ class DeepSpeedPath:
     """Checks a DeepSpeed engine's local gradients at its stage's seam (see module docstring)."""
 
     CAPS = Capabilities(
-        label="DeepSpeed", steps_optimizer=True,
+        label="DeepSpeed", steps_optimizer=True, wraps=True,
         device_gate="engine.step() takes DeepSpeed's own overflow decision on the host",
         replay=("a replay's backward would run DeepSpeed's gradient hooks and reduce the "
                 "gradients being judged"),

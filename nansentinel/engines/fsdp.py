@@ -91,7 +91,11 @@ MIN_TORCH = "2.9"
 
 
 def is_fsdp(model: torch.nn.Module) -> bool:
-    """True for an FSDP2 root module; a clear error for FSDP1 and for a root left unsharded."""
+    """True for an FSDP2 model: ``fully_shard``-ed at its root, or below it (Lightning's
+    ``ModelParallelStrategy`` shards submodules of the LightningModule in ``configure_model``,
+    and the LightningModule is never the root). A clear error for FSDP1, and for trainable
+    parameters that no ``fully_shard``-ed module holds: FSDP reduces no gradient of theirs, so
+    nothing would check them before whatever reduces them."""
     from torch.distributed.fsdp import FullyShardedDataParallel
 
     if isinstance(model, FullyShardedDataParallel) or any(
@@ -111,14 +115,21 @@ def is_fsdp(model: torch.nn.Module) -> bool:
         isinstance(part, FSDPModule) for part in model
     ):
         return True  # a pipeline rank's model parts (several stages), each an FSDP2 root
-    inner = next((n for n, m in model.named_modules() if isinstance(m, FSDPModule)), None)
-    if inner is not None:
+    sharded = [(n, m) for n, m in model.named_modules() if isinstance(m, FSDPModule)]
+    if not sharded:
+        return False
+    held = {id(p) for _, m in sharded for p in m.parameters()}
+    outside = [n for n, p in model.named_parameters() if p.requires_grad and id(p) not in held]
+    if outside:
+        shown = ", ".join(repr(n) for n in outside[:3]) + (" ..." if len(outside) > 3 else "")
         raise SentinelUsageError(
-            f"nansentinel: the model is not fully_shard-ed at its root, but its submodule "
-            f"{inner!r} is. Call fully_shard(model) on the root too (as torchtitan does) and "
-            "hand the Sentinel that root module."
+            f"nansentinel: the model is fully_shard-ed below its root ({sharded[0][0]!r}), "
+            f"but {len(outside)} trainable parameter(s) belong to no fully_shard-ed module "
+            f"({shown}): FSDP2 reduces no gradient of theirs, so the sentinel cannot check "
+            "them before their reduction. Call fully_shard on the module that holds them (or "
+            "on the root, as torchtitan does)."
         )
-    return False
+    return True  # sharded below its root: every FSDP module is checked (FSDPPath)
 
 
 class CheckedReduceScatter(ReduceScatter):  # type: ignore[misc,valid-type]

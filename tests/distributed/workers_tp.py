@@ -12,7 +12,8 @@ Two ways the loss is made (``loss_kind``):
 - ``loss_parallel``: the head's logits stay a DTensor sharded on the vocabulary and the cross
   entropy runs under ``loss_parallel()``, as torchtitan's default: the loss is a DTensor;
 - ``sharded``: the logits and labels are sharded by rows over tp, and the mean cross entropy
-  is a ``Partial(avg)`` DTensor: each rank checks the mean of its own rows;
+  is a ``Partial(avg)`` DTensor on torch 2.13 (each rank checks the mean of its own rows), a
+  ``Replicate()`` one from torch 2.14 (each rank checks the mean of every row);
 - ``local``: the head gathers its output into a plain tensor (``use_local_output=True``): a
   plain loss, the case that always worked.
 
@@ -131,7 +132,7 @@ def train(rank: int, world: int, *, steps: int, loss_kind: str, report_dir: str,
             logits = model(x)
             parallel = loss_kind == "loss_parallel"
             with loss_parallel() if parallel else contextlib.nullcontext():
-                if loss_kind == "sharded":  # rows sharded over tp: a Partial(avg) mean
+                if loss_kind == "sharded":  # rows sharded over tp (Partial(avg) on torch 2.13)
                     tp = mesh["tp"]
                     mine = y.chunk(TP)[tp.get_local_rank()]
                     loss = F.cross_entropy(logits, DTensor.from_local(mine, tp, [Shard(0)]))

@@ -23,6 +23,7 @@ from torch import nn
 import nansentinel
 from nansentinel.demo import VOCAB, synthetic_batch
 from tests.distributed.workers_deepspeed import config, engine_for
+from tests.frameworks.cpu_guards import deepspeed_without_toolchain
 
 
 def main() -> None:
@@ -31,6 +32,9 @@ def main() -> None:
     p.add_argument("--stage", type=int, default=3)
     p.add_argument("--steps", type=int, default=4)
     args = p.parse_args()
+    # Before init_distributed, which JIT-compiles DeepSpeed's shared-memory all-reduce otherwise
+    # (a C++ toolchain and ~2 min on a fresh machine, once per torch build).
+    deepspeed_without_toolchain()
     deepspeed.init_distributed("gloo")
     engine = engine_for(config(args.stage))
     sentinel = nansentinel.Sentinel(engine)

@@ -35,3 +35,22 @@ def parse_faults(spec: str) -> dict[tuple[int, int], str]:
         step, rank, kind = part.split(":")
         out[(int(step), int(rank))] = kind
     return out
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a DTensor (FSDP2), else the tensor: compared without a collective."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def weights(model: torch.nn.Module, engine: object = None) -> list[torch.Tensor]:
+    """The full weights on every rank, detached copies on the CPU (to compare, and to write).
+    Under FSDP2 each DTensor is gathered, under ZeRO-3 the engine's partitions: collectives,
+    so every rank calls this at the same point."""
+    params = list(model.parameters())
+    if engine is not None and getattr(engine, "zero_optimization_stage", lambda: 0)() == 3:
+        import deepspeed
+
+        with deepspeed.zero.GatheredParameters(params):
+            return [p.detach().float().cpu().clone() for p in params]
+    return [(p.full_tensor() if hasattr(p, "full_tensor") else p).detach().float().cpu().clone()
+            for p in params]
