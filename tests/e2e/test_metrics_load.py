@@ -6,13 +6,17 @@ process (see metrics.py), so all the training process pays is one render a secon
 alternates 3 s windows with and without scrapers, and each loaded window is compared with
 the quiet windows on either side of it, so that a shared machine's drift cancels out.
 
-What is judged: no scrape reaches the training process (while the scrapers run it holds no
-socket on the metrics port: the server process owns it), every scrape succeeds, and the median
-paired step moves by < 5% in CPU time (the render thread included) and < 10% in wall time. On
-the 2-core CI machine one 3 s window reads 0.85-1.2x its neighbours in both measures (the
-machine's own noise: the scrape load is the same in every loaded window), so a few dozen
-seconds cannot resolve 2%, and a 2% bound failed CI at x1.027; the regression these bounds
-guard against, scrapes served under the training process's GIL, slowed the step x1.57.
+What is judged, exactly first: no scrape reaches the training process (while the scrapers run
+it holds no socket on the metrics port: the server process owns it, and it renders the registry
+once a refresh interval whether 0 or 64 scrapers ask), and every scrape succeeds. Then, as
+timing: the median paired step moves by < 15% in CPU time (the render thread included) and
+< 20% in wall time. The timing bounds are set by what the 2-core CI machine reads, not by what
+we would like: the 64 scraper threads and the server process take the second core, so the
+training process shares caches and the scheduler with them; one 3 s window reads 0.85-1.2x its
+neighbours in both measures, a 2% bound failed CI at x1.027 and a 5% bound at x1.058 (range
+0.98-1.14 over 8 pairs). The regression these bounds guard against, scrapes served under the
+training process's GIL, slowed the step x1.57 and rendered once per scrape; the render count
+catches it whatever the machine's noise.
 """
 
 from __future__ import annotations
@@ -31,10 +35,11 @@ import torch
 from prometheus_client import CollectorRegistry
 
 import nansentinel
+from nansentinel.effects import metrics
 
 pytestmark = pytest.mark.e2e
 
-SCRAPERS, SECONDS, WINDOW, ROUNDS, BOUND, WALL_BOUND = 64, 24.0, 3.0, 2, 1.05, 1.10
+SCRAPERS, SECONDS, WINDOW, ROUNDS, BOUND, WALL_BOUND = 64, 24.0, 3.0, 2, 1.15, 1.20
 
 
 def _scrape(url: str, on: mp.Event, stop: mp.Event, ready: mp.Event,  # type: ignore[type-arg]
@@ -71,8 +76,18 @@ def _scrape(url: str, on: mp.Event, stop: mp.Event, ready: mp.Event,  # type: ig
 
 @pytest.mark.timeout(240)
 def test_64_scrapers_do_not_slow_training_and_all_succeed(
-    tmp_path: Path, free_port: Callable[[], int]
+    tmp_path: Path, free_port: Callable[[], int], monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    # Every render of the registry in this (the training) process, and whether scrapers ran.
+    renders: list[bool] = []
+    scraping = [False]
+    render = metrics.generate_latest
+
+    def counted(registry: CollectorRegistry) -> bytes:
+        renders.append(scraping[0])
+        return render(registry)
+
+    monkeypatch.setattr(metrics, "generate_latest", counted)
     torch.manual_seed(0)
     torch.set_num_threads(1)
     model = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.ReLU(),
@@ -102,6 +117,8 @@ def test_64_scrapers_do_not_slow_training_and_all_succeed(
         """One window, scrapers on or off: the median step's CPU time in this process (every
         thread: the render thread's share included) and its wall time."""
         (on.set if loaded else on.clear)()
+        scraping[0] = loaded
+        seconds[loaded] += WINDOW
         step()  # the first step of a window straddles the switch
         cpu, wall = [], []
         window_end = time.monotonic() + WINDOW
@@ -119,6 +136,7 @@ def test_64_scrapers_do_not_slow_training_and_all_succeed(
     # own drift (another tenant, clock changes) cancels out of the pairs. The bounds are judged
     # on the median pair after each round of SECONDS; a round that cannot tell adds another,
     # up to ROUNDS: more data can only sharpen a real slowdown.
+    seconds = {True: 0.0, False: 0.0}
     cpu_ratios: list[float] = []
     wall_ratios: list[float] = []
     quiet: list[float] = []
@@ -150,6 +168,15 @@ def test_64_scrapers_do_not_slow_training_and_all_succeed(
           f"x{wall_ratio:.4f} ({min(wall_ratios):.4f}-{max(wall_ratios):.4f}), median of "
           f"{len(cpu_ratios)} paired windows; scrapes ok {ok}, failed {failed}")
     assert not ours, f"the training process holds sockets of the metrics port: {ours}"
+    # One render a refresh interval, loaded or not (+1 a window for a render in flight at the
+    # switch): a render per scrape would be ~64 a second here.
+    loaded_renders = sum(renders)
+    allowed = seconds[True] / metrics.REFRESH_SECONDS + len(cpu_ratios) + 2
+    print(f"renders in the training process: {loaded_renders} in {seconds[True]:.0f} s loaded, "
+          f"{len(renders) - loaded_renders} in {seconds[False]:.0f} s quiet")
+    assert loaded_renders <= allowed, (
+        f"{loaded_renders} renders in {seconds[True]:.0f} s with scrapers: scrapes reach the "
+        f"training process")
     assert failed == 0 and ok > SCRAPERS * WINDOW * len(cpu_ratios) * 0.5, (ok, failed, errors)
     assert cpu_ratio < BOUND, (
         f"scrapers cost the training process {100 * (cpu_ratio - 1):.1f}% more CPU a step")
