@@ -40,8 +40,6 @@ class Peers:
         nccl = self.distributed and "nccl" in str(dist.get_backend(group))
         #: Where collective tensors live: the CUDA device under NCCL, else the CPU.
         self.comm_device = device if nccl and device.type == "cuda" else torch.device("cpu")
-        #: The gradient averaging can use ReduceOp.AVG (NCCL) instead of scale-then-sum.
-        self.supports_avg = bool(nccl and device.type == "cuda")
 
     @property
     def alone(self) -> bool:

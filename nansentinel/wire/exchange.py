@@ -66,7 +66,6 @@ class HealthExchange:
         self.timeout = timeout
         self.device = device
         self.comm_device = peers.comm_device
-        self.supports_avg = peers.supports_avg
         #: The group's backend ("" alone): the stop path dumps NCCL's flight recorder.
         self.backend = str(dist.get_backend(group)) if peers.distributed else ""
         #: The collectives run under NCCL, whose works complete at enqueue (see
