@@ -3,14 +3,16 @@
 ::
 
     check_batch ─┐
-    check_loss ──┤ this rank's flags, kept on the device (current.py, local.py, checks.py)
+    check_loss ──┤ this rank's flags, kept on the device (step/current.py, checks/)
     backward ────┤ the gradient path (engines/): each DDP bucket or FSDP group checked
                  │ before its reduction; the health exchange leaves with the last one
-    step() ──────┘ the totals (exchange.py: the one host sync) → judge.py: [flagged: name
-                   them, detection.py] → decide (policy.py) → act; on the device gate the
-                   optimizer steps at once and the host decides at the next call (gate.py)
+    step() ──────┘ the totals (wire/exchange.py: the one host sync) → step/judge.py:
+                   [flagged: name them, rare/detection.py] → decide (decide/policy.py) → act;
+                   on the device gate the optimizer steps at once and the host decides at
+                   the next call (step/gate.py)
 
-Each layer builds and wires itself; this class composes them (docs/design.md).
+The step's states are named in step/record.py. This class builds its collaborators top to
+bottom from one Context (wire/context.py) and composes them (docs/design.md).
 """
 
 from __future__ import annotations

@@ -166,6 +166,72 @@ def test_the_top_level_is_the_public_api() -> None:
     assert len(top) <= MAX_TOP_LEVEL, top
 
 
+#: The public constructor keeps its keywords; every other function takes at most this many.
+MAX_PARAMETERS = 6
+#: Names of the engines, as a comparison outside ``engines/`` would spell them.
+ENGINE_NAMES = {"ddp", "fsdp", "fsdp2", "hsdp", "deepspeed", "local", "local_grads", "pipeline"}
+
+
+def _functions() -> list[tuple[str, ast.FunctionDef | ast.AsyncFunctionDef]]:
+    found = []
+    for name, path in MODULES.items():
+        tree = ast.parse(path.read_text())
+
+        def visit(node: ast.AST, where: str) -> None:
+            for child in ast.iter_child_nodes(node):
+                if isinstance(child, ast.ClassDef):
+                    visit(child, f"{where}.{child.name}")
+                elif isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    found.append((f"{where}.{child.name}", child))
+                    visit(child, f"{where}.{child.name}")
+                else:
+                    visit(child, where)
+
+        visit(tree, name)
+    return found
+
+
+def _parameters(function: ast.FunctionDef | ast.AsyncFunctionDef) -> list[str]:
+    args = function.args
+    return [a.arg for a in (*args.posonlyargs, *args.args, *args.kwonlyargs)
+            if a.arg not in ("self", "cls")]
+
+
+def test_no_function_takes_more_than_six_parameters() -> None:
+    """Shared state travels in one Context (wire/context.py), not threaded through long
+    signatures; only the public Sentinel(...) keeps its keywords."""
+    functions = _functions()
+    assert len(functions) > 300  # the reader sees the package
+    long = [f"{where} ({len(_parameters(f))})" for where, f in functions
+            if len(_parameters(f)) > MAX_PARAMETERS
+            and where != "nansentinel.step.sentinel.Sentinel.__init__"]
+    assert not long, long
+
+
+def _engine_names_compared(tree: ast.AST) -> list[int]:
+    lines = []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Compare):
+            continue
+        strings = []
+        for side in (node.left, *node.comparators):
+            elements = side.elts if isinstance(side, (ast.Tuple, ast.List, ast.Set)) else [side]
+            strings += [e.value for e in elements
+                        if isinstance(e, ast.Constant) and isinstance(e.value, str)]
+        if any(s.lower() in ENGINE_NAMES for s in strings):
+            lines.append(node.lineno)
+    return lines
+
+
+def test_no_module_outside_the_engines_compares_an_engine_name() -> None:
+    """Behaviour comes from an engine's declared capabilities (engines.Capabilities), so that
+    adding an engine is one module: a `path == "fsdp"` elsewhere would need editing for it."""
+    found = {name: lines for name, path in MODULES.items() if _unit(name) != "engines"
+             if (lines := _engine_names_compared(ast.parse(path.read_text())))}
+    assert not found, found
+    assert _engine_names_compared(ast.parse('if path.name in ("ddp", "x"): pass'))  # it can fail
+
+
 def test_the_graph_reader_sees_imports() -> None:
     """The checks above would pass vacuously if the reader found nothing."""
     assert "nansentinel.wire.exchange" in _closure("nansentinel.step.sentinel")
