@@ -123,7 +123,7 @@ class AcceleratedSentinel(SentinelState):
             self._marked = False
         result = self.decided(sentinel.step(optimizer_step=False))
         self.optimizer.step()
-        if not result.applied:
+        if result is not None and not result.applied:
             self._marked = mark_skipped(self.optimizer, True)
         return result
 

@@ -23,6 +23,7 @@ import torch
 from nansentinel import engines
 from nansentinel.config import SentinelConfig
 from nansentinel.result import SentinelUsageError, StepResult
+from nansentinel.step.record import PendingResult
 from nansentinel.step.sentinel import Sentinel
 
 
@@ -94,8 +95,14 @@ class SentinelState:
                 "is the callback passed to the trainer's callbacks?")
         return self.sentinel
 
-    def decided(self, result: StepResult) -> StepResult:
-        """Keep a step's result (``last``, and ``skipped`` when it was not applied)."""
+    def decided(self, result: StepResult | PendingResult | None) -> StepResult | None:
+        """Keep a step's result (``last``, and ``skipped`` when it was not applied); None (a
+        micro-batch before DeepSpeed's accumulation boundary) keeps nothing. A device-gated
+        result is resolved here: a framework reads it before its next sentinel call."""
+        if result is None:
+            return None
+        if isinstance(result, PendingResult):
+            result = result.resolve()
         self.last = result
         if not result.applied:
             self.skipped[result.step] = result
@@ -114,7 +121,8 @@ class EngineSteps:
     ``on_result``. :meth:`release` puts DeepSpeed's own ``step`` back.
     """
 
-    def __init__(self, sentinel: Sentinel, on_result: Callable[[StepResult], Any]) -> None:
+    def __init__(self, sentinel: Sentinel,
+                 on_result: Callable[[StepResult | PendingResult], Any]) -> None:
         self.sentinel = sentinel
         self.engine = sentinel.model
         self.on_result = on_result

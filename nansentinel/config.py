@@ -17,7 +17,7 @@ import logging
 import os
 import socket
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Literal, get_args, get_origin
 
 log = logging.getLogger("nansentinel")
 
@@ -27,10 +27,14 @@ ENV_PREFIX = "NANSENTINEL_"
 #: Kubernetes downward API convention (DCGM's exporter reads the same variable).
 ENV_NODE_NAME = "NODE_NAME"
 
-POLICIES = ("skip", "abort", "rollback", "drop")
-SPIKE_ACTIONS = ("warn", "skip", "rollback")
-GATES = ("auto", "device", "host")
-DIVERGENCE_ACTIONS = ("repair", "abort", "warn")
+Policy = Literal["skip", "abort", "rollback", "drop"]
+SpikeAction = Literal["warn", "skip", "rollback"]
+Gate = Literal["auto", "device", "host"]
+DivergenceAction = Literal["repair", "abort", "warn"]
+POLICIES: tuple[Policy, ...] = get_args(Policy)
+SPIKE_ACTIONS: tuple[SpikeAction, ...] = get_args(SpikeAction)
+GATES: tuple[Gate, ...] = get_args(Gate)
+DIVERGENCE_ACTIONS: tuple[DivergenceAction, ...] = get_args(DivergenceAction)
 DEFAULT_METRICS_PORT = 9410
 DEFAULT_REPORT_DIR = "nansentinel_reports"
 
@@ -60,7 +64,7 @@ class SentinelConfig:
     uses only the keywords and the defaults.
     """
 
-    policy: str = "skip"
+    policy: Policy = "skip"
     """``skip``: no rank applies the step, gradients are discarded; ``abort``: every rank
     raises :class:`nansentinel.NonFiniteError` at the same step; ``rollback``: every rank
     restores the last-good snapshot, lowers the learning rate and skips ahead; ``drop``: the
@@ -124,10 +128,10 @@ class SentinelConfig:
     run_dir: str | None = None
     """Directory shared with the ``nansentinel run`` launcher for per-rank verdicts."""
 
-    loss_spike_action: str = "warn"
+    loss_spike_action: SpikeAction = "warn"
     """On a loss spike: ``warn`` (report, apply), ``skip`` the step, or ``rollback``."""
 
-    grad_spike_action: str = "warn"
+    grad_spike_action: SpikeAction = "warn"
     """On a gradient-norm spike: ``warn``, ``skip`` or ``rollback``."""
 
     spike_ratio: float = 10.0
@@ -164,7 +168,7 @@ class SentinelConfig:
     replay_anomaly: bool = False
     """Run the replay under ``torch.autograd.set_detect_anomaly`` to name the operation."""
 
-    gate: str = "host"
+    gate: Gate = "host"
     """Where a poisoned step is skipped: ``host`` (one host read of the cluster's totals, then
     step or not), ``device`` (a fused optimizer skips on the device and the host decides at the
     next sentinel call, on every rank at that point: no host sync before ``optimizer.step()``),
@@ -193,7 +197,7 @@ class SentinelConfig:
     every replica (DDP ranks, an HSDP replicate group) must hold bit-identical weights and
     optimizer state, so a difference is silent data corruption. 0 disables the check."""
 
-    divergence_action: str = "repair"
+    divergence_action: DivergenceAction = "repair"
     """When replicas diverged: ``repair`` (overwrite the diverged ones from a majority rank of
     their group, in process, and strike the host; without a majority: abort), ``abort``, or
     ``warn``."""
@@ -337,6 +341,9 @@ class SentinelConfig:
 def _parser_of(annotation: object) -> str:
     """How a field's environment variable is parsed, from the field's own annotation."""
     head = str(annotation).split("|")[0].strip()
+    choices = globals().get(head)  # a Literal alias of this module: its choices are strings
+    if get_origin(choices) is Literal and all(isinstance(c, str) for c in get_args(choices)):
+        return "str"
     if head not in ("str", "int", "float", "bool"):
         raise TypeError(f"SentinelConfig: no environment parser for a {annotation!r} field")
     return head

@@ -104,7 +104,8 @@ def main(argv: list[str] | None = None) -> int:
     # replay=: after a detection, the batch is replayed to tell data, host and transient apart.
     sentinel = nansentinel.Sentinel(model, optimizer, replay=step_loss)
     start = _resume(args, model, optimizer, sentinel)
-    results: list[nansentinel.StepResult] = []
+    # A PendingResult under NANSENTINEL_GATE=device: decided when its fields are read.
+    results: list[nansentinel.StepResult | nansentinel.PendingResult] = []
     # Closed on every rank at the end (a common point: a finished job exits 0), or
     # abandoned without a collective if this rank's loop raised.
     with sentinel:
@@ -114,6 +115,7 @@ def main(argv: list[str] | None = None) -> int:
             sentinel.check_loss(loss)
             loss.backward()
             result = sentinel.step()
+            assert result is not None  # None only on a DeepSpeed micro-batch
             results.append(result)
             optimizer.zero_grad(set_to_none=True)
             if rank == 0:
@@ -161,7 +163,8 @@ def weights_check(weights: dict[str, torch.Tensor], distributed: bool) -> str:
     return "ok"
 
 
-def summary(results: list[nansentinel.StepResult], checked: str, world_size: int) -> str:
+def summary(results: list[nansentinel.StepResult | nansentinel.PendingResult], checked: str,
+            world_size: int) -> str:
     """The demo's closing lines: steps by outcome, each incident, and the weights check."""
     outcomes: dict[str, int] = {}
     for r in results:
@@ -201,7 +204,8 @@ def _shard(model: nn.Module) -> nn.Module:
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     for layer in model.encoder.layers:  # type: ignore[union-attr]
         fully_shard(layer, mesh=mesh)
-    return fully_shard(model, mesh=mesh)
+    fully_shard(model, mesh=mesh)  # in place: the same module, its class now FSDP's
+    return model
 
 
 def _whole(t: torch.Tensor) -> torch.Tensor:

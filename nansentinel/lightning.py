@@ -72,10 +72,15 @@ class SentinelCallback(SentinelState, pl.Callback):
             )
         self.release()  # a second fit() on the same callback starts afresh
         scaler = getattr(trainer.precision_plugin, "scaler", None)
-        self.build(trainer.strategy.model, trainer.optimizers[0], scaler=scaler,
-                   replay=_replay_training_step)
+        model = trainer.strategy.model
+        if model is None:  # set by every strategy's setup, which runs before train start
+            raise SentinelUsageError(
+                f"nansentinel: SentinelCallback found no model on {type(trainer.strategy).__name__}"
+                f" at train start (rank {trainer.global_rank})")
+        sentinel = self.build(model, trainer.optimizers[0], scaler=scaler,
+                              replay=_replay_training_step)
         if self._state is not None:
-            self.sentinel.load_state_dict(self._state)
+            sentinel.load_state_dict(self._state)
             self._state = None
 
     def on_train_batch_start(

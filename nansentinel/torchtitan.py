@@ -122,7 +122,8 @@ class SentinelTrainer(Trainer):
             schedule._loss_fn = _TrainingLoss(schedule, self.sentinel)
         else:
             self.sentinel = Sentinel(self.model_parts[0], self.optimizers, **config.sentinel)
-            self.loss_fn = _CheckedLoss(self.loss_fn, self.sentinel)
+            # torchtitan's Trainer assigns loss_fn without an annotation mypy can follow
+            self.loss_fn = _CheckedLoss(self.loss_fn, self.sentinel)  # type: ignore[has-type]
         # torchtitan's own `self.optimizers.step()` decides first (see the module docstring).
         self._decide_hook = self.optimizers.register_step_pre_hook(self._decide)
 

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The test command of the README: installs what the suite needs, then runs ruff and pytest.
+# The test command of the README: installs what the suite needs, then runs ruff, mypy (the
+# package, with [tool.mypy] in pyproject.toml) and pytest.
 # Extra arguments go to pytest (e.g. `bash tests/run.sh tests/unit -q`).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -26,4 +27,5 @@ python3 -m pip install -q torch==2.13.0
 python3 -m pip install -q -e '.[test]'
 
 python3 -m ruff check .
+python3 -m mypy
 python3 -m pytest "$@"

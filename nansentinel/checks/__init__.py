@@ -49,7 +49,7 @@ def local(t: torch.Tensor) -> torch.Tensor:
     to_local = getattr(t, "to_local", None)  # duck-typed: checks import no torch.distributed
     if to_local is None:
         return t
-    return t.detach().to_local()
+    return to_local().detach()
 
 
 def float_tensors(obj: object) -> Iterator[torch.Tensor]:

@@ -25,6 +25,7 @@ The reference (median and MAD) is recomputed every tenth of a window, not every 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections import deque
 
@@ -136,9 +137,10 @@ class SpikeDetector:
         refresh: int | None = None,
     ) -> None:
         self.refresh = refresh or max(1, window // 10)
-        kw = {"window": window, "warmup": warmup, "ratio": ratio, "zscore": zscore}
-        self.own = {s: Series(**kw) for s in SIGNALS}
-        self.cluster = {s: Series(**kw) for s in SIGNALS}
+        series = functools.partial(Series, window=window, warmup=warmup, ratio=ratio,
+                                   zscore=zscore)
+        self.own = {s: series() for s in SIGNALS}
+        self.cluster = {s: series() for s in SIGNALS}
         self._recorded = 0
         #: Bumped whenever the references change, so the device thresholds are re-sent.
         self.version = 0

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import psutil
 import torch
 
+from nansentinel.checks import local as _local
 from nansentinel.wire.collectives import dtensor_from_local
 
 if TYPE_CHECKING:
@@ -114,8 +115,8 @@ def _flatten(obj: Any, path: tuple[Any, ...], out: list[tuple[tuple[Any, ...], t
             rebuilt._metadata = copy.deepcopy(obj._metadata)  # type: ignore[attr-defined]
         return rebuilt
     if isinstance(obj, list | tuple):
-        items = [_flatten(v, (*path, i), out) for i, v in enumerate(obj)]
-        return type(obj)(*items) if hasattr(obj, "_fields") else type(obj)(items)
+        values = [_flatten(v, (*path, i), out) for i, v in enumerate(obj)]
+        return type(obj)(*values) if hasattr(obj, "_fields") else type(obj)(values)
     return copy.deepcopy(obj)
 
 
@@ -130,8 +131,8 @@ def _fill(obj: Any, tensors: list[torch.Tensor]) -> Any:
             rebuilt._metadata = copy.deepcopy(obj._metadata)  # type: ignore[attr-defined]
         return rebuilt
     if isinstance(obj, list | tuple):
-        items = [_fill(v, tensors) for v in obj]
-        return type(obj)(*items) if hasattr(obj, "_fields") else type(obj)(items)
+        values = [_fill(v, tensors) for v in obj]
+        return type(obj)(*values) if hasattr(obj, "_fields") else type(obj)(values)
     return copy.deepcopy(obj)
 
 
@@ -298,7 +299,7 @@ class MemorySnapshots:
         slots = []
         for path, t in leaves:
             dtensor = _is_dtensor(t)
-            local = t.to_local() if dtensor else t
+            local = _local(t)
             replicated = not dtensor and (
                 (path[0] == "model" and path[1] in names)
                 or (path[:2] == ("optimizer", "state") and path[2] in indices)
@@ -306,7 +307,8 @@ class MemorySnapshots:
             chunk = 0
             if replicated and t.is_floating_point() and t.numel() >= self.shard_min_numel:
                 chunk = -(-t.numel() // world)
-            spec = (t.device_mesh, t.placements, t.shape, t.stride()) if dtensor else None
+            spec = (getattr(t, "device_mesh", None), getattr(t, "placements", None), t.shape,
+                    t.stride()) if dtensor else None
             slots.append(_Slot(path, t.dtype, tuple(local.shape), local.device, chunk, dtensor,
                                spec))
         return tuple(slots)
@@ -376,7 +378,7 @@ class MemorySnapshots:
     # --- restore ----------------------------------------------------------------------------
 
     def _restore(self, slot: _Slot, buf: torch.Tensor, target: torch.Tensor) -> None:
-        local = target.to_local() if slot.dtensor else target
+        local = _local(target)
         if not slot.chunk:
             local.copy_(buf, non_blocking=True)
             return
@@ -425,7 +427,7 @@ class SideCopies:
 
     @contextlib.contextmanager
     def side(self, sources: list[torch.Tensor]) -> Iterator[None]:
-        locals_ = [s.to_local() if _is_dtensor(s) else s for s in sources]
+        locals_ = [_local(s) for s in sources]
         devices = {t.device for t in locals_ if t.device.type == "cuda"}
         if len(devices) != 1:  # CPU, or a state over several devices: the current stream
             yield
@@ -462,7 +464,7 @@ class SideCopies:
 def _copy_in(slot: _Slot, src: torch.Tensor, buf: torch.Tensor, rank: int) -> None:
     """This rank's part of ``src`` into its buffer, without blocking the host (stream-ordered
     on an accelerator; a plain copy on the CPU)."""
-    local = (src.to_local() if slot.dtensor else src).detach()
+    local = _local(src).detach()
     if not slot.chunk:
         buf.copy_(local, non_blocking=True)
         return

@@ -253,13 +253,14 @@ def attach(model: torch.nn.Module, sink: GradientSink, *, staged: bool = False) 
     return path
 
 
-def wrapper_of(module: torch.nn.Module, model: torch.nn.Module) -> bool:
+def wrapper_of(module: torch.nn.Module, model: torch.nn.Module | None) -> bool:
     """True when ``module`` is the wrapper around ``model`` that reduces its gradients and that
     the Sentinel attaches to (a path whose ``caps.wraps``: DDP, a DeepSpeed engine). A
     framework that hands its callbacks the bare model (the Hugging Face Trainer) meets the
     wrapper at its first forward and asks here, so that no integration recognises an engine by
     itself."""
-    return recognize(module).CAPS.wraps and getattr(module, "module", None) is model
+    return (model is not None and recognize(module).CAPS.wraps
+            and getattr(module, "module", None) is model)
 
 
 def takes_replay(model: Any) -> bool:

@@ -182,7 +182,7 @@ def scale(buffer: torch.Tensor, world_size: int, divides: bool) -> None:
         buffer.mul_(1.0 / world_size)
 
 
-def _comm_hook(state, bucket):  # type: ignore[no-untyped-def]
+def _comm_hook(state, bucket):
     """Check the bucket on this rank, then average it across ranks as DDP's default does.
 
     The ``then`` callback stays on every backend: DDP's Python hook interface accepts only a

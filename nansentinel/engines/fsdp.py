@@ -52,7 +52,7 @@ import dataclasses
 import math
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -66,7 +66,7 @@ try:  # torch >= 2.6 (public); 2.4–2.5 kept FSDP2 under _composable
     from torch.distributed.fsdp import FSDPModule
 except ImportError:  # pragma: no cover - depends on the installed torch
     try:
-        from torch.distributed._composable.fsdp import FSDPModule  # type: ignore[no-redef]
+        from torch.distributed._composable.fsdp import FSDPModule
     except ImportError:
         FSDPModule = None  # type: ignore[assignment,misc]
 
@@ -118,7 +118,7 @@ def is_fsdp(model: torch.nn.Module) -> bool:
     sharded = [(n, m) for n, m in model.named_modules() if isinstance(m, FSDPModule)]
     if not sharded:
         return False
-    held = {id(p) for _, m in sharded for p in m.parameters()}
+    held = {id(p) for _, m in sharded for p in cast(torch.nn.Module, m).parameters()}
     outside = [n for n, p in model.named_parameters() if p.requires_grad and id(p) not in held]
     if outside:
         shown = ", ".join(repr(n) for n in outside[:3]) + (" ..." if len(outside) > 3 else "")
@@ -132,7 +132,7 @@ def is_fsdp(model: torch.nn.Module) -> bool:
     return True  # sharded below its root: every FSDP module is checked (FSDPPath)
 
 
-class CheckedReduceScatter(ReduceScatter):  # type: ignore[misc,valid-type]
+class CheckedReduceScatter(ReduceScatter):
     """FSDP's reduce-scatter with a check of this rank's local gradients in front of it.
 
     ``inner`` is the reduce-scatter FSDP had (its default, or the process-group allocating
@@ -227,6 +227,8 @@ class FSDPPath:
                 "a data-parallel replica is several ranks"))
         for p in self.model.parameters():
             mesh, placements = getattr(p, "device_mesh", None), getattr(p, "placements", ())
+            if mesh is None:
+                continue
             for dim, placement in enumerate(placements):
                 if placement.is_replicate() and mesh.size(dim) > 1:
                     return dataclasses.replace(caps, fingerprints=None,

@@ -280,7 +280,9 @@ def install_guard(launch_config: Any, guard: ExclusionGuard) -> bool:
 
     if launch_config.rdzv_backend == "static":
         return False
-    rendezvous_handler_registry.register(GUARD_BACKEND, _create_guarded_handler)
+    # The guard implements RendezvousHandler by delegation, deliberately not as a subclass
+    rendezvous_handler_registry.register(
+        GUARD_BACKEND, _create_guarded_handler)  # type: ignore[arg-type]
     launch_config.rdzv_configs[_INNER_BACKEND_KEY] = launch_config.rdzv_backend
     launch_config.rdzv_configs[_GUARD_KEY] = guard
     launch_config.rdzv_backend = GUARD_BACKEND

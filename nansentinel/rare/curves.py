@@ -24,7 +24,7 @@ class Curves:
 
     def __init__(self, size: int = STEPS) -> None:
         # (step, own loss, own grad norm, loss mean, loss std, grad mean, grad std)
-        self._rows: deque[tuple[int, float | None, ...]] = deque(maxlen=size)
+        self._rows: deque[tuple[float | None, ...]] = deque(maxlen=size)
 
     def add(self, step: int, own: OwnRow, totals: Totals) -> None:
         self._rows.append((

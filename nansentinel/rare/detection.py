@@ -85,7 +85,7 @@ class Detector:
         self.suppressed: Callable[[], None] | None = None
 
     @staticmethod
-    def replayer(ctx: Context, gradients: GradPath, module: torch.nn.Module,
+    def replayer_for(ctx: Context, gradients: GradPath, module: torch.nn.Module,
                  replay: ReplayFn | None) -> Replayer:
         """What this run's detections replay with, from its config: off where the gradient
         path says why (``caps.replay``: under FSDP2 its backward would reduce-scatter through
@@ -173,6 +173,7 @@ class Detector:
         is none of them (a rank the NaN only reached has a healthy device), and the origins
         and the peer send their rows (the first origin with what its first non-finite
         collective was): one gather in which only they speak."""
+        assert self.replay is not None, "traced only with a replay function"
         traced, op = tracing.locate(self.peers, self.module, batch, self.replay)
         if not traced.origins:
             return traced, named, candidate

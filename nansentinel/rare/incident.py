@@ -10,6 +10,7 @@ ranks' batches and rank 0's report on disk (atomically, never over an existing f
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import time
 from collections.abc import Callable
@@ -348,11 +349,12 @@ class IncidentWriter:
         path = (Path(self.config.skip_list) if self.config.skip_list
                 else skip_list.default_path(self.config.report_dir, self.ctx.job_id))
         for r, ids in skipped.items():
+            entry = {
+                "job": self.ctx.job_id, "step": step, "rank": r, "verdict": verdict,
+                "ids": [list(i) if isinstance(i, tuple) else i for i in ids],
+            }
             written, error = report.attempt(
-                "skip_list", lambda r=r, ids=ids: skip_list.append(path, {
-                    "job": self.ctx.job_id, "step": step, "rank": r, "verdict": verdict,
-                    "ids": [list(i) if isinstance(i, tuple) else i for i in ids],
-                }),
+                "skip_list", functools.partial(skip_list.append, path, entry),
                 rank=self.identity.rank, step=step, failed=self.failed,
             )
             if written is None:

@@ -184,4 +184,8 @@ def write(incident: Incident, sections: list[Section], out: Path) -> Path:
     ``-1``, ``-2``, ... suffix, as reports are: the page holds hosts and parameter names, so it
     is created 0600); returns the path written."""
     page = html_page(incident, sections)
-    return report.write_new(out, lambda tmp: tmp.write_text(page, encoding="utf-8"))
+
+    def write_page(tmp: Path) -> None:
+        tmp.write_text(page, encoding="utf-8")
+
+    return report.write_new(out, write_page)

@@ -145,8 +145,8 @@ class _Early(Generic[T]):
     def __get__(self, obj: PendingResult | None, owner: type | None = None) -> T:
         assert obj is not None
         if obj.resolved:
-            return getattr(obj.resolve(), self.name)  # type: ignore[no-any-return]
-        return obj.early(self.name)  # type: ignore[no-any-return]
+            return getattr(obj.resolve(), self.name)
+        return obj.early(self.name)
 
 
 class _Decided(Generic[T]):
@@ -160,7 +160,7 @@ class _Decided(Generic[T]):
 
     def __get__(self, obj: PendingResult | None, owner: type | None = None) -> T:
         assert obj is not None
-        return getattr(obj.resolve(), self.name)  # type: ignore[no-any-return]
+        return getattr(obj.resolve(), self.name)
 
 
 class PendingResult:

@@ -21,7 +21,7 @@ import functools
 import logging
 import os
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal, cast, overload
 
 import torch
 from torch.nn.parallel import DistributedDataParallel
@@ -106,8 +106,8 @@ class Sentinel:
         given = engines.Given(model, optimizer, scaler, group, replay, snapshots, stages)
         self._engine, optimizer, scaler = engines.steps_of(given, cfg, environ)
         wrapped = isinstance(model, DistributedDataParallel) or self._engine is not None
-        self._watched = watched = Watched(model, model.module if wrapped else model, optimizer,
-                                          scaler)
+        inner = cast(torch.nn.Module, model.module) if wrapped else model
+        self._watched = watched = Watched(model, inner, optimizer, scaler)
         # Where this rank runs, who it is, and the deadline on its collectives.
         pipelined = pipeline.stages_of(stages) if stages is not None else []
         self._ctx = ctx = self._context(cfg, watched, group, pipelined, environ)
@@ -122,9 +122,8 @@ class Sentinel:
         self._gradients = engines.attach(model, self._current, staged=bool(pipelined))
         self._current.attach(self._gradients, pipelined)
         incidents = IncidentWriter(ctx)
-        self._detector = Detector(ctx, self._gradients, incidents,
-                                  Detector.replayer(ctx, self._gradients, watched.module, replay),
-                                  quarantine)
+        replayer = Detector.replayer_for(ctx, self._gradients, watched.module, replay)
+        self._detector = Detector(ctx, self._gradients, incidents, replayer, quarantine)
         snaps = snapshot_store(snapshots, ctx, watched)
         replicas = replica_check(ctx, watched, self._gradients.caps,
                                  inject=functools.partial(injector.due, "bitflip"),
@@ -207,6 +206,11 @@ class Sentinel:
         self._gradients.check_now()
         if not self._ctx.exchange.launched:  # DeepSpeed's path launches it before its all-reduce
             self._current.launch_exchange()
+
+    @overload
+    def step(self, *, optimizer_step: Literal[False]) -> StepResult | None: ...
+    @overload
+    def step(self, *, optimizer_step: bool = True) -> StepResult | PendingResult | None: ...
 
     def step(self, *, optimizer_step: bool = True) -> StepResult | PendingResult | None:
         """Decide this step with every rank and act: the optimizer (or GradScaler) steps only

@@ -67,7 +67,8 @@ def _group(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         return pg if isinstance(pg, dist.ProcessGroup) else dist.ProcessGroup.unbox(pg)
     name = _arg(func, args, kwargs, "group_name")
     if isinstance(name, str):
-        return torch._C._distributed_c10d._resolve_process_group(name)
+        # a GroupName (a NewType of str) in torch's stubs
+        return torch._C._distributed_c10d._resolve_process_group(name)  # type: ignore[arg-type]
     return name if isinstance(name, dist.ProcessGroup) else None
 
 

@@ -286,8 +286,8 @@ def plain(obj: object, where: str = "batch") -> tuple[object, list[str]]:
                 if value is not _DROPPED:
                     out[k] = value
             return out
-        if type(x) in (list, tuple):
-            items = [walk(v, f"{path}[{i}]") for i, v in enumerate(x)]  # type: ignore[attr-defined]
+        if isinstance(x, list | tuple) and type(x) in (list, tuple):
+            items = [walk(v, f"{path}[{i}]") for i, v in enumerate(x)]
             return type(x)(None if v is _DROPPED else v for v in items)
         if isinstance(x, tuple) and hasattr(x, "_fields"):  # a named tuple: values kept
             dropped.append(f"{path} (the {type(x).__name__} type; sent as a plain tuple)")
@@ -374,7 +374,7 @@ class ForwardCollectives:
             if name in self.exclude or name in self._silent:
                 continue
             try:
-                counts[name] = int(pg._get_sequence_number_for_group())
+                counts[name] = int(pg._get_sequence_number_for_group())  # type: ignore[attr-defined]
             except (RuntimeError, AttributeError, NotImplementedError):
                 self._silent.add(name)
         return counts

@@ -352,7 +352,7 @@ def nccl_failed(work: dist.Work) -> bool:
     result future (``get_future_result``, NCCL only) holds a ``WorkResult`` other than
     ``SUCCESS`` (0). Not ``work.exception()``: deprecated, it warns on every call, and it is
     called from the watchdog's thread."""
-    result = work.get_future_result()
+    result = work.get_future_result()  # type: ignore[attr-defined]  # NCCL's Work only
     return bool(result.done()) and int(result.value()) != 0
 
 
