@@ -202,6 +202,10 @@ def main() -> None:
             kind = "grad" if policy == "rollback" else "log0"
             out[policy] = train(engine, args, {(3, 1): kind}, policy=policy, **extra)
     Path(args.out, f"rank{dist.get_rank()}.json").write_text(json.dumps(out))
+    # Torn down before exit: a gloo group left to the interpreter's exit can abort a rank
+    # ("terminate called without an active exception", seen once on a loaded 2-core machine).
+    dist.barrier()
+    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
