@@ -35,6 +35,22 @@ POLICIES: tuple[Policy, ...] = get_args(Policy)
 SPIKE_ACTIONS: tuple[SpikeAction, ...] = get_args(SpikeAction)
 GATES: tuple[Gate, ...] = get_args(Gate)
 DIVERGENCE_ACTIONS: tuple[DivergenceAction, ...] = get_args(DivergenceAction)
+SpikePreset = Literal["warn", "recover"]
+SPIKE_PRESETS: dict[str, dict[str, Any]] = {
+    # Today's behaviour: spikes are reported (incident, metrics) and the step applied.
+    "warn": {},
+    # The field's playbook, as bench/recovery.py measured it best (docs/recovery.md): a
+    # language model's loss cannot jump 10x (cross-entropy starts near ln V), so 1.5x its
+    # running median (and 6 sigma) is a spike; two spiking steps in a row roll back to the last
+    # snapshot taken before a quiet step's update, with the learning rate halved and the
+    # batches that led in skipped; a schedule error that lasts longer than one window is
+    # waited out (up to 10 rollbacks to the same snapshot) instead of aborting the run.
+    "recover": {
+        "loss_spike_action": "rollback", "grad_spike_action": "rollback",
+        "loss_spike_ratio": 1.5, "spike_patience": 2, "spike_warmup": 10,
+        "snapshot_every": 10, "max_rollbacks": 10,
+    },
+}
 DEFAULT_METRICS_PORT = 9410
 DEFAULT_REPORT_DIR = "nansentinel_reports"
 
@@ -134,8 +150,22 @@ class SentinelConfig:
     grad_spike_action: SpikeAction = "warn"
     """On a gradient-norm spike: ``warn``, ``skip`` or ``rollback``."""
 
+    spikes: SpikePreset = "warn"
+    """What to do about loss and gradient-norm spikes, as one setting: ``warn`` (report them,
+    apply the step: the fields below as they are) or ``recover`` (roll back on a spike, with
+    the fields of ``SPIKE_PRESETS["recover"]``). A field given by keyword or by its own
+    variable wins over the preset."""
+
     spike_ratio: float = 10.0
     """A value spikes at this multiple of its rolling median (and ``spike_zscore``)."""
+
+    loss_spike_ratio: float | None = None
+    """The loss's own ``spike_ratio`` (None: ``spike_ratio``). A language model's loss starts
+    near ln V and cannot jump 10x: 1.5-3x is already ruin there."""
+
+    spike_patience: int = 1
+    """Spiking steps in a row before a spike action (skip, rollback) is taken; the ones
+    before it are reported and applied. 2 keeps one noisy step from costing a rollback."""
 
     spike_zscore: float = 6.0
     """... and at this robust z-score (distance from the median in 1.4826 x MAD units)."""
@@ -251,7 +281,14 @@ class SentinelConfig:
         _require_positive("spike_ratio", self.spike_ratio, above=1.0)
         _require_positive("spike_zscore", self.spike_zscore, above=0.0)
         _require_int("spike_window", self.spike_window, minimum=3)
-        _require_int("spike_warmup", self.spike_warmup, minimum=3)
+        _require_int("spike_warmup", self.spike_warmup, minimum=1)
+        _require_int("spike_patience", self.spike_patience, minimum=1)
+        if self.loss_spike_ratio is not None:
+            _require_positive("loss_spike_ratio", self.loss_spike_ratio, above=1.0)
+        if self.spikes not in SPIKE_PRESETS:
+            raise ConfigError(
+                f"spikes={self.spikes!r} is not a spike preset; expected one of "
+                f"{', '.join(SPIKE_PRESETS)}", "spikes")
         if self.spike_warmup > self.spike_window:
             raise ConfigError(
                 f"spike_warmup={self.spike_warmup} must not exceed "
@@ -322,6 +359,8 @@ class SentinelConfig:
                 continue
             values[name] = _parse_env(var, raw, kind)
         values.update(overrides)
+        for name, value in SPIKE_PRESETS.get(values.get("spikes", "warn"), {}).items():
+            values.setdefault(name, value)  # keyword > its own variable > the preset
         try:
             return cls(**values)
         except ConfigError as exc:

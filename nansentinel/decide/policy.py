@@ -90,6 +90,8 @@ class History:
     """Snapshot step -> rollbacks to it."""
     skip_batches: int = 0
     """Batches still to discard after a rollback."""
+    spike_streak: int = 0
+    """Spiking steps in a row that ``spike_patience`` let through (reported, applied)."""
 
     def state_dict(self) -> dict[str, Any]:
         """What a checkpoint keeps of the history (JSON-able; keys as saved since 0.1)."""
@@ -99,6 +101,7 @@ class History:
             "excluded": list(self.excluded),
             "rollbacks": dict(self.rollbacks),
             "skip_batches": self.skip_batches,
+            "spike_streak": self.spike_streak,
         }
 
     @classmethod
@@ -110,6 +113,7 @@ class History:
             excluded=list(state.get("excluded", [])),
             rollbacks={int(k): int(v) for k, v in state.get("rollbacks", {}).items()},
             skip_batches=int(state.get("skip_batches", 0)),
+            spike_streak=int(state.get("spike_streak", 0)),
         )
 
     def strikes_within(self, host: str, step: int, config: SentinelConfig) -> int:
@@ -144,11 +148,14 @@ class History:
         view: ClusterView,
         decision: Decision,
         config: SentinelConfig,
-        *,
-        verdict: str | None = None,
-        snapshot_step: int | None = None,
+        evidence: Evidence | None = None,
     ) -> None:
-        """Advance the history by one decided step (a dropped step is applied: not a skip)."""
+        """Advance the history by one decided step (a dropped step is applied: not a skip),
+        with the step's :class:`Evidence` (its verdict, spikes and snapshot step)."""
+        evidence = evidence if evidence is not None else Evidence()
+        verdict, snapshot_step = evidence.verdict, evidence.snapshot_step
+        waited = evidence.spikes and _most_severe(evidence.spikes, config) != "warn"
+        self.spike_streak = self.spike_streak + 1 if waited and decision.cause != SPIKE else 0
         if decision.cause in (NONFINITE, SPIKE) and not decision.applies:
             self.consecutive_skips += 1
         elif decision.applies:
@@ -230,9 +237,14 @@ def decide(view: ClusterView, history: History, config: SentinelConfig,
     if view.totals.dropped:  # withheld gradients are never applied as they are
         return Decision(SKIP, (), "gradients left out of the reduction on a rank not blamed",
                         NONFINITE, overflow)
+    waiting = ""
     if spikes:
         action = _most_severe(spikes, config)
-        if action != "warn":
+        streak = history.spike_streak + 1
+        if action != "warn" and streak < config.spike_patience:
+            waiting = (f"spike {streak} of {config.spike_patience} in a row before {action}: "
+                       "spike_patience")
+        elif action != "warn":
             reason = "spike in " + ", ".join(spikes.signals())
             if action == "rollback":
                 return _rollback(history, config, Decision(SKIP, (), reason, SPIKE, overflow),
@@ -243,7 +255,7 @@ def decide(view: ClusterView, history: History, config: SentinelConfig,
             SKIP, (), f"discarding batches after a rollback ({history.skip_batches} left)",
             AFTER_ROLLBACK, overflow,
         )
-    return Decision(OVERFLOW if overflow else APPLY, (), overflow=overflow)
+    return Decision(OVERFLOW if overflow else APPLY, (), waiting, overflow=overflow)
 
 
 def _most_severe(spikes: Spikes, config: SentinelConfig) -> str:

@@ -127,20 +127,22 @@ class SpikeDetector:
     Args:
         window: values kept per series.
         warmup: values needed before a series is judged.
-        ratio: spike when value >= ratio x median (with a positive median) ...
+        ratio: spike when value >= ratio x median (with a positive median) ...; one ratio
+            for every signal, or one per signal (a language model's loss wants a lower one
+            than its gradient norm).
         zscore: ... and robust z-score >= zscore.
         refresh: steps between recomputations of the references (default window // 10).
     """
 
     def __init__(
-        self, *, window: int, warmup: int, ratio: float, zscore: float,
+        self, *, window: int, warmup: int, ratio: float | dict[str, float], zscore: float,
         refresh: int | None = None,
     ) -> None:
         self.refresh = refresh or max(1, window // 10)
-        series = functools.partial(Series, window=window, warmup=warmup, ratio=ratio,
-                                   zscore=zscore)
-        self.own = {s: series() for s in SIGNALS}
-        self.cluster = {s: series() for s in SIGNALS}
+        ratios = ratio if isinstance(ratio, dict) else dict.fromkeys(SIGNALS, ratio)
+        series = functools.partial(Series, window=window, warmup=warmup, zscore=zscore)
+        self.own = {s: series(ratio=ratios[s]) for s in SIGNALS}
+        self.cluster = {s: series(ratio=ratios[s]) for s in SIGNALS}
         self._recorded = 0
         #: Bumped whenever the references change, so the device thresholds are re-sent.
         self.version = 0

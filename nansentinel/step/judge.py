@@ -125,8 +125,7 @@ class StepJudge:
         snapshot_step = self.snapshots.step if self.snapshots is not None else None
         evidence = Evidence(self.amp, spikes, verdict, snapshot_step)
         decision = decide(view, self.history, self.config, evidence)
-        self.history.record(view, decision, self.config, verdict=verdict,
-                            snapshot_step=snapshot_step)
+        self.history.record(view, decision, self.config, evidence)
         rolled_back_to, restored, not_ours = self._act(decision, view, own, record,
                                                        optimizer_step)
         result = self._result(view, own, decision, evidence, (rolled_back_to, restored))
@@ -135,7 +134,8 @@ class StepJudge:
                                                local.batch, local.ids))
         record.view, record.decision, record.result = view, decision, result
         record.spent = local.seconds + time.perf_counter() - started - not_ours
-        record.snapshot = decision.applies and optimizer_step
+        # The device gate stepped before the decision: its snapshot comes after the update.
+        record.snapshot = decision.applies and optimizer_step and record.gated
         record.to(Stage.DECIDED)
 
     def finish(self, record: StepRecord) -> None:
@@ -159,8 +159,9 @@ class StepJudge:
         """The decision's acts: ``(rolled back to, buffers restored, optimizer seconds)``."""
         left_out = self._leave_out(decision, view, own)
         if decision.applies and not optimizer_step:
-            # The caller steps the optimizer right after: the cooldown is undone and the
-            # snapshot taken from the optimizer's post-hook (_callers_step).
+            # The caller steps the optimizer right after: the snapshot is taken now, before
+            # its update, and the cooldown undone from the optimizer's post-hook.
+            self.maybe_snapshot(view)
             self._after_step = (self.cooldown.apply(self.optimizer), view)
             if self._post_hook is None:  # once: a hook cannot remove itself while it runs
                 self._post_hook = self.optimizer.register_step_post_hook(self._callers_step)
@@ -169,6 +170,7 @@ class StepJudge:
             if record.gated:  # the device gate has stepped already
                 self.cooldown.count()
                 return None, left_out, 0.0
+            self.maybe_snapshot(view)
             started = time.perf_counter()
             with self.cooldown.stepping(self.optimizer):
                 if self.scaler is not None:
@@ -224,16 +226,17 @@ class StepJudge:
             self._after_step = None
 
     def _callers_step(self, *_: Any) -> None:
-        """Optimizer step post-hook for ``step(optimizer_step=False)``: undo the cooldown and
-        keep the snapshot after the caller's own update, as our own step does after its."""
+        """Optimizer step post-hook for ``step(optimizer_step=False)``: undo the cooldown."""
         pending, self._after_step = self._after_step, None
         if pending is not None:
-            saved_lr, view = pending
-            self.cooldown.undo(self.optimizer, saved_lr)
-            self.maybe_snapshot(view)
+            self.cooldown.undo(self.optimizer, pending[0])
 
     def maybe_snapshot(self, view: ClusterView) -> None:
-        """Keep the state after a healthy, quiet step as the last good one, every N steps."""
+        """Keep the state a healthy, quiet step was computed from as the last good one, every
+        N steps: taken before the step's update (on the device gate, which steps before the
+        decision, after it). A quiet step's own update can be the one that ruins the weights
+        (a learning rate 100x too high from this step on: its loss and gradient norm were
+        computed before it), so a snapshot after it would bring the spike straight back."""
         snaps = self.snapshots
         if snaps is None or self.history.skip_batches > 0 or not self.spikes.quiet(view.totals):
             return

@@ -112,8 +112,10 @@ class Sentinel:
         pipelined = pipeline.stages_of(stages) if stages is not None else []
         self._ctx = ctx = self._context(cfg, watched, group, pipelined, environ)
         # The step in progress, its gradient path, the rare path, the judge, the end, the gate.
+        loss_ratio = cfg.loss_spike_ratio or cfg.spike_ratio
         spikes = SpikeDetector(window=cfg.spike_window, warmup=cfg.spike_warmup,
-                               ratio=cfg.spike_ratio, zscore=cfg.spike_zscore)
+                               ratio={"loss": loss_ratio, "grad_norm": cfg.spike_ratio},
+                               zscore=cfg.spike_zscore)
         quarantine = Quarantine(ctx.device, size=cfg.quarantine_size,
                                 steps=cfg.quarantine_steps)
         injector = Injector(parse_inject(cfg.inject) if cfg.inject else [], ctx.rank,

@@ -115,3 +115,29 @@ def test_each_field_is_its_variable_and_the_reference_table_lists_them_all() -> 
         listed.update(zip(names, variables, strict=True))
     assert set(listed) == fields, sorted(set(listed) ^ fields)
     assert all(var == env_var(name) for name, var in listed.items()), listed
+
+
+def test_spikes_recover_sets_the_playbook_and_each_field_given_wins() -> None:
+    """Issue 38: spikes="recover" sets its fields together; precedence is keyword > the
+    field's own variable > the preset > the default; an unknown preset names the field."""
+    from nansentinel.config import SPIKE_PRESETS
+
+    recover = SPIKE_PRESETS["recover"]
+    cfg = SentinelConfig.from_env({}, spikes="recover")
+    assert {k: getattr(cfg, k) for k in recover} == recover
+    assert SentinelConfig.from_env({"NANSENTINEL_SPIKES": "recover"}).loss_spike_ratio == 1.5
+    env = {"NANSENTINEL_SPIKES": "recover", "NANSENTINEL_SPIKE_PATIENCE": "3"}
+    assert SentinelConfig.from_env(env).spike_patience == 3  # its own variable > the preset
+    assert SentinelConfig.from_env(env, spike_patience=1).spike_patience == 1  # keyword > both
+    assert SentinelConfig.from_env({}, spikes="recover", loss_spike_action="skip"
+                                   ).loss_spike_action == "skip"
+    warn = SentinelConfig.from_env({})
+    assert (warn.spikes, warn.loss_spike_action, warn.loss_spike_ratio,
+            warn.spike_patience) == ("warn", "warn", None, 1)
+    with pytest.raises(ConfigError, match=r"spikes='heal'.*warn, recover") as info:
+        SentinelConfig.from_env({"NANSENTINEL_SPIKES": "heal"})
+    assert "NANSENTINEL_SPIKES" in str(info.value)
+    with pytest.raises(ConfigError, match="loss_spike_ratio=1"):
+        SentinelConfig.from_env({}, loss_spike_ratio=1.0)
+    with pytest.raises(ConfigError, match="spike_patience=0"):
+        SentinelConfig.from_env({}, spike_patience=0)

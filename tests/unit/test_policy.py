@@ -8,11 +8,13 @@ from nansentinel.decide.policy import (
     APPLY,
     EXCLUDE,
     OVERFLOW,
+    ROLLBACK,
     SKIP,
     Evidence,
     History,
     decide,
 )
+from nansentinel.decide.spikes import CLUSTER, Spikes
 from nansentinel.result import RankIdentity
 from nansentinel.wire.schema import Totals
 from nansentinel.wire.view import ClusterView, RankHealth
@@ -84,11 +86,46 @@ def test_strikes_within_window_exclude_a_host_but_never_the_only_one() -> None:
 
 def test_history_saves_its_own_state_under_the_checkpoint_keys() -> None:
     h = History(consecutive_skips=2, strikes={"node3": [4, 9]}, excluded=["node7"],
-                rollbacks={10: 1}, skip_batches=3)
+                rollbacks={10: 1}, skip_batches=3, spike_streak=1)
     state = h.state_dict()
     assert set(state) == {"consecutive_skips", "strikes", "excluded", "rollbacks",
-                          "skip_batches"}
+                          "skip_batches", "spike_streak"}
     # JSON-style keys (a checkpoint written as JSON turns int keys into strings) load too.
     state["rollbacks"] = {"10": 1}
     assert History.from_state_dict(state) == h
     assert History.from_state_dict({}) == History()
+
+
+def _spiking(history: History, cfg: SentinelConfig, steps: list[bool],
+             snapshot_step: int | None = 0) -> list[str]:
+    """Decide and record one step per entry (True: the cluster's loss spiked), as the judge
+    does; the actions taken."""
+    actions = []
+    for step, spiked in enumerate(steps, start=1):
+        spikes = Spikes({"loss": [CLUSTER]}, {"loss": {CLUSTER: 2.0}}) if spiked else Spikes()
+        evidence = Evidence(spikes=spikes, snapshot_step=snapshot_step)
+        d = decide(view(step, {}), history, cfg, evidence)
+        history.record(view(step, {}), d, cfg, evidence)
+        actions.append(d.action)
+    return actions
+
+
+def test_spike_patience_acts_on_the_nth_spiking_step_in_a_row_only() -> None:
+    """Issue 38: with spike_patience=2 one noisy step is reported and applied; a second in a
+    row rolls back; a quiet step in between starts the count again; patience 1 is today's."""
+    cfg = SentinelConfig(loss_spike_action="rollback", spike_patience=2, max_rollbacks=99,
+                         rollback_skip_batches=0)
+    h = History()
+    assert _spiking(h, cfg, [True, False, True, True, True, True]) == [
+        APPLY, APPLY, APPLY, ROLLBACK, APPLY, ROLLBACK]
+    assert h.spike_streak == 0
+    h = History()
+    assert _spiking(h, cfg, [True]) == [APPLY] and h.spike_streak == 1
+    resumed = History.from_state_dict(h.state_dict())  # a checkpoint keeps the streak
+    assert _spiking(resumed, cfg, [True]) == [ROLLBACK]
+    once = SentinelConfig(loss_spike_action="skip", max_consecutive_skips=99)
+    assert _spiking(History(), once, [True, True, False]) == [SKIP, SKIP, APPLY]
+    # warn never counts towards a streak
+    warn = SentinelConfig(spike_patience=2)
+    h = History()
+    assert _spiking(h, warn, [True, True, True]) == [APPLY] * 3 and h.spike_streak == 0

@@ -134,3 +134,20 @@ def test_state_roundtrip_and_a_checkpoint_from_before_the_fixed_exchange() -> No
     old.load_state_dict(legacy, rank=1)
     assert old.own["loss"].values == [2.0] * 10 and old.cluster["loss"].values == [1.5] * 10
     assert old.thresholds()[0] == 20.0  # 10x rank 1's median
+
+
+def test_the_loss_has_its_own_ratio() -> None:
+    """Issue 38: a language model's loss cannot jump 10x (it starts near ln V); with a loss
+    ratio of 1.5 a 2x loss spikes while the gradient norm keeps the ratio of 10."""
+    d = SpikeDetector(window=20, warmup=10, ratio={"loss": 1.5, "grad_norm": 10.0}, zscore=6,
+                      refresh=1)
+    for i in range(12):
+        d.own["loss"].add(2.0 + 0.01 * (i % 3))
+        d.own["grad_norm"].add(1.0 + 0.01 * (i % 3))
+    d._recompute()
+    assert d.own["loss"].spikes(4.0) and not d.own["loss"].spikes(2.5)
+    assert not d.own["grad_norm"].spikes(4.0) and d.own["grad_norm"].spikes(11.0)
+    one = SpikeDetector(window=20, warmup=1, ratio=10, zscore=6, refresh=1)
+    one.own["loss"].add(2.0)
+    one._recompute()  # judged from the first value on (spike_warmup may be 1)
+    assert one.own["loss"].spikes(25.0) and not one.own["loss"].spikes(4.0)
