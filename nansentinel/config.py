@@ -41,14 +41,14 @@ SPIKE_PRESETS: dict[str, dict[str, Any]] = {
     "warn": {},
     # The field's playbook, as bench/recovery.py measured it best (docs/recovery.md): a
     # language model's loss cannot jump 10x (cross-entropy starts near ln V), so 1.5x its
-    # running median (and 6 sigma) is a spike; two spiking steps in a row roll back to the last
-    # snapshot taken before a quiet step's update, with the learning rate halved and the
-    # batches that led in skipped; a schedule error that lasts longer than one window is
-    # waited out (up to 10 rollbacks to the same snapshot) instead of aborting the run.
+    # running median (and 6 sigma) is a spike; one spiking step is skipped, two in a row roll
+    # back to the last snapshot (every 5 quiet steps, taken before the update) with the
+    # learning rate halved and the batches that led in discarded (twice as many on a repeat);
+    # up to 10 rollbacks to one snapshot before the run stops.
     "recover": {
         "loss_spike_action": "rollback", "grad_spike_action": "rollback",
         "loss_spike_ratio": 1.5, "spike_patience": 2, "spike_warmup": 10,
-        "snapshot_every": 10, "max_rollbacks": 10,
+        "snapshot_every": 5, "max_rollbacks": 10,
     },
 }
 DEFAULT_METRICS_PORT = 9410
@@ -164,8 +164,8 @@ class SentinelConfig:
     near ln V and cannot jump 10x: 1.5-3x is already ruin there."""
 
     spike_patience: int = 1
-    """Spiking steps in a row before a spike action (skip, rollback) is taken; the ones
-    before it are reported and applied. 2 keeps one noisy step from costing a rollback."""
+    """Spiking steps in a row before a ``rollback`` spike action rolls back; the ones before
+    it are skipped. 2 lets one noisy step or bad batch cost a skip, not a rollback."""
 
     spike_zscore: float = 6.0
     """... and at this robust z-score (distance from the median in 1.4826 x MAD units)."""
@@ -186,7 +186,8 @@ class SentinelConfig:
     """Steps the lowered learning rate stays in force."""
 
     rollback_skip_batches: int = 10
-    """Batches discarded after a rollback (PaLM's remedy: step past the data that led in)."""
+    """Batches discarded after a rollback (PaLM's remedy: step past the data that led in),
+    doubled on each further rollback to the same snapshot."""
 
     max_rollbacks: int = 3
     """Rollbacks to the same snapshot before the run aborts: it keeps diverging there."""

@@ -91,7 +91,7 @@ class History:
     skip_batches: int = 0
     """Batches still to discard after a rollback."""
     spike_streak: int = 0
-    """Spiking steps in a row that ``spike_patience`` let through (reported, applied)."""
+    """Spiking steps in a row since the last rollback (``spike_patience``)."""
 
     def state_dict(self) -> dict[str, Any]:
         """What a checkpoint keeps of the history (JSON-able; keys as saved since 0.1)."""
@@ -155,7 +155,7 @@ class History:
         evidence = evidence if evidence is not None else Evidence()
         verdict, snapshot_step = evidence.verdict, evidence.snapshot_step
         waited = evidence.spikes and _most_severe(evidence.spikes, config) != "warn"
-        self.spike_streak = self.spike_streak + 1 if waited and decision.cause != SPIKE else 0
+        self.spike_streak = self.spike_streak + 1 if waited and decision.action != ROLLBACK else 0
         if decision.cause in (NONFINITE, SPIKE) and not decision.applies:
             self.consecutive_skips += 1
         elif decision.applies:
@@ -166,8 +166,10 @@ class History:
         if decision.cause == AFTER_ROLLBACK:
             self.skip_batches -= 1
         if decision.action == ROLLBACK and snapshot_step is not None:
-            self.rollbacks[snapshot_step] = self.rollbacks.get(snapshot_step, 0) + 1
-            self.skip_batches = config.rollback_skip_batches
+            n = self.rollbacks[snapshot_step] = self.rollbacks.get(snapshot_step, 0) + 1
+            # The window widens on a repeat: the data (or the schedule) that led in lasted
+            # longer than the batches skipped (PaLM skipped 200-500 at once).
+            self.skip_batches = config.rollback_skip_batches * 2 ** min(n - 1, 10)
 
 
 def blamed_hosts(view: ClusterView, decision: Decision, verdict: str | None = None) -> list[str]:
@@ -237,25 +239,28 @@ def decide(view: ClusterView, history: History, config: SentinelConfig,
     if view.totals.dropped:  # withheld gradients are never applied as they are
         return Decision(SKIP, (), "gradients left out of the reduction on a rank not blamed",
                         NONFINITE, overflow)
-    waiting = ""
+    if spikes and history.skip_batches > 0:  # discarded anyway: no rollback over a rollback
+        return Decision(
+            SKIP, (), f"spike in {', '.join(spikes.signals())}, in a batch discarded after a "
+            f"rollback ({history.skip_batches} left)", AFTER_ROLLBACK, overflow)
     if spikes:
         action = _most_severe(spikes, config)
+        reason = "spike in " + ", ".join(spikes.signals())
         streak = history.spike_streak + 1
-        if action != "warn" and streak < config.spike_patience:
-            waiting = (f"spike {streak} of {config.spike_patience} in a row before {action}: "
-                       "spike_patience")
-        elif action != "warn":
-            reason = "spike in " + ", ".join(spikes.signals())
-            if action == "rollback":
-                return _rollback(history, config, Decision(SKIP, (), reason, SPIKE, overflow),
-                                 snapshot_step)
+        if action == "rollback" and streak < config.spike_patience:
+            return Decision(SKIP, (), f"{reason}: {streak} of {config.spike_patience} in a row "
+                            "before a rollback (spike_patience)", SPIKE, overflow)
+        if action == "rollback":
+            return _rollback(history, config, Decision(SKIP, (), reason, SPIKE, overflow),
+                             snapshot_step)
+        if action == "skip":
             return Decision(SKIP, (), reason, SPIKE, overflow)
     if history.skip_batches > 0:
         return Decision(
             SKIP, (), f"discarding batches after a rollback ({history.skip_batches} left)",
             AFTER_ROLLBACK, overflow,
         )
-    return Decision(OVERFLOW if overflow else APPLY, (), waiting, overflow=overflow)
+    return Decision(OVERFLOW if overflow else APPLY, (), overflow=overflow)
 
 
 def _most_severe(spikes: Spikes, config: SentinelConfig) -> str:
@@ -284,6 +289,10 @@ def _nonfinite(
             )
     if config.policy == "abort":
         return dataclasses.replace(provisional, action=ABORT, reason="policy is abort")
+    if history.skip_batches > 0:  # discarded anyway: not one more rollback, nor a skip streak
+        return dataclasses.replace(
+            provisional, cause=AFTER_ROLLBACK,
+            reason=f"in a batch discarded after a rollback ({history.skip_batches} left)")
     kept = dropping(view, bad, history, config, verdict=verdict, overflow=overflow)
     if kept is not None:  # applied: before the escalation of consecutive skips
         left_out = ", ".join(str(r) for r in provisional.bad_ranks)

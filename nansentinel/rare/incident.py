@@ -80,8 +80,6 @@ def describe(view: ClusterView, decision: Decision, result: StepResult, spikes: 
             parts.append(f"… and {len(ranks) - _LOGGED} more {signal} spike(s)")
     if decision.exclude_host:
         nxt = f"excluding host {decision.exclude_host}"
-    elif result.outcome is Outcome.APPLIED and decision.reason:
-        nxt = "step applied"  # not warn only: the reason says what it waits for
     else:
         nxt = _NEXT[result.outcome]
     if result.rolled_back_to is not None:

@@ -96,7 +96,7 @@ def test_rollback_restores_the_local_shards_on_every_rank(runs: list[dict[str, A
         assert [x["outcome"] for x in out["records"]] == [
             "applied", "applied", "applied", "rolled_back"]
         assert out["records"][3]["rolled_back_to"] == 0
-        assert torch.equal(out["weights"], r["one-step"]["weights"])
+        assert torch.equal(out["weights"], r["no-step"]["weights"])
     _same_everywhere([r["rollback"] for r in runs])
 
 

@@ -20,10 +20,11 @@ def test_ddp_ranks_roll_back_through_a_sharded_snapshot_to_the_full_state(tmp_pa
     outs = values(run_ranks(rollback, world, tmp_path, steps=8, bad_step=5,
                             report_dir=str(tmp_path / "r"), timeout=120))
     for out in outs:
-        assert out["rolled"] == [(5, 3)]  # snapshots at 0 and 3; step 4 moved the weights on
-        assert not torch.equal(out["after"][4], out["after"][3])
-        # The gathered state is the whole state of step 3, as this rank had it then.
-        assert torch.equal(out["final"], out["after"][3])
+        assert out["rolled"] == [(5, 3)]  # snapshots at 0 and 3; steps 3, 4 moved the weights on
+        assert not torch.equal(out["after"][4], out["before"][3])
+        # The gathered state is the whole state step 3 was computed from (taken before its
+        # update: a quiet step's own update may be the one that ruins it), as this rank had it.
+        assert torch.equal(out["final"], out["before"][3])
         # 1/W of the three large tensors (the weight and its two moments), the rest whole.
         large = IN * HIDDEN * 4 * 3
         small = out["unsharded_bytes"] - large

@@ -162,12 +162,12 @@ def scenarios(rank: int, world: int, *, report_dir: str) -> dict[str, Any]:
             )
     runs["abort"] = train_fsdp(rank, world, steps=4, faults={(2, 3): "backward"},
                                policy="abort", report_dir=f"{report_dir}/abort")
-    # A snapshot after step 0 only; the rollback at step 3 must bring back exactly the
-    # weights (and optimizer state) of one plain step.
+    # A snapshot at step 0 only, taken before its update; the rollback at step 3 must bring
+    # back exactly the weights the run started from.
     runs["rollback"] = train_fsdp(rank, world, steps=4, faults={(3, 1): "backward"},
                                   policy="rollback", snapshot_every=100,
                                   report_dir=f"{report_dir}/rollback")
-    runs["one-step"] = train_fsdp(rank, world, steps=1, sentinel=False, report_dir=report_dir)
+    runs["no-step"] = train_fsdp(rank, world, steps=0, sentinel=False, report_dir=report_dir)
     runs["accumulate"] = train_fsdp(rank, world, steps=3, accumulate=2, hsdp=True,
                                     faults={(1, 2): "backward"}, report_dir=report_dir)
     runs["refused"] = {s: refused(rank, world, setup=s)

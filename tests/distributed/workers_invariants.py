@@ -434,7 +434,8 @@ BUILDERS: dict[str, type[Run]] = {
 def _outcome(result: Any) -> dict[str, Any]:
     return {"step": result.step, "outcome": str(result.outcome), "applied": result.applied,
             "bad_ranks": list(result.bad_ranks), "buffers_restored": result.buffers_restored,
-            "report_path": result.report_path, "reason": result.reason}
+            "report_path": result.report_path, "reason": result.reason,
+            "rolled_back_to": result.rolled_back_to}
 
 
 def _anywhere(flag: bool) -> bool:

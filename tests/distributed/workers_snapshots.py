@@ -45,8 +45,8 @@ def flat_state(net: nn.Module, opt: torch.optim.Optimizer, buffers: bool = True
 def rollback(rank: int, world: int, *, steps: int, bad_step: int, report_dir: str
              ) -> dict[str, Any]:
     """DDP + AdamW under the Sentinel with policy rollback; rank 1's gradients go non-finite
-    at ``bad_step``. Returns the state recorded after every step, the rollback's result, and
-    the state at the end."""
+    at ``bad_step``. Returns the state recorded before and after every step's update, the
+    rollback's result, and the state at the end."""
     net = _net()
     model = DDP(net)
     opt = torch.optim.AdamW(model.parameters(), lr=0.01)
@@ -55,12 +55,15 @@ def rollback(rank: int, world: int, *, steps: int, bad_step: int, report_dir: st
         inject=f"kind=grad,rank=1,step={bad_step}", report_dir=report_dir,
     )
     after: dict[int, torch.Tensor] = {}
+    before: dict[int, torch.Tensor] = {}
     rolled: list[tuple[int, int | None]] = []
     for step in range(steps):
         x, y = _batch(rank, step)
         loss = torch.nn.functional.mse_loss(model(sentinel.check_batch(x)), y)
         sentinel.check_loss(loss)
         loss.backward()
+        if opt.state:  # AdamW's moments exist from the first update on
+            before[step] = flat_state(net, opt)
         result = sentinel.step()
         opt.zero_grad()
         if result.outcome == "rolled_back":
@@ -69,7 +72,7 @@ def rollback(rank: int, world: int, *, steps: int, bad_step: int, report_dir: st
         after[step] = flat_state(net, opt)
     snaps = sentinel.snapshots
     assert isinstance(snaps, MemorySnapshots)
-    return {"after": after, "rolled": rolled, "final": flat_state(net, opt),
+    return {"after": after, "before": before, "rolled": rolled, "final": flat_state(net, opt),
             "replicated": flat_state(net, opt, buffers=False),
             "bytes": snaps.bytes, "unsharded_bytes": snaps.unsharded_bytes}
 

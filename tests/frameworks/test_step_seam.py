@@ -64,7 +64,7 @@ def test_the_callers_step_runs_under_the_rollback_cooldown_then_the_lr_is_restor
                                   rollback_skip_batches=0)
     seen: list[float] = []
     opt.register_step_pre_hook(lambda o, *_: seen.append(o.param_groups[0]["lr"]))
-    after_step0: list[torch.Tensor] = []
+    before_step0: list[torch.Tensor] = []
     for step, poison in enumerate((False, True, False, False, False)):
         opt.zero_grad()
         _backward(model, sentinel, poison=poison)
@@ -72,12 +72,14 @@ def test_the_callers_step_runs_under_the_rollback_cooldown_then_the_lr_is_restor
         assert result.applied is not poison
         if poison:
             assert result.outcome == "rolled_back" and result.rolled_back_to == 0
-            # The snapshot was taken after the caller's step 0, not before it.
-            assert all(torch.equal(a, b) for a, b in zip(after_step0, _state(model, opt),
-                                                         strict=True))
-        opt.step()
+            # The snapshot was taken before the caller's step 0: the weights its loss came
+            # from, and no momentum yet.
+            assert all(torch.equal(a, b) for a, b in zip(
+                before_step0, model.parameters(), strict=True))
+            assert not any(opt.state.get(p) for p in model.parameters())
         if step == 0:
-            after_step0 = _state(model, opt)
+            before_step0 = [p.detach().clone() for p in model.parameters()]
+        opt.step()
         assert opt.param_groups[0]["lr"] == 0.1  # as the user set it, between steps
     # Step 1 rolled back (the caller's step saw no gradients); 2 and 3 at half the LR.
     assert seen == [0.1, 0.1, 0.05, 0.05, 0.1]

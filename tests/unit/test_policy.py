@@ -110,22 +110,39 @@ def _spiking(history: History, cfg: SentinelConfig, steps: list[bool],
     return actions
 
 
-def test_spike_patience_acts_on_the_nth_spiking_step_in_a_row_only() -> None:
-    """Issue 38: with spike_patience=2 one noisy step is reported and applied; a second in a
+def test_spike_patience_rolls_back_on_the_nth_spiking_step_in_a_row_only() -> None:
+    """Issue 38: with spike_patience=2 one noisy step or bad batch is skipped; a second in a
     row rolls back; a quiet step in between starts the count again; patience 1 is today's."""
     cfg = SentinelConfig(loss_spike_action="rollback", spike_patience=2, max_rollbacks=99,
                          rollback_skip_batches=0)
     h = History()
     assert _spiking(h, cfg, [True, False, True, True, True, True]) == [
-        APPLY, APPLY, APPLY, ROLLBACK, APPLY, ROLLBACK]
+        SKIP, APPLY, SKIP, ROLLBACK, SKIP, ROLLBACK]
     assert h.spike_streak == 0
     h = History()
-    assert _spiking(h, cfg, [True]) == [APPLY] and h.spike_streak == 1
+    assert _spiking(h, cfg, [True]) == [SKIP] and h.spike_streak == 1
     resumed = History.from_state_dict(h.state_dict())  # a checkpoint keeps the streak
     assert _spiking(resumed, cfg, [True]) == [ROLLBACK]
-    once = SentinelConfig(loss_spike_action="skip", max_consecutive_skips=99)
+    once = SentinelConfig(loss_spike_action="skip", max_consecutive_skips=99, spike_patience=3)
     assert _spiking(History(), once, [True, True, False]) == [SKIP, SKIP, APPLY]
-    # warn never counts towards a streak
-    warn = SentinelConfig(spike_patience=2)
+    warn = SentinelConfig(spike_patience=2)  # warn applies every spike
+    assert _spiking(History(), warn, [True, True, True]) == [APPLY] * 3
+
+
+def test_after_a_rollback_its_discarded_batches_never_roll_back_again_and_the_window_widens(
+) -> None:
+    """Issue 38: a spike or a NaN in a batch the rollback discards anyway is skipped as one of
+    them (not one more rollback, which counted towards max_rollbacks and aborted the run);
+    each further rollback to the same snapshot discards twice as many batches."""
+    cfg = SentinelConfig(loss_spike_action="rollback", policy="rollback",
+                         rollback_skip_batches=2, max_rollbacks=3)
     h = History()
-    assert _spiking(h, warn, [True, True, True]) == [APPLY] * 3 and h.spike_streak == 0
+    assert _spiking(h, cfg, [True, True, True, True, True, True, True, True]) == [
+        ROLLBACK, SKIP, SKIP, ROLLBACK, SKIP, SKIP, SKIP, SKIP]
+    assert h.rollbacks == {0: 2} and h.skip_batches == 0
+    v = view(20, {1: ("loss",)})
+    h.skip_batches, skips = 3, h.consecutive_skips
+    d = decide(v, h, cfg, Evidence(snapshot_step=0))
+    assert d.action == SKIP and d.bad_ranks == [1] and "discarded after a rollback" in d.reason
+    h.record(v, d, cfg, Evidence(snapshot_step=0))
+    assert h.skip_batches == 2 and h.consecutive_skips == skips and h.rollbacks == {0: 2}
