@@ -256,3 +256,24 @@ def test_deepspeed_overhead_benchmark_tiny_run(tmp_path: Path) -> None:
         assert row["steps"] == 4 and row["median_ms"] > 0, name
         assert math.isfinite(row["ratio_median"]) and row["ratio_median"] > 0, name
     assert report["weights_max_abs_diff_vs_baseline"]["sentinel"] == 0.0
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(120)
+def test_recovery_benchmark_smoke_run(tmp_path: Path) -> None:
+    """bench/recovery.py --smoke: the stable reference and a learning rate x100 for 20
+    iterations, unguarded and under spikes="recover", one seed, 200 steps. The unguarded run
+    ends far above the stable one; recover rolls back and ends within 5% of it, with no
+    false alarm on the stable run (the same numbers as the full bench's lr_spike row)."""
+    out = tmp_path / "recovery.json"
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "recovery.py"), "--smoke", "--json", str(out)],
+        cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=110,
+    )
+    assert proc.returncode == 0, f"benchmark failed:\n{proc.stdout}\n{proc.stderr}"
+    rows = {(r["case"], r["arm"]): r for r in json.loads(out.read_text())["summary"]}
+    assert rows["lr_spike", "none"]["val_vs_stable_pct"] > 20
+    recovered = rows["lr_spike", "recover"]
+    assert recovered["val_vs_stable_pct"] < 5 and recovered["lost_steps"] > 0
+    assert rows["stable", "recover"]["actions"] == 0
+    assert "| lr_spike |" in proc.stdout and "false alarms on the stable case" in proc.stdout
