@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from tests.distributed.harness import run_ranks, values
-from tests.distributed.workers_recovery import blame, divergence, exploding
+from tests.distributed.workers_recovery import blame, divergence, exploding, one_rank_spikes
 
 
 @pytest.mark.timeout(150)
@@ -112,3 +112,26 @@ def test_learning_rate_blowup_is_caught_rolled_back_and_then_converges(tmp_path:
     first = next(r for r in outs[0]["records"] if r["outcome"] == "rolled_back")
     report = json.loads(Path(first["report_path"]).read_text())
     assert report["outcome"] == "rolled_back" and report["rolled_back_to"] is not None
+
+
+@pytest.mark.timeout(150)
+def test_spikes_recover_decides_alike_on_every_rank_when_one_ranks_loss_spikes(
+        tmp_path: Path) -> None:
+    """Issue 38: spikes="recover" on 2 gloo ranks, rank 1's loss spiking for two steps in a
+    row (its batches' targets 30x): the first is skipped (spike_patience=2), the second rolls
+    back, on both ranks at the same step, naming rank 1; the weights stay finite and equal."""
+    outs = values(run_ranks(one_rank_spikes, 2, tmp_path, steps=40, bad=[25, 26],
+                            report_dir=str(tmp_path / "r"), timeout=120))
+    decisions = [[(r["outcome"], r["rolled_back_to"], r["spikes"], r["lr_factor"])
+                  for r in out["records"]] for out in outs]
+    assert decisions[0] == decisions[1]
+    recs = outs[0]["records"]
+    assert recs[25]["outcome"] == "skipped" and 1 in recs[25]["spikes"]["loss"]
+    assert 0 not in recs[25]["spikes"]["loss"] and "before a rollback" in recs[25]["reason"]
+    assert recs[26]["outcome"] == "rolled_back" and recs[26]["rolled_back_to"] <= 25
+    assert recs[26]["lr_factor"] == 0.5
+    assert all(r["outcome"] == "applied" for r in recs[:25]), [r["outcome"] for r in recs]
+    assert all(r["outcome"] == "skipped" for r in recs[27:37])  # the batches discarded
+    assert all(r["outcome"] == "applied" for r in recs[37:])
+    w = [o["weights"] for o in outs]
+    assert torch.equal(w[0], w[1]) and torch.isfinite(w[0]).all()

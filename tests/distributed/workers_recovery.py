@@ -162,3 +162,28 @@ def divergence(rank: int, world: int, *, steps: int, jump: int, report_dir: str,
     final = float(F.mse_loss(net(x), y))
     return {"records": records, "first_loss": first_loss, "final_loss": final,
             "weights": net.weight.detach().clone()}
+
+
+def one_rank_spikes(rank: int, world: int, *, steps: int, bad: list[int], report_dir: str,
+                    **overrides: Any) -> dict[str, Any]:
+    """Under spikes="recover", rank 1's batches at the steps in ``bad`` carry targets 30x too
+    large (an unnormalised column: finite, extreme): its loss spikes, the others' does not."""
+    torch.manual_seed(0)
+    net = LogMLP()
+    model = DDP(net)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    sentinel = nansentinel.Sentinel(model, opt, report_dir=report_dir, spikes="recover",
+                                    **overrides)
+    records = []
+    for step in range(steps):
+        batch = make_batch(1000 * step + rank)
+        if rank == 1 and step in bad:
+            batch["y"] = batch["y"] * 30
+        batch = sentinel.check_batch(batch)
+        loss = mse(model, batch)
+        sentinel.check_loss(loss)
+        loss.backward()
+        records.append(_record(sentinel.step()))
+        opt.zero_grad()
+    sentinel.close()
+    return {"records": records, "weights": net.out.weight.detach().clone()}
