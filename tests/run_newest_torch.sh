@@ -26,7 +26,10 @@ esac
 
 # The package from this checkout, not the main lane's editable install (same files; explicit).
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+# (The watchdog's slow-work test is about our timer, not torch's internals: the main lane's.)
 "$venv/bin/python" -m pytest -p no:cacheprovider tests/unit \
     tests/distributed/test_ddp_average.py tests/distributed/test_fsdp.py \
     tests/distributed/test_tp.py tests/distributed/test_pipeline.py \
-    tests/distributed/test_wire.py tests/distributed/test_device_gate.py "$@"
+    tests/distributed/test_wire.py tests/distributed/test_device_gate.py \
+    --deselect tests/distributed/test_fsdp.py::test_the_watchdog_spares_slow_work_between_micro_batches \
+    "$@"
