@@ -239,13 +239,12 @@ def decide(view: ClusterView, history: History, config: SentinelConfig,
     if view.totals.dropped:  # withheld gradients are never applied as they are
         return Decision(SKIP, (), "gradients left out of the reduction on a rank not blamed",
                         NONFINITE, overflow)
-    if spikes and history.skip_batches > 0:  # discarded anyway: no rollback over a rollback
-        return Decision(
-            SKIP, (), f"spike in {', '.join(spikes.signals())}, in a batch discarded after a "
-            f"rollback ({history.skip_batches} left)", AFTER_ROLLBACK, overflow)
     if spikes:
-        action = _most_severe(spikes, config)
         reason = "spike in " + ", ".join(spikes.signals())
+        if history.skip_batches > 0:  # discarded anyway: no rollback over a rollback
+            return Decision(SKIP, (), f"{reason}, in a batch discarded after a rollback "
+                            f"({history.skip_batches} left)", AFTER_ROLLBACK, overflow)
+        action = _most_severe(spikes, config)
         streak = history.spike_streak + 1
         if action == "rollback" and streak < config.spike_patience:
             return Decision(SKIP, (), f"{reason}: {streak} of {config.spike_patience} in a row "
