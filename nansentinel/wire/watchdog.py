@@ -22,8 +22,15 @@ Arming and disarming are two attribute writes: the normal step pays nothing else
 
 The deadline must also end before the process group's own timeout: past it NCCL's watchdog
 ends the process, and nobody is named. :class:`TimeoutFit` shortens the exchange's timeout to
-fit, at construction and again from the watchdog's thread whenever the group's timeout changes
-(torchtitan shortens it to 100 s after the first step), so the step pays nothing for it.
+fit, at construction and again at each arming, when the group's timeout changed (torchtitan
+shortens it to 100 s after the first step): an attribute read a backend, on the thread that
+issues the step's collectives.
+
+The watchdog's thread itself never touches a process group (but a work's ``is_completed()``,
+which torch locks): ``ProcessGroup.getBackend`` inserts into an unlocked map the first time a
+device type is asked for (the CUDA entry of a CPU run's gloo group, the CPU entry of a
+``cpu:gloo,cuda:nccl`` group), and that insertion racing a collective on the same group is a
+crash, not an error (the likeliest cause of a torchtitan rank's SIGSEGV in CI).
 """
 
 from __future__ import annotations
@@ -72,9 +79,6 @@ class Watchdog:
             expiry; exceptions are the callee's to handle.
         clock: monotonic clock (injected by tests).
         poll: how often the thread looks, in seconds.
-
-    :attr:`on_poll`, set after construction, is called from the watchdog thread at every look
-    (:meth:`TimeoutFit.check`); an exception is logged and the watchdog goes on.
     """
 
     def __init__(
@@ -92,7 +96,6 @@ class Watchdog:
         self.settled = settled
         self.on_late = on_late
         self.clock = clock
-        self.on_poll: Callable[[], None] | None = None
         self._max_poll = poll
         self.retime(timeout, late_after)
         # (step, deadline, time of on_late, time armed)
@@ -117,6 +120,10 @@ class Watchdog:
         if self._armed is None:
             now = self.clock()
             self._armed = (step, now + self.timeout, now + self.late_after, now)
+
+    @property
+    def armed(self) -> bool:
+        return self._armed is not None
 
     def restart(self, step: int) -> None:
         """Count the deadline of ``step`` from now: a collective was just launched. Under
@@ -145,11 +152,6 @@ class Watchdog:
 
     def _run(self) -> None:
         while not self._stop.wait(self.poll):
-            if self.on_poll is not None:
-                try:
-                    self.on_poll()
-                except Exception as exc:  # a helper's failure must not end the watchdog
-                    log.debug("nansentinel: watchdog poll helper failed: %s", exc)
             armed = self._armed
             if armed is None:
                 continue
@@ -187,24 +189,36 @@ def naming_seconds(timeout: float) -> float:
     return watchdog_deadline(timeout) + diagnosis_grace(timeout)
 
 
-def group_timeout(group: dist.ProcessGroup | None) -> float | None:
-    """The shortest timeout, in seconds, of the backends of ``group`` (None: the default
-    group), as ``init_process_group(timeout=)``, ``new_group(timeout=)`` or
-    ``_set_pg_timeout`` left it; None when there is no group or no backend says (torch's fake
-    backend). One attribute read a backend: cheap enough for the watchdog's thread."""
+def group_backends(group: dist.ProcessGroup | None) -> list[Any]:
+    """The backends of ``group`` (None: the default group), one a device type; empty when
+    there is no group (or torch's fake backend).
+
+    Call it on the thread that issues the group's collectives: the first look at a device
+    type inserts into the group's unlocked backend map (see the module's docstring)."""
     if not (dist.is_available() and dist.is_initialized()):
-        return None
+        return []
     try:
         pg = group if group is not None else dist.distributed_c10d._get_default_group()
-        backends = {id(b): b for b in (pg._get_backend(d) for d in pg._device_types)}
+        return list({id(b): b for b in (pg._get_backend(d) for d in pg._device_types)}.values())
     except (RuntimeError, ValueError, AttributeError):
-        return None
+        return []
+
+
+def backends_timeout(backends: list[Any]) -> float | None:
+    """The shortest timeout, in seconds, of ``backends`` as ``init_process_group(timeout=)``,
+    ``new_group(timeout=)`` or ``_set_pg_timeout`` left it; None when no backend says. One
+    attribute read a backend: cheap enough for every step."""
     seconds = [
-        t.total_seconds() for b in backends.values()
+        t.total_seconds() for b in backends
         if isinstance(t := getattr(getattr(b, "options", None), "_timeout", None),
                       datetime.timedelta)
     ]
     return min(seconds, default=None)
+
+
+def group_timeout(group: dist.ProcessGroup | None) -> float | None:
+    """:func:`backends_timeout` of :func:`group_backends` (the same thread rule applies)."""
+    return backends_timeout(group_backends(group))
 
 
 def fitted_timeout(configured: float, group_seconds: float | None) -> float | None:
@@ -229,7 +243,8 @@ def fitted_timeout(configured: float, group_seconds: float | None) -> float | No
 
 class TimeoutFit:
     """Keeps the exchange's timeout, and with it the watchdog's deadline, inside the process
-    group's own timeout.
+    group's own timeout: the group's backends are found once, here, and their timeout read
+    again at each arming (:meth:`check`), on the thread that issues the collectives.
 
     Clamped rather than only warned about: a group timeout shorter than the deadline is the
     normal case under torchtitan (100 s after the first step, against the 300 s default), and
@@ -253,11 +268,12 @@ class TimeoutFit:
         self.watchdog = watchdog
         self.speak = speak
         self._seen: float | None = None
+        self._backends = group_backends(exchange.group)
         self.check()
 
     def check(self) -> None:
         """Read the group's timeout; refit if it changed since the last look."""
-        seconds = group_timeout(self.exchange.group)
+        seconds = backends_timeout(self._backends)
         if seconds is None or seconds == self._seen:
             return
         self._seen = seconds
@@ -313,10 +329,11 @@ class StepDeadline:
         self.step = 0
         self._settled: list[Callable[[], bool]] = [exchange.settled]
         self.dog: Watchdog | None = None
+        self.fit: TimeoutFit | None = None
         if exchange.world_size > 1:
             self.dog = Watchdog(watchdog_deadline(configured), on_expire, settled=self.settled,
                                 late=(late_after(configured), exchange.check_in))
-            self.dog.on_poll = TimeoutFit(exchange, configured, self.dog, speak=speak).check
+            self.fit = TimeoutFit(exchange, configured, self.dog, speak=speak)
             # A diagnosis waits for the live ranks' check-ins from the step's arming on.
             exchange.armed_for = self.dog.armed_for
 
@@ -330,6 +347,8 @@ class StepDeadline:
 
     def arm(self) -> None:
         if self.dog is not None:
+            if not self.dog.armed and self.fit is not None:
+                self.fit.check()  # the group's timeout, as the step about to be armed has it
             self.dog.arm(self.step)
 
     def restart(self) -> None:

@@ -21,7 +21,8 @@ ROOT = HERE.parents[1]
 def run(argv: list[str], out: Path, *, timeout: float, env: dict[str, str] | None = None
         ) -> subprocess.CompletedProcess[str]:
     """Run ``argv`` in a new session (so that a timeout kills the launcher's children too),
-    with this checkout first on the path and reports under ``out/reports``."""
+    with this checkout first on the path, reports under ``out/reports`` and Python's fault
+    handler on."""
     out.mkdir(parents=True, exist_ok=True)
     full = {
         **os.environ,
@@ -30,6 +31,9 @@ def run(argv: list[str], out: Path, *, timeout: float, env: dict[str, str] | Non
         "MASTER_PORT": str(free_port()),
         "OMP_NUM_THREADS": "1",
         "NANSENTINEL_METRICS_PORT": "0",  # no fixed port shared with other runs on this host
+        # A rank that crashes in C++ (SIGSEGV, SIGABRT) prints every thread's Python stack:
+        # without it a crash in CI leaves only its peers' "connection reset" to read.
+        "PYTHONFAULTHANDLER": "1",
         **(env or {}),
     }
     proc = subprocess.Popen(argv, cwd=out, env=full, stdout=subprocess.PIPE,

@@ -134,20 +134,53 @@ def test_fitted_timeout_ends_the_naming_before_the_groups_timeout() -> None:
     assert fitted_timeout(10.0, 12.0) is None  # no timeout leaves room to name anyone
 
 
-def test_watchdog_calls_its_poll_helper_and_survives_its_failure() -> None:
-    calls: list[int] = []
+def test_the_group_timeout_is_read_at_arming_never_from_the_watchdog_thread(
+    free_port, monkeypatch  # type: ignore[no-untyped-def]
+) -> None:
+    """``ProcessGroup.getBackend`` inserts into an unlocked map on a device type's first look:
+    from the watchdog's thread, racing a collective on the same group (the likeliest cause of
+    a torchtitan rank's SIGSEGV in CI). The group's backends are found once, at construction,
+    and their timeout is read when a step is armed, on the arming thread; the watchdog's
+    thread, polling meanwhile, reads neither."""
+    import datetime
+    import threading
+    from types import SimpleNamespace
 
-    def helper() -> None:
-        calls.append(1)
-        raise RuntimeError("boom")
+    import torch.distributed as dist
 
-    fired: list[int] = []
-    dog = Watchdog(0.3, fired.append, poll=0.02)
-    dog.on_poll = helper
-    dog.arm(3)
-    assert wait_for(lambda: fired == [3])  # the failing helper did not stop the thread
-    assert len(calls) >= 2
-    dog.close()
+    from nansentinel.wire import watchdog as wd
+
+    readers: list[str] = []
+    for name in ("group_backends", "backends_timeout"):
+        real = getattr(wd, name)
+
+        def spy(*args, _real=real, _name=name):  # type: ignore[no-untyped-def]
+            readers.append(f"{_name}@{threading.current_thread().name}")
+            return _real(*args)
+
+        monkeypatch.setattr(wd, name, spy)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0,
+                            world_size=1, timeout=datetime.timedelta(seconds=60))
+    exchange = SimpleNamespace(group=None, timeout=300.0, world_size=2, settled=lambda: False,
+                               check_in=lambda step: None)
+    deadline = wd.StepDeadline(exchange, 300.0, on_expire=lambda step: None, speak=False)
+    try:
+        assert deadline.dog is not None
+        assert exchange.timeout == 37.0  # clamped at construction
+        main = threading.current_thread().name
+        assert readers == [f"group_backends@{main}", f"backends_timeout@{main}"]
+        time.sleep(4 * deadline.dog.poll + 0.1)  # the watchdog looks several times
+        assert len(readers) == 2
+        dist.distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=30))
+        deadline.arm()  # the step's first collective: the new timeout is read now
+        assert wd.naming_seconds(exchange.timeout) < 30.0
+        assert deadline.dog.timeout == wd.watchdog_deadline(exchange.timeout)
+        deadline.arm()  # already armed: nothing read again
+        deadline.disarm()
+        assert readers[2:] == [f"backends_timeout@{main}"]
+    finally:
+        deadline.close()
+        dist.destroy_process_group()
 
 
 def test_a_short_gloo_group_timeout_clamps_the_deadline_and_is_rechecked(
