@@ -2,7 +2,7 @@
 (issue 20, item 8): the harness's group times out after 60 s, shorter than exchange_timeout
 (here 250 s) with the naming after it, so the sentinel waits less, says so once on rank 0 (a
 warning: the value was the user's), and follows the group's timeout when the loop changes it
-(as torchtitan does)."""
+(as torchtitan does), read again when the next step's first collective leaves."""
 
 from __future__ import annotations
 
@@ -37,10 +37,17 @@ def fitted(rank: int, world: int) -> dict[str, Any]:
     sentinel = nansentinel.Sentinel(model, opt, env={}, metrics_port=0, exchange_timeout=250)
     first = (sentinel.exchange.timeout, sentinel.watchdog.timeout)
     dist.distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=40))
-    deadline = time.monotonic() + 10
-    while sentinel.exchange.timeout == first[0] and time.monotonic() < deadline:
-        time.sleep(0.05)  # the watchdog's thread looks every half second
-    out = {"first": first, "later": sentinel.exchange.timeout, "warnings": records}
+    time.sleep(1.0)  # the watchdog's thread looks meanwhile, and must not read the group
+    unchanged = sentinel.exchange.timeout
+    # The next step's first collective reads the group's timeout again, on the loop's thread.
+    x = torch.randn(8, 4)
+    sentinel.check_batch(x)
+    loss = model(x).square().mean()
+    sentinel.check_loss(loss)
+    loss.backward()
+    sentinel.step()
+    out = {"first": first, "unchanged": unchanged, "later": sentinel.exchange.timeout,
+           "dog": sentinel.watchdog.timeout, "warnings": records}
     sentinel.close()
     return out
 
@@ -55,7 +62,9 @@ def test_a_shorter_group_timeout_shortens_the_deadline_on_every_rank(tmp_path: P
                                env={"TORCH_DISTRIBUTED_DEBUG": "OFF"}))
     for r in results:
         assert r["first"] == (37.0, watchdog_deadline(37.0))  # 37 + 2 * 10 + 2 = 60 - 1
+        assert r["unchanged"] == 37.0  # until a step arms the deadline
         assert r["later"] == 18.5  # 18.5 + 2 * 9.25 + 2 = 40 - 1
+        assert r["dog"] == watchdog_deadline(18.5)
     assert len(results[0]["warnings"]) == 2 and not results[1]["warnings"]
     assert "group's timeout (60 s)" in results[0]["warnings"][0]
     assert "group's timeout (40 s)" in results[0]["warnings"][1]
