@@ -111,7 +111,7 @@ def one_world(world: int, steps: int, detections: int,
         row[[R.batch_norm, R.loss_value, R.grad_norm_value, R.has_loss, R.has_grad]] = torch.tensor(
             [1.0, float("nan"), 1.0, 1.0, 1.0])
         others = [r for r in ranks if r != 0]
-        one = pack(row, torch.full((4,), float("inf")), 1, amp=False)[:T.size]
+        one = pack(row, torch.full((5,), float("inf")), 1, amp=False)[:T.size]
         total = one * len(others)
         total[T.flagged_rank] = float(sum(others))
         return total

@@ -154,8 +154,11 @@ class History:
         with the step's :class:`Evidence` (its verdict, spikes and snapshot step)."""
         evidence = evidence if evidence is not None else Evidence()
         verdict, snapshot_step = evidence.verdict, evidence.snapshot_step
-        waited = evidence.spikes and _most_severe(evidence.spikes, config) != "warn"
-        self.spike_streak = self.spike_streak + 1 if waited and decision.action != ROLLBACK else 0
+        spikes = evidence.spikes
+        waited = spikes and _most_severe(spikes, config) != "warn"
+        if not (spikes and spikes.in_data):  # the data's spike: the weights' streak waits
+            self.spike_streak = (self.spike_streak + 1 if waited and decision.action != ROLLBACK
+                                 else 0)
         if decision.cause in (NONFINITE, SPIKE) and not decision.applies:
             self.consecutive_skips += 1
         elif decision.applies:
@@ -245,6 +248,9 @@ def decide(view: ClusterView, history: History, config: SentinelConfig,
             return Decision(SKIP, (), f"{reason}, in a batch discarded after a rollback "
                             f"({history.skip_batches} left)", AFTER_ROLLBACK, overflow)
         action = _most_severe(spikes, config)
+        if action == "rollback" and spikes.in_data:  # the batch changed: nothing to repair
+            return Decision(SKIP, (), f"{reason}, with a batch far from its running norm: the "
+                            "data's, not the weights'; skipped, not rolled back", SPIKE, overflow)
         streak = history.spike_streak + 1
         if action == "rollback" and streak < config.spike_patience:
             return Decision(SKIP, (), f"{reason}: {streak} of {config.spike_patience} in a row "

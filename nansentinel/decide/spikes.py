@@ -19,6 +19,14 @@ A spike is *cluster-wide* (a divergence: learning rate or model) when every rank
 when the cluster mean without the spiking ranks is not quiet either: one node's loss can spike
 while the rest looks fine, and then it is that node's.
 
+A spike in a step whose batch spiked too is the *data's* (:attr:`Spikes.in_data`): each rank
+also keeps a reference of its batch's norm (the floating tensors ``check_batch`` saw), and a
+batch ``DATA_RATIO`` times its median (and ``zscore`` out) says the input changed, a shard
+preprocessed without its scaler, not that the weights were ruined. The policy skips such a step
+rather than rolling back: a rollback cannot tell twenty bad batches in a row from ruined
+weights, and it would discard good steps for them. A batch of integer tokens alone has no norm
+(0): its steps are never the data's by this rule.
+
 The reference (median and MAD) is recomputed every tenth of a window, not every step.
 """
 
@@ -35,6 +43,11 @@ from nansentinel.wire.view import ClusterView
 CLUSTER = -1
 """Pseudo-rank of the cluster mean in :class:`Spikes`."""
 
+DATA_RATIO = 3.0
+"""A batch whose norm is this many times its running median (and ``zscore`` robust deviations
+out) is itself anomalous. A normalised input pipeline moves its batch norm by a few percent
+from batch to batch; an unnormalised column moves it by orders of magnitude."""
+
 __all__ = ["CLUSTER", "SIGNALS", "Series", "SpikeDetector", "Spikes"]
 
 
@@ -46,6 +59,9 @@ class Spikes:
     ratios: dict[str, dict[int, float]] = dataclasses.field(default_factory=dict)
     cluster_wide: bool = False
     """Every rank spiked, or the ranks that did not are not quiet either: a divergence."""
+    in_data: bool = False
+    """Every rank that spiked had a batch that spiked too (``Totals.data_spike``): the data
+    changed, not the weights."""
 
     def __bool__(self) -> bool:
         return any(self.ranks.values())
@@ -143,15 +159,19 @@ class SpikeDetector:
         series = functools.partial(Series, window=window, warmup=warmup, zscore=zscore)
         self.own = {s: series(ratio=ratios[s]) for s in SIGNALS}
         self.cluster = {s: series(ratio=ratios[s]) for s in SIGNALS}
+        #: This rank's batch norm (own only: a rank's data is its own).
+        self.batch = series(ratio=DATA_RATIO)
         self._recorded = 0
         #: Bumped whenever the references change, so the device thresholds are re-sent.
         self.version = 0
 
     def thresholds(self) -> list[float]:
-        """``[spike loss, spike grad, quiet loss, quiet grad]`` of this rank's own series, for
-        the judgement on the device (``inf``: not judged yet)."""
+        """``[spike loss, spike grad, quiet loss, quiet grad, spike batch]`` of this rank's own
+        series, for the judgement on the device (``inf``: not judged yet)."""
         refs = [self.own[s].ref for s in SIGNALS]
-        return [r[1] if r else math.inf for r in refs] + [r[2] if r else math.inf for r in refs]
+        batch = self.batch.ref
+        return ([r[1] if r else math.inf for r in refs] + [r[2] if r else math.inf for r in refs]
+                + [batch[1] if batch else math.inf])
 
     def judge(self, view: ClusterView) -> Spikes:
         """The spikes of this step: the named ranks' own verdicts (gathered with their rows)
@@ -176,7 +196,9 @@ class SpikeDetector:
                            and (v := r.value(signal)) is not None]
                 rest = totals.without(signal, spiking)
                 wide = rest is not None and series.ref is not None and not series.quiet(rest)
-        return Spikes(ranks, ratios, cluster_wide=bool(ranks) and wide)
+        in_data = 0 < totals.spike_any <= totals.data_spike
+        return Spikes(ranks, ratios, cluster_wide=bool(ranks) and wide,
+                      in_data=bool(ranks) and in_data)
 
     def cluster_spikes(self, totals: Totals) -> bool:
         """The cluster mean spiked on some signal (a detection even if no rank did)."""
@@ -207,12 +229,14 @@ class SpikeDetector:
                 self.own[signal].add(own.value(signal))
             if CLUSTER not in spikes.ranks.get(signal, ()):
                 self.cluster[signal].add(totals.mean(signal))
+        if not own.spike_batch:
+            self.batch.add(own.batch_norm)
         self._recorded += 1
         if self._recorded % self.refresh == 0:
             self._recompute()
 
     def _recompute(self) -> None:
-        for series in (*self.own.values(), *self.cluster.values()):
+        for series in (*self.own.values(), *self.cluster.values(), self.batch):
             series.recompute()
         self.version += 1
 
@@ -220,6 +244,7 @@ class SpikeDetector:
         return {
             "own": {s: self.own[s].values for s in SIGNALS},
             "cluster": {s: self.cluster[s].values for s in SIGNALS},
+            "batch": self.batch.values,
             "recorded": self._recorded,
         }
 
@@ -236,5 +261,8 @@ class SpikeDetector:
                 for s in SIGNALS:
                     if s in saved:
                         target[s].load(saved[s])
+        batch = state.get("batch")
+        if isinstance(batch, list):  # absent in older checkpoints: it starts afresh
+            self.batch.load(batch)
         self._recorded = int(state.get("recorded", 0))  # type: ignore[call-overload]
         self._recompute()

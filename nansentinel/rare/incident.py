@@ -207,7 +207,8 @@ def cluster_summary(view: ClusterView) -> dict[str, Any]:
         "nonfinite": {k: t.bad(k) for k in KINDS},
         "blamed": t.blamed,
         "reached": t.reached,
-        "spiking": {"loss": t.spike_loss, "grad_norm": t.spike_grad, "any": t.spike_any},
+        "spiking": {"loss": t.spike_loss, "grad_norm": t.spike_grad, "any": t.spike_any,
+                    "with_their_batch": t.data_spike},
         "quarantined": t.quarantined,
         "injected": t.injected,
     }

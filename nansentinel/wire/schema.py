@@ -44,6 +44,8 @@ class OwnRow(Row):
 
     spike_loss: bool = False
     spike_grad: bool = False
+    spike_batch: bool = False
+    """This rank's batch norm spiked against its own reference (see :attr:`Totals.data_spike`)."""
     not_quiet: bool = False
     """A signal above its quiet threshold (or non-finite): the rank is not a calm reference."""
     flagged: bool = False
@@ -107,6 +109,9 @@ class Totals:
     spike_loss: int = 0
     spike_grad: int = 0
     spike_any: int = 0
+    data_spike: int = 0
+    """Ranks whose loss or gradient norm spiked in a step whose batch spiked too (its norm
+    against its own reference): the data changed, not the weights (decide/spikes.py)."""
     not_quiet: int = 0
     injected: int = 0
     quarantined: int = 0
@@ -213,8 +218,9 @@ def pack(
 
     Args:
         row: the health row (:class:`Row` layout, fp32).
-        thresholds: ``[spike loss, spike grad, quiet loss, quiet grad]`` of this rank's own
-            rolling references (``inf`` while a series warms up; see decide/spikes.py).
+        thresholds: ``[spike loss, spike grad, quiet loss, quiet grad, spike batch]`` of this
+            rank's own rolling references (``inf`` while a series warms up; see
+            decide/spikes.py).
         rank: this rank's index, summed where the rank is flagged.
         amp: under GradScaler a non-finite gradient alone is fp16 overflow, not blame.
         dropped: 0-d fp32 on the device, 1 where this rank's gradients were replaced by zeros
@@ -223,9 +229,13 @@ def pack(
     finite = torch.isfinite(row[R.batch_norm:R.grad_norm_value + 1])  # batch, loss, grad
     bad = (~finite).to(torch.float32)
     signal, has = row[R.loss_value:R.grad_norm_value + 1], row[R.has_loss:R.has_grad + 1]
-    above = signal.repeat(2) >= thresholds  # spike loss, spike grad, quiet loss, quiet grad
+    above = signal.repeat(2) >= thresholds[:4]  # spike loss, spike grad, quiet loss, quiet grad
     spike = (above[:2] & finite[1:]) * has
     not_quiet = ((above[2:] | ~finite[1:]) * has).amax()
+    # The batch's own norm far above its reference: a loss or gradient spike in that step
+    # is the data's (a shard preprocessed differently), not ruined weights.
+    batch_spike = ((row[R.batch_norm] >= thresholds[4]) & finite[0]).to(torch.float32)
+    data_spike = spike.amax() * batch_spike
     # No host-made tensor anywhere: a host-to-device copy would sync the stream.
     # Where a non-finite value began (checks/pipeline.py): a rank whose batch, forward output
     # or sent gradients went non-finite from finite inputs is an origin; a loss or gradient
@@ -251,16 +261,16 @@ def pack(
     pieces = (
         (("bad_batch", "bad_loss", "bad_grad"), bad),
         (("blamed", "flagged", "flagged_rank", "spike_loss", "spike_grad", "spike_any",
-          "not_quiet", "injected", "quarantined"),
+          "data_spike", "not_quiet", "injected", "quarantined"),
          torch.stack([blamed, flagged, flagged * float(rank), spike[0], spike[1], spike.amax(),
-                      not_quiet, row[R.injected], row[R.quarantined]])),
+                      data_spike, not_quiet, row[R.injected], row[R.quarantined]])),
         (("loss_n", "loss_sum", "loss_sq", "grad_n", "grad_sum", "grad_sq"), sums),
         (("reached", "dropped"), torch.cat([reached.reshape(1), left_out])),
         (tuple(f"own.{n}" for n in R.names), row),
-        (("own.spike_loss", "own.spike_grad", "own.not_quiet", "own.flagged", "own.reached",
-          "own.dropped"),
-         torch.cat([spike, not_quiet.reshape(1), flagged.reshape(1), reached.reshape(1),
-                    left_out])),
+        (("own.spike_loss", "own.spike_grad", "own.spike_batch", "own.not_quiet", "own.flagged",
+          "own.reached", "own.dropped"),
+         torch.cat([spike, batch_spike.reshape(1), not_quiet.reshape(1), flagged.reshape(1),
+                    reached.reshape(1), left_out])),
     )
     return assembled(pieces, WIRE)
 

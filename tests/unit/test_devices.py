@@ -75,7 +75,7 @@ def test_the_row_the_vector_and_found_inf_stay_on_the_device() -> None:
     local.add_grads(checks.grad_norms([torch.randn(3, device=ACC)])[0])
     row = local.row()
     assert row.device == ACC
-    vector = pack(row, torch.full((4,), math.inf, device=ACC), 3, amp=False)
+    vector = pack(row, torch.full((5,), math.inf, device=ACC), 3, amp=False)
     assert vector.device == ACC and vector.shape == (SIZE,)
     gate = DeviceGate(torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))]), ACC)
     assert gate.found_inf(vector, False).device == ACC

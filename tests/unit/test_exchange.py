@@ -15,7 +15,7 @@ from nansentinel.wire.exchange import HealthExchange
 from nansentinel.wire.schema import EXCHANGE_BYTES, SIZE, O, OwnRow, R, T, Totals, pack
 
 CPU = torch.device("cpu")
-NO_REF = torch.full((4,), math.inf)  # spike references still warming up
+NO_REF = torch.full((5,), math.inf)  # spike references still warming up
 
 
 def row(batch: float, loss: float, grad: float, *, injected: float = 0.0,
@@ -62,7 +62,8 @@ def test_amp_overflow_and_quarantine_are_counted_not_blamed() -> None:
 
 
 def test_spikes_and_quiet_are_judged_on_the_device_against_the_thresholds() -> None:
-    thresholds = torch.tensor([10.0, 50.0, 3.0, 7.0])  # spike loss, grad; quiet loss, grad
+    # spike loss, grad; quiet loss, grad; spike batch
+    thresholds = torch.tensor([10.0, 50.0, 3.0, 7.0, math.inf])
     calm = OwnRow.from_values(pack(row(1.0, 1.0, 1.0), thresholds, 0, amp=False).tolist())
     assert not calm.spiked() and not calm.not_quiet and not calm.flagged
     uneasy = OwnRow.from_values(pack(row(1.0, 4.0, 1.0), thresholds, 0, amp=False).tolist())
@@ -130,7 +131,7 @@ def test_plain_keeps_data_and_names_what_it_drops() -> None:
 def test_an_absent_value_is_neither_a_spike_nor_unquiet() -> None:
     # A log-likelihood's thresholds are negative; an absent loss (0.0 in the row) is above
     # them, and must still count for nothing.
-    thresholds = torch.tensor([-4.0, math.inf, -4.5, math.inf])
+    thresholds = torch.tensor([-4.0, math.inf, -4.5, math.inf, math.inf])
     no_loss = torch.tensor([1.0, 0.0, 1.0, 0.0, 0.0, 1.0, 0.0, *[0.0] * 5])
     own = OwnRow.from_values(pack(no_loss, thresholds, 0, amp=False).tolist())
     assert not own.spiked() and not own.not_quiet and not own.flagged and own.loss is None

@@ -194,8 +194,8 @@ def test_payload_is_strict_json_with_every_rank_and_the_poisoned_one() -> None:
     assert back["ranks_not_listed"] == 0
     assert back["cluster"] == {
         "world_size": 2, "nonfinite": {"batch": 0, "loss": 1, "grad": 1}, "blamed": 1,
-        "reached": 0, "spiking": {"loss": 0, "grad_norm": 0, "any": 0}, "quarantined": 0,
-        "injected": 0,
+        "reached": 0, "spiking": {"loss": 0, "grad_norm": 0, "any": 0, "with_their_batch": 0},
+        "quarantined": 0, "injected": 0,
         "loss": {"ranks": 1, "mean": 2.5, "std": 0.0, "min": 2.5, "max": 2.5},
         "grad_norm": {"ranks": 1, "mean": 1.0, "std": 0.0, "min": 1.0, "max": 1.0},
     }

@@ -20,7 +20,7 @@ from nansentinel.wire.schema import OwnRow, Totals, pack
 from nansentinel.wire.view import RankHealth
 
 CPU = torch.device("cpu")
-NO_REF = torch.full((4,), math.inf)
+NO_REF = torch.full((5,), math.inf)
 NAN = math.nan
 
 

@@ -96,13 +96,15 @@ def test_history_saves_its_own_state_under_the_checkpoint_keys() -> None:
     assert History.from_state_dict({}) == History()
 
 
-def _spiking(history: History, cfg: SentinelConfig, steps: list[bool],
+def _spiking(history: History, cfg: SentinelConfig, steps: list[bool | str],
              snapshot_step: int | None = 0) -> list[str]:
-    """Decide and record one step per entry (True: the cluster's loss spiked), as the judge
-    does; the actions taken."""
+    """Decide and record one step per entry (True: the cluster's loss spiked; "data": rank
+    0's loss spiked with its batch), as the judge does; the actions taken."""
     actions = []
     for step, spiked in enumerate(steps, start=1):
         spikes = Spikes({"loss": [CLUSTER]}, {"loss": {CLUSTER: 2.0}}) if spiked else Spikes()
+        if spiked == "data":
+            spikes = Spikes({"loss": [0]}, {"loss": {0: 9.0}}, in_data=True)
         evidence = Evidence(spikes=spikes, snapshot_step=snapshot_step)
         d = decide(view(step, {}), history, cfg, evidence)
         history.record(view(step, {}), d, cfg, evidence)
@@ -127,6 +129,26 @@ def test_spike_patience_rolls_back_on_the_nth_spiking_step_in_a_row_only() -> No
     assert _spiking(History(), once, [True, True, False]) == [SKIP, SKIP, APPLY]
     warn = SentinelConfig(spike_patience=2)  # warn applies every spike
     assert _spiking(History(), warn, [True, True, True]) == [APPLY] * 3
+
+
+def test_a_spike_in_data_is_skipped_and_never_rolled_back_over() -> None:
+    """A bad shard's batches spike the loss one after the other, like ruined weights; with
+    their batch norm far off too they are skipped, however many in a row, and the weights'
+    streak neither grows nor restarts over them."""
+    cfg = SentinelConfig(loss_spike_action="rollback", spike_patience=2, max_rollbacks=99,
+                         rollback_skip_batches=0)
+    h = History()
+    assert _spiking(h, cfg, ["data"] * 20) == [SKIP] * 20
+    assert h.spike_streak == 0 and h.rollbacks == {}
+    d = decide(view(1, {}), History(), cfg,
+               Evidence(spikes=Spikes({"loss": [0]}, {"loss": {0: 9.0}}, in_data=True),
+                        snapshot_step=0))
+    assert d.cause == "spike" and "the data's, not the weights'" in d.reason
+    assert _spiking(History(), cfg, [True, "data", True]) == [SKIP, SKIP, ROLLBACK]
+    skip = SentinelConfig(loss_spike_action="skip", max_consecutive_skips=99)
+    assert _spiking(History(), skip, ["data", True]) == [SKIP, SKIP]
+    warn = SentinelConfig()  # warn: applied, as any spike
+    assert _spiking(History(), warn, ["data"]) == [APPLY]
 
 
 def test_after_a_rollback_its_discarded_batches_never_roll_back_again_and_the_window_widens(

@@ -60,3 +60,35 @@ def test_recover_rolls_back_to_before_the_ruining_update_and_its_lr_factor_holds
     assert all(abs(r.local_loss or 0) < 10 for r in results[43:]), outcomes
     assert results[-1].applied and not any(r.outcome == "aborted" for r in results)
     del restored, before
+
+
+def test_recover_skips_a_bad_shard_without_rolling_back(tmp_path: Path) -> None:
+    """Eight batches in a row whose first column was not normalised (x1000): each spikes the
+    loss, as ruined weights would, but each batch's norm is far above its own reference, so
+    every one is skipped as the data's and no good step is rolled back over."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    sentinel = nansentinel.Sentinel(model, opt, report_dir=str(tmp_path), env={},
+                                    metrics_port=0, spikes="recover")
+    w_true = torch.randn(8, 1)
+    shard = range(40, 48)
+    results = []
+    with sentinel:
+        for step in range(70):
+            x = torch.randn(32, 8)
+            y = x @ w_true
+            if step in shard:
+                x[:, 0] *= 1000.0  # the shard preprocessed without its scaler
+            batch = sentinel.check_batch({"x": x, "y": y})
+            loss = torch.nn.functional.mse_loss(model(batch["x"]), batch["y"])
+            sentinel.check_loss(loss)
+            loss.backward()
+            results.append(sentinel.step())
+            opt.zero_grad(set_to_none=True)
+    outcomes = [r.outcome for r in results]
+    assert [r.outcome for r in results[40:48]] == ["skipped"] * 8, outcomes[38:50]
+    assert all("the data's, not the weights'" in (r.reason or "") for r in results[40:48])
+    assert "rolled_back" not in outcomes and "aborted" not in outcomes
+    assert all(r.applied for r in results[48:]), outcomes[48:]
+    assert all(bool(torch.isfinite(p).all()) for p in model.parameters())

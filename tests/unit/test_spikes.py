@@ -24,12 +24,13 @@ class Cluster:
         self.detectors = [SpikeDetector(**{**KW, **kw}) for _ in range(world)]  # type: ignore[arg-type]
 
     def judge(self, loss: list[float], grad: list[float] | None = None, *,
-              record: bool = False) -> Spikes:
+              record: bool = False, batch: list[float] | None = None) -> Spikes:
         world = len(self.detectors)
         owns, vectors = [], []
         for r, d in enumerate(self.detectors):
             g = grad[r] if grad is not None else 0.0
-            row = torch.tensor([0.0, loss[r], g, 0.0, 1.0, float(grad is not None), 0.0,
+            b = batch[r] if batch is not None else 0.0
+            row = torch.tensor([b, loss[r], g, 0.0, 1.0, float(grad is not None), 0.0,
                                 *[0.0] * 5])
             vector = pack(row, torch.tensor(d.thresholds()), r, amp=False)
             vectors.append(vector)
@@ -47,9 +48,10 @@ class Cluster:
                 d.record(own, totals, verdicts[0])
         return verdicts[0]
 
-    def feed(self, steps: int, loss: list[float], grad: list[float] | None = None) -> None:
+    def feed(self, steps: int, loss: list[float], grad: list[float] | None = None,
+             batch: list[float] | None = None) -> None:
         for _ in range(steps):
-            self.judge(loss, grad, record=True)
+            self.judge(loss, grad, record=True, batch=batch)
 
 
 def test_nothing_is_judged_during_warmup() -> None:
@@ -151,3 +153,39 @@ def test_the_loss_has_its_own_ratio() -> None:
     one.own["loss"].add(2.0)
     one._recompute()  # judged from the first value on (spike_warmup may be 1)
     assert one.own["loss"].spikes(25.0) and not one.own["loss"].spikes(4.0)
+
+
+def test_a_spike_whose_batch_spiked_too_is_the_datas() -> None:
+    """Each rank keeps its batch norm's reference: a loss spike in a step whose batch is far
+    above it (an unnormalised shard) is the data's; with a usual batch it is the weights'.
+    Every rank that spiked must have had such a batch, or the step is not the data's."""
+    c = Cluster(2)
+    c.feed(12, [2.0, 2.0], [1.0, 1.0], batch=[40.0, 41.0])
+    assert c.detectors[0].thresholds()[4] == 3 * 40.0  # DATA_RATIO x its median
+    data = c.judge([30.0, 2.0], [1.0, 1.0], batch=[4000.0, 41.0])
+    assert data.ranks == {"loss": [0]} and data.in_data
+    weights = c.judge([30.0, 2.0], [1.0, 1.0], batch=[40.0, 41.0])
+    assert weights.ranks == {"loss": [0]} and not weights.in_data
+    # Rank 1 spiked with a usual batch: not every spike is the data's.
+    mixed = c.judge([30.0, 30.0], [1.0, 1.0], batch=[4000.0, 41.0])
+    assert mixed.ranks["loss"][:2] == [0, 1] and not mixed.in_data
+    # A batch far off with no spike of the loss or the gradient norm is nothing to act on.
+    assert not c.judge([2.0, 2.0], [1.0, 1.0], batch=[4000.0, 41.0])
+    # A non-finite batch is the non-finite path's, never a data spike.
+    assert not c.judge([30.0, 2.0], [1.0, 1.0], batch=[math.inf, 41.0]).in_data
+
+
+def test_the_batch_reference_keeps_out_its_own_spikes_and_survives_a_checkpoint() -> None:
+    c = Cluster(1)
+    c.feed(12, [2.0], [1.0], batch=[10.0])
+    for _ in range(12):  # a long bad shard does not become the reference
+        c.judge([2.0], [1.0], batch=[5000.0], record=True)
+    d = c.detectors[0]
+    assert d.thresholds()[4] == 30.0
+    restored = SpikeDetector(**KW)  # type: ignore[arg-type]
+    restored.load_state_dict(d.state_dict())
+    assert restored.thresholds() == d.thresholds()
+    older = {k: v for k, v in d.state_dict().items() if k != "batch"}
+    fresh = SpikeDetector(**KW)  # type: ignore[arg-type]
+    fresh.load_state_dict(older)  # a checkpoint from before the batch reference: warming up
+    assert fresh.thresholds()[4] == math.inf
