@@ -118,8 +118,9 @@ def test_learning_rate_blowup_is_caught_rolled_back_and_then_converges(tmp_path:
 def test_spikes_recover_decides_alike_on_every_rank_when_one_ranks_loss_spikes(
         tmp_path: Path) -> None:
     """Issue 38: spikes="recover" on 2 gloo ranks, rank 1's loss spiking for two steps in a
-    row (its batches' targets 30x): the first is skipped (spike_patience=2), the second rolls
-    back, on both ranks at the same step, naming rank 1; the weights stay finite and equal."""
+    row (its batches' targets negated: the batch's norm as usual): the first is skipped
+    (spike_patience=2), the second rolls back, on both ranks at the same step, naming rank 1;
+    the weights stay finite and equal."""
     outs = values(run_ranks(one_rank_spikes, 2, tmp_path, steps=40, bad=[25, 26],
                             report_dir=str(tmp_path / "r"), timeout=120))
     decisions = [[(r["outcome"], r["rolled_back_to"], r["spikes"], r["lr_factor"])
@@ -133,5 +134,29 @@ def test_spikes_recover_decides_alike_on_every_rank_when_one_ranks_loss_spikes(
     assert all(r["outcome"] == "applied" for r in recs[:25]), [r["outcome"] for r in recs]
     assert all(r["outcome"] == "skipped" for r in recs[27:37])  # the batches discarded
     assert all(r["outcome"] == "applied" for r in recs[37:])
+    w = [o["weights"] for o in outs]
+    assert torch.equal(w[0], w[1]) and torch.isfinite(w[0]).all()
+
+
+@pytest.mark.timeout(150)
+def test_one_ranks_bad_shard_is_skipped_on_every_rank_not_rolled_back(tmp_path: Path) -> None:
+    """Rank 1's batches at steps 25-30 carry targets 30x too large: its loss spikes and so does
+    its batch's norm against rank 1's own reference. Both ranks read the same totals and skip
+    each of those steps as the data's, naming rank 1; nothing is rolled back."""
+    bad = list(range(25, 31))
+    outs = values(run_ranks(one_rank_spikes, 2, tmp_path, steps=36, bad=bad,
+                            corrupt="scale", report_dir=str(tmp_path / "r"), timeout=120))
+    decisions = [[(r["outcome"], r["spikes"], r["reason"]) for r in out["records"]]
+                 for out in outs]
+    assert decisions[0] == decisions[1]
+    recs = outs[0]["records"]
+    outcomes = [r["outcome"] for r in recs]
+    assert [outcomes[s] for s in bad] == ["skipped"] * len(bad), outcomes
+    for s in bad:
+        assert 1 in recs[s]["spikes"]["loss"] and 0 not in recs[s]["spikes"]["loss"]
+        assert "the data's, not the weights'" in recs[s]["reason"]
+    assert all(o == "applied" for i, o in enumerate(outcomes) if i not in bad), outcomes
+    report = json.loads(Path(recs[bad[0]]["report_path"]).read_text())
+    assert report["cluster"]["spiking"]["with_their_batch"] == 1
     w = [o["weights"] for o in outs]
     assert torch.equal(w[0], w[1]) and torch.isfinite(w[0]).all()

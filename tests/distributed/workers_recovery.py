@@ -165,9 +165,11 @@ def divergence(rank: int, world: int, *, steps: int, jump: int, report_dir: str,
 
 
 def one_rank_spikes(rank: int, world: int, *, steps: int, bad: list[int], report_dir: str,
-                    **overrides: Any) -> dict[str, Any]:
-    """Under spikes="recover", rank 1's batches at the steps in ``bad`` carry targets 30x too
-    large (an unnormalised column: finite, extreme): its loss spikes, the others' does not."""
+                    corrupt: str = "flip", **overrides: Any) -> dict[str, Any]:
+    """Under spikes="recover", rank 1's batches at the steps in ``bad`` carry corrupt targets:
+    its loss spikes, the others' does not. ``flip``: negated (the batch's norm as usual: the
+    sentinel cannot tell it from ruined weights); ``scale``: 30x too large (an unnormalised
+    column: the batch's norm spikes too, the data's)."""
     torch.manual_seed(0)
     net = LogMLP()
     model = DDP(net)
@@ -178,7 +180,7 @@ def one_rank_spikes(rank: int, world: int, *, steps: int, bad: list[int], report
     for step in range(steps):
         batch = make_batch(1000 * step + rank)
         if rank == 1 and step in bad:
-            batch["y"] = batch["y"] * 30
+            batch["y"] = batch["y"] * (30 if corrupt == "scale" else -1)
         batch = sentinel.check_batch(batch)
         loss = mse(model, batch)
         sentinel.check_loss(loss)
