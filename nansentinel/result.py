@@ -120,7 +120,8 @@ class StepResult:
     spikes: dict[str, list[int]] = dataclasses.field(default_factory=dict)
     """Signal (``loss``, ``grad_norm``) -> ranks whose value spiked (-1: the cluster mean)."""
     local_spikes: list[str] = dataclasses.field(default_factory=list)
-    """Signals that spiked on this rank."""
+    """Signals that spiked on this rank: ``loss``, ``grad_norm``, and ``batch`` (its batch's
+    norm over its running median: the input changed)."""
     quarantined: bool = False
     """True when a rank was fed a batch quarantined earlier (verdict ``data``)."""
     rolled_back_to: int | None = None

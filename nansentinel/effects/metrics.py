@@ -253,6 +253,13 @@ class SentinelMetrics:
             )
             for signal in ("loss", "grad_norm")
         }
+        spikes["batch"] = Counter(
+            f"{PREFIX}_batch_spikes",
+            "Steps on which this rank's batch norm spiked over its running median "
+            "(spikes.DATA_RATIO): its input changed; with a loss or grad-norm spike, the "
+            "step is the data's.",
+            registry=r,
+        )
         self._spikes = spikes
         self._lr_factor = Gauge(
             f"{PREFIX}_lr_factor",

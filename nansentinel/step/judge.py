@@ -257,7 +257,8 @@ class StepJudge:
             consecutive_skips=self.history.consecutive_skips, injected=view.injected,
             overflow=decision.overflow, excluded_hosts=list(self.history.excluded),
             verdict=verdict, spikes={k: list(v) for k, v in spikes.ranks.items()},
-            local_spikes=spikes.of_rank(self.rank), quarantined=view.quarantined,
+            local_spikes=[*spikes.of_rank(self.rank), *(["batch"] if mine.spike_batch else [])],
+            quarantined=view.quarantined,
             rolled_back_to=rolled_back_to, lr_factor=self.cooldown.lr_factor,
             reason=decision.reason, reached=view.reached, buffers_restored=buffers_restored,
         )

@@ -120,6 +120,15 @@ def test_healthy_step() -> None:
     assert value(m, "nansentinel_blamed_steps_total") == 0
 
 
+def test_spikes_count_per_signal_with_the_batchs_own() -> None:
+    m = SentinelMetrics(identity())
+    m.observe_step(result(5, local_spikes=["loss", "batch"]), 0.001)
+    m.observe_step(result(6, local_spikes=["batch"]), 0.001)
+    assert value(m, "nansentinel_loss_spikes_total") == 1
+    assert value(m, "nansentinel_grad_norm_spikes_total") == 0
+    assert value(m, "nansentinel_batch_spikes_total") == 2
+
+
 def test_non_finite_step_counts_each_local_kind_and_one_blamed_step() -> None:
     m = SentinelMetrics(identity(rank=1))
     m.observe_step(

@@ -89,6 +89,7 @@ def test_recover_skips_a_bad_shard_without_rolling_back(tmp_path: Path) -> None:
     outcomes = [r.outcome for r in results]
     assert [r.outcome for r in results[40:48]] == ["skipped"] * 8, outcomes[38:50]
     assert all("the data's, not the weights'" in (r.reason or "") for r in results[40:48])
+    assert all(r.local_spikes[-1] == "batch" for r in results[40:48])
     assert "rolled_back" not in outcomes and "aborted" not in outcomes
     assert all(r.applied for r in results[48:]), outcomes[48:]
     assert all(bool(torch.isfinite(p).all()) for p in model.parameters())
