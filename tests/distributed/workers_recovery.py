@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -64,11 +65,27 @@ def mse(module: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
 
 
 def _record(r: nansentinel.StepResult) -> dict[str, Any]:
-    return {"step": r.step, "applied": r.applied, "outcome": r.outcome,
+    return {"step": r.step, "applied": r.applied, "outcome": str(r.outcome),
             "bad_ranks": r.bad_ranks, "verdict": r.verdict, "spikes": r.spikes,
             "quarantined": r.quarantined, "rolled_back_to": r.rolled_back_to,
             "lr_factor": r.lr_factor, "report_path": r.report_path, "reason": r.reason,
-            "kinds": r.kinds, "loss": r.local_loss}
+            "kinds": r.kinds, "loss": r.local_loss, "buffers_restored": r.buffers_restored}
+
+
+def run_steps(sentinel: nansentinel.Sentinel, model: nn.Module, opt: torch.optim.Optimizer,
+              steps: int, batch_of: Callable[[int], dict[str, torch.Tensor]]) -> list[dict]:
+    """The loop these workers share, as a user writes it: the batch and loss checked, backward,
+    ``sentinel.step()`` in place of ``optimizer.step()``. ``batch_of(step)`` makes the step's
+    batch (and may spoil it, or set the model's fault for the step); each step's record."""
+    records = []
+    for step in range(steps):
+        batch = sentinel.check_batch(batch_of(step))
+        loss = mse(model, batch)
+        sentinel.check_loss(loss)
+        loss.backward()
+        records.append(_record(sentinel.step()))
+        opt.zero_grad()
+    return records
 
 
 def blame(rank: int, world: int, *, scenario: str, steps: int, report_dir: str,
@@ -83,17 +100,13 @@ def blame(rank: int, world: int, *, scenario: str, steps: int, report_dir: str,
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     sentinel = nansentinel.Sentinel(model, opt, replay=mse, report_dir=report_dir,
                                     hostname=f"host{rank // 2}", **overrides)
-    records = []
-    for step in range(steps):
+
+    def batch_of(step: int) -> dict[str, torch.Tensor]:
         poison = scenario == "data" and (rank, step) in ((1, 3), (3, 6))
-        batch = sentinel.check_batch(make_batch(99 if poison else 1000 * step + rank, poison))
-        net.faulty = scenario == "host" and rank == 1 and step == 3
-        loss = mse(model, batch)
-        sentinel.check_loss(loss)
-        loss.backward()
-        records.append(_record(sentinel.step()))
-        net.faulty = False
-        opt.zero_grad()
+        net.faulty = scenario == "host" and rank == 1 and step == 3  # and in its replay
+        return make_batch(99 if poison else 1000 * step + rank, poison)
+
+    records = run_steps(sentinel, model, opt, steps, batch_of)
     weights = torch.cat([p.detach().reshape(-1) for p in net.parameters()])
     return {"records": records, "weights": weights,
             "strikes": dict(sentinel.history.strikes), "quarantine": sorted(sentinel.quarantine)}
@@ -108,16 +121,12 @@ def exploding(rank: int, world: int, *, steps: int, boom: int, report_dir: str) 
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     sentinel = nansentinel.Sentinel(model, opt, report_dir=report_dir, spike_warmup=10,
                                     spike_window=20)
-    records = []
-    for step in range(steps):
-        batch = sentinel.check_batch(make_batch(1000 * step + rank))
+
+    def batch_of(step: int) -> dict[str, torch.Tensor]:
         net.gradient_gain = 1000.0 if step == boom else 1.0
-        loss = mse(model, batch)
-        sentinel.check_loss(loss)
-        loss.backward()
-        records.append(_record(sentinel.step()))
-        opt.zero_grad()
-    return records
+        return make_batch(1000 * step + rank)
+
+    return run_steps(sentinel, model, opt, steps, batch_of)
 
 
 def regression_data(rank: int, world: int) -> tuple[torch.Tensor, torch.Tensor, float]:
@@ -176,16 +185,13 @@ def one_rank_spikes(rank: int, world: int, *, steps: int, bad: list[int], report
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     sentinel = nansentinel.Sentinel(model, opt, report_dir=report_dir, spikes="recover",
                                     **overrides)
-    records = []
-    for step in range(steps):
+
+    def batch_of(step: int) -> dict[str, torch.Tensor]:
         batch = make_batch(1000 * step + rank)
         if rank == 1 and step in bad:
             batch["y"] = batch["y"] * (30 if corrupt == "scale" else -1)
-        batch = sentinel.check_batch(batch)
-        loss = mse(model, batch)
-        sentinel.check_loss(loss)
-        loss.backward()
-        records.append(_record(sentinel.step()))
-        opt.zero_grad()
+        return batch
+
+    records = run_steps(sentinel, model, opt, steps, batch_of)
     sentinel.close()
     return {"records": records, "weights": net.out.weight.detach().clone()}

@@ -12,13 +12,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import nansentinel
-from tests.distributed.workers_recovery import LogMLP, make_batch, mse
-
-
-def _record(r: Any) -> dict[str, Any]:
-    return {"step": r.step, "applied": r.applied, "outcome": str(r.outcome),
-            "bad_ranks": r.bad_ranks, "verdict": r.verdict, "report_path": r.report_path,
-            "buffers_restored": r.buffers_restored, "kinds": r.kinds}
+from tests.distributed.workers_recovery import LogMLP, _record, make_batch, mse, run_steps
 
 
 def nan_batch_replay(rank: int, world: int, *, steps: int, report_dir: str,
@@ -39,18 +33,15 @@ def nan_batch_replay(rank: int, world: int, *, steps: int, report_dir: str,
 
     sentinel = nansentinel.Sentinel(model, opt, replay=replay, report_dir=report_dir,
                                     hostname=f"host{rank // 2}")
-    records = []
+
+    def batch_of(step: int) -> dict[str, torch.Tensor]:
+        batch = make_batch(1000 * step + rank)
+        if rank == 1 and step == 3:
+            batch["x"][0, 0] = math.nan
+        return batch
+
     with sentinel:
-        for step in range(steps):
-            batch = make_batch(1000 * step + rank)
-            if rank == 1 and step == 3:
-                batch["x"][0, 0] = math.nan
-            batch = sentinel.check_batch(batch)
-            loss = mse(model, batch)
-            sentinel.check_loss(loss)
-            loss.backward()
-            records.append(_record(sentinel.step()))
-            opt.zero_grad()
+        records = run_steps(sentinel, model, opt, steps, batch_of)
     weights = torch.cat([p.detach().reshape(-1) for p in net.parameters()])
     return {"records": records, "weights": weights}
 
