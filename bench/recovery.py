@@ -20,6 +20,8 @@ cases
               cosine decay): no single jump, the loss climbs for tens of steps once the
               learning rate passes what the model takes (a scaled-up batch with its LR raised
               by a rule past the edge of stability).
+  lr_typo     the peak learning rate 30x from the first step, and no warm-up (a typo in the
+              config, a recipe copied from a smaller model): no good state ever existed.
 
 arms
   none      the loop as it is (the fp16 case keeps its GradScaler).
@@ -70,7 +72,7 @@ import nansentinel
 V, SEQ, BATCH, D_MODEL, LAYERS, HEADS = 32, 32, 16, 48, 2, 4
 STEPS, WARMUP, LR = 300, 20, 3e-3
 FAULT_AT = 150
-CASES = ("stable", "lr_spike", "bad_shard", "fp16", "slow_climb")
+CASES = ("stable", "lr_spike", "bad_shard", "fp16", "slow_climb", "lr_typo")
 ARMS = ("none", "clip", "skip", "rollback", "recover", "olmo", "zclip", "spam", "palm")
 
 
@@ -178,12 +180,14 @@ def val_loss(model: nn.Module, data: Data) -> float:
 
 def lr_at(step: int, case: str, steps: int) -> float:
     """Warm-up then cosine to a tenth; the case's schedule error on top."""
-    if step < WARMUP:
+    if step < WARMUP and case != "lr_typo":
         lr = LR * (step + 1) / WARMUP
     else:
         lr = LR * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * (step - WARMUP) / (steps - WARMUP))))
     if case == "lr_spike" and FAULT_AT <= step < FAULT_AT + 20:
         lr *= 100
+    if case == "lr_typo":
+        lr *= 30
     if case == "slow_climb" and step >= 100:
         lr *= 1 + 299 * (step - 100) / max(1, steps - 100)
     return lr
