@@ -267,12 +267,6 @@ def reset_moments(opt: torch.optim.Optimizer) -> None:
 
 # --- one run -----------------------------------------------------------------------------------
 
-def grad_norm(params: list[nn.Parameter]) -> float:
-    grads = [p.grad for p in params if p.grad is not None]
-    return float(torch.linalg.vector_norm(torch.stack(
-        [torch.linalg.vector_norm(g) for g in grads]))) if grads else 0.0
-
-
 def sentinel_kwargs(arm: str) -> dict[str, Any] | None:
     if arm == "skip":
         return {"loss_spike_action": "skip", "grad_spike_action": "skip"}
@@ -340,7 +334,8 @@ def run(case: str, arm: str, seed: int, steps: int = STEPS) -> dict[str, Any]:
                 continue
             if scaler is not None:
                 scaler.unscale_(opt)
-            norm = grad_norm(params)
+            norm = float(torch.nn.utils.get_total_norm(
+                [p.grad for p in params if p.grad is not None]))
             skip = False
             if arm == "clip":
                 torch.nn.utils.clip_grad_norm_(params, 1.0)
