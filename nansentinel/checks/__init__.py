@@ -24,6 +24,8 @@ from collections.abc import Iterator, Mapping, Sequence
 
 import torch
 
+from nansentinel.common import torch_insides as insides
+
 _HALF = (torch.float16, torch.bfloat16)
 
 
@@ -147,8 +149,8 @@ def grad_norms(grads: Sequence[torch.Tensor]) -> torch.Tensor:
     if not grads:
         return torch.zeros(0, dtype=torch.float32)
     grads = [local(g) for g in grads]
-    kw = {"dtype": torch.float32} if grads[0].dtype in _HALF else {}
-    return torch.stack(torch._foreach_norm(list(grads), 2, **kw)).to(torch.float32)
+    dtype = torch.float32 if grads[0].dtype in _HALF else None
+    return torch.stack(insides.foreach_norm(grads, dtype)).to(torch.float32)
 
 
 def grouped_norms(tensors: Sequence[torch.Tensor]) -> list[tuple[list[int], torch.Tensor]]:

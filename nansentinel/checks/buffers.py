@@ -23,6 +23,8 @@ from typing import Any
 
 import torch
 
+from nansentinel.common import torch_insides as insides
+
 
 class FloatingBuffers:
     """The floating buffers of ``module`` as they were before this step's first forward.
@@ -61,7 +63,7 @@ class FloatingBuffers:
         ):
             self._allocate(live)
         assert self._saved is not None
-        torch._foreach_copy_(self._saved, live)
+        insides.foreach_copy_(self._saved, live)
         self._taken = True
 
     def _allocate(self, live: list[torch.Tensor]) -> None:
@@ -94,7 +96,7 @@ class FloatingBuffers:
         if not self._taken or self._saved is None:
             return 0
         with torch.no_grad():
-            torch._foreach_copy_([b.detach() for b in self._live()], self._saved)
+            insides.foreach_copy_([b.detach() for b in self._live()], self._saved)
         return len(self._saved)
 
     def restore_where(self, found_inf: torch.Tensor) -> None:
@@ -113,9 +115,9 @@ class FloatingBuffers:
         with torch.no_grad():
             for indices, flat, staging, views in self._flats:
                 mine = [live[i] for i in indices]  # buffers: no autograd history to detach
-                torch._foreach_copy_(views, mine)
+                insides.foreach_copy_(views, mine)
                 torch.where(skip.to(flat.device), flat, staging, out=staging)
-                torch._foreach_copy_(mine, views)
+                insides.foreach_copy_(mine, views)
 
     def reset(self) -> None:
         """The next forward starts a new step: copy again."""

@@ -22,10 +22,12 @@ Each check is one fused norm on the device and a 0/1 flag; a micro-batch's flags
 collective: the one exchange over the whole job carries them.
 
 Shape inference: on its first step a stage runs a forward and backward on uninitialised
-tensors to learn its neighbours' shapes (``_forward_metadata_inference`` and
-``_backward_metadata_inference``, private methods of ``PipelineStage`` in torch 2.13, tested
-with it). Those calls are not the step: the watch wraps the two methods on the stage
-instance so that its hooks, and :func:`shape_inference`, ignore them.
+tensors to learn its neighbours' shapes (private methods of ``PipelineStage``:
+``_shape_inference`` in torch 2.9-2.12, ``_forward_metadata_inference`` and
+``_backward_metadata_inference`` from 2.13; common/torch_insides.py names them). Those calls
+are not the step: the watch wraps them on the stage instance so that its hooks, and
+:func:`shape_inference`, ignore them. A torch with neither is refused at construction: the
+pass over zero tensors would otherwise be watched as a real micro-batch.
 """
 
 from __future__ import annotations
@@ -39,9 +41,7 @@ import torch
 
 from nansentinel import checks
 from nansentinel.checks.health import LocalHealth, combined
-
-#: The private methods of ``PipelineStage`` (torch 2.13) that run shape inference.
-_INFERENCE = ("_forward_metadata_inference", "_backward_metadata_inference")
+from nansentinel.common import torch_insides as insides
 
 
 class _Chunk:
@@ -73,6 +73,7 @@ class StageWatch:
     """
 
     def __init__(self, stage: Any, device: torch.device) -> None:
+        insides.require("pipelining")
         self.stage = stage
         self.device = device
         self.first = bool(stage.is_first)
@@ -94,10 +95,8 @@ class StageWatch:
         self._mask = torch.tensor([1.0, 1.0, float(not self.first), float(not self.last), 1.0],
                                   device=device)
         self._zero = torch.zeros((), device=device)
-        for name in _INFERENCE:
-            original = getattr(stage, name, None)
-            if original is not None:
-                setattr(stage, name, self._inference(original))
+        for name in insides.shape_inference_methods(stage):
+            setattr(stage, name, self._inference(getattr(stage, name)))
         stage.submod.register_forward_pre_hook(self._before, with_kwargs=True)
         stage.submod.register_forward_hook(self._after, with_kwargs=True)
 
@@ -203,7 +202,7 @@ def shape_inference(watches: list[StageWatch]) -> bool:
         return True
     # A stage the sentinel does not watch: the loss is called from the inference itself.
     caller = sys._getframe(2)
-    return caller is not None and caller.f_code.co_name in _INFERENCE
+    return caller is not None and caller.f_code.co_name in insides.SHAPE_INFERENCE_NAMES
 
 
 def stages_of(stages: Any) -> list[Any]:

@@ -60,6 +60,7 @@ import torch
 
 from nansentinel.checks import local
 from nansentinel.checks.health import LocalHealth
+from nansentinel.common import torch_insides as insides
 from nansentinel.config import ConfigError
 from nansentinel.wire.collectives import job_size
 
@@ -104,7 +105,7 @@ def rescale(optimizer: torch.optim.Optimizer, factor: float) -> None:
              if p.grad is not None]
     if grads:
         with torch.no_grad():
-            torch._foreach_mul_(grads, factor)
+            insides.foreach_mul_(grads, factor)
 
 
 def refusal(caps: Capabilities, *, world_size: int) -> str | None:

@@ -27,6 +27,7 @@ import psutil
 import torch
 
 from nansentinel.checks import local as _local
+from nansentinel.common import torch_insides as insides
 from nansentinel.wire.collectives import dtensor_from_local
 
 if TYPE_CHECKING:
@@ -373,7 +374,7 @@ class MemorySnapshots:
         pinned = any(_pinned(b) for b in self._buffers)
         self._buffers = []
         if pinned and _host_cache_emptiable():
-            torch.accelerator.empty_host_cache()
+            insides.empty_host_cache()
 
     # --- restore ----------------------------------------------------------------------------
 
@@ -497,9 +498,8 @@ def _held_nbytes(buf: torch.Tensor) -> int:
 
 
 def _host_cache_emptiable() -> bool:
-    """Whether freed pinned blocks can be given back to the system (torch >= 2.8 with an
-    accelerator: ``torch.accelerator.empty_host_cache``)."""
-    return hasattr(torch.accelerator, "empty_host_cache") and torch.accelerator.is_available()
+    """Whether freed pinned blocks can be given back to the system (common/torch_insides.py)."""
+    return insides.host_cache_emptiable()
 
 
 def _new_buffer(slot: _Slot) -> torch.Tensor:

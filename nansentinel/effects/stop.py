@@ -17,6 +17,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+from nansentinel.common import torch_insides as insides
 from nansentinel.common.verdicts import CLOSED, EXCHANGE_TIMEOUT, RankVerdict, write_verdict
 from nansentinel.config import SentinelConfig
 from nansentinel.decide.policy import EXCLUDE, Decision
@@ -137,10 +138,9 @@ def dump_flight_recorder(
     the same pickle (``_dump_nccl_trace()``), so torch's ``fr_trace`` tool reads it. Written
     atomically: torch's watchdog may be writing the same file on its own timeout.
     """
-    import torch
 
     env = os.environ if env is None else env
-    dump = getattr(torch._C._distributed_c10d, "_dump_nccl_trace", None)
+    dump = insides.nccl_trace_dump()
     size = env.get("TORCH_FR_BUFFER_SIZE", env.get("TORCH_NCCL_TRACE_BUFFER_SIZE", ""))
     if "nccl" not in backend or dump is None or size.strip() == "0":
         return None

@@ -58,36 +58,23 @@ import torch
 import torch.distributed as dist
 
 from nansentinel import checks
+from nansentinel.common import torch_insides as insides
 from nansentinel.engines import Capabilities, GradientSink, KeptNorms
 from nansentinel.engines.local import check_local_grads, scan_parameters
 from nansentinel.result import SentinelUsageError
 
-try:  # torch >= 2.6 (public); 2.4–2.5 kept FSDP2 under _composable
+try:  # torch >= 2.6 (public)
     from torch.distributed.fsdp import FSDPModule
 except ImportError:  # pragma: no cover - depends on the installed torch
-    try:
-        from torch.distributed._composable.fsdp import FSDPModule
-    except ImportError:
-        FSDPModule = None  # type: ignore[assignment,misc]
+    FSDPModule = None  # type: ignore[assignment,misc]
 
-try:
-    from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
-except ImportError:  # pragma: no cover - torch < 2.9
-    ReduceScatter = object  # type: ignore[assignment,misc]
-
-# FSDP2's own choice of divide factors and its mesh kinds (private; tested with torch 2.9 to
-# 2.13, pinned by tests/unit/test_gradpaths.py): the factor is FSDP's, not a copy of its rule.
-try:
-    from torch.distributed.fsdp._fully_shard._fsdp_collectives import (
-        _get_gradient_divide_factors,
-    )
-    from torch.distributed.fsdp._fully_shard._fsdp_common import DDPMeshInfo
-except ImportError:  # pragma: no cover - torch < 2.9
-    _get_gradient_divide_factors = None  # type: ignore[assignment]
-    DDPMeshInfo = ()  # type: ignore[assignment,misc]
+# FSDP2's ReduceScatter base, its own choice of divide factors and its mesh kinds: private,
+# read through the one room of torch's insides (common/torch_insides.py), which adapts
+# between releases and refuses with our own error where a seam is missing.
+ReduceScatter = insides.fsdp_reduce_scatter_base()
 
 #: The first torch release whose FSDP2 accepts a custom reduce-scatter.
-MIN_TORCH = "2.9"
+MIN_TORCH = insides.FEATURES["fsdp2"].minimum
 
 
 def is_fsdp(model: torch.nn.Module) -> bool:
@@ -132,7 +119,7 @@ def is_fsdp(model: torch.nn.Module) -> bool:
     return True  # sharded below its root: every FSDP module is checked (FSDPPath)
 
 
-class CheckedReduceScatter(ReduceScatter):
+class CheckedReduceScatter(ReduceScatter):  # type: ignore[valid-type,misc]  # probed base
     """FSDP's reduce-scatter with a check of this rank's local gradients in front of it.
 
     ``inner`` is the reduce-scatter FSDP had (its default, or the process-group allocating
@@ -192,12 +179,7 @@ class FSDPPath:
     _replica_peers: list[Any] | None = None
 
     def __init__(self, model: torch.nn.Module, sink: GradientSink) -> None:
-        if not hasattr(FSDPModule, "set_custom_reduce_scatter"):
-            raise SentinelUsageError(
-                f"nansentinel: FSDP2 needs torch >= {MIN_TORCH} (FSDPModule."
-                f"set_custom_reduce_scatter, to check gradients before their reduce-scatter); "
-                f"this is torch {torch.__version__}. Upgrade torch, or use DDP."
-            )
+        insides.require("fsdp2")
         self.model = model
         self.sink = sink
         names = {id(p): n for n, p in model.named_parameters()}
@@ -236,7 +218,7 @@ class FSDPPath:
         return caps
 
     def _install(self, where: str, module: Any, names: dict[int, str]) -> None:
-        param_groups = module._get_fsdp_state()._fsdp_param_groups
+        param_groups = insides.fsdp_param_groups(module)
         if not param_groups:
             return  # a module whose parameters all belong to fully_shard-ed children
         if len(param_groups) > 1:
@@ -260,7 +242,7 @@ class FSDPPath:
         if shard == 1:
             self.reduces = False  # one process: nothing is reduced, step() checks the grads
             return
-        inner = group._reduce_scatter_comm
+        inner = insides.fsdp_reduce_scatter(group)
         kind = type(inner).__name__
         if isinstance(inner, CheckedReduceScatter) and inner.path is self:
             # Several modules sharded in one call (torchtitan's ``fully_shard([norm,
@@ -415,11 +397,8 @@ def parameter_norms(flat: torch.Tensor, world: int, widths: list[int]) -> torch.
     if flat.device.type != "cpu":
         return segment_norms(flat, world, widths)
     views = list(flat.view(world, -1).split(widths, dim=1))
-    if flat.dtype in (torch.float16, torch.bfloat16):
-        norms = torch._foreach_norm(views, dtype=torch.float32)
-    else:
-        norms = torch._foreach_norm(views)
-    return torch.stack(norms).float()
+    low = flat.dtype in (torch.float16, torch.bfloat16)
+    return torch.stack(insides.foreach_norm(views, torch.float32 if low else None)).float()
 
 
 def segment_norms(flat: torch.Tensor, world: int, widths: list[int]) -> torch.Tensor:
@@ -432,7 +411,7 @@ def segment_norms(flat: torch.Tensor, world: int, widths: list[int]) -> torch.Te
     stream, in front of every reduce-scatter (~700 launches a step at 70 B). A NaN or Inf
     stays in its parameter's segment, so poisoned ranks still name exactly their own."""
     columns = torch.linalg.vector_norm(flat.view(world, -1), 2, dim=0, dtype=torch.float32)
-    return torch.stack(torch._foreach_norm(list(columns.split(widths))))
+    return torch.stack(insides.foreach_norm(columns.split(widths)))
 
 
 def predivide_factor(
@@ -441,9 +420,11 @@ def predivide_factor(
     """What FSDP2 divided this group's reduce-scatter input by before handing it over: its
     own choice (``_get_gradient_divide_factors``, called with the arguments FSDP passes it),
     1.0 where it divides during or after the collective (fp32, bf16)."""
-    all_reduce = (param_group._all_reduce_process_group
-                  if isinstance(param_group.mesh_info, DDPMeshInfo) else None)
-    pre, _, _, _ = _get_gradient_divide_factors(
+    all_reduce = (insides.fsdp_all_reduce_group(param_group)
+                  if isinstance(param_group.mesh_info, insides.fsdp_ddp_mesh_info()) else None)
+    divide_factors = insides.fsdp_divide_factors()
+    assert divide_factors is not None  # insides.require("fsdp2") at construction
+    pre, _, _, _ = divide_factors(
         reduce_scatter_group, all_reduce, reduce_dtype, device_type,
         param_group.gradient_divide_factor, param_group.force_sum_reduction_for_comms,
     )

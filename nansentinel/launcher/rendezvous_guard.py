@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from nansentinel.common import torch_insides as insides
 from nansentinel.common.exclusion import ExclusionRecord, ExclusionStore
 from nansentinel.common.verdicts import RankVerdict, archive_verdicts, read_verdicts
 from nansentinel.launcher.console import say
@@ -194,12 +195,9 @@ def _leave_rendezvous(handler: Any) -> None:
     ``keep_alive_interval * keep_alive_max_attempt`` seconds.
     """
     try:
-        from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _RendezvousExitOp
-
-        handler._stop_heartbeats()
         close = getattr(getattr(handler, "settings", None), "timeout", None)
         seconds = close.close.total_seconds() if close is not None else 30.0
-        handler._op_executor.run(_RendezvousExitOp(), time.monotonic() + seconds)
+        insides.leave_rendezvous(handler, seconds)
     except Exception as exc:  # any failure has the same fallback
         say(
             f"could not leave the rendezvous cleanly ({type(exc).__name__}: {exc}); "
@@ -224,7 +222,7 @@ def _create_guarded_handler(params: Any) -> GuardedRendezvousHandler:
         **extra,
     )
     handler = rdzv_registry.get_rendezvous_handler(inner_params)
-    store = getattr(handler, "_store", None)  # the c10d backend's TCPStore, bound by now
+    store = insides.rendezvous_store(handler)  # the c10d backend's TCPStore, bound by now
     return GuardedRendezvousHandler(handler, guard, store_host=serves_store(inner_params, store))
 
 
@@ -250,13 +248,10 @@ def serves_store(params: Any, store: Any = None) -> bool:
         listens = listens_here(port)
         if listens is not None:
             return listens
-    from torch.distributed.elastic.rendezvous.utils import (
-        _matches_machine_hostname,
-        parse_rendezvous_endpoint,
-    )
+    from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 
     host, _ = parse_rendezvous_endpoint(params.endpoint, default_port=29400)
-    return bool(_matches_machine_hostname(host))
+    return insides.names_this_machine(host)
 
 
 def listens_here(port: int) -> bool | None:

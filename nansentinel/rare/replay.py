@@ -34,10 +34,10 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from nansentinel import checks
 from nansentinel.checks.quarantine import signature
+from nansentinel.common import torch_insides as insides
 from nansentinel.decide.spikes import Spikes
 from nansentinel.wire.collective_inputs import InputFlags, is_collective
 from nansentinel.wire.collectives import Peers, plain
@@ -197,7 +197,7 @@ class _PeerFailed(Exception):
     """Raised inside a rank's replay when another rank's replay failed: stop here too."""
 
 
-class _Lockstep(TorchDispatchMode):
+class _Lockstep(insides.TorchDispatchMode):
     """Counts the collectives (``c10d`` operations) a replay runs, forward and backward, and
     keeps every rank's replay in step when one of them fails.
 

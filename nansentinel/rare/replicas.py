@@ -36,6 +36,7 @@ from typing import Any
 import torch
 
 from nansentinel import checks
+from nansentinel.common import torch_insides as insides
 from nansentinel.decide.policy import ABORT, APPLY, EXCLUDE, Decision, History
 from nansentinel.engines import EXCHANGE, Capabilities
 from nansentinel.result import RankIdentity, StepResult
@@ -445,6 +446,7 @@ def replica_check(ctx: Context, watched: Watched, caps: Capabilities, *,
         if ctx.rank == 0:
             log.info("nansentinel: no replica fingerprints under %s", caps.fingerprints)
         return None
+    insides.require("fingerprints")
     group = ctx.peers.group if caps.replica_group is EXCHANGE else caps.replica_group
     check = ReplicaCheck(ctx, watched, group, inject=inject, incidents=incidents)
     return None if check.replicas.alone else check

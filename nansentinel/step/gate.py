@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from nansentinel.common import torch_insides as insides
 from nansentinel.result import ResultPending, StepResult
 from nansentinel.step.record import PendingResult, Stage, StepRecord
 from nansentinel.wire.schema import skip_count
@@ -59,7 +60,7 @@ def device_gate_refusal(
     """
     if caps.pipelined:
         return caps.device_gate
-    if not getattr(optimizer, "_step_supports_amp_scaling", False):
+    if not insides.skips_on_device(optimizer):
         return (
             f"{type(optimizer).__name__} is not fused (it cannot skip a step on the device); "
             "use fused=True to avoid the host sync before every optimizer step"

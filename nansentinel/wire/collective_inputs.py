@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from nansentinel import checks
+from nansentinel.common import torch_insides as insides
 
 #: The dispatch namespaces of collectives (the legacy ``c10d_functional`` too).
 NAMESPACES = frozenset({"c10d", "_c10d_functional", "c10d_functional"})
@@ -67,8 +68,7 @@ def _group(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         return pg if isinstance(pg, dist.ProcessGroup) else dist.ProcessGroup.unbox(pg)
     name = _arg(func, args, kwargs, "group_name")
     if isinstance(name, str):
-        # a GroupName (a NewType of str) in torch's stubs
-        return torch._C._distributed_c10d._resolve_process_group(name)  # type: ignore[arg-type]
+        return insides.resolve_group(name)
     return name if isinstance(name, dist.ProcessGroup) else None
 
 

@@ -20,6 +20,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from nansentinel.common import torch_insides as insides
+
 log = logging.getLogger("nansentinel")
 
 
@@ -140,8 +142,7 @@ class Peers:
         if self.alone:
             out.copy_(mine)
             return
-        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-        gather(out, mine, group=self.group)
+        insides.all_gather_into()(out, mine, group=self.group)
 
     def _reduce(self, values: list[Any], op: Any, dtype: torch.dtype) -> list[Any]:
         """One all-reduce of a short list as ``dtype`` on the group's device (the list itself
@@ -310,8 +311,8 @@ class ForwardCollectives:
     counter in gloo and NCCL alike); :meth:`start` reads every group's count when the forward
     begins, :meth:`stop` reads them again at the first loss and returns the names of the
     groups whose count moved. Two reads per group and step, host only, nothing per rank; the
-    groups are torch's registry (``distributed_c10d._world.pg_names``, private: tested with
-    torch 2.13). A group whose backend keeps no count is left out once and for all.
+    groups are torch's registry (private: read through common/torch_insides.py). A group
+    whose backend keeps no count is left out once and for all.
 
     A wrapper's own collectives in the forward carry nothing from one rank's batch to another
     rank's loss: DDP broadcasts its buffers (BatchNorm statistics, rotary caches) from rank 0
@@ -370,11 +371,11 @@ class ForwardCollectives:
         if not (dist.is_available() and dist.is_initialized()):
             return {}
         counts: dict[str, int] = {}
-        for pg, name in list(dist.distributed_c10d._world.pg_names.items()):
+        for pg, name in insides.named_groups():
             if name in self.exclude or name in self._silent:
                 continue
             try:
-                counts[name] = int(pg._get_sequence_number_for_group())  # type: ignore[attr-defined]
+                counts[name] = insides.sequence_number(pg)
             except (RuntimeError, AttributeError, NotImplementedError):
                 self._silent.add(name)
         return counts

@@ -33,6 +33,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
+from nansentinel.common import torch_insides as insides
 from nansentinel.result import NAMED, ExchangeTimeoutError, RankIdentity
 from nansentinel.wire.collectives import Peers
 from nansentinel.wire.schema import T
@@ -359,7 +360,7 @@ def nccl_failed(work: dist.Work) -> bool:
 def _default_store() -> dist.Store | None:
     """The default process group's store (torchrun's agent store, or the init_method's)."""
     try:
-        return dist.distributed_c10d._get_default_store()
+        return insides.default_store()
     except (RuntimeError, ValueError, AttributeError):
         return None
 

@@ -49,6 +49,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from nansentinel.common import torch_insides as insides
 from nansentinel.config import SentinelConfig, env_var
 from nansentinel.wire.exchange import diagnosis_grace, late_after
 
@@ -198,8 +199,7 @@ def group_backends(group: dist.ProcessGroup | None) -> list[Any]:
     if not (dist.is_available() and dist.is_initialized()):
         return []
     try:
-        pg = group if group is not None else dist.distributed_c10d._get_default_group()
-        return list({id(b): b for b in (pg._get_backend(d) for d in pg._device_types)}.values())
+        return insides.group_backends(group if group is not None else insides.default_group())
     except (RuntimeError, ValueError, AttributeError):
         return []
 
@@ -210,8 +210,7 @@ def backends_timeout(backends: list[Any]) -> float | None:
     attribute read a backend: cheap enough for every step."""
     seconds = [
         t.total_seconds() for b in backends
-        if isinstance(t := getattr(getattr(b, "options", None), "_timeout", None),
-                      datetime.timedelta)
+        if isinstance(t := insides.backend_timeout(b), datetime.timedelta)
     ]
     return min(seconds, default=None)
 

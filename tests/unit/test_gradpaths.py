@@ -27,16 +27,6 @@ def test_plain_modules_are_not_fsdp() -> None:
     assert not fsdp.is_fsdp(nn.Linear(2, 2))
 
 
-def test_an_old_torch_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
-    class OldFSDPModule:  # FSDP2 before torch 2.9: no set_custom_reduce_scatter
-        pass
-
-    monkeypatch.setattr(fsdp, "FSDPModule", OldFSDPModule)
-    version = torch.__version__.replace("+", r"\+")
-    with pytest.raises(SentinelUsageError, match=rf"torch >= 2\.9 .* this is torch {version}"):
-        fsdp.FSDPPath(nn.Linear(2, 2), sink=None)  # type: ignore[arg-type]
-
-
 class _OtherShards:
     """The other ranks' part of the max-reduce: their per-parameter non-finite flags."""
 

@@ -39,6 +39,11 @@ SIDES = {"launcher", "reading"}  # import only the contracts (levels 0-2) and th
 #: Where ``torch.distributed`` may be imported, beside wire/ and engines/: the launcher wraps
 #: ``torch.distributed.run``; the demo is a training script that starts its process group.
 DISTRIBUTED_OK = {"wire", "engines", "launcher", "demo"}
+#: The one room of torch's insides (every private seam, probed and adapted there): it imports
+#: ``torch.distributed`` only inside the accessors that read a c10d, FSDP or rendezvous seam,
+#: never at module level and never to issue a collective, so a layer that calls its kernels
+#: (the checks' foreach norms) reaches no collective through it.
+ROOM = "nansentinel.common.torch_insides"
 MAX_TOP_LEVEL = 20
 
 
@@ -74,12 +79,16 @@ def _type_checking(node: ast.If) -> bool:
         isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
 
 
-def _imports(name: str, *, typing: bool = True) -> set[str]:
+def _imports(name: str, *, typing: bool = True, functions: bool = True) -> set[str]:
     """Modules ``name`` imports, at module level or in a function, as written (``from
     nansentinel.x import y`` is ``nansentinel.x.y`` where that is a module); ``typing``:
-    with those under ``if TYPE_CHECKING:``."""
+    with those under ``if TYPE_CHECKING:``; ``functions``: with those inside functions."""
     tree = ast.parse(MODULES[name].read_text(encoding="utf-8"))
     skip: set[int] = set()
+    if not functions:
+        for node in ast.walk(tree):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                skip.update(id(n) for stmt in node.body for n in ast.walk(stmt))
     if not typing:
         for node in ast.walk(tree):
             if isinstance(node, ast.If) and _type_checking(node):
@@ -141,7 +150,7 @@ def test_only_the_wire_and_the_engines_import_torch_distributed() -> None:
     broken = sorted(
         f"{name} imports {imported}"
         for name in MODULES if _unit(name) not in DISTRIBUTED_OK
-        for imported in _imports(name, typing=False)
+        for imported in _imports(name, typing=False, functions=name != ROOM)
         if imported == "torch.distributed" or imported.startswith("torch.distributed.")
     )
     assert not broken, "\n".join(broken)
@@ -159,6 +168,18 @@ def test_the_checks_reach_no_collective() -> None:
     for name in (m for m in MODULES if _unit(m) == "checks"):
         reached = _closure(name)
         assert not any(m.startswith("torch.distributed") for m in reached), (name, reached)
+
+
+def test_the_room_issues_no_collective() -> None:
+    """What lets the checks import the room: it reads seams and returns them, but calls no
+    collective of torch.distributed itself."""
+    collectives = {"all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter",
+                   "reduce_scatter_tensor", "broadcast", "barrier", "send", "recv",
+                   "all_to_all", "gather", "scatter", "monitored_barrier"}
+    tree = ast.parse(MODULES[ROOM].read_text(encoding="utf-8"))
+    called = {node.func.attr for node in ast.walk(tree)
+              if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)}
+    assert not called & collectives
 
 
 def test_the_top_level_is_the_public_api() -> None:
@@ -252,5 +273,6 @@ def _closure(name: str) -> set[str]:
             continue
         seen.add(current)
         if current in MODULES and current != "nansentinel":  # the package's own __init__
-            todo.extend(_imports(current, typing=False))  # is the API, not a dependency
+            # is the API, not a dependency; the room's accessors import c10d lazily (ROOM)
+            todo.extend(_imports(current, typing=False, functions=current != ROOM))
     return seen - {name}

@@ -12,6 +12,7 @@ import torch
 import nansentinel
 from nansentinel.checks.health import LocalHealth
 from nansentinel.checks.pipeline import StageWatch, stages_of
+from nansentinel.common import torch_insides as insides
 from nansentinel.decide import origins
 from nansentinel.decide.policy import is_blamed
 from nansentinel.result import RankIdentity
@@ -129,6 +130,8 @@ def _flags(watch: StageWatch) -> list[float]:
     return [0.0] * 5 if local.boundary is None else local.boundary.tolist()
 
 
+@pytest.mark.skipif(not insides.supported("pipelining"), reason="pipeline stage checks need "
+                    f"torch >= {insides.FEATURES['pipelining'].minimum} (refused below)")
 def test_a_middle_stage_pairs_each_micro_batch_on_the_device() -> None:
     stage, watch = _stage(first=False, last=False)
     x = torch.randn(2, 4, requires_grad=True)
@@ -146,6 +149,8 @@ def test_a_middle_stage_pairs_each_micro_batch_on_the_device() -> None:
     assert _flags(watch) == [0.0, 1.0, 1.0, 0.0, 0.0]  # sent bad from finite received ones
 
 
+@pytest.mark.skipif(not insides.supported("pipelining"), reason="pipeline stage checks need "
+                    f"torch >= {insides.FEATURES['pipelining'].minimum} (refused below)")
 def test_the_first_stage_checks_its_input_as_the_batch_and_inference_is_skipped() -> None:
     stage, watch = _stage(first=True, last=False)
     stage._forward_metadata_inference(torch.full((2, 4), NAN))  # uninitialised values
@@ -161,6 +166,8 @@ def test_the_first_stage_checks_its_input_as_the_batch_and_inference_is_skipped(
     assert watch.handles == [] and watch.chunk is None and watch.chunks == []
 
 
+@pytest.mark.skipif(not insides.supported("pipelining"), reason="pipeline stage checks need "
+                    f"torch >= {insides.FEATURES['pipelining'].minimum} (refused below)")
 def test_wrap_loss_checks_each_micro_batch_and_skips_shape_inference() -> None:
     model = torch.nn.Linear(4, 4)
     stage = _Stage(submod=model, is_first=False, is_last=True, stage_index=1, group=None)
