@@ -257,7 +257,11 @@ def main(argv: list[str] | None = None) -> int:
         try:
             launch_config, cmd, cmd_args = torchrun.config_from_args(args)
         except (AssertionError, ValueError, RuntimeError) as exc:
-            return _config_error(f"torchrun options: {exc}")
+            # Some torch releases refuse with a bare assert (2.9: --nnodes=3:1): name the
+            # options then, so the user still learns what was wrong.
+            detail = str(exc) or (f"refused by torch (--nnodes={args.nnodes}, "
+                                  f"--nproc-per-node={args.nproc_per_node})")
+            return _config_error(f"torchrun options: {detail}")
         if launch_config.rdzv_backend == "static" and launch_config.max_nodes > 1:
             if created:
                 _remove_empty_tree(run_dir)

@@ -84,11 +84,19 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
                             timeout=150))
 
 
+def _runs_here(runs: list[dict[str, Any]], loss: str) -> None:
+    """Skip, naming torch's gap, where this torch's gloo cannot run the TP model at all."""
+    unsupported = runs[0][loss].get("unsupported")
+    if unsupported:
+        pytest.skip(f"torch {torch.__version__}'s gloo: {unsupported} (TP runs on NCCL there)")
+
+
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("loss", sorted(LOSSES))
 def test_a_fault_on_any_rank_names_its_tp_groups_host(
     runs: list[dict[str, Any]], loss: str
 ) -> None:
+    _runs_here(runs, loss)
     faults = expected()
     assert len({rank for rank, _, _ in faults.values()}) == WORLD  # every rank in turn
     for me, r in enumerate(runs):
@@ -120,6 +128,12 @@ def test_weights_are_those_of_the_healthy_steps_alone(
     """Finite, identical on every rank, and bit-identical to a run without the sentinel that
     trained on the healthy steps' batches only: nothing of a skipped step leaked into the
     weights or the optimizer state, on either DP replica."""
+    _runs_here(runs, loss)
+    for r in runs:  # this rank's own shards: finite, and bit for bit the reference run's
+        assert torch.isfinite(r[loss]["local"]).all()
+        assert torch.equal(r[loss]["local"], r[f"{loss}-reference"]["local"])
+    if runs[0][loss]["weights"] is None:
+        return  # torch 2.9-2.12: gloo gathers no DTensor whole; the shards above are all
     weights = [r[loss]["weights"] for r in runs]
     assert all(torch.isfinite(w).all() for w in weights)
     assert all(torch.equal(w, weights[0]) for w in weights[1:]), "weights differ across ranks"

@@ -21,6 +21,7 @@ from torch.distributed.fsdp import fully_shard
 
 import nansentinel
 from nansentinel.demo import VOCAB, TinyTransformer, synthetic_batch
+from tests.support import full_tensor
 
 #: (step, rank) -> kind of fault, set per step by the loop.
 Faults = dict[tuple[int, int], str]
@@ -75,9 +76,13 @@ def build(world: int, hsdp: bool, **shard: Any) -> nn.Module:
     return model
 
 
+#: What a refusal scenario returns where this torch cannot build its setup at all.
+NO_SUCH_SETUP = "no such setup on this torch"
+
+
 def full_weights(model: nn.Module) -> torch.Tensor:
     """Every parameter gathered whole (a collective: every rank calls it)."""
-    return torch.cat([p.full_tensor().detach().reshape(-1) for p in model.parameters()])
+    return torch.cat([full_tensor(p).detach().reshape(-1) for p in model.parameters()])
 
 
 def train_fsdp(rank: int, world: int, *, steps: int, report_dir: str, hsdp: bool = False,
@@ -192,6 +197,8 @@ def refused(rank: int, world: int, *, setup: str) -> str:
         fully_shard(model.head, mesh=mesh)
         fully_shard(model, mesh=mesh)
         state = model._get_fsdp_state()  # a second param group, as shard_placement_fn makes
+        if not hasattr(state, "_fsdp_param_groups"):
+            return NO_SUCH_SETUP  # torch 2.9-2.12: one param group per FSDP state
         state._fsdp_param_groups.append(state._fsdp_param_groups[0])
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     try:

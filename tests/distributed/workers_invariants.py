@@ -43,6 +43,7 @@ from nansentinel.engines.deepspeed import DeepSpeedPath
 from nansentinel.engines.fsdp import FSDPPath
 from nansentinel.engines.local import LocalGradPath
 from nansentinel.result import ResultPending, SentinelUsageError
+from tests.support import full_tensor
 
 #: The dimensions of the matrix and their values; ``engine``: every gradient path of the
 #: registry, by class name.
@@ -175,8 +176,7 @@ def _flat(tensors: list[torch.Tensor], dtype: torch.dtype | None = None) -> torc
 
 def _full(t: torch.Tensor) -> torch.Tensor:
     """The whole tensor: a DTensor gathered (a collective: every rank, in the same order)."""
-    full = getattr(t, "full_tensor", None)
-    return full() if full is not None else t
+    return full_tensor(t)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

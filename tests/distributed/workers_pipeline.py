@@ -20,6 +20,7 @@ from torch import nn
 
 import nansentinel
 from tests.distributed.workers_fsdp import _PoisonGrad
+from tests.support import full_tensor
 
 WIDTH, BATCH, MICRO = 16, 8, 2
 
@@ -65,7 +66,7 @@ def _step(sentinel: nansentinel.Sentinel, sched: Any, optimizer: torch.optim.Opt
 
 
 def _full(module: nn.Module) -> list[torch.Tensor]:
-    return [(p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+    return [full_tensor(p).detach().clone()
             for p in module.parameters()]
 
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from tests.support import full_tensor
+
 
 class PoisonGrad(torch.autograd.Function):
     """Identity forward; NaN in the gradient on the way back: a backward-only fault that the
@@ -52,5 +54,5 @@ def weights(model: torch.nn.Module, engine: object = None) -> list[torch.Tensor]
 
         with deepspeed.zero.GatheredParameters(params):
             return [p.detach().float().cpu().clone() for p in params]
-    return [(p.full_tensor() if hasattr(p, "full_tensor") else p).detach().float().cpu().clone()
+    return [full_tensor(p).detach().float().cpu().clone()
             for p in params]

@@ -58,14 +58,14 @@ def test_the_inputs_are_what_this_rank_gives_never_a_buffer_it_fills(fake: None)
         dist.all_reduce(a)
         dist.all_gather([torch.empty(4), torch.empty(4)], a)
         dist.all_to_all_single(torch.empty(6), b)
-        dist.reduce_scatter_single(torch.empty(3), b)
+        dist.reduce_scatter_tensor(torch.empty(3), b)
         dist.broadcast(a, src=0)               # the root's tensor is its input
         dist.broadcast(a, src=1)               # elsewhere a buffer (maybe uninitialised)
         dist.broadcast(a, src=1, group=sub)    # the root by its rank in the group
         dist.barrier()
         dist.all_reduce(torch.ones(3, dtype=torch.int64))  # a count cannot be NaN
         funcol.wait_tensor(funcol.all_reduce(a, "sum", dist.group.WORLD))
-        for t in (funcol.all_gather_single(a, 0, dist.group.WORLD),
+        for t in (funcol.all_gather_tensor(a, 0, dist.group.WORLD),
                   funcol.all_to_all_single_autograd(b, None, None, sub),
                   funcol.broadcast(a, 1, sub)):
             funcol.wait_tensor(t)
@@ -86,7 +86,9 @@ def test_the_replay_names_its_first_non_finite_collective_input_with_one_read(
         dist.all_reduce(stats)                # finite
         poisoned = h * torch.tensor([NAN, 1.0])
         out = funcol.all_to_all_single(poisoned.detach(), None, None, dist.group.WORLD)
-        return (h - stats).pow(2).mean() + out.wait().sum()
+        # the fake backend's all_to_all leaves its output unwritten on some releases (2.11):
+        # the loss is non-finite through the poisoned tensor itself, whatever it returns
+        return (h - stats).pow(2).mean() + out.wait().sum() + poisoned.sum()
 
     net = torch.nn.Linear(3, 2)
     syncs = []
