@@ -63,11 +63,20 @@ try:
     import tyro
     from torchtitan.trainer import Trainer
 except ImportError as exc:  # pragma: no cover - depends on what is installed
-    raise ImportError(
-        "nansentinel.torchtitan needs torchtitan: pip install torchtitan==0.3.0 (the version "
-        f"it is tested with) — {exc}"
+    import importlib.util
+
+    if importlib.util.find_spec("torchtitan") is None:
+        raise ImportError(
+            "nansentinel.torchtitan needs torchtitan: pip install torchtitan==0.3.0 (the "
+            f"version it is tested with) — {exc}"
+        ) from exc
+    raise ImportError(  # installed, but written for another torch (0.3.0 imports 2.13's API)
+        f"nansentinel.torchtitan: torchtitan is installed but does not import on torch "
+        f"{torch.__version__} ({exc}); torchtitan 0.3.0, the version nansentinel is tested "
+        "with, needs torch >= 2.13 (docs/torch-support.md)"
     ) from exc
 
+from nansentinel.common import torch_insides as insides
 from nansentinel.config import SentinelConfig
 from nansentinel.result import SentinelUsageError, StepResult
 from nansentinel.step.sentinel import Sentinel
@@ -119,7 +128,7 @@ class SentinelTrainer(Trainer):
                 parts[0] if len(parts) == 1 else parts, self.optimizers,
                 stages=pipeline_stages(schedule), **config.sentinel,
             )
-            schedule._loss_fn = _TrainingLoss(schedule, self.sentinel)
+            insides.set_schedule_loss_fn(schedule, _TrainingLoss(schedule, self.sentinel))
         else:
             self.sentinel = Sentinel(self.model_parts[0], self.optimizers, **config.sentinel)
             # torchtitan's Trainer assigns loss_fn without an annotation mypy can follow
@@ -234,11 +243,11 @@ class _TrainingLoss:
 
     def __init__(self, schedule: Any, sentinel: Sentinel) -> None:
         self.schedule = schedule
-        self.inner = schedule._loss_fn
+        self.inner = insides.schedule_loss_fn(schedule)
         self.checked = sentinel.wrap_loss(self.inner)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        fn = self.checked if self.schedule._has_backward else self.inner
+        fn = self.checked if insides.schedule_has_backward(self.schedule) else self.inner
         return fn(*args, **kwargs)
 
 
@@ -252,11 +261,8 @@ def pipeline_stages(schedule: Any) -> list[Any]:
     ``_PipelineSchedule._loss_fn`` (read by ``_compute_loss`` and by the first step's shape
     inference at call time, so replacing it after the schedule is built takes effect) and
     ``_has_backward`` (False during ``eval``)."""
-    stages = getattr(schedule, "_stages", None)
-    if stages is None:
-        stage = getattr(schedule, "_stage", None)
-        stages = [] if stage is None else [stage]
-    if not stages or not hasattr(schedule, "_loss_fn"):
+    stages = insides.schedule_stages(schedule)
+    if not stages or not insides.has_loss_fn(schedule):
         raise SentinelUsageError(
             f"nansentinel: the pipeline schedule {type(schedule).__name__} has no "
             "_stage/_stages or _loss_fn (torch 2.13's private attributes, read to watch the "
