@@ -55,8 +55,8 @@ from typing import Any
 import torch
 
 from nansentinel.callbacks import SentinelState
-from nansentinel.result import SentinelUsageError, StepResult
-from nansentinel.wire.collectives import job_rank, job_size
+from nansentinel.result import StepResult
+from nansentinel.step.prepared import require_one_world
 
 #: The accelerate release the skip mark (:func:`mark_skipped`) was read from and tested with.
 TESTED_ACCELERATE = "1.15"
@@ -137,22 +137,6 @@ class AcceleratedSentinel(SentinelState):
 
     def __exit__(self, kind: Any, *_: Any) -> None:
         self.release(abandon=kind is not None)
-
-
-def require_one_world(framework_size: int | None, framework: str, fix: str) -> None:
-    """Raise :class:`SentinelUsageError` when the job's process group has more ranks than the
-    framework believes it runs (``framework_size``; None: not known). Accelerate on CPU ranks
-    without ``cpu=True`` (the Trainer without ``use_cpu=True``) sets up the process group but
-    runs every rank alone: no DDP, no sharded data, a copy of the model trained per rank."""
-    world = job_size()
-    if framework_size is None or framework_size == world:
-        return
-    raise SentinelUsageError(
-        f"nansentinel: the job has a process group of {world} ranks, but {framework} runs this "
-        f"process as {framework_size} of {framework_size} (rank {job_rank()}): every rank would "
-        f"train its own copy of the model, unsynchronised. On CPU ranks pass {fix}; on GPUs "
-        "check that each rank sees its device."
-    )
 
 
 _warned: set[str] = set()

@@ -30,6 +30,7 @@ from nansentinel import engines
 from nansentinel.checks import pipeline
 from nansentinel.checks.health import identify, local_device
 from nansentinel.checks.quarantine import Quarantine
+from nansentinel.common import torch_insides as insides
 from nansentinel.common.inject import Injector, parse_inject
 from nansentinel.config import SentinelConfig, resolve_hostname
 from nansentinel.decide.spikes import SpikeDetector
@@ -40,6 +41,7 @@ from nansentinel.rare.incident import IncidentWriter
 from nansentinel.rare.replay import ReplayFn
 from nansentinel.rare.replicas import replica_check
 from nansentinel.result import ResultPending, StepResult
+from nansentinel.step import prepared
 from nansentinel.step.current import CurrentStep
 from nansentinel.step.gate import GatedSteps, gated_steps
 from nansentinel.step.judge import StepJudge, Stepping
@@ -97,6 +99,8 @@ class Sentinel:
         snapshots: tuple[Any, Any] | SnapshotStore | None = None, stages: Any = None,
         **overrides: Any,
     ) -> None:
+        insides.require("torch")  # below the oldest release CI tests: our error, not torch's
+        prepared.refuse_misprepared(optimizer)  # the framework helpers' refusals hold here too
         if isinstance(replay, bool):  # the config field (keyword > env), not a function
             overrides["replay"], replay = replay, None
         cfg = SentinelConfig.from_env(env, **overrides)
