@@ -1,0 +1,274 @@
+"""nansentinel on torchft: one veto on every replica group, and a poisoned group leaves live.
+
+torchft's ``Manager.should_commit()`` agrees within one replica group only. A NaN in group
+1's gradients is all-reduced into every group; group 1 does not commit, the others commit the
+NaN-averaged gradients, and at the next quorum group 1 heals *from* them: the run is lost on
+every group. This sentinel closes that hole::
+
+    manager = torchft.Manager(pg=ProcessGroupGloo(), ...)
+    model = nansentinel.torchft.DistributedDataParallel(manager, module)  # not torchft's
+    sentinel = nansentinel.torchft.Sentinel(model, optimizer)
+    for batch in loader:
+        optimizer.zero_grad(); manager.start_quorum()   # or torchft's OptimizerWrapper.zero_grad()
+        sentinel.check_batch(batch)
+        loss = loss_fn(model(batch["x"]), batch["y"]); sentinel.check_loss(loss)
+        loss.backward()          # each bucket checked before it leaves the group
+        result = sentinel.step() # should_commit() on every group, then optimizer.step() or not
+
+Each group checks its own batch, loss and gradients before they leave it (the core sentinel,
+engines/torchft.py's hook); at ``step()`` every group sums one small health row through
+``Manager.allreduce``, so every group sees the same count of groups that did not apply; a
+step that some group did not apply is reported to every manager (``report_error``), so that
+``should_commit()`` is False on every group at the same step and nothing non-finite is ever
+committed, or served to a healing peer. The poisoned groups are named (group, rank, host) on
+every group. A host struck ``host_strikes`` times raises :class:`HostExcludedError` in its
+group, after it shut its manager down (``Manager.shutdown``): the lighthouse drops it at the
+next quorum and the others train on, without a restart. With ``exclusion_file`` set, a new
+process on an excluded host refuses to join until the operator clears it
+(``nansentinel excluded --clear HOST``). A failed all-reduce or a dead peer is torchft's
+regroup (the step not committed, ``result.regrouped``), never an exception in the survivors.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any
+
+import torch
+
+from nansentinel.common.exclusion import ExclusionRecord, ExclusionStore
+from nansentinel.result import (
+    HostExcludedError,
+    NonFiniteError,
+    Outcome,
+    SentinelUsageError,
+    StepResult,
+)
+from nansentinel.step.sentinel import Sentinel as _Sentinel
+
+try:
+    from nansentinel.engines import torchft as _ft
+except ImportError as exc:  # pragma: no cover - the message is the point
+    raise ImportError("nansentinel.torchft needs torchft: pip install torchft==0.2.0") from exc
+
+DistributedDataParallel = _ft.DistributedDataParallel
+
+log = logging.getLogger("nansentinel")
+
+__all__ = ["DistributedDataParallel", "FTStepResult", "PoisonedGroup", "Sentinel"]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class PoisonedGroup:
+    """A replica group (one of its ranks) that did not apply a step, as it named itself."""
+
+    group: str
+    """The replica group's id (``Manager(replica_id=...)``)."""
+    rank: int
+    """The rank inside the replica group."""
+    host: str
+    step: int
+    """torchft's step (``Manager.current_step()``), the same on every group."""
+    kinds: list[str]
+    """Which of ``batch``, ``loss``, ``grad`` were non-finite there (empty: a spike or a
+    quarantined batch made it skip)."""
+    reason: str = ""
+    leaving: bool = False
+    """It was struck out and leaves the quorum after this step."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class FTStepResult(StepResult):
+    """The step as every replica group decided it: :class:`StepResult`'s fields (``applied``
+    true only when this group committed and stepped), and torchft's side."""
+
+    committed: bool = False
+    """``Manager.should_commit()`` was True on this group."""
+    poisoned: list[PoisonedGroup] = dataclasses.field(default_factory=list)
+    """The groups that did not apply the step, named by themselves, the same on every group."""
+    regrouped: bool = False
+    """The manager errored in this step (a peer died, an all-reduce or the quorum failed):
+    not committed; the next quorum regroups."""
+    torchft_step: int = 0
+    """``Manager.current_step()`` when the step began."""
+
+
+class Sentinel(_Sentinel):
+    """The sentinel of one rank of a torchft replica group (see the module's docstring).
+
+    Args:
+        model: a :class:`DistributedDataParallel` (nansentinel's, built like torchft's).
+        optimizer: the optimizer, or torchft's ``OptimizerWrapper`` (its inner optimizer is
+            stepped; call its ``zero_grad()`` as usual, never its ``step()``).
+        **kwargs: as :class:`nansentinel.Sentinel` (``policy``, ``host_strikes``, ...).
+            ``policy="drop"``, rollbacks and a GradScaler are refused on torchft.
+    """
+
+    def __init__(self, model: torch.nn.Module, optimizer: Any, **kwargs: Any) -> None:
+        if not isinstance(model, DistributedDataParallel):
+            raise SentinelUsageError(
+                "nansentinel.torchft.Sentinel watches nansentinel.torchft.DistributedDataParallel"
+                f"(manager, module), not {type(model).__module__}.{type(model).__name__}: "
+                "torchft's own DDP registers the one communication hook DDP allows, and its "
+                "hook fails an assert when a peer dies. Build the model with nansentinel's.")
+        if kwargs.get("scaler") is not None:
+            raise SentinelUsageError(
+                "nansentinel.torchft.Sentinel takes no GradScaler: an fp16 overflow would be "
+                "decided by each group's scaler apart from should_commit(); use bf16")
+        inner = getattr(optimizer, "optim", None)
+        wrapped = type(optimizer).__name__ == "OptimizerWrapper" and inner is not None
+        self._manager = model.manager
+        #: torchft steps at which this group's host was struck (within ``strike_window``).
+        self._strikes: list[int] = []
+        super().__init__(model, inner if wrapped else optimizer, **kwargs)
+        self._refuse_excluded_host()
+
+    @property
+    def manager(self) -> Any:
+        """The torchft ``Manager`` of this replica group."""
+        return self._manager
+
+    @property
+    def group(self) -> str:
+        """This replica group's id."""
+        return _ft.replica_id(self._manager)
+
+    def _refuse_excluded_host(self) -> None:
+        """A host struck out stays out: this process leaves before its first quorum."""
+        path = self.config.exclusion_file
+        host = self.identity.hostname
+        if not path or not ExclusionStore(path).is_excluded(host):
+            return
+        self._manager.shutdown(wait=False)
+        self.abandon()
+        message = (f"nansentinel: host {host} is excluded ({path}): replica group "
+                   f"{self.group} does not join the torchft quorum. Clear it with "
+                   f"`nansentinel excluded --clear {host}` once the host is repaired.")
+        raise HostExcludedError(message, StepResult(
+            step=self.step_index, applied=False, outcome=Outcome.EXCLUDED, bad_ranks=[],
+            bad_hosts=[host], kinds=[], local_kinds=[], local_loss=None, local_grad_norm=None,
+            consecutive_skips=0, excluded_hosts=[host], reason=message))
+
+    def step(self, *, optimizer_step: bool = True) -> FTStepResult:
+        """Decide this step with every replica group: this group's own decision (the core
+        sentinel's), then the groups' sum, then ``should_commit()``; the optimizer steps only
+        when it is True on this (and so on every) group. Raises :class:`HostExcludedError` in a
+        group struck out (after its manager shut down, so the others go on), and under
+        ``policy="abort"`` :class:`NonFiniteError` on every group at the same step."""
+        manager = self._manager
+        began = int(manager.current_step())
+        stopping: NonFiniteError | None = None
+        try:
+            local = super().step(optimizer_step=False)
+        except NonFiniteError as exc:  # the core's abort (max_consecutive_skips, policy)
+            local, stopping = exc.result, exc
+        assert local is not None
+        here = not local.applied
+        row = _ft.health_row(here, local.kinds, manager.participating_rank())
+        health = _ft.agree(manager, row, self.device)
+        names: list[dict[str, Any]] | None = []
+        strikes = 0
+        if health is not None and health.bad:
+            # A strike only while some group is healthy: when every group is poisoned the
+            # cause is global (learning rate, data), and striking hosts would shrink the job.
+            if here and local.bad_ranks and health.bad < manager.num_participants():
+                strikes = self._strike(began, local.verdict)
+            leaving = stopping is not None or strikes >= self.config.host_strikes
+            mine = self._name(local, began, leaving, strikes) if here else None
+            names = _ft.gather_names(manager, mine, self.device)
+            manager.report_error(RuntimeError(
+                f"nansentinel: {health.bad} replica group(s) did not apply step {began}"))
+        regrouped = health is None or names is None
+        committed = bool(manager.should_commit())
+        if committed and optimizer_step:
+            self.optimizer.step()
+        elif not committed:  # another group's NaN, or a failed all-reduce's leftovers
+            self.optimizer.zero_grad(set_to_none=True)
+        result = self._result(local, committed, optimizer_step, names or [], regrouped, began)
+        self._say(result)
+        if strikes >= self.config.host_strikes:
+            stopping = self._struck_out(result, strikes)
+        if stopping is not None:
+            manager.shutdown(wait=False)  # the lighthouse drops this group at the next quorum
+            raise stopping
+        if self.config.policy == "abort" and result.poisoned:
+            raise NonFiniteError(result.reason, result)
+        return result
+
+    def _strike(self, step: int, verdict: str | None) -> int:
+        """One strike against this group's host at torchft's ``step`` (not when a replay
+        blamed the data or a divergence); the strikes within ``strike_window``."""
+        if verdict in ("data", "divergence"):
+            return 0
+        horizon = step - self.config.strike_window
+        self._strikes = [s for s in self._strikes if s > horizon] + [step]
+        return len(self._strikes)
+
+    def _struck_out(self, result: FTStepResult, strikes: int) -> HostExcludedError:
+        """This group's host was struck ``host_strikes`` times: its record for the launcher
+        (``exclusion_file``), and the error this group raises once it has left."""
+        host = self.identity.hostname
+        message = (f"nansentinel: host {host} (replica group {self.group}, rank "
+                   f"{_ft.group_rank(self._manager)}) blamed {strikes} times within "
+                   f"{self.config.strike_window} steps, at torchft step {result.torchft_step}: "
+                   "this replica group leaves the quorum (Manager.shutdown); the others go on "
+                   "at the next quorum without a restart")
+        if self.config.exclusion_file:
+            ExclusionStore(self.config.exclusion_file).add(ExclusionRecord(
+                host=host, reason=f"host {host} blamed {strikes} times within "
+                f"{self.config.strike_window} steps", step=result.torchft_step,
+                evidence={"replica_group": self.group, "rank": _ft.group_rank(self._manager),
+                          "kinds": result.kinds, "strikes": strikes,
+                          "report_path": result.report_path},
+                job_id=self.job_id))
+        log.error("%s", message)
+        excluded = dataclasses.replace(result, outcome=Outcome.EXCLUDED,
+                                       excluded_hosts=sorted({*result.excluded_hosts, host}))
+        return HostExcludedError(message, excluded)
+
+    def _name(self, local: StepResult, step: int, leaving: bool, strikes: int
+              ) -> dict[str, Any]:
+        """What this poisoned group tells every group (bounded: it travels in
+        :data:`~nansentinel.engines.torchft.NAME_BYTES`)."""
+        return {"group": self.group[:100], "rank": _ft.group_rank(self._manager),
+                "host": self.identity.hostname[:100], "step": step, "kinds": local.kinds,
+                "reason": local.reason[:120], "leaving": leaving, "strikes": strikes}
+
+    def _result(self, local: StepResult, committed: bool, optimizer_step: bool,
+                names: list[dict[str, Any]], regrouped: bool, began: int) -> FTStepResult:
+        poisoned = [PoisonedGroup(str(n.get("group", "?")), int(n.get("rank", -1)),
+                                  str(n.get("host", "?")), int(n.get("step", began)),
+                                  list(n.get("kinds", [])), str(n.get("reason", "")),
+                                  bool(n.get("leaving", False))) for n in names]
+        fields = {f.name: getattr(local, f.name) for f in dataclasses.fields(StepResult)}
+        reason = local.reason
+        if poisoned:
+            who = "; ".join(f"replica group {p.group} (rank {p.rank}, host {p.host})"
+                            f"{': ' + ', '.join(p.kinds) if p.kinds else ''}"
+                            f"{', struck out: leaves the quorum' if p.leaving else ''}"
+                            for p in poisoned)
+            reason = (f"torchft step {began} not committed on any replica group: {who}")
+        elif regrouped:
+            reason = (f"torchft step {began} not committed: the manager errored (a peer died "
+                      "or an all-reduce failed); the next quorum regroups")
+        if not committed:
+            fields.update(applied=False, outcome=local.outcome if not local.applied
+                          else Outcome.SKIPPED)
+        else:
+            fields.update(applied=optimizer_step)
+        fields.update(bad_hosts=sorted({p.host for p in poisoned} | set(local.bad_hosts)),
+                      kinds=sorted({k for p in poisoned for k in p.kinds} | set(local.kinds)),
+                      reason=reason)
+        return FTStepResult(**fields, committed=committed, poisoned=poisoned,
+                            regrouped=regrouped, torchft_step=began)
+
+    def _say(self, result: FTStepResult) -> None:
+        """One line on every group naming the poisoned groups, and what happens next."""
+        if result.poisoned:
+            log.error("nansentinel: replica group %s (rank %d, host %s): %s; gradients "
+                      "discarded, weights unchanged on every group", self.group,
+                      _ft.group_rank(self._manager), self.identity.hostname, result.reason)
+        elif result.regrouped:
+            log.warning("nansentinel: replica group %s (host %s): %s", self.group,
+                        self.identity.hostname, result.reason)
