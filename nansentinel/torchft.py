@@ -38,6 +38,7 @@ from typing import Any
 import torch
 
 from nansentinel.common.exclusion import ExclusionRecord, ExclusionStore
+from nansentinel.config import ConfigError
 from nansentinel.result import (
     HostExcludedError,
     NonFiniteError,
@@ -122,6 +123,7 @@ class Sentinel(_Sentinel):
         #: torchft steps at which this group's host was struck (within ``strike_window``).
         self._strikes: list[int] = []
         super().__init__(model, inner if wrapped else optimizer, **kwargs)
+        self._refuse_rollbacks()
         self._refuse_excluded_host()
 
     @property
@@ -133,6 +135,18 @@ class Sentinel(_Sentinel):
     def group(self) -> str:
         """This replica group's id."""
         return _ft.replica_id(self._manager)
+
+    def _refuse_rollbacks(self) -> None:
+        """Rollbacks (the policy or a spike action) are refused, with the path's reason."""
+        cfg = self.config
+        if cfg.policy != "rollback" and "rollback" not in (cfg.loss_spike_action,
+                                                           cfg.grad_spike_action):
+            return
+        self.abandon()
+        raise ConfigError(
+            f"rollbacks are refused on torchft (replica group {self.group}, host "
+            f"{self.identity.hostname}): {self.gradients.caps.rollback}. Use policy='skip' "
+            "and a spike action 'skip' or 'warn'; nothing was started.", field="policy")
 
     def _refuse_excluded_host(self) -> None:
         """A host struck out stays out: this process leaves before its first quorum."""
