@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from typing import Any
 
 import torch
@@ -173,10 +174,18 @@ class Sentinel(_Sentinel):
         manager = self._manager
         began = int(manager.current_step())
         stopping: NonFiniteError | None = None
+        # The core decides this group's own step without the exporter: the step is observed
+        # once, after every group decided it (a step another group vetoed is not "applied"),
+        # and a stop lingers for the final scrape only after the groups have agreed.
+        metrics, self.metrics = self.metrics, None
+        spent, started = self._current.record.spent, time.perf_counter()
         try:
             local = super().step(optimizer_step=False)
         except NonFiniteError as exc:  # the core's abort (max_consecutive_skips, policy)
             local, stopping = exc.result, exc
+        finally:
+            self.metrics = metrics
+        spent += time.perf_counter() - started
         assert local is not None
         here = not local.applied
         row = _ft.health_row(here, local.kinds, manager.participating_rank())
@@ -203,12 +212,31 @@ class Sentinel(_Sentinel):
         self._say(result)
         if strikes >= self.config.host_strikes:
             stopping = self._struck_out(result, strikes)
+            result = stopping.result  # type: ignore[assignment]  # built as an FTStepResult
+        if stopping is None and self.config.policy == "abort" and result.poisoned:
+            result = dataclasses.replace(result, outcome=Outcome.ABORTED)
+            stopping = NonFiniteError(f"nansentinel: policy is abort: {result.reason}; every "
+                                      "replica group stops at this step", result)
+        elif stopping is not None and not isinstance(stopping.result, FTStepResult):
+            stopping = type(stopping)(str(stopping), result)  # the groups' view of the step
+        if metrics is not None:  # the step as every group decided it, observed once
+            metrics.observe_step(result, spent)
         if stopping is not None:
             manager.shutdown(wait=False)  # the lighthouse drops this group at the next quorum
+            self._linger(metrics)
             raise stopping
-        if self.config.policy == "abort" and result.poisoned:
-            raise NonFiniteError(result.reason, result)
         return result
+
+    def _linger(self, metrics: Any) -> None:
+        """Before this group raises: its final state served at once, and kept up
+        ``metrics_linger`` seconds so that Prometheus scrapes it (as the core's stop does)."""
+        if metrics is None:
+            return
+        metrics.flush()
+        if self.config.metrics_linger > 0 and self.config.metrics_port:
+            log.info("nansentinel: replica group %s keeps its exporter up %g s for the final "
+                     "scrape", self.group, self.config.metrics_linger)
+            time.sleep(self.config.metrics_linger)
 
     def _strike(self, step: int, verdict: str | None) -> int:
         """One strike against this group's host at torchft's ``step`` (not when a replay
@@ -271,7 +299,9 @@ class Sentinel(_Sentinel):
                           else Outcome.SKIPPED)
         else:
             fields.update(applied=optimizer_step)
+        leaving = {p.host for p in poisoned if p.leaving}
         fields.update(bad_hosts=sorted({p.host for p in poisoned} | set(local.bad_hosts)),
+                      excluded_hosts=sorted(leaving | set(local.excluded_hosts)),
                       kinds=sorted({k for p in poisoned for k in p.kinds} | set(local.kinds)),
                       reason=reason)
         return FTStepResult(**fields, committed=committed, poisoned=poisoned,

@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 import torch
+from prometheus_client import CollectorRegistry
 
 torchft = pytest.importorskip("torchft")
 
@@ -30,7 +31,8 @@ from torchft.process_group import ProcessGroupGloo  # noqa: E402
 import nansentinel.torchft as nft  # noqa: E402
 from nansentinel.common.exclusion import ExclusionStore  # noqa: E402
 from nansentinel.config import ConfigError  # noqa: E402
-from nansentinel.result import HostExcludedError, SentinelUsageError  # noqa: E402
+from nansentinel.effects.metrics import SentinelMetrics  # noqa: E402
+from nansentinel.result import HostExcludedError, NonFiniteError, SentinelUsageError  # noqa: E402
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -67,6 +69,8 @@ class Group:
         self.model = nft.DistributedDataParallel(self.manager, self.module)
         self.kwargs = dict(hostname=f"node{gid}", metrics_port=0,
                            report_dir=str(tmp / "reports"), **sentinel)
+        #: Where this group's exporter keeps its values (g0's in the first test).
+        self.registry = CollectorRegistry()
         self.results: list[Any] = []
         self.error: BaseException | None = None
         self.finite = True
@@ -83,19 +87,24 @@ class Group:
     def weights(self) -> list[torch.Tensor]:
         return [p.detach().clone() for p in self.module.parameters()]
 
-    def train(self, until: Callable[[Group], bool], hook: Callable[[Group], None] = lambda g: None
+    def train(self, until: Callable[[Group], bool], hook: Callable[[Group], Any] = lambda g: None
               ) -> None:
         """Steps until ``until(self)``; records every result, and whether a weight ever went
         non-finite after a step; any exception is kept for the test to read."""
         try:
             sentinel = nft.Sentinel(self.model, self.opt, **self.kwargs)
+            sentinel.metrics = SentinelMetrics(sentinel.identity, registry=self.registry,
+                                               cluster_view=True)
             while not until(self):
                 self.opt.zero_grad()
                 self.manager.start_quorum()
-                x = sentinel.check_batch(torch.randn(8, 4))
+                x = torch.randn(8, 4)
+                poison = hook(self)  # may die here, or poison this batch (real data)
+                if poison:
+                    x[0, 0] = poison
+                sentinel.check_batch(x)
                 loss = self.model(x).pow(2).mean()
                 sentinel.check_loss(loss)
-                hook(self)
                 loss.backward()
                 self.results.append(sentinel.step())
                 self.finite &= all(bool(torch.isfinite(p).all()) for p in self.module.parameters())
@@ -185,6 +194,39 @@ def test_a_nan_in_one_group_is_vetoed_on_every_group_named_and_struck_out_live(
     assert back.results[0].torchft_step > vetoed[g0][-1], "the rejoined group did not heal"
     served = g0.served + g2.served
     assert served and all(served), served
+    # g0's metrics: the vetoed steps count as skipped (not applied), g1's host as blamed
+    # twice and excluded.
+    value = g0.registry.get_sample_value
+    assert value("nansentinel_steps_total", {"outcome": "skipped"}) == 2
+    assert value("nansentinel_steps_total", {"outcome": "applied"}) == sum(
+        r.committed for r in g0.results)
+    assert value("nansentinel_host_blamed_total", {"hostname": "node1"}) == 2
+    assert value("nansentinel_host_excluded", {"hostname": "node1"}) == 1
+
+
+def test_a_nan_batch_under_policy_abort_stops_every_group_at_the_same_step(
+        tmp_path: Path) -> None:
+    """A NaN in g1's real batch at torchft step 2, policy="abort": both groups raise
+    NonFiniteError at that step, naming g1 (batch, loss, grad), with finite weights."""
+    with lighthouse() as house:
+        groups = [Group(house, i, 0, tmp_path, policy="abort") for i in (0, 1)]
+
+        def poison(g: Group) -> float:
+            mine = g.kwargs["hostname"] == "node1" and g.manager.current_step() == 2
+            return float("nan") if mine else 0.0
+
+        threads = [threading.Thread(target=g.train, args=(lambda g: False, poison), daemon=True)
+                   for g in groups]
+        for t in threads:
+            t.start()
+        join(threads)
+    for g in groups:
+        assert isinstance(g.error, NonFiniteError) and not isinstance(g.error, HostExcludedError)
+        last = g.results[-1]
+        assert last.torchft_step == 2 and not last.committed and g.finite
+        assert [(p.group, p.host, p.kinds) for p in last.poisoned] == [
+            ("g1", "node1", ["batch", "loss", "grad"])]
+        assert g.manager.current_step() == 2
 
 
 def test_a_dead_peer_is_a_regroup_never_a_crash(tmp_path: Path) -> None:
