@@ -3,17 +3,7 @@
 torchft's ``Manager.should_commit()`` agrees within one replica group only. A NaN in group
 1's gradients is all-reduced into every group; group 1 does not commit, the others commit the
 NaN-averaged gradients, and at the next quorum group 1 heals *from* them: the run is lost on
-every group. This sentinel closes that hole::
-
-    manager = torchft.Manager(pg=ProcessGroupGloo(), ...)
-    model = nansentinel.torchft.DistributedDataParallel(manager, module)  # not torchft's
-    sentinel = nansentinel.torchft.Sentinel(model, optimizer)
-    for batch in loader:
-        optimizer.zero_grad(); manager.start_quorum()   # or torchft's OptimizerWrapper.zero_grad()
-        sentinel.check_batch(batch)
-        loss = loss_fn(model(batch["x"]), batch["y"]); sentinel.check_loss(loss)
-        loss.backward()          # each bucket checked before it leaves the group
-        result = sentinel.step() # should_commit() on every group, then optimizer.step() or not
+every group. This sentinel closes that hole (the recipe: docs/torchft.md).
 
 Each group checks its own batch, loss and gradients before they leave it (the core sentinel,
 engines/torchft.py's hook); at ``step()`` every group sums one small health row through

@@ -26,6 +26,7 @@ torchft = pytest.importorskip("torchft")
 from torch.distributed import TCPStore  # noqa: E402
 from torchft._torchft import LighthouseServer  # noqa: E402
 from torchft.manager import Manager  # noqa: E402
+from torchft.optim import OptimizerWrapper  # noqa: E402
 from torchft.process_group import ProcessGroupGloo  # noqa: E402
 
 import nansentinel.torchft as nft  # noqa: E402
@@ -52,8 +53,11 @@ class Group:
     """One replica group of one process (a thread): its store, manager, model and sentinel."""
 
     def __init__(self, house: LighthouseServer, gid: int, seed: int, tmp: Path,
-                 **sentinel: Any) -> None:
-        self.store = TCPStore("localhost", 0, is_master=True, wait_for_workers=False)
+                 rank: tuple[int, int, TCPStore] | None = None, **sentinel: Any) -> None:
+        """``rank``: (rank, world size, the group's store) for a group of several ranks."""
+        self.store = TCPStore("localhost", 0, is_master=True,
+                              wait_for_workers=False) if rank is None else rank[2]
+        grank, gsize = (0, 1) if rank is None else rank[:2]
         torch.manual_seed(seed)
         self.module = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(),
                                           torch.nn.Linear(8, 2))
@@ -63,11 +67,12 @@ class Group:
         self.manager = Manager(
             pg=ProcessGroupGloo(timeout=timedelta(seconds=5)), min_replica_size=1,
             load_state_dict=self._load, state_dict=self._state, replica_id=f"g{gid}",
-            store_addr="localhost", store_port=self.store.port, rank=0, world_size=1,
+            store_addr="localhost", store_port=self.store.port, rank=grank, world_size=gsize,
             lighthouse_addr=house.address(), timeout=timedelta(seconds=5),
             quorum_timeout=timedelta(seconds=20), connect_timeout=timedelta(seconds=10))
         self.model = nft.DistributedDataParallel(self.manager, self.module)
-        self.kwargs = dict(hostname=f"node{gid}", metrics_port=0,
+        self.kwargs = dict(hostname=f"node{gid}" + (f"r{grank}" if gsize > 1 else ""),
+                           metrics_port=0,
                            report_dir=str(tmp / "reports"), **sentinel)
         #: Where this group's exporter keeps its values (g0's in the first test).
         self.registry = CollectorRegistry()
@@ -245,6 +250,11 @@ def test_a_dead_peer_is_a_regroup_never_a_crash(tmp_path: Path) -> None:
             spare = nft.DistributedDataParallel(g0.manager, torch.nn.Linear(4, 2))
             nft.Sentinel(spare, torch.optim.SGD(spare.parameters(), lr=0.1), policy="drop",
                          metrics_port=0)
+        spare = nft.DistributedDataParallel(g0.manager, torch.nn.Linear(4, 2))
+        sgd = torch.optim.SGD(spare.parameters(), lr=0.1)
+        wrapped = nft.Sentinel(spare, OptimizerWrapper(g0.manager, sgd), metrics_port=0)
+        assert wrapped.optimizer is sgd  # torchft's wrapper: the sentinel steps what it wraps
+        wrapped.abandon()
         with pytest.raises(ConfigError, match="heals a group from a healthy peer"):
             spare = nft.DistributedDataParallel(g0.manager, torch.nn.Linear(4, 2))
             nft.Sentinel(spare, torch.optim.SGD(spare.parameters(), lr=0.1),
@@ -267,3 +277,25 @@ def test_a_dead_peer_is_a_regroup_never_a_crash(tmp_path: Path) -> None:
     assert regrouped and not any(r.committed for r in regrouped)
     assert regrouped[0].torchft_step == 3 and "regroups" in regrouped[0].reason
     assert g0.manager.current_step() == 7 and g0.finite
+
+
+def test_groups_of_two_ranks_veto_on_every_rank_of_every_group(tmp_path: Path) -> None:
+    """Two replica groups of two ranks each: a NaN in group 1 rank 1's gradients reaches the
+    rank 1 of every group through the health row, and should_commit() (agreed within each
+    group) vetoes the step on all four ranks at once; the replicas stay identical."""
+    with lighthouse() as house:
+        stores = [TCPStore("localhost", 0, is_master=True, wait_for_workers=False)
+                  for _ in range(2)]
+        ranks = [Group(house, g, 0, tmp_path, rank=(r, 2, stores[g]),
+                       inject="kind=grad,rank=0,steps=2-2" if (g, r) == (1, 1) else None)
+                 for g in (0, 1) for r in (0, 1)]
+        join(run([(g, lambda g: g.manager.current_step() >= 5) for g in ranks]))
+    for g in ranks:
+        assert g.error is None and g.finite, g.error
+        vetoed = [r for r in g.results if not r.committed]
+        assert [r.torchft_step for r in vetoed] == [2]
+    for r in ranks[1::2]:  # the ranks 1 name it: (group, rank, host)
+        assert [(p.group, p.rank, p.host) for p in r.results[2].poisoned] == [
+            ("g1", 1, "node1r1")]
+    for a, b in ((ranks[0], ranks[2]), (ranks[1], ranks[3])):
+        assert all(torch.equal(x, y) for x, y in zip(a.weights(), b.weights(), strict=True))
