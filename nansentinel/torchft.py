@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import time
 from typing import Any
 
@@ -111,6 +112,12 @@ class Sentinel(_Sentinel):
         inner = getattr(optimizer, "optim", None)
         wrapped = type(optimizer).__name__ == "OptimizerWrapper" and inner is not None
         self._manager = model.manager
+        env = kwargs.get("env")
+        environ = os.environ if env is None else env
+        if "job_id" not in kwargs and not environ.get("NANSENTINEL_JOB_ID"):
+            # The replica group in every report's name and job_id: groups share a report_dir.
+            base = environ.get("TORCHELASTIC_RUN_ID") or "torchft"
+            kwargs["job_id"] = f"{base}-{_ft.replica_id(model.manager)}"
         #: torchft steps at which this group's host was struck (within ``strike_window``).
         self._strikes: list[int] = []
         super().__init__(model, inner if wrapped else optimizer, **kwargs)

@@ -192,6 +192,9 @@ def test_a_nan_in_one_group_is_vetoed_on_every_group_named_and_struck_out_live(
             assert [(p.group, p.rank, p.host, p.kinds) for p in r.poisoned] == [
                 ("g1", 0, "node1", ["grad"])]
     assert [p.leaving for r in g0.results for p in r.poisoned] == [False, True]
+    # g1's incident reports carry its replica group in their name and job_id.
+    assert sorted(p.name for p in (tmp_path / "reports").glob("*.json")) == [
+        "incident-torchft-g1-step00000002.json", "incident-torchft-g1-step00000004.json"]
     # The others trained on after g1 left, and agree bit for bit with the healed group.
     assert g0.manager.current_step() == g2.manager.current_step() == target["step"]
     for a, b, c in zip(g0.weights(), g2.weights(), back.weights(), strict=True):
