@@ -87,41 +87,58 @@ class FTStepResult(StepResult):
     """``Manager.current_step()`` when the step began."""
 
 
+def _manager_of(model: torch.nn.Module, manager: Any) -> Any:
+    """The manager the sentinel decides with: the DDP's, or the one given with a plain module;
+    torchft's own DDP (or any other DDP) is refused, naming what to build instead."""
+    if isinstance(model, DistributedDataParallel):
+        if manager is not None and manager is not model.manager:
+            raise SentinelUsageError("nansentinel.torchft.Sentinel: manager= is not the "
+                                     "manager the DistributedDataParallel was built with")
+        return model.manager
+    if isinstance(model, torch.nn.parallel.DistributedDataParallel) or manager is None:
+        raise SentinelUsageError(
+            "nansentinel.torchft.Sentinel watches nansentinel.torchft.DistributedDataParallel"
+            f"(manager, module), or a plain module with manager=, not "
+            f"{type(model).__module__}.{type(model).__name__}"
+            f"{'' if manager is not None else ' without manager='}: torchft's own DDP "
+            "registers the one communication hook DDP allows, and its hook fails an assert "
+            "when a peer dies. Build the model with nansentinel's.")
+    return manager
+
+
 class Sentinel(_Sentinel):
     """The sentinel of one rank of a torchft replica group (see the module's docstring).
 
     Args:
-        model: a :class:`DistributedDataParallel` (nansentinel's, built like torchft's).
+        model: a :class:`DistributedDataParallel` (nansentinel's, built like torchft's), or
+            a plain module whose gradients you reduce with ``manager.allreduce`` yourself:
+            call :meth:`check_grads` after ``backward()`` and before that all-reduce.
         optimizer: the optimizer, or torchft's ``OptimizerWrapper`` (its inner optimizer is
             stepped; call its ``zero_grad()`` as usual, never its ``step()``).
+        manager: the torchft ``Manager`` (a plain module only: the DDP brings its own).
         **kwargs: as :class:`nansentinel.Sentinel` (``policy``, ``host_strikes``, ...).
             ``policy="drop"``, rollbacks and a GradScaler are refused on torchft.
     """
 
-    def __init__(self, model: torch.nn.Module, optimizer: Any, **kwargs: Any) -> None:
-        if not isinstance(model, DistributedDataParallel):
-            raise SentinelUsageError(
-                "nansentinel.torchft.Sentinel watches nansentinel.torchft.DistributedDataParallel"
-                f"(manager, module), not {type(model).__module__}.{type(model).__name__}: "
-                "torchft's own DDP registers the one communication hook DDP allows, and its "
-                "hook fails an assert when a peer dies. Build the model with nansentinel's.")
+    def __init__(self, model: torch.nn.Module, optimizer: Any, *, manager: Any = None,
+                 **kwargs: Any) -> None:
+        self._manager = _manager_of(model, manager)
         if kwargs.get("scaler") is not None:
             raise SentinelUsageError(
                 "nansentinel.torchft.Sentinel takes no GradScaler: an fp16 overflow would be "
                 "decided by each group's scaler apart from should_commit(); use bf16")
         inner = getattr(optimizer, "optim", None)
         wrapped = type(optimizer).__name__ == "OptimizerWrapper" and inner is not None
-        self._manager = model.manager
         env = kwargs.get("env")
         environ = os.environ if env is None else env
         if "job_id" not in kwargs and not environ.get("NANSENTINEL_JOB_ID"):
             # The replica group in every report's name and job_id: groups share a report_dir.
             base = environ.get("TORCHELASTIC_RUN_ID") or "torchft"
-            kwargs["job_id"] = f"{base}-{_ft.replica_id(model.manager)}"
+            kwargs["job_id"] = f"{base}-{_ft.replica_id(self._manager)}"
         #: torchft steps at which this group's host was struck (within ``strike_window``).
         self._strikes: list[int] = []
         super().__init__(model, inner if wrapped else optimizer, **kwargs)
-        self._refuse_rollbacks()
+        self._refuse_unsupported()
         self._refuse_excluded_host()
 
     @property
@@ -134,17 +151,22 @@ class Sentinel(_Sentinel):
         """This replica group's id."""
         return _ft.replica_id(self._manager)
 
-    def _refuse_rollbacks(self) -> None:
-        """Rollbacks (the policy or a spike action) are refused, with the path's reason."""
-        cfg = self.config
-        if cfg.policy != "rollback" and "rollback" not in (cfg.loss_spike_action,
-                                                           cfg.grad_spike_action):
+    def _refuse_unsupported(self) -> None:
+        """Rollbacks (the policy or a spike action) and ``policy="drop"`` are refused on
+        torchft, with torchft's reason, whatever the gradient path (a plain module too)."""
+        cfg, caps = self.config, _ft.TorchFTPath.CAPS
+        if cfg.policy == "drop":
+            why, do = caps.drop, "policy='skip'"
+        elif "rollback" in (cfg.policy, cfg.loss_spike_action, cfg.grad_spike_action):
+            why, do = caps.rollback, "policy='skip' and a spike action 'skip' or 'warn'"
+        else:
             return
         self.abandon()
         raise ConfigError(
-            f"rollbacks are refused on torchft (replica group {self.group}, host "
-            f"{self.identity.hostname}): {self.gradients.caps.rollback}. Use policy='skip' "
-            "and a spike action 'skip' or 'warn'; nothing was started.", field="policy")
+            f"policy={cfg.policy!r} (spike actions {cfg.loss_spike_action!r}, "
+            f"{cfg.grad_spike_action!r}) is refused on torchft (replica group {self.group}, "
+            f"host {self.identity.hostname}): {why}. Use {do}; nothing was started.",
+            field="policy")
 
     def _refuse_excluded_host(self) -> None:
         """A host struck out stays out: this process leaves before its first quorum."""

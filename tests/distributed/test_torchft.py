@@ -53,8 +53,10 @@ class Group:
     """One replica group of one process (a thread): its store, manager, model and sentinel."""
 
     def __init__(self, house: LighthouseServer, gid: int, seed: int, tmp: Path,
-                 rank: tuple[int, int, TCPStore] | None = None, **sentinel: Any) -> None:
-        """``rank``: (rank, world size, the group's store) for a group of several ranks."""
+                 rank: tuple[int, int, TCPStore] | None = None, manual: bool = False,
+                 **sentinel: Any) -> None:
+        """``rank``: (rank, world size, the group's store) for a group of several ranks;
+        ``manual``: a plain module whose gradients the loop reduces with manager.allreduce."""
         self.store = TCPStore("localhost", 0, is_master=True,
                               wait_for_workers=False) if rank is None else rank[2]
         grank, gsize = (0, 1) if rank is None else rank[:2]
@@ -70,7 +72,9 @@ class Group:
             store_addr="localhost", store_port=self.store.port, rank=grank, world_size=gsize,
             lighthouse_addr=house.address(), timeout=timedelta(seconds=5),
             quorum_timeout=timedelta(seconds=20), connect_timeout=timedelta(seconds=10))
-        self.model = nft.DistributedDataParallel(self.manager, self.module)
+        self.manual = manual
+        self.model: torch.nn.Module = (self.module if manual else
+                                       nft.DistributedDataParallel(self.manager, self.module))
         self.kwargs = dict(hostname=f"node{gid}" + (f"r{grank}" if gsize > 1 else ""),
                            metrics_port=0,
                            report_dir=str(tmp / "reports"), **sentinel)
@@ -97,7 +101,8 @@ class Group:
         """Steps until ``until(self)``; records every result, and whether a weight ever went
         non-finite after a step; any exception is kept for the test to read."""
         try:
-            sentinel = nft.Sentinel(self.model, self.opt, **self.kwargs)
+            manager = {"manager": self.manager} if self.manual else {}
+            sentinel = nft.Sentinel(self.model, self.opt, **manager, **self.kwargs)
             sentinel.metrics = SentinelMetrics(sentinel.identity, registry=self.registry,
                                                cluster_view=True)
             while not until(self):
@@ -111,6 +116,10 @@ class Group:
                 loss = self.model(x).pow(2).mean()
                 sentinel.check_loss(loss)
                 loss.backward()
+                if self.manual:  # checked before they leave the group, then reduced by hand
+                    sentinel.check_grads()
+                    for p in self.module.parameters():
+                        self.manager.allreduce(p.grad).wait()
                 self.results.append(sentinel.step())
                 self.finite &= all(bool(torch.isfinite(p).all()) for p in self.module.parameters())
                 time.sleep(0.005)
@@ -210,6 +219,24 @@ def test_a_nan_in_one_group_is_vetoed_on_every_group_named_and_struck_out_live(
         r.committed for r in g0.results)
     assert value("nansentinel_host_blamed_total", {"hostname": "node1"}) == 2
     assert value("nansentinel_host_excluded", {"hostname": "node1"}) == 1
+
+
+def test_gradients_reduced_by_hand_with_manager_allreduce(tmp_path: Path) -> None:
+    """A plain module whose gradients the loop reduces with Manager.allreduce, after
+    check_grads(): g1's gradient NaN at its step 2 is vetoed on both groups and named there;
+    the weights stay finite and identical. A plain module without its manager is refused."""
+    with pytest.raises(SentinelUsageError, match="without manager="):
+        plain = torch.nn.Linear(4, 2)
+        nft.Sentinel(plain, torch.optim.SGD(plain.parameters(), lr=0.1))
+    with lighthouse() as house:
+        groups = [Group(house, g, 0, tmp_path, manual=True,
+                        inject="kind=grad,rank=0,steps=2-2" if g == 1 else None) for g in (0, 1)]
+        join(run([(g, lambda g: g.manager.current_step() >= 4) for g in groups]))
+    for g in groups:
+        assert g.error is None and g.finite, g.error
+        assert [(r.torchft_step, [(p.group, p.host) for p in r.poisoned])
+                for r in g.results if not r.committed] == [(2, [("g1", "node1")])]
+    assert all(torch.equal(a, b) for a, b in zip(*(g.weights() for g in groups), strict=True))
 
 
 def test_a_nan_batch_under_policy_abort_stops_every_group_at_the_same_step(
