@@ -259,8 +259,3 @@ def replica_id(manager: Any) -> str:
 def group_rank(manager: Any) -> int:
     """This process's rank inside its replica group."""
     return int(getattr(manager, "_group_rank", 0))
-
-
-def group_world_size(manager: Any) -> int:
-    return int(getattr(manager, "_group_world_size", 1))
-
