@@ -31,6 +31,8 @@ import torch
 
 from nansentinel.common.exclusion import ExclusionRecord, ExclusionStore
 from nansentinel.config import ConfigError
+from nansentinel.decide.policy import max_dropped_ranks
+from nansentinel.effects.drop import rescale
 from nansentinel.result import (
     HostExcludedError,
     NonFiniteError,
@@ -42,6 +44,8 @@ from nansentinel.step.sentinel import Sentinel as _Sentinel
 
 try:
     from nansentinel.engines import torchft as _ft
+    from nansentinel.engines import torchft_groups as _groups
+    from nansentinel.engines.torchft_groups import FTStepResult, PoisonedGroup
 except ImportError as exc:  # pragma: no cover - the message is the point
     raise ImportError("nansentinel.torchft needs torchft: pip install torchft==0.2.0") from exc
 
@@ -50,41 +54,6 @@ DistributedDataParallel = _ft.DistributedDataParallel
 log = logging.getLogger("nansentinel")
 
 __all__ = ["DistributedDataParallel", "FTStepResult", "PoisonedGroup", "Sentinel"]
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class PoisonedGroup:
-    """A replica group (one of its ranks) that did not apply a step, as it named itself."""
-
-    group: str
-    """The replica group's id (``Manager(replica_id=...)``)."""
-    rank: int
-    """The rank inside the replica group."""
-    host: str
-    step: int
-    """torchft's step (``Manager.current_step()``), the same on every group."""
-    kinds: list[str]
-    """Which of ``batch``, ``loss``, ``grad`` were non-finite there (empty: a spike or a
-    quarantined batch made it skip)."""
-    reason: str = ""
-    leaving: bool = False
-    """It was struck out and leaves the quorum after this step."""
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class FTStepResult(StepResult):
-    """The step as every replica group decided it: :class:`StepResult`'s fields (``applied``
-    true only when this group committed and stepped), and torchft's side."""
-
-    committed: bool = False
-    """``Manager.should_commit()`` was True on this group."""
-    poisoned: list[PoisonedGroup] = dataclasses.field(default_factory=list)
-    """The groups that did not apply the step, named by themselves, the same on every group."""
-    regrouped: bool = False
-    """The manager errored in this step (a peer died, an all-reduce or the quorum failed):
-    not committed; the next quorum regroups."""
-    torchft_step: int = 0
-    """``Manager.current_step()`` when the step began."""
 
 
 def _manager_of(model: torch.nn.Module, manager: Any) -> Any:
@@ -131,6 +100,17 @@ class Sentinel(_Sentinel):
         wrapped = type(optimizer).__name__ == "OptimizerWrapper" and inner is not None
         env = kwargs.get("env")
         environ = os.environ if env is None else env
+        #: ``policy="drop"`` is carried out across the groups here; each group decides its
+        #: own step as ``skip`` (a group of one cannot leave itself out).
+        self._drop = (kwargs.get("policy") or environ.get("NANSENTINEL_POLICY")) == "drop"
+        if self._drop:
+            if not isinstance(model, DistributedDataParallel):
+                raise ConfigError(
+                    "policy='drop' is refused on torchft for gradients reduced by hand: the "
+                    "sentinel cannot put zeros in place of a group's contribution to your own "
+                    "Manager.allreduce. Use nansentinel.torchft.DistributedDataParallel, or "
+                    "policy='skip'; nothing was started.", field="policy")
+            kwargs["policy"] = "skip"
         if "job_id" not in kwargs and not environ.get("NANSENTINEL_JOB_ID"):
             # The replica group in every report's name and job_id: groups share a report_dir.
             base = environ.get("TORCHELASTIC_RUN_ID") or "torchft"
@@ -140,6 +120,9 @@ class Sentinel(_Sentinel):
         super().__init__(model, inner if wrapped else optimizer, **kwargs)
         self._refuse_unsupported()
         self._refuse_excluded_host()
+        if self._drop:
+            path = self.gradients
+            path.drop_flag = lambda: self._current.local.poisoned()
 
     @property
     def manager(self) -> Any:
@@ -152,20 +135,17 @@ class Sentinel(_Sentinel):
         return _ft.replica_id(self._manager)
 
     def _refuse_unsupported(self) -> None:
-        """Rollbacks (the policy or a spike action) and ``policy="drop"`` are refused on
-        torchft, with torchft's reason, whatever the gradient path (a plain module too)."""
-        cfg, caps = self.config, _ft.TorchFTPath.CAPS
-        if cfg.policy == "drop":
-            why, do = caps.drop, "policy='skip'"
-        elif "rollback" in (cfg.policy, cfg.loss_spike_action, cfg.grad_spike_action):
-            why, do = caps.rollback, "policy='skip' and a spike action 'skip' or 'warn'"
-        else:
+        """Rollbacks (the policy or a spike action) are refused on torchft, with torchft's
+        reason, whatever the gradient path (a plain module too)."""
+        cfg, why = self.config, _ft.TorchFTPath.CAPS.rollback
+        if "rollback" not in (cfg.policy, cfg.loss_spike_action, cfg.grad_spike_action):
             return
         self.abandon()
         raise ConfigError(
             f"policy={cfg.policy!r} (spike actions {cfg.loss_spike_action!r}, "
             f"{cfg.grad_spike_action!r}) is refused on torchft (replica group {self.group}, "
-            f"host {self.identity.hostname}): {why}. Use {do}; nothing was started.",
+            f"host {self.identity.hostname}): {why}. Use policy='skip' and a spike action "
+            "'skip' or 'warn'; nothing was started.",
             field="policy")
 
     def _refuse_excluded_host(self) -> None:
@@ -197,6 +177,7 @@ class Sentinel(_Sentinel):
         # once, after every group decided it (a step another group vetoed is not "applied"),
         # and a stop lingers for the final scrape only after the groups have agreed.
         metrics, self.metrics = self.metrics, None
+        grads = [p.grad for p in self.module.parameters()] if self._drop else []
         spent, started = self._current.record.spent, time.perf_counter()
         try:
             local = super().step(optimizer_step=False)
@@ -207,10 +188,12 @@ class Sentinel(_Sentinel):
         spent += time.perf_counter() - started
         assert local is not None
         here = not local.applied
-        row = _ft.health_row(here, local.kinds, manager.participating_rank())
-        health = _ft.agree(manager, row, self.device)
+        withheld = self._drop and self.gradients.take_withheld()
+        row = _groups.health_row(here, local.kinds, manager.participating_rank(), withheld)
+        health = _groups.agree(manager, row, self.device)
         names: list[dict[str, Any]] | None = []
         strikes = 0
+        kept = self._kept(health)
         if health is not None and health.bad:
             # A strike only while some group is healthy: when every group is poisoned the
             # cause is global (learning rate, data), and striking hosts would shrink the job.
@@ -218,16 +201,22 @@ class Sentinel(_Sentinel):
                 strikes = self._strike(began, local.verdict)
             leaving = stopping is not None or strikes >= self.config.host_strikes
             mine = self._name(local, began, leaving, strikes) if here else None
-            names = _ft.gather_names(manager, mine, self.device)
-            manager.report_error(RuntimeError(
-                f"nansentinel: {health.bad} replica group(s) did not apply step {began}"))
+            names = _groups.gather_names(manager, mine, self.device)
+            if kept is None:
+                manager.report_error(RuntimeError(
+                    f"nansentinel: {health.bad} replica group(s) did not apply step {began}"))
         regrouped = health is None or names is None
         committed = bool(manager.should_commit())
+        if committed and kept is not None:  # dropped: the others' mean, on every group
+            for p, g in zip(self.module.parameters(), grads, strict=True):
+                p.grad = g  # the reduced gradients this group's own skip let go
+            rescale(self.optimizer, manager.num_participants() / kept)
         if committed and optimizer_step:
             self.optimizer.step()
         elif not committed:  # another group's NaN, or a failed all-reduce's leftovers
             self.optimizer.zero_grad(set_to_none=True)
-        result = self._result(local, committed, optimizer_step, names or [], regrouped, began)
+        result = _groups.group_result(local, committed, optimizer_step, names or [],
+                                     regrouped, began, kept)
         self._say(result)
         if strikes >= self.config.host_strikes:
             stopping = self._struck_out(result, strikes)
@@ -256,6 +245,20 @@ class Sentinel(_Sentinel):
             log.info("nansentinel: replica group %s keeps its exporter up %g s for the final "
                      "scrape", self.group, self.config.metrics_linger)
             time.sleep(self.config.metrics_linger)
+
+    def _kept(self, health: _groups.GroupHealth | None) -> int | None:
+        """Under ``policy="drop"``: the groups whose gradients the step keeps, when every group
+        that did not apply it sent zeros (its batch or loss was non-finite before its
+        gradients left) and they are at most ``max_dropped`` of the participants and not all;
+        None: the step is vetoed (or healthy)."""
+        if not self._drop or health is None or not health.bad:
+            return None
+        total = int(self._manager.num_participants())
+        if health.dropped != health.bad or health.bad >= total:
+            return None
+        if health.bad > max_dropped_ranks(total, self.config.max_dropped):
+            return None
+        return total - health.bad
 
     def _strike(self, step: int, verdict: str | None) -> int:
         """One strike against this group's host at torchft's ``step`` (not when a replay
@@ -291,47 +294,18 @@ class Sentinel(_Sentinel):
     def _name(self, local: StepResult, step: int, leaving: bool, strikes: int
               ) -> dict[str, Any]:
         """What this poisoned group tells every group (bounded: it travels in
-        :data:`~nansentinel.engines.torchft.NAME_BYTES`)."""
+        :data:`~nansentinel.engines.torchft_groups.NAME_BYTES`)."""
         return {"group": self.group[:100], "rank": _ft.group_rank(self._manager),
                 "host": self.identity.hostname[:100], "step": step, "kinds": local.kinds,
                 "reason": local.reason[:120], "leaving": leaving, "strikes": strikes}
 
-    def _result(self, local: StepResult, committed: bool, optimizer_step: bool,
-                names: list[dict[str, Any]], regrouped: bool, began: int) -> FTStepResult:
-        poisoned = [PoisonedGroup(str(n.get("group", "?")), int(n.get("rank", -1)),
-                                  str(n.get("host", "?")), int(n.get("step", began)),
-                                  list(n.get("kinds", [])), str(n.get("reason", "")),
-                                  bool(n.get("leaving", False))) for n in names]
-        fields = {f.name: getattr(local, f.name) for f in dataclasses.fields(StepResult)}
-        reason = local.reason
-        if poisoned:
-            who = "; ".join(f"replica group {p.group} (rank {p.rank}, host {p.host})"
-                            f"{': ' + ', '.join(p.kinds) if p.kinds else ''}"
-                            f"{', struck out: leaves the quorum' if p.leaving else ''}"
-                            for p in poisoned)
-            reason = (f"torchft step {began} not committed on any replica group: {who}")
-        elif regrouped:
-            reason = (f"torchft step {began} not committed: the manager errored (a peer died "
-                      "or an all-reduce failed); the next quorum regroups")
-        if not committed:
-            fields.update(applied=False, outcome=local.outcome if not local.applied
-                          else Outcome.SKIPPED)
-        else:
-            fields.update(applied=optimizer_step)
-        leaving = {p.host for p in poisoned if p.leaving}
-        fields.update(bad_hosts=sorted({p.host for p in poisoned} | set(local.bad_hosts)),
-                      excluded_hosts=sorted(leaving | set(local.excluded_hosts)),
-                      kinds=sorted({k for p in poisoned for k in p.kinds} | set(local.kinds)),
-                      reason=reason)
-        return FTStepResult(**fields, committed=committed, poisoned=poisoned,
-                            regrouped=regrouped, torchft_step=began)
-
     def _say(self, result: FTStepResult) -> None:
         """One line on every group naming the poisoned groups, and what happens next."""
         if result.poisoned:
-            log.error("nansentinel: replica group %s (rank %d, host %s): %s; gradients "
-                      "discarded, weights unchanged on every group", self.group,
-                      _ft.group_rank(self._manager), self.identity.hostname, result.reason)
+            log.error("nansentinel: replica group %s (rank %d, host %s): %s%s", self.group,
+                      _ft.group_rank(self._manager), self.identity.hostname, result.reason,
+                      "" if result.committed else "; gradients discarded, weights unchanged "
+                      "on every group")
         elif result.regrouped:
             log.warning("nansentinel: replica group %s (host %s): %s", self.group,
                         self.identity.hostname, result.reason)

@@ -8,41 +8,32 @@ them and takes the NaN weights too. So the check must come before the gradients 
 group (only there can a group be named), and the health must travel to every group through
 the same managed process group as the gradients, so that every group vetoes the same step.
 
-Three pieces, each where torchft reaches it:
+Two pieces here, where torchft reaches the gradients (what the groups tell each other is
+in engines/torchft_groups.py):
 
 - :class:`DistributedDataParallel`: torchft's DDP, whose one communication hook (DDP allows
   one, and torchft's registers it in its constructor) checks each bucket once a sentinel
   watches it, and turns a failed all-reduce into torchft's regroup instead of torchft's
   ``assert fut._fut``, which crashes the survivors' backward when a peer dies.
-- :class:`TorchFTPath`: the gradient path the sentinel attaches to it (engines/__init__.py).
-- :func:`agree` and :func:`gather_names`: the replica groups' sum of a small fixed-size health
-  row every step, and on a detection only, one row of identity bytes per participating group;
-  both through ``Manager.allreduce``, so a dead peer errors the manager (a regroup at the next
-  quorum) instead of raising.
+- :class:`TorchFTPath`: the gradient path the sentinel attaches to it (engines/__init__.py):
+  one norm of each bucket before it leaves, and under the groups' ``policy="drop"`` zeros in
+  place of a poisoned group's buckets (:func:`withhold`).
 
 torchft's private attributes are read here only.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import json
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch.distributed import ReduceOp
 from torchft.ddp import DistributedDataParallel as _TorchFTDDP
 
 from nansentinel import checks
 from nansentinel.engines import Capabilities, GradientSink, KeptNorms
 from nansentinel.engines.local import check_local_grads, naming_detail
-
-#: Places in the row every replica group sums each step (see :func:`agree`).
-BAD, BATCH, LOSS, GRAD, INDEX = range(5)
-ROW = 5
-#: Bytes of one group's identity on a detection (JSON: group, rank, host, step, kinds).
-NAME_BYTES = 512
 
 
 class _HookState:
@@ -63,8 +54,8 @@ class TorchFTPath:
         device_gate="torchft decides a step on the host, at Manager.should_commit()",
         replay=("a replay's backward would reach torchft's reducer, whose hook all-reduces "
                 "across the replica groups"),
-        drop=("torchft averages the gradients over its quorum, which a group left out alone "
-              "would not match; the step is vetoed on every group instead"),
+        drop=("policy='drop' is carried out across the replica groups by "
+              "nansentinel.torchft.Sentinel, not by the group's own decision"),
         rollback=("a rollback would restore one replica group's snapshot; torchft heals a "
                   "group from a healthy peer instead"),
         fingerprints="torchft heals a replica group from a peer's weights at each quorum",
@@ -81,6 +72,11 @@ class TorchFTPath:
         self.caps = self.CAPS
         self.keep_norms = False
         self.buckets = 0
+        #: Under the groups' ``policy="drop"``: this group's 0-d flag (batch or loss
+        #: non-finite), set by the integration; taken at the step's first bucket.
+        self.drop_flag: Callable[[], torch.Tensor] | None = None
+        #: The flag this step's buckets were withheld by (None: not dropping).
+        self.withheld: torch.Tensor | None = None
         self._kept: KeptNorms | None = None
         self._names = {id(p): n for n, p in model.module.named_parameters()}
         model._hook_state.path = self
@@ -90,6 +86,7 @@ class TorchFTPath:
         buffer = bucket.buffer()
         if self.buckets == 0:
             self.sink.before_reduction(buffer)
+            self.withheld = self.drop_flag() if self.drop_flag is not None else None
         self.buckets += 1
         if self.keep_norms:
             norms = checks.grad_norms(bucket.gradients())
@@ -100,7 +97,8 @@ class TorchFTPath:
             self.sink.add_grad_norm(torch.linalg.vector_norm(norms))
         else:
             self.sink.add_grad_norm(checks.tensor_norm(buffer))
-        self.sink.withhold(buffer)
+        if self.withheld is not None:
+            withhold(buffer, self.withheld)
 
     def check_now(self) -> None:
         """No bucket was reduced this step: check the local gradients as they are."""
@@ -123,6 +121,11 @@ class TorchFTPath:
     def reset(self) -> None:
         self.buckets = 0
         self._kept = None
+
+    def take_withheld(self) -> bool:
+        """Whether this step's buckets went as zeros (one host read of the flag); forgets it."""
+        flag, self.withheld = self.withheld, None
+        return flag is not None and bool(flag)
 
     def release(self) -> None:
         """The sentinel is closed: the hook reduces as torchft's does again."""
@@ -185,70 +188,15 @@ def _comm_hook(state, bucket):
     return inner
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class GroupHealth:
-    """The replica groups' summed health for one step (the same on every group)."""
-
-    bad: int
-    """Replica groups (of this group rank) whose batch, loss or gradients were non-finite."""
-    kinds: tuple[str, ...]
-    """Which of ``batch``, ``loss``, ``grad`` were non-finite in some group."""
-    index: int
-    """With one bad group: its participating replica rank (else -1)."""
-
-
-def agree(manager: Any, row: list[float], device: torch.device) -> GroupHealth | None:
-    """Sum this group's health row (:data:`ROW` floats) over the replica groups, through
-    ``Manager.allreduce`` (every group issues it at the same point of every step: after its
-    gradients). None when the manager errored (a dead peer, a failed quorum): the step is not
-    committed and the next quorum regroups. A group that heals contributes zeros (torchft
-    zeroes what a non-participant sends)."""
-    if manager.errored() is not None:
-        return None
-    vector = torch.tensor(row, dtype=torch.float32, device=device)
-    manager.allreduce(vector, reduce_op=ReduceOp.SUM).wait()
-    if manager.errored() is not None:
-        return None
-    values = [round(v) for v in vector.tolist()]
-    kinds = tuple(k for k, i in (("batch", BATCH), ("loss", LOSS), ("grad", GRAD)) if values[i])
-    index = values[INDEX] - 1 if values[BAD] == 1 else -1
-    return GroupHealth(values[BAD], kinds, index)
-
-
-def health_row(bad: bool, kinds: list[str], replica_rank: int | None) -> list[float]:
-    """This group's row for :func:`agree`."""
-    row = [0.0] * ROW
-    if bad:
-        row[BAD] = 1.0
-        row[INDEX] = float((replica_rank or 0) + 1)
-        for kind, place in (("batch", BATCH), ("loss", LOSS), ("grad", GRAD)):
-            row[place] = float(kind in kinds)
-    return row
-
-
-def gather_names(manager: Any, mine: dict[str, Any] | None, device: torch.device
-                 ) -> list[dict[str, Any]] | None:
-    """On a detection only: every participating group's identity, where ``mine`` is given
-    (a poisoned group's), in one all-reduce of one row of :data:`NAME_BYTES` per group (the
-    others send zeros). None when the manager errored."""
-    width = max(1, int(manager.num_participants()))
-    table = torch.zeros(width, NAME_BYTES, dtype=torch.float32, device=device)
-    me = manager.participating_rank()
-    if mine is not None and me is not None and me < width:
-        data = json.dumps(mine, separators=(",", ":")).encode()[:NAME_BYTES]
-        table[me, :len(data)] = torch.tensor(list(data), dtype=torch.float32)
-    manager.allreduce(table, reduce_op=ReduceOp.SUM).wait()
-    if manager.errored() is not None:
-        return None
-    names: list[dict[str, Any]] = []
-    for row in table.to(torch.uint8).cpu().tolist():
-        data = bytes(row).rstrip(b"\0")
-        if data:
-            try:
-                names.append(json.loads(data))
-            except ValueError:
-                names.append({"group": "?", "detail": data.decode(errors="replace")})
-    return names
+def withhold(buffer: torch.Tensor, flag: torch.Tensor) -> None:
+    """Zeros in place of this group's bucket where the 0-d bool ``flag`` is set, before it
+    leaves: on the CPU from the host value (no kernel on a healthy step), elsewhere a select on
+    the device in stream order (no host sync; NaN x 0 is NaN, a select is not)."""
+    if flag.device.type == "cpu" and buffer.device.type == "cpu":
+        if bool(flag):
+            buffer.zero_()
+        return
+    buffer.masked_fill_(flag.to(buffer.device), 0)
 
 
 def replica_id(manager: Any) -> str:

@@ -1,148 +1,27 @@
-"""nansentinel on torchft, for real on CPU: a lighthouse in-process
-(``torchft._torchft.LighthouseServer``), replica groups as threads, each with its own TCPStore,
-``Manager``, ``ProcessGroupGloo`` and nansentinel's torchft DDP.
-
-torch's TCPStore here refuses roughly the 25th client connection to one server and torchft
-opens a new client on every regroup (a veto bumps the quorum too): each test keeps to a handful
-of vetoes and regroups, with a fresh lighthouse.
-"""
+"""nansentinel on torchft (torchft_groups.py: a real lighthouse, replica groups as threads
+over gloo): a NaN in one group vetoed on every group, named there, struck out live while the
+others step on; a dead peer is a regroup, never a crash."""
 
 from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
-from datetime import timedelta
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
-from prometheus_client import CollectorRegistry
 
 torchft = pytest.importorskip("torchft")
 
-from torch.distributed import TCPStore  # noqa: E402
-from torchft._torchft import LighthouseServer  # noqa: E402
-from torchft.manager import Manager  # noqa: E402
 from torchft.optim import OptimizerWrapper  # noqa: E402
-from torchft.process_group import ProcessGroupGloo  # noqa: E402
 
 import nansentinel.torchft as nft  # noqa: E402
 from nansentinel.common.exclusion import ExclusionStore  # noqa: E402
 from nansentinel.config import ConfigError  # noqa: E402
-from nansentinel.effects.metrics import SentinelMetrics  # noqa: E402
-from nansentinel.result import HostExcludedError, NonFiniteError, SentinelUsageError  # noqa: E402
+from nansentinel.result import HostExcludedError, SentinelUsageError  # noqa: E402
+from tests.distributed.torchft_groups import Group, join, lighthouse, run  # noqa: E402
 
 pytestmark = pytest.mark.timeout(120)
-
-
-@contextmanager
-def lighthouse() -> Iterator[LighthouseServer]:
-    """A fresh lighthouse on a free port; a group that stops heartbeating is dropped in 0.5 s."""
-    server = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=200,
-                              heartbeat_timeout_ms=500)
-    try:
-        yield server
-    finally:
-        server.shutdown()
-
-
-class Group:
-    """One replica group of one process (a thread): its store, manager, model and sentinel."""
-
-    def __init__(self, house: LighthouseServer, gid: int, seed: int, tmp: Path,
-                 rank: tuple[int, int, TCPStore] | None = None, manual: bool = False,
-                 **sentinel: Any) -> None:
-        """``rank``: (rank, world size, the group's store) for a group of several ranks;
-        ``manual``: a plain module whose gradients the loop reduces with manager.allreduce."""
-        self.store = TCPStore("localhost", 0, is_master=True,
-                              wait_for_workers=False) if rank is None else rank[2]
-        grank, gsize = (0, 1) if rank is None else rank[:2]
-        torch.manual_seed(seed)
-        self.module = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(),
-                                          torch.nn.Linear(8, 2))
-        self.opt = torch.optim.SGD(self.module.parameters(), lr=0.05)
-        #: Whether every state this group served a healing peer was finite.
-        self.served: list[bool] = []
-        self.manager = Manager(
-            pg=ProcessGroupGloo(timeout=timedelta(seconds=5)), min_replica_size=1,
-            load_state_dict=self._load, state_dict=self._state, replica_id=f"g{gid}",
-            store_addr="localhost", store_port=self.store.port, rank=grank, world_size=gsize,
-            lighthouse_addr=house.address(), timeout=timedelta(seconds=5),
-            quorum_timeout=timedelta(seconds=20), connect_timeout=timedelta(seconds=10))
-        self.manual = manual
-        self.model: torch.nn.Module = (self.module if manual else
-                                       nft.DistributedDataParallel(self.manager, self.module))
-        self.kwargs = dict(hostname=f"node{gid}" + (f"r{grank}" if gsize > 1 else ""),
-                           metrics_port=0,
-                           report_dir=str(tmp / "reports"), **sentinel)
-        #: Where this group's exporter keeps its values (g0's in the first test).
-        self.registry = CollectorRegistry()
-        self.results: list[Any] = []
-        self.error: BaseException | None = None
-        self.finite = True
-
-    def _state(self) -> dict[str, Any]:
-        state = {"m": self.module.state_dict(), "o": self.opt.state_dict()}
-        self.served.append(all(bool(torch.isfinite(t).all()) for t in state["m"].values()))
-        return state
-
-    def _load(self, state: dict[str, Any]) -> None:
-        self.module.load_state_dict(state["m"])
-        self.opt.load_state_dict(state["o"])
-
-    def weights(self) -> list[torch.Tensor]:
-        return [p.detach().clone() for p in self.module.parameters()]
-
-    def train(self, until: Callable[[Group], bool], hook: Callable[[Group], Any] = lambda g: None
-              ) -> None:
-        """Steps until ``until(self)``; records every result, and whether a weight ever went
-        non-finite after a step; any exception is kept for the test to read."""
-        try:
-            manager = {"manager": self.manager} if self.manual else {}
-            sentinel = nft.Sentinel(self.model, self.opt, **manager, **self.kwargs)
-            sentinel.metrics = SentinelMetrics(sentinel.identity, registry=self.registry,
-                                               cluster_view=True)
-            while not until(self):
-                self.opt.zero_grad()
-                self.manager.start_quorum()
-                x = torch.randn(8, 4)
-                poison = hook(self)  # may die here, or poison this batch (real data)
-                if poison:
-                    x[0, 0] = poison
-                sentinel.check_batch(x)
-                loss = self.model(x).pow(2).mean()
-                sentinel.check_loss(loss)
-                loss.backward()
-                if self.manual:  # checked before they leave the group, then reduced by hand
-                    sentinel.check_grads()
-                    for p in self.module.parameters():
-                        self.manager.allreduce(p.grad).wait()
-                self.results.append(sentinel.step())
-                self.finite &= all(bool(torch.isfinite(p).all()) for p in self.module.parameters())
-                time.sleep(0.005)
-            sentinel.close()
-        except BaseException as exc:  # read by the test
-            self.error = exc
-            if isinstance(getattr(exc, "result", None), nft.FTStepResult):
-                self.results.append(exc.result)  # type: ignore[attr-defined]
-        finally:
-            self.manager.shutdown(wait=False)
-
-
-def run(groups: list[tuple[Group, Callable[[Group], bool]]]) -> list[threading.Thread]:
-    threads = [threading.Thread(target=g.train, args=(until,), daemon=True) for g, until in groups]
-    for t in threads:
-        t.start()
-    return threads
-
-
-def join(threads: list[threading.Thread], timeout: float = 60) -> None:
-    for t in threads:
-        t.join(timeout)
-        assert not t.is_alive(), "a replica group hung"
 
 
 def test_a_nan_in_one_group_is_vetoed_on_every_group_named_and_struck_out_live(
@@ -221,54 +100,11 @@ def test_a_nan_in_one_group_is_vetoed_on_every_group_named_and_struck_out_live(
     assert value("nansentinel_host_excluded", {"hostname": "node1"}) == 1
 
 
-def test_gradients_reduced_by_hand_with_manager_allreduce(tmp_path: Path) -> None:
-    """A plain module whose gradients the loop reduces with Manager.allreduce, after
-    check_grads(): g1's gradient NaN at its step 2 is vetoed on both groups and named there;
-    the weights stay finite and identical. A plain module without its manager is refused."""
-    with pytest.raises(SentinelUsageError, match="without manager="):
-        plain = torch.nn.Linear(4, 2)
-        nft.Sentinel(plain, torch.optim.SGD(plain.parameters(), lr=0.1))
-    with lighthouse() as house:
-        groups = [Group(house, g, 0, tmp_path, manual=True,
-                        inject="kind=grad,rank=0,steps=2-2" if g == 1 else None) for g in (0, 1)]
-        join(run([(g, lambda g: g.manager.current_step() >= 4) for g in groups]))
-    for g in groups:
-        assert g.error is None and g.finite, g.error
-        assert [(r.torchft_step, [(p.group, p.host) for p in r.poisoned])
-                for r in g.results if not r.committed] == [(2, [("g1", "node1")])]
-    assert all(torch.equal(a, b) for a, b in zip(*(g.weights() for g in groups), strict=True))
-
-
-def test_a_nan_batch_under_policy_abort_stops_every_group_at_the_same_step(
-        tmp_path: Path) -> None:
-    """A NaN in g1's real batch at torchft step 2, policy="abort": both groups raise
-    NonFiniteError at that step, naming g1 (batch, loss, grad), with finite weights."""
-    with lighthouse() as house:
-        groups = [Group(house, i, 0, tmp_path, policy="abort") for i in (0, 1)]
-
-        def poison(g: Group) -> float:
-            mine = g.kwargs["hostname"] == "node1" and g.manager.current_step() == 2
-            return float("nan") if mine else 0.0
-
-        threads = [threading.Thread(target=g.train, args=(lambda g: False, poison), daemon=True)
-                   for g in groups]
-        for t in threads:
-            t.start()
-        join(threads)
-    for g in groups:
-        assert isinstance(g.error, NonFiniteError) and not isinstance(g.error, HostExcludedError)
-        last = g.results[-1]
-        assert last.torchft_step == 2 and not last.committed and g.finite
-        assert [(p.group, p.host, p.kinds) for p in last.poisoned] == [
-            ("g1", "node1", ["batch", "loss", "grad"])]
-        assert g.manager.current_step() == 2
-
-
 def test_a_dead_peer_is_a_regroup_never_a_crash(tmp_path: Path) -> None:
     """g1 dies in the middle of a step (after its forward, before its gradients leave): g0's
     backward and step() raise nothing, the step is not committed (``regrouped``), and g0
-    trains on alone at the next quorum. torchft's own DDP, policy="drop" and a GradScaler are
-    refused with the reason."""
+    trains on alone at the next quorum. torchft's own DDP and rollbacks are refused with the
+    reason; torchft's OptimizerWrapper is unwrapped."""
     with lighthouse() as house:
         g0, g1 = Group(house, 0, 0, tmp_path), Group(house, 1, 0, tmp_path)
 
@@ -276,10 +112,6 @@ def test_a_dead_peer_is_a_regroup_never_a_crash(tmp_path: Path) -> None:
         with pytest.raises(SentinelUsageError, match="torchft's own DDP"):
             nft.Sentinel(torchft.ddp.DistributedDataParallel(g0.manager, other),
                          torch.optim.SGD(other.parameters(), lr=0.1))
-        with pytest.raises(ConfigError, match="vetoed on every group"):
-            spare = nft.DistributedDataParallel(g0.manager, torch.nn.Linear(4, 2))
-            nft.Sentinel(spare, torch.optim.SGD(spare.parameters(), lr=0.1), policy="drop",
-                         metrics_port=0)
         spare = nft.DistributedDataParallel(g0.manager, torch.nn.Linear(4, 2))
         sgd = torch.optim.SGD(spare.parameters(), lr=0.1)
         wrapped = nft.Sentinel(spare, OptimizerWrapper(g0.manager, sgd), metrics_port=0)
@@ -307,25 +139,3 @@ def test_a_dead_peer_is_a_regroup_never_a_crash(tmp_path: Path) -> None:
     assert regrouped and not any(r.committed for r in regrouped)
     assert regrouped[0].torchft_step == 3 and "regroups" in regrouped[0].reason
     assert g0.manager.current_step() == 7 and g0.finite
-
-
-def test_groups_of_two_ranks_veto_on_every_rank_of_every_group(tmp_path: Path) -> None:
-    """Two replica groups of two ranks each: a NaN in group 1 rank 1's gradients reaches the
-    rank 1 of every group through the health row, and should_commit() (agreed within each
-    group) vetoes the step on all four ranks at once; the replicas stay identical."""
-    with lighthouse() as house:
-        stores = [TCPStore("localhost", 0, is_master=True, wait_for_workers=False)
-                  for _ in range(2)]
-        ranks = [Group(house, g, 0, tmp_path, rank=(r, 2, stores[g]),
-                       inject="kind=grad,rank=0,steps=2-2" if (g, r) == (1, 1) else None)
-                 for g in (0, 1) for r in (0, 1)]
-        join(run([(g, lambda g: g.manager.current_step() >= 5) for g in ranks]))
-    for g in ranks:
-        assert g.error is None and g.finite, g.error
-        vetoed = [r for r in g.results if not r.committed]
-        assert [r.torchft_step for r in vetoed] == [2]
-    for r in ranks[1::2]:  # the ranks 1 name it: (group, rank, host)
-        assert [(p.group, p.rank, p.host) for p in r.results[2].poisoned] == [
-            ("g1", 1, "node1r1")]
-    for a, b in ((ranks[0], ranks[2]), (ranks[1], ranks[3])):
-        assert all(torch.equal(x, y) for x, y in zip(a.weights(), b.weights(), strict=True))
