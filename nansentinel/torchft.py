@@ -17,6 +17,8 @@ next quorum and the others train on, without a restart. With ``exclusion_file`` 
 process on an excluded host refuses to join until the operator clears it
 (``nansentinel excluded --clear HOST``). A failed all-reduce or a dead peer is torchft's
 regroup (the step not committed, ``result.regrouped``), never an exception in the survivors.
+Under ``policy="drop"`` a group whose batch or loss was non-finite sends zeros instead, and
+every group commits the others' mean.
 """
 
 from __future__ import annotations
@@ -86,7 +88,8 @@ class Sentinel(_Sentinel):
             stepped; call its ``zero_grad()`` as usual, never its ``step()``).
         manager: the torchft ``Manager`` (a plain module only: the DDP brings its own).
         **kwargs: as :class:`nansentinel.Sentinel` (``policy``, ``host_strikes``, ...).
-            ``policy="drop"``, rollbacks and a GradScaler are refused on torchft.
+            ``policy="drop"`` is carried out across the groups (on nansentinel's DDP only);
+            rollbacks and a GradScaler are refused on torchft.
     """
 
     def __init__(self, model: torch.nn.Module, optimizer: Any, *, manager: Any = None,
