@@ -218,8 +218,8 @@ class Sentinel(_Sentinel):
             self.optimizer.step()
         elif not committed:  # another group's NaN, or a failed all-reduce's leftovers
             self.optimizer.zero_grad(set_to_none=True)
-        result = _groups.group_result(local, committed, optimizer_step, names or [],
-                                     regrouped, began, kept)
+        result = _groups.group_result(local, names or [], _groups.Decided(
+            began, committed, committed and optimizer_step, regrouped, kept))
         self._say(result)
         if strikes >= self.config.host_strikes:
             stopping = self._struck_out(result, strikes)

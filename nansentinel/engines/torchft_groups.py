@@ -132,12 +132,28 @@ def gather_names(manager: Any, mine: dict[str, Any] | None, device: torch.device
     return names
 
 
-def group_result(local: StepResult, committed: bool, optimizer_step: bool,
-                 names: list[dict[str, Any]], regrouped: bool, began: int,
-                 kept: int | None = None) -> FTStepResult:
-    """The step as every group decided it, from this group's own ``local`` result, whether
-    it committed, the poisoned groups' ``names`` (:func:`gather_names`), whether the manager
-    errored, torchft's step and, on a dropped step, the groups ``kept``."""
+@dataclasses.dataclass(frozen=True, slots=True)
+class Decided:
+    """What became of one step across the groups, as this group saw it."""
+
+    began: int
+    """torchft's step when it began."""
+    committed: bool
+    """``should_commit()`` was True on this group."""
+    stepped: bool
+    """The optimizer stepped (committed, and the caller asked ``step()`` to step it)."""
+    regrouped: bool
+    """The manager errored in the step."""
+    kept: int | None = None
+    """On a dropped step, the groups whose gradients it applied."""
+
+
+def group_result(local: StepResult, names: list[dict[str, Any]], decided: Decided
+                 ) -> FTStepResult:
+    """The step as every group decided it, from this group's own ``local`` result and the
+    poisoned groups' ``names`` (:func:`gather_names`)."""
+    began, committed, regrouped, kept = (decided.began, decided.committed, decided.regrouped,
+                                         decided.kept)
     poisoned = [PoisonedGroup(str(n.get("group", "?")), int(n.get("rank", -1)),
                               str(n.get("host", "?")), int(n.get("step", began)),
                               list(n.get("kinds", [])), str(n.get("reason", "")),
@@ -159,7 +175,7 @@ def group_result(local: StepResult, committed: bool, optimizer_step: bool,
         fields.update(applied=False, outcome=local.outcome if not local.applied
                       else Outcome.SKIPPED)
     else:
-        fields.update(applied=optimizer_step,
+        fields.update(applied=decided.stepped,
                       outcome=Outcome.DROPPED if kept else Outcome.APPLIED)
     leaving = {p.host for p in poisoned if p.leaving}
     fields.update(bad_hosts=sorted({p.host for p in poisoned} | set(local.bad_hosts)),
