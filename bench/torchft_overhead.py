@@ -5,7 +5,7 @@ Two replica groups of one process each, as threads of this process (as torchft's
 integration tests run them), a lighthouse in-process, gloo on the CPU. The arms alternate
 round by round, each round with a fresh lighthouse, so that a busy machine weighs on both.
 Printed: the median step time of each arm, and the median of the health row's all-reduce
-(``nansentinel.engines.torchft.agree``), the one round trip the sentinel adds to a healthy
+(``nansentinel.engines.torchft_groups.agree``), the one round trip the sentinel adds to a healthy
 step.
 
     python bench/torchft_overhead.py                 # 3 rounds of 80 steps, ~30 s
@@ -30,7 +30,7 @@ from torchft.manager import Manager
 from torchft.optim import OptimizerWrapper
 from torchft.process_group import ProcessGroupGloo
 
-import nansentinel.engines.torchft as ft_engine
+import nansentinel.engines.torchft_groups as ft_groups
 import nansentinel.torchft as nft
 
 ARMS = ("torchft", "sentinel")
@@ -102,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.ERROR)
     torch.set_num_threads(1)
     row_times: list[float] = []
-    agree = ft_engine.agree
+    agree = ft_groups.agree
 
     def timed_agree(*a: Any, **k: Any) -> Any:
         started = time.perf_counter()
@@ -111,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             row_times.append(time.perf_counter() - started)
 
-    ft_engine.agree = timed_agree  # type: ignore[assignment]
+    ft_groups.agree = timed_agree  # type: ignore[assignment]
     samples: dict[str, list[float]] = {arm: [] for arm in ARMS}
     for _ in range(args.rounds):
         for arm in ARMS:
