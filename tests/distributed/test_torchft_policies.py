@@ -160,7 +160,8 @@ def test_a_dropped_step_applies_the_kept_groups_mean(tmp_path: Path) -> None:
         for t in threads:
             t.start()
         join(threads)
-    model = groups[0].module
+    # A copy outside DDP: a backward through the watched module would reach its reducer.
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
     with torch.no_grad():
         for p, w in zip(model.parameters(), seen["before"], strict=True):
             p.copy_(w)
