@@ -240,7 +240,12 @@ def registry() -> tuple[Any, ...]:
 
 
 def recognize(model: Any) -> Any:
-    """The gradient path class that takes ``model``."""
+    """The gradient path class that takes ``model``: the one a wrapper built by an
+    integration names itself (``gradient_path``: torchft's DDP, whose path needs torchft
+    and its lighthouse, so it is not offered every model), else the registry's first."""
+    own = getattr(type(model), "gradient_path", None)
+    if own is not None:
+        return own
     return next(path for path in registry() if path.recognizes(model))
 
 

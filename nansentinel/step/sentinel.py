@@ -153,7 +153,8 @@ class Sentinel:
         nothing is gathered at start), and the deadline on its collectives."""
         model = watched.model
         if group is None and isinstance(model, DistributedDataParallel) and not pipelined:
-            group = model.process_group  # under a pipeline: the whole job (the default group)
+            # under a pipeline: the whole job (the default group); a wrapper may name its own
+            group = getattr(model, "sentinel_group", model.process_group)
         device = local_device(list(model.parameters()))
         exchange = HealthExchange(group, device, cfg.exchange_timeout)
         identity = identify(exchange.rank, exchange.world_size,

@@ -277,3 +277,15 @@ def test_recovery_benchmark_smoke_run(tmp_path: Path) -> None:
     assert recovered["val_vs_stable_pct"] < 5 and recovered["lost_steps"] > 0
     assert rows["stable", "recover"]["actions"] == 0
     assert "| lr_spike |" in proc.stdout and "false alarms on the stable case" in proc.stdout
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(120)
+def test_torchft_overhead_benchmark_smoke_run() -> None:
+    """``bench/torchft_overhead.py`` (torchft's DDP against nansentinel.torchft, two replica
+    groups and a lighthouse in-process) still runs: one round of a few steps."""
+    pytest.importorskip("torchft")
+    proc = _bench("torchft_overhead.py", "--rounds", "1", "--steps", "8", timeout=100)
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, (
+        f"{proc.stdout}\n{proc.stderr}")
+    assert "sentinel  median step" in proc.stdout and "health row all-reduce" in proc.stdout

@@ -34,7 +34,8 @@ LANGUAGES = {"python", "bash", "console", "text"}
 #: Modules a python block may import: the package, torch, the project's dependencies and
 #: extras (pyproject.toml), and the standard library. Extras not installed are skipped.
 CORE = {"nansentinel", "torch", "psutil", "prometheus_client", "numpy"}
-EXTRAS = {"lightning", "transformers", "accelerate", "torchtitan", "matplotlib", "deepspeed"}
+EXTRAS = {"lightning", "transformers", "accelerate", "torchtitan", "matplotlib", "deepspeed",
+          "torchft"}
 PLACEHOLDERS = {"…", "..."}
 
 

@@ -1,0 +1,209 @@
+"""The torchft gradient path: each bucket checked before it leaves the replica group, and the
+replica groups' health summed through torchft's own managed all-reduce.
+
+torchft (``torchft.Manager``) lets replica groups leave and rejoin a running job, but its veto
+is per group: ``should_commit()`` agrees within a group only. A NaN that one group all-reduces
+into the others is committed by them, and at the next quorum the poisoned group heals *from*
+them and takes the NaN weights too. So the check must come before the gradients leave the
+group (only there can a group be named), and the health must travel to every group through
+the same managed process group as the gradients, so that every group vetoes the same step.
+
+Two pieces here, where torchft reaches the gradients (what the groups tell each other is
+in engines/torchft_groups.py):
+
+- :class:`DistributedDataParallel`: torchft's DDP, whose one communication hook (DDP allows
+  one, and torchft's registers it in its constructor) checks each bucket once a sentinel
+  watches it, and turns a failed all-reduce into torchft's regroup instead of torchft's
+  ``assert fut._fut``, which crashes the survivors' backward when a peer dies.
+- :class:`TorchFTPath`: the gradient path the sentinel attaches to it (engines/__init__.py):
+  one norm of each bucket before it leaves, and under the groups' ``policy="drop"`` zeros in
+  place of a poisoned group's buckets (:func:`withhold`).
+
+torchft's private attributes are read here only.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torchft.ddp import DistributedDataParallel as _TorchFTDDP
+
+from nansentinel import checks
+from nansentinel.engines import Capabilities, GradientSink, KeptNorms
+from nansentinel.engines.local import check_local_grads, naming_detail
+
+
+class _HookState:
+    """What the communication hook reads: the manager, and the path once a sentinel watches."""
+
+    __slots__ = ("manager", "path")
+
+    def __init__(self, manager: Any) -> None:
+        self.manager = manager
+        self.path: TorchFTPath | None = None
+
+
+class TorchFTPath:
+    """Checks the buckets of :class:`DistributedDataParallel` in its communication hook."""
+
+    CAPS = Capabilities(
+        label="torchft DDP", wraps=True,
+        device_gate="torchft decides a step on the host, at Manager.should_commit()",
+        replay=("a replay's backward would reach torchft's reducer, whose hook all-reduces "
+                "across the replica groups"),
+        drop=("policy='drop' is carried out across the replica groups by "
+              "nansentinel.torchft.Sentinel, not by the group's own decision"),
+        rollback=("a rollback would restore one replica group's snapshot; torchft heals a "
+                  "group from a healthy peer instead"),
+        fingerprints="torchft heals a replica group from a peer's weights at each quorum",
+    )
+    mesh_groups: tuple[Any, ...] = ()
+
+    @staticmethod
+    def recognizes(model: Any) -> bool:
+        return isinstance(model, DistributedDataParallel)
+
+    def __init__(self, model: DistributedDataParallel, sink: GradientSink) -> None:
+        self.model, self.sink = model, sink
+        self.manager = model.manager
+        self.caps = self.CAPS
+        self.keep_norms = False
+        self.buckets = 0
+        #: Under the groups' ``policy="drop"``: this group's 0-d flag (batch or loss
+        #: non-finite), set by the integration; taken at the step's first bucket.
+        self.drop_flag: Callable[[], torch.Tensor] | None = None
+        #: The flag this step's buckets were withheld by (None: not dropping).
+        self.withheld: torch.Tensor | None = None
+        self._kept: KeptNorms | None = None
+        self._names = {id(p): n for n, p in model.module.named_parameters()}
+        model._hook_state.path = self
+
+    def before_reduction(self, bucket: Any) -> None:
+        """One norm of the bucket's local gradients, on the device, before they leave."""
+        buffer = bucket.buffer()
+        if self.buckets == 0:
+            self.sink.before_reduction(buffer)
+            self.withheld = self.drop_flag() if self.drop_flag is not None else None
+        self.buckets += 1
+        if self.keep_norms:
+            norms = checks.grad_norms(bucket.gradients())
+            if self._kept is None:
+                self._kept = KeptNorms()
+            self._kept.add([self._names.get(id(p), "<unnamed>") for p in bucket.parameters()],
+                           norms)
+            self.sink.add_grad_norm(torch.linalg.vector_norm(norms))
+        else:
+            self.sink.add_grad_norm(checks.tensor_norm(buffer))
+        if self.withheld is not None:
+            withhold(buffer, self.withheld)
+
+    def check_now(self) -> None:
+        """No bucket was reduced this step: check the local gradients as they are."""
+        check_local_grads(self.model.parameters(), self.sink)
+
+    def take_norms(self) -> KeptNorms | None:
+        kept, self._kept = self._kept, None
+        return kept
+
+    def naming_detail(self, poisoned: bool, peers: Any,
+                      kept: KeptNorms | None = None) -> dict[str, Any]:
+        """From a scan of the gradients (after the all-reduce a NaN sits wherever a group had
+        one, so a poisoned group lists its own, and another poisoned group's too)."""
+        if kept is not None:
+            order = {name: i for i, name in enumerate(self._names.values())}
+            names = kept.poisoned(order) if poisoned else []
+            return {"parameters": names} if names else {}
+        return naming_detail(self.model.named_parameters(), poisoned, prefix="module.")
+
+    def reset(self) -> None:
+        self.buckets = 0
+        self._kept = None
+
+    def take_withheld(self) -> bool:
+        """Whether this step's buckets went as zeros (one host read of the flag); forgets it."""
+        flag, self.withheld = self.withheld, None
+        return flag is not None and bool(flag)
+
+    def release(self) -> None:
+        """The sentinel is closed: the hook reduces as torchft's does again."""
+        self.model._hook_state.path = None
+
+
+class DistributedDataParallel(_TorchFTDDP):
+    """``torchft.ddp.DistributedDataParallel`` with a communication hook the sentinel can watch.
+
+    Build it exactly as torchft's (``DistributedDataParallel(manager, module)``). Until a
+    ``nansentinel.torchft.Sentinel`` watches it, it reduces as torchft's does, except that a
+    failed all-reduce (a dead peer, an errored manager) leaves the step to torchft's
+    ``should_commit()`` (False) and the next quorum, where torchft's hook fails an assert.
+    """
+
+    #: The gradient path that takes it (engines.recognize).
+    gradient_path = TorchFTPath
+    #: The health exchange inside the replica group: the default process group when one is
+    #: initialised (a group of several ranks), else none (a group of one process).
+    sentinel_group = None
+
+    def __init__(self, manager: Any, module: torch.nn.Module, **kwargs: Any) -> None:
+        object.__setattr__(self, "_hook_state", _HookState(manager))
+        super().__init__(manager, module, **kwargs)
+
+    def register_comm_hook(self, state: object, hook: Any) -> None:
+        """torchft's constructor registers its own hook (state: the manager): ours instead."""
+        super().register_comm_hook(self._hook_state, _comm_hook)
+
+    @property
+    def manager(self) -> Any:
+        return self._hook_state.manager
+
+
+def _comm_hook(state, bucket):
+    """Check the bucket (once a sentinel watches), then average it over the quorum through
+    ``Manager.allreduce``, as torchft's hook does. An error is reported to the manager (its
+    ``should_commit()`` is then False and the next quorum regroups) and the bucket comes back
+    as it is, never an exception in the backward.
+
+    Deliberately unannotated: DDP inspects the annotations of a comm hook."""
+    path: TorchFTPath | None = state.path
+    buffer = bucket.buffer()
+    started = time.perf_counter()
+    if path is not None:
+        path.before_reduction(bucket)
+    spent = time.perf_counter() - started
+    work = state.manager.allreduce(buffer)
+    work.wait()  # torchft's hook waits too; a failure is reported to the manager here
+    future = work.get_future()
+    inner = getattr(future, "_fut", future)  # _ManagedFuture: the torch future inside
+    if inner is None:  # the all-reduce failed before torchft chained it: a regroup
+        inner = torch.futures.Future()
+        inner.set_result(buffer)
+    if path is not None:
+        started = time.perf_counter()
+        if bucket.is_last():
+            path.sink.launch_exchange()
+        path.sink.spent(spent + time.perf_counter() - started)
+    return inner
+
+
+def withhold(buffer: torch.Tensor, flag: torch.Tensor) -> None:
+    """Zeros in place of this group's bucket where the 0-d bool ``flag`` is set, before it
+    leaves: on the CPU from the host value (no kernel on a healthy step), elsewhere a select on
+    the device in stream order (no host sync; NaN x 0 is NaN, a select is not)."""
+    if flag.device.type == "cpu" and buffer.device.type == "cpu":
+        if bool(flag):
+            buffer.zero_()
+        return
+    buffer.masked_fill_(flag.to(buffer.device), 0)
+
+
+def replica_id(manager: Any) -> str:
+    """The replica group's id as the user gave it (torchft appends a uuid for the lighthouse)."""
+    return str(getattr(manager, "_replica_id", None) or "0")
+
+
+def group_rank(manager: Any) -> int:
+    """This process's rank inside its replica group."""
+    return int(getattr(manager, "_group_rank", 0))
