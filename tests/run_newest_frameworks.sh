@@ -4,7 +4,7 @@
 # newest release of each (that installs beside the main lane's torch 2.13.0) in a cached venv
 # that sees the main lane's packages, prints what it got, and runs the framework cells
 # (tests/frameworks: the HF Trainer, Accelerate, Lightning, DeepSpeed on 2 gloo ranks).
-# Run it after `bash tests/run.sh`; CI runs it when NANSENTINEL_NEWEST_FRAMEWORKS=1 (it adds
+# Run it after `bash tests/run.sh`; CI runs it when CI_NEWEST_FRAMEWORKS=1 (it adds
 # several minutes), and the last result is quoted in docs/torch-support.md.
 set -euo pipefail
 cd "$(dirname "$0")/.."
