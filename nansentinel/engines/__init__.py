@@ -174,8 +174,8 @@ class GradPath(Protocol):
         reduction checked them this step: no backward, or every micro-batch under ``no_sync``)."""
 
     #: Keep this step's per-parameter norms for :meth:`take_norms` (the device gate sets it:
-    #: the step is decided after the user has zeroed the gradients). Paths that always keep
-    #: per-parameter norms (FSDP2, DeepSpeed) ignore it; they keep the host gate.
+    #: the step is decided after the user has zeroed the gradients). FSDP2 always takes its
+    #: per-parameter norms and hands them over when it is set; DeepSpeed keeps the host gate.
     keep_norms: bool
 
     def take_norms(self) -> KeptNorms | None:
