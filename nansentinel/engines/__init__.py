@@ -51,8 +51,9 @@ class GradientSink(Protocol):
     def inferring(self) -> bool:
         """A pipeline schedule's shape inference is running: its gradients are not a step's."""
 
-    def before_reduction(self, local_grads: torch.Tensor) -> None:
-        """``local_grads`` is about to be reduced: arm the watchdog, fire a due grad drill."""
+    def before_reduction(self, local_grads: torch.Tensor) -> bool:
+        """``local_grads`` is about to be reduced: arm the watchdog, fire a due grad drill
+        (True if one was written into ``local_grads``)."""
 
     def reducing(self) -> None:
         """A reduction of this step is being launched: the watchdog counts from now."""

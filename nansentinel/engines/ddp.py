@@ -1,19 +1,31 @@
 """The DDP gradient path: a communication hook that checks each bucket before its all-reduce.
 
 DDP hands the hook each flat gradient bucket of this rank, in the order the buckets become
-ready during backward. The hook takes one L2 norm of the bucket (one read of contiguous memory,
-one kernel; NaN and Inf propagate into it), then averages the bucket with DDP's default's
+ready during backward. DDP calls a Python hook once per bucket, whatever it does, so the hook
+does as little as a bare one there: it averages the bucket with DDP's default's
 arithmetic, on every backend — scale each element by 1/world at fp32 (or divide it by the
 world, where DDP would), then sum; a world of one: a plain sum (see :func:`averaging`) — and,
-on the last bucket, launches the health exchange so it leaves with the gradients. Under
-``policy="drop"`` a rank whose batch or loss was non-finite sends zeros in place of its bucket
-(drop.py); the averaging is unchanged.
+on the last bucket, checks the step's local gradients and launches the health exchange so it
+leaves with the gradients. Under ``policy="drop"`` a rank whose batch or loss was non-finite
+sends zeros in place of its bucket (drop.py); the averaging is unchanged.
+
+Where the check reads: DDP copies each local gradient into its bucket and leaves ``.grad``
+alone until the end of backward, when it copies the reduced bucket back (the default,
+``gradient_as_bucket_view=False``). So at the last bucket every ``.grad`` still holds this
+rank's own gradient, and one fused per-parameter norm over all of them (``grouped_norms``:
+one multi-tensor launch per device and dtype) checks the step: the same bytes the buckets
+hold, read once, a few launches a step instead of one per bucket, and the per-parameter norms
+that name a poisoned parameter come with them. Where the gradients are the buckets' own
+(``gradient_as_bucket_view=True``: the all-reduce overwrites them in place) or a fire drill
+wrote into the first bucket, each bucket is checked in its own call before its all-reduce,
+as before.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -53,9 +65,16 @@ class DDPPath:
         self._as_view = bool(getattr(model, "gradient_as_bucket_view", False))
         self._probe = next((p for p in model.parameters() if p.requires_grad), None)
         self.buckets = 0
+        #: This step's check waits for the last bucket (:meth:`check_at_last`); False: each
+        #: bucket is checked in its own call (gradients that are bucket views, a drill).
+        self.at_last = False
         self.keep_norms = False
         self._kept: KeptNorms | None = None
         self._names = {id(p): n for n, p in model.module.named_parameters()}
+        #: The trainable parameters by (device, dtype), each group one fused norm at the last
+        #: bucket; DTensor parameters (tensor parallel) are normed through their local tensors.
+        self._groups = grouped(p for p in model.module.parameters() if p.requires_grad)
+        self._dtensors = any(hasattr(p, "to_local") for p in model.parameters())
         # DDP's own collectives in its forward (the buffer broadcast, the bucket rebuild) lie
         # between its forward hooks and its module's: bracketed, they are left out of the
         # forward's collectives (collectives.ForwardCollectives), while a user's collective
@@ -116,7 +135,32 @@ class DDPPath:
 
     def reset(self) -> None:
         self.buckets = 0
+        self.at_last = False
         self._kept = None
+
+    def first_bucket(self, buffer: torch.Tensor) -> None:
+        """The step's first bucket: arm the watchdog and fire a due grad drill into it; the
+        check may wait for the last bucket unless the gradients are the buckets' own or the
+        drill wrote into this one (which ``.grad`` does not see)."""
+        drilled = self.sink.before_reduction(buffer)
+        self.at_last = not self._as_view and not drilled
+
+    def check_at_last(self) -> None:
+        """The step's local gradients, at the last bucket, before DDP copies the reduced
+        buckets back: one norm per (device, dtype) group, from the per-parameter norms of one
+        fused pass (kept with their names for the device gate)."""
+        if self.keep_norms:
+            self._kept = KeptNorms()
+        for params in self._groups:
+            present = [(p, g) for p in params if (g := p.grad) is not None]
+            if not present:
+                continue
+            grads = [g for _, g in present]
+            norms = checks.grad_norms(grads, plain=not self._dtensors)
+            self.sink.add_grad_norm(torch.linalg.vector_norm(norms))
+            if self._kept is not None:
+                self._kept.add([self._names.get(id(p), "<unnamed>") for p, _ in present],
+                               norms)
 
     def bucket_norm(self, bucket: Any) -> torch.Tensor:
         """One L2 norm of the bucket's local gradients (fp32 accumulation, NaN and Inf
@@ -130,6 +174,15 @@ class DDPPath:
             self._kept = KeptNorms()
         self._kept.add([self._names.get(id(p), "<unnamed>") for p in bucket.parameters()], norms)
         return torch.linalg.vector_norm(norms)
+
+
+def grouped(params: Iterable[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """``params`` by (device, dtype) of their local values, in order: one fused norm each."""
+    groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+    for p in params:
+        t = checks.local(p)
+        groups.setdefault((t.device, t.dtype), []).append(p)
+    return list(groups.values())
 
 
 SCALE_THEN_SUM, SUM = "scale_then_sum", "sum"
@@ -197,9 +250,10 @@ def _comm_hook(state, bucket):
     sink = path.sink
     buffer = bucket.buffer()
     if path.buckets == 0:
-        sink.before_reduction(buffer)
+        path.first_bucket(buffer)
     path.buckets += 1
-    sink.add_grad_norm(path.bucket_norm(bucket))
+    if not path.at_last:
+        sink.add_grad_norm(path.bucket_norm(bucket))
     sink.withhold(buffer)  # policy="drop": a poisoned rank sends zeros (drop.py)
     if path.averaging == SCALE_THEN_SUM:
         scale(buffer, path.world_size, path.divides)
@@ -207,6 +261,8 @@ def _comm_hook(state, bucket):
     # A failure (a peer died) becomes the step's one diagnosis, naming the missing ranks.
     future = sink.diagnosed(work.get_future(), sink.step_index, buffer)
     if bucket.is_last():
+        if path.at_last:
+            path.check_at_last()
         sink.launch_exchange()
     sink.spent(time.perf_counter() - started)
     return future
