@@ -1,28 +1,28 @@
-"""The device gate: a fused optimizer skips a poisoned step on the device; the host decides later.
+"""The device gate: a fused optimizer skips a poisoned step on the device, queued before the
+host reads anything.
 
 Waiting on the host for the cluster view before ``optimizer.step()`` idles the GPU while the
-host decides and launches the optimizer (measured 1-2.6 % of a step on an H200). torch's fused
-Adam, AdamW, Adagrad and SGD need no such wait: like GradScaler, the sentinel sets
-``optimizer.found_inf`` (a 0-d fp32 tensor on the device, 1 = skip) and the fused kernel leaves
-weights and moments untouched and takes its step counter back. ``found_inf`` comes from the
-all-reduced health vector, which is already on the device: it is 1 when any rank had a
-non-finite batch, loss or gradient, or a quarantined batch, or when the host has already
-decided to skip (batches discarded after a rollback). That is exactly when the host policy
-skips, as long as no spike action can skip (spikes need the host's history), so the device
-and the host always agree.
+host decides and launches the optimizer (on an H200: 1.040 of a 625 M bf16 step, against
+1.023 on this gate). torch's fused Adam, AdamW, Adagrad and SGD need no such wait: like
+GradScaler, the sentinel sets ``optimizer.found_inf`` (a 0-d fp32 tensor on the device,
+1 = skip) and the fused kernel leaves weights and moments untouched and takes its step counter
+back. ``found_inf`` comes from the all-reduced health vector, which is already on the device:
+it is 1 when any rank had a non-finite batch, loss or gradient, or a quarantined batch, or when
+the host has already decided to skip (batches discarded after a rollback). That is exactly
+when the host policy skips, as long as no spike action can skip (spikes need the host's
+history), so the device and the host always agree.
 
-The vector then goes to pinned host memory behind a CUDA event; the host decides (reports,
-metrics, spikes, replay, strikes, rollback, abort) at the next sentinel call, on every rank at
-the same point, because a detection's naming and report are collectives. Reading the result
-earlier never starts one (see :class:`PendingResult`). An abort is raised on every rank at the
-next sentinel call and names the step it judged.
-
-When the step is decided is the gate's second choice (:class:`GateChoice`). ``gate="auto"``,
-the default, decides it inside the same ``step()``, once the optimizer step is queued: the
-host then waits for the end of backward while the GPU runs the optimizer, and ``step()``
-returns the host gate's :class:`StepResult` (every field, an abort raised there), so a loop
-written for the host gate runs unchanged. ``gate="device"`` leaves it to the next sentinel
-call (a :class:`PendingResult`), so that the host may run further ahead.
+The vector then goes to pinned host memory behind a CUDA event queued before the optimizer,
+and the host decides (reports, metrics, spikes, replay, strikes, rollback, abort) from it, on
+every rank at the same point, because a detection's naming and report are collectives. When
+is the gate's second choice (:class:`GateChoice`). ``gate="auto"``, the default, decides
+inside the same ``step()``, once the optimizer step is queued: the host waits for the end of
+backward while the GPU runs the optimizer, and ``step()`` returns the host gate's
+:class:`StepResult` (every field, an abort raised there), so a loop written for the host gate
+runs unchanged. ``gate="device"`` leaves it to the next sentinel call, so that the host may run
+further ahead: ``step()`` returns a :class:`PendingResult`, whose reads never start a
+collective, and an abort is raised on every rank at the next sentinel call, naming the step
+it judged.
 
 Every other optimizer keeps the host gate: one host read of the view, then step or not.
 """

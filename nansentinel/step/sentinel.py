@@ -8,8 +8,8 @@
                  │ before its reduction; the health exchange leaves with the last one
     step() ──────┘ the totals (wire/exchange.py: the one host sync) → step/judge.py:
                    [flagged: name them, rare/detection.py] → decide (decide/policy.py) → act;
-                   on the device gate the optimizer steps at once and the host decides at
-                   the next call (step/gate.py)
+                   on the device gate the optimizer step is queued first, then the host
+                   reads and decides (gate="device": at the next call; step/gate.py)
 
 The step's states are named in step/record.py. This class builds its collaborators top to
 bottom from one Context (wire/context.py) and composes them (docs/design.md).

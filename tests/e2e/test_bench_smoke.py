@@ -171,9 +171,10 @@ def test_gpu_syncs_runs_the_multi_rank_path_on_the_cpu() -> None:
     assert proc.returncode == 0 and "Traceback" not in proc.stderr, (
         f"{proc.stdout}\n{proc.stderr}")
     lines = [line for line in proc.stdout.splitlines() if line.startswith("gloo")]
-    assert [("foreach" in line, "fused" in line) for line in lines] == [(True, False),
-                                                                       (False, True)]
-    assert all("world size 2" in line for line in lines)
+    assert [(line.split(": ")[1].split(",")[0], "foreach" in line, "fused" in line)
+            for line in lines] == [(e, *f) for e in ("DDP", "FSDP2")
+                                   for f in ((True, False), (False, True))]
+    assert all("world size 2" in line and "gate='auto'" in line for line in lines)
     if not torch.cuda.is_available():
         assert all("no sync was counted" in line for line in lines)
         assert "NCCL path needs a CUDA device" in proc.stderr
