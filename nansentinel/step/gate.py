@@ -335,10 +335,11 @@ def gated_steps(ctx: Context, judge: StepJudge, choice: GateChoice, *,
                 rearm: Callable[[], None],
                 stop_if: Callable[[Decision, StepResult], None]) -> GatedSteps | None:
     """The device gate's steps for ``choice`` (:func:`choose_gate`), else None (the host
-    gate). The choice is said once, by rank 0: the host gate where ``auto`` or ``device`` was
-    refused, with the reason, at INFO."""
+    gate). The choice is said once, by rank 0: at INFO the host gate where it costs a GPU
+    (on CUDA, or ``gate="device"`` refused), with the reason; at DEBUG anything else."""
     if ctx.rank == 0 and ctx.config.gate != "host":
-        if choice.device:
+        costs = ctx.device.type == "cuda" or ctx.config.gate == "device"
+        if choice.device or not costs:
             log.debug("nansentinel: %s gate: %s", choice.name, choice.why)
         else:
             log.info("nansentinel: host gate (one host read of the totals before every "

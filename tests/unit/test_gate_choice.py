@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -19,7 +20,7 @@ from nansentinel.engines.deepspeed import DeepSpeedPath
 from nansentinel.engines.fsdp import FSDPPath
 from nansentinel.engines.local import LocalGradPath
 from nansentinel.result import StepResult
-from nansentinel.step.gate import DeviceGate, GateChoice, choose_gate
+from nansentinel.step.gate import DeviceGate, GateChoice, choose_gate, gated_steps
 from nansentinel.step.record import PendingResult, StepRecord
 from nansentinel.wire.exchange import HealthExchange
 
@@ -182,12 +183,26 @@ def test_the_deferred_device_gate_reads_nothing_on_the_step_it_launched(
     assert all(isinstance(r, PendingResult) for r in results)
 
 
-def test_auto_says_once_why_a_run_keeps_the_host_gate(
+def test_auto_on_the_cpu_keeps_the_host_gate_and_says_so_at_debug_only(
     tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    with caplog.at_level(logging.INFO, logger="nansentinel"):
+    with caplog.at_level(logging.DEBUG, logger="nansentinel"):
         results, events = _run(tmp_path, None, monkeypatch, steps=2, host=True)
-    said = [r.message for r in caplog.records if "host gate" in r.message]
-    assert len(said) == 1 and "not CUDA" in said[0]
+    said = [r for r in caplog.records if "host gate" in r.message]
+    assert len(said) == 1 and "not CUDA" in said[0].message
+    assert said[0].levelno == logging.DEBUG  # a CPU run loses nothing by it
     assert events == ["step()", "blocking read", "returned"] * 2
     assert all(isinstance(r, StepResult) for r in results)
+
+
+@pytest.mark.parametrize("rank, said", [(0, 1), (1, 0)])
+def test_a_cuda_run_kept_on_the_host_gate_is_told_why_once_by_rank_0(
+    caplog: pytest.LogCaptureFixture, rank: int, said: int,
+) -> None:
+    ctx = SimpleNamespace(rank=rank, device=CUDA, config=SentinelConfig())
+    choice = choose_gate(ctx.config, CUDA, _optimizer("AdamW foreach"), scaler=None,
+                         caps=DDPPath.CAPS)
+    with caplog.at_level(logging.INFO, logger="nansentinel"):
+        assert gated_steps(ctx, None, choice, rearm=print, stop_if=print) is None  # type: ignore[arg-type]
+    lines = [r.message for r in caplog.records if r.levelno == logging.INFO]
+    assert len(lines) == said and all("host gate" in m and "fused=True" in m for m in lines)
