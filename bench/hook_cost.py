@@ -9,10 +9,19 @@ kernel is tiny and what is timed is host work:
 - ``builtin``: DDP's own C++ all-reduce (no Python hook): the floor below any Python hook;
 - ``pyhook``: a bare Python hook as torch's ``default_hooks.allreduce_hook`` writes it
   (scale, ``all_reduce``, ``future.then``);
-- ``sentinel``: ``nansentinel.Sentinel(model, optimizer)`` with every default;
-- ``sentinel_each``: the same with every bucket checked in its own hook call (one norm
+- ``sentinel``: ``nansentinel.Sentinel(model, optimizer)`` with every default: on NCCL no
+  comm hook at all (DDP's C++ all-reduce, and one callback at the end of backward that checks
+  the step; ``nansentinel/engines/ddp_seam.py``), elsewhere its comm hook;
+- ``sentinel_end``: the end-of-backward seam forced (what NCCL takes by default; run where
+  the default is the comm hook: gloo);
+- ``sentinel_hook``: the sentinel's comm hook forced (what gloo takes), the check on the last
+  bucket;
+- ``sentinel_each``: the comm hook with every bucket checked in its own call (one norm
   launch a bucket), as the hook did before issue 46 (3e59761): the "before" column on the
   same machine, where the old checkout cannot be put on ``PYTHONPATH``.
+
+The sentinel's time per bucket is its hook's CPU time, or its end-of-backward callback's
+divided by the bare hook's bucket count (the DDP model is the same).
 
 On the CPU the default backend is torch's fake one (every collective a no-op, as in
 ``bench/scale.py``): gloo's all-reduce costs ~40 µs a call there, ten times the hooks' own
@@ -50,7 +59,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-VARIANTS = ("builtin", "pyhook", "sentinel", "sentinel_each")
+VARIANTS = ("builtin", "pyhook", "sentinel", "sentinel_end", "sentinel_hook", "sentinel_each")
 
 
 def bare_hook(process_group, bucket):
@@ -84,6 +93,7 @@ class HookClock:
         self.cpu = 0.0
         self.calls = 0
         self.each: list[float] = []
+        self.once = 0.0
 
     def wrap(self, hook: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(hook)  # DDP inspects the hook's signature
@@ -99,11 +109,24 @@ class HookClock:
 
         return timed
 
+    def wrap_call(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        """A once-a-step callback: its CPU time counted, not its calls."""
+
+        @functools.wraps(fn)
+        def timed(*args: Any) -> Any:
+            started = time.thread_time()
+            try:
+                return fn(*args)
+            finally:
+                self.once += time.thread_time() - started
+
+        return timed
+
     def take(self) -> tuple[float, int, float]:
         """(CPU seconds, calls, the median call but the step's last) of this step."""
         rest = self.each[:-1]
-        out = (self.cpu, self.calls, statistics.median(rest) if rest else 0.0)
-        self.cpu, self.calls, self.each = 0.0, 0, []
+        out = (self.cpu + self.once, self.calls, statistics.median(rest) if rest else 0.0)
+        self.cpu, self.calls, self.each, self.once = 0.0, 0, [], 0.0
         return out
 
 
@@ -124,11 +147,22 @@ def build(name: str, args: argparse.Namespace, device: torch.device, clock: Hook
 
         original = ddp._comm_hook
         ddp._comm_hook = clock.wrap(original)
+        seam_for = getattr(ddp, "seam_for", None)
+        at_end = getattr(ddp.DDPPath, "_at_end_of_backward", None)
+        if at_end is not None:  # the end-of-backward seam's callback, timed like a hook
+            ddp.DDPPath._at_end_of_backward = clock.wrap_call(at_end)
+        if seam_for is not None and name != "sentinel":
+            forced = "end of backward" if name == "sentinel_end" else "comm hook"
+            ddp.seam_for = lambda *a, **k: forced
         try:
             sentinel = nansentinel.Sentinel(model, opt, env={}, metrics_port=0,
                                             report_dir=args.report_dir)
         finally:
             ddp._comm_hook = original
+            if at_end is not None:
+                ddp.DDPPath._at_end_of_backward = at_end
+            if seam_for is not None:
+                ddp.seam_for = seam_for
         if name == "sentinel_each":
             each_bucket(sentinel.gradients)
     return model, opt, sentinel
@@ -161,8 +195,8 @@ def run(name: str, args: argparse.Namespace, device: torch.device) -> dict[str, 
         if step >= args.warmup:
             backward.append(ended - began)
             whole.append(done - started)
-            if calls:
-                per_bucket.append(cpu / calls)
+            if cpu:
+                per_bucket.append(cpu)  # the step's; per bucket in main()
                 typical.append(median)
                 buckets = calls
     sync()
@@ -171,7 +205,7 @@ def run(name: str, args: argparse.Namespace, device: torch.device) -> dict[str, 
         sentinel.close()
     return {
         "buckets": buckets,
-        "hook_cpu_us_per_bucket": statistics.median(per_bucket) * 1e6 if per_bucket else None,
+        "hook_cpu_us_per_step": statistics.median(per_bucket) * 1e6 if per_bucket else None,
         "hook_cpu_us_but_last": statistics.median(typical) * 1e6 if typical else None,
         "backward_us": statistics.median(backward) * 1e6,
         "step_us": statistics.median(whole) * 1e6,
@@ -211,8 +245,10 @@ def main(argv: list[str] | None = None) -> int:
     kw = {"device_id": device} if backend == "nccl" else {}
     dist.init_process_group(backend, store=store, rank=0, world_size=1, **kw)
     torch.set_num_threads(1)
-    # DDP's C++ all-reduce asserts on the fake backend's empty futures: no builtin there.
-    variants = [v for v in VARIANTS if backend != "fake" or v != "builtin"]
+    # DDP's C++ all-reduce asserts on the fake backend's empty futures: no builtin there, and
+    # no end-of-backward seam (DDP's all-reduce again); on NCCL that seam is the default.
+    skip = {"fake": ("builtin", "sentinel_end"), "nccl": ("sentinel_end",)}.get(backend, ())
+    variants = [v for v in VARIANTS if v not in skip]
     results: dict[str, list[dict[str, Any]]] = {v: [] for v in variants}
     try:
         for _ in range(args.rounds):  # interleaved, so that drift hits every variant alike
@@ -221,17 +257,23 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         dist.destroy_process_group()
     summary = {name: {key: statistics.median(r[key] for r in rows)
-                      for key in ("hook_cpu_us_per_bucket", "hook_cpu_us_but_last",
+                      for key in ("hook_cpu_us_per_step", "hook_cpu_us_but_last",
                                   "backward_us", "step_us")
                       if rows[0][key] is not None} | {"buckets": rows[0]["buckets"],
                                                       "gate": rows[0]["gate"]}
                for name, rows in results.items()}
+    buckets = summary["pyhook"]["buckets"]  # the same DDP model in every variant
+    for row in summary.values():
+        if "hook_cpu_us_per_step" in row:
+            row["hook_cpu_us_per_bucket"] = row["hook_cpu_us_per_step"] / buckets
+        if row["buckets"] == 0 and "hook_cpu_us_per_step" in row:
+            row["hook_cpu_us_but_last"] = 0.0  # no call per bucket: DDP's C++ all-reduce
     where = torch.cuda.get_device_name(0) if cuda else f"CPU ({platform.processor() or 'x86'})"
     print(f"host work per DDP bucket, {backend} backend, world size 1 on {where}, torch "
           f"{torch.__version__}, {args.layers} x Linear({args.width}), bucket_cap_mb "
           f"{args.bucket_cap_mb}, {args.steps} steps x {args.rounds} rounds (medians)")
-    print("| variant | buckets | hook CPU µs / bucket (all) | a bucket but the last | "
-          "backward() µs | whole step µs |")
+    print("| variant | Python calls a step | sentinel's CPU µs / bucket (all) | a bucket but "
+          "the last | backward() µs | whole step µs |")
     print("|---|---:|---:|---:|---:|---:|")
     for name, row in summary.items():
         hook, typical = row.get("hook_cpu_us_per_bucket"), row.get("hook_cpu_us_but_last")

@@ -51,6 +51,12 @@ class GradientSink(Protocol):
     def inferring(self) -> bool:
         """A pipeline schedule's shape inference is running: its gradients are not a step's."""
 
+    @property
+    def per_reduction(self) -> bool:
+        """Every reduction must pass through the path (``policy="drop"`` withholds a poisoned
+        rank's gradients in it, a grad drill writes into it): a path that can check the step
+        without a seam in each reduction (DDP's end of backward) keeps that seam."""
+
     def before_reduction(self, local_grads: torch.Tensor) -> bool:
         """``local_grads`` is about to be reduced: arm the watchdog, fire a due grad drill
         (True if one was written into ``local_grads``)."""

@@ -34,12 +34,14 @@ from torch.nn.parallel import DistributedDataParallel
 
 from nansentinel import checks
 from nansentinel.engines import Capabilities, GradientSink, KeptNorms
+from nansentinel.engines.ddp_seam import END_OF_BACKWARD, EndOfBackward, seam_for
 from nansentinel.engines.local import check_local_grads, naming_detail
 from nansentinel.result import SentinelUsageError
 
 
 class DDPPath:
-    """Checks DDP's buckets in its communication hook (DDP allows one hook per model)."""
+    """Checks DDP's local gradients before their all-reduce: at the end of backward under
+    DDP's own all-reduce (NCCL), or in its communication hook (DDP allows one per model)."""
 
     CAPS = Capabilities(label="DDP", wraps=True)
     mesh_groups: tuple[Any, ...] = ()
@@ -83,6 +85,13 @@ class DDPPath:
         model.module.register_forward_pre_hook(self._own_ends, prepend=True)
         model.module.register_forward_hook(self._own_begins)
         model.register_forward_hook(self._own_ends, prepend=True)
+        #: Where the step is checked (ddp_seam.py): DDP's C++ all-reduce and one callback at
+        #: the end of backward, or this path's comm hook on every bucket.
+        self.seam = seam_for(backend, as_view=self._as_view, per_reduction=sink.per_reduction)
+        self._end: EndOfBackward | None = None
+        if self.seam == END_OF_BACKWARD:
+            self._end = EndOfBackward(model, self._at_end_of_backward)
+            return
         try:
             model.register_comm_hook(self, _comm_hook)
         except RuntimeError as exc:
@@ -137,6 +146,8 @@ class DDPPath:
         self.buckets = 0
         self.at_last = False
         self._kept = None
+        if self._end is not None:
+            self._end.queued = False
 
     def first_bucket(self, buffer: torch.Tensor) -> None:
         """The step's first bucket: arm the watchdog and fire a due grad drill into it; the
@@ -161,6 +172,18 @@ class DDPPath:
             if self._kept is not None:
                 self._kept.add([self._names.get(id(p), "<unnamed>") for p, _ in present],
                                norms)
+
+    def _at_end_of_backward(self) -> None:
+        """The end-of-backward seam: every bucket's all-reduce has left and ``.grad`` is still
+        local: arm the watchdog, check the step, launch the exchange."""
+        started = time.perf_counter()
+        first = next((g for group in self._groups for p in group if (g := p.grad) is not None),
+                     None)
+        if first is not None:
+            self.sink.before_reduction(first)
+            self.check_at_last()
+            self.sink.launch_exchange()
+        self.sink.spent(time.perf_counter() - started)
 
     def bucket_norm(self, bucket: Any) -> torch.Tensor:
         """One L2 norm of the bucket's local gradients (fp32 accumulation, NaN and Inf

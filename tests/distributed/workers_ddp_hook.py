@@ -46,5 +46,18 @@ def backward_only(rank: int, world: int, *, report_dir: str, poisoned: int,
 
 
 def every_gate(rank: int, world: int, *, report_dir: str) -> dict[str, Any]:
-    return {gate: backward_only(rank, world, report_dir=f"{report_dir}/{gate}", poisoned=1,
+    """Both gates on the comm hook gloo takes, then on the seam NCCL takes (no comm hook: a
+    callback at the end of backward, ddp_seam.py), forced here on gloo."""
+    from nansentinel.engines import ddp, ddp_seam
+
+    runs = {gate: backward_only(rank, world, report_dir=f"{report_dir}/{gate}", poisoned=1,
                                 gate=gate) for gate in ("host", "device")}
+    seam = ddp.seam_for
+    ddp.seam_for = lambda *a, **k: ddp_seam.END_OF_BACKWARD  # type: ignore[assignment]
+    try:
+        for gate in ("host", "device"):
+            runs[f"{gate}, end of backward"] = backward_only(
+                rank, world, report_dir=f"{report_dir}/{gate}-end", poisoned=1, gate=gate)
+    finally:
+        ddp.seam_for = seam  # type: ignore[assignment]
+    return runs

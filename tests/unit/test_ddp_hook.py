@@ -1,6 +1,8 @@
-"""The DDP comm hook's work per bucket (issue 46): the check rides on the last bucket, one
-fused pass over the still-local ``.grad`` tensors, not one norm per bucket; gradients that are
-the buckets' own views, and a drill written into a bucket, keep the check per bucket."""
+"""The DDP path's work per bucket (issue 46): the check rides on the last bucket, one fused
+pass over the still-local ``.grad`` tensors, not one norm per bucket; gradients that are the
+buckets' own views, and a drill written into a bucket, keep the check per bucket. On NCCL the
+path registers no comm hook at all (ddp_seam.py): the same check runs in one callback at the
+end of backward, forced here on gloo."""
 
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import nansentinel
 from nansentinel import checks
-from nansentinel.engines import ddp
+from nansentinel.engines import ddp, ddp_seam
 
 
 @pytest.fixture
@@ -129,3 +131,68 @@ def test_a_grad_drill_in_the_first_bucket_is_checked_there(
     assert [r.applied for r in results] == [True, True, False, True]
     assert results[2].kinds == ["grad"] and list(results[2].parameters) == [0]
     s.close()
+
+
+@pytest.fixture
+def end_of_backward(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The seam NCCL takes, on gloo: no comm hook, one callback at the end of backward."""
+    monkeypatch.setattr(ddp, "seam_for", lambda *a, **k: ddp_seam.END_OF_BACKWARD)
+
+
+def test_the_nccl_seam_registers_no_comm_hook_and_checks_once_in_backward(
+    group: None, end_of_backward: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    count = _counted(monkeypatch)
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1, fused=True)
+    plain = _model()
+    plain_opt = torch.optim.AdamW(plain.parameters(), lr=0.1, fused=True)
+    s = nansentinel.Sentinel(model, opt, report_dir=str(tmp_path), env={}, metrics_port=0)
+    assert s.gradients.seam == ddp_seam.END_OF_BACKWARD
+    torch.manual_seed(1)
+    for step in range(3):
+        r = _step(model, s, opt, count)
+        assert r.applied and math.isfinite(r.local_grad_norm)
+        assert "buckets" not in count and count.get("grad_norms") == 1, count
+        assert not s.exchange.launched  # launched in backward, decided in step()
+    torch.manual_seed(1)  # plain DDP on the same batches: the same weights, bit for bit
+    for step in range(3):
+        x = torch.randn(4, 16)
+        plain(x).pow(2).mean().backward()
+        plain_opt.step()
+        plain_opt.zero_grad(set_to_none=True)
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), plain.parameters(),
+                                                  strict=True))
+    s.close()
+
+
+def test_the_nccl_seam_under_no_sync_checks_the_accumulated_gradients_once(
+    group: None, end_of_backward: None, tmp_path: Path,
+) -> None:
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1, fused=True)
+    s = nansentinel.Sentinel(model, opt, report_dir=str(tmp_path), env={}, metrics_port=0)
+    calls: list[int] = []
+    check = s.gradients.check_at_last
+    s.gradients.check_at_last = lambda: (calls.append(1), check())[1]  # type: ignore[method-assign]
+    x = torch.randn(4, 16)
+    with model.no_sync():
+        s.check_batch({"x": x})
+        loss = model(x).pow(2).mean()
+        s.check_loss(loss)
+        loss.backward()
+    assert not calls and not s.exchange.launched  # nothing reduced, nothing checked
+    handle = model.module[5].bias.register_hook(lambda g: g * math.nan)
+    loss = model(x).pow(2).mean()
+    loss.backward()
+    handle.remove()
+    r = s.step()
+    assert calls == [1] and not r.applied and r.parameters == {0: ["5.bias"]}
+    s.close()
+
+
+@pytest.mark.parametrize("gate", ["host", "device"])
+def test_the_nccl_seam_catches_and_names_a_backward_only_nan(
+    group: None, end_of_backward: None, tmp_path: Path, gate: str,
+) -> None:
+    test_a_backward_only_nan_is_caught_at_the_last_bucket_and_named(group, tmp_path, gate)
