@@ -1,24 +1,24 @@
-"""The DDP gradient path: a communication hook that checks each bucket before its all-reduce.
-
-DDP hands the hook each flat gradient bucket of this rank, in the order the buckets become
-ready during backward. DDP calls a Python hook once per bucket, whatever it does, so the hook
-does as little as a bare one there: it averages the bucket with DDP's default's
-arithmetic, on every backend — scale each element by 1/world at fp32 (or divide it by the
-world, where DDP would), then sum; a world of one: a plain sum (see :func:`averaging`) — and,
-on the last bucket, checks the step's local gradients and launches the health exchange so it
-leaves with the gradients. Under ``policy="drop"`` a rank whose batch or loss was non-finite
-sends zeros in place of its bucket (drop.py); the averaging is unchanged.
+"""The DDP gradient path: this rank's local gradients, checked before their all-reduce.
 
 Where the check reads: DDP copies each local gradient into its bucket and leaves ``.grad``
-alone until the end of backward, when it copies the reduced bucket back (the default,
-``gradient_as_bucket_view=False``). So at the last bucket every ``.grad`` still holds this
-rank's own gradient, and one fused per-parameter norm over all of them (``grouped_norms``:
-one multi-tensor launch per device and dtype) checks the step: the same bytes the buckets
-hold, read once, a few launches a step instead of one per bucket, and the per-parameter norms
-that name a poisoned parameter come with them. Where the gradients are the buckets' own
-(``gradient_as_bucket_view=True``: the all-reduce overwrites them in place) or a fire drill
-wrote into the first bucket, each bucket is checked in its own call before its all-reduce,
-as before.
+alone until the end of backward, when it copies the reduced buckets back (the default,
+``gradient_as_bucket_view=False``). So once the last bucket has left, every ``.grad`` still
+holds this rank's own gradient, and one fused per-parameter norm over all of them (one
+multi-tensor launch per device and dtype, :meth:`DDPPath.check_at_last`) checks the step: the
+bytes the buckets hold, read once, a few launches a step instead of one per bucket, and the
+per-parameter norms that name a poisoned parameter come with them. The health exchange
+leaves right after, with the gradients.
+
+When (ddp_seam.py): on NCCL there is no Python comm hook at all: DDP all-reduces in C++ as
+plain DDP does, and one callback at the end of backward, queued before DDP's own, checks and
+launches. Elsewhere the sentinel's comm hook takes each bucket, in the order DDP makes them
+ready, and averages it with DDP's default's arithmetic, on every backend — scale each element
+by 1/world at fp32 (or divide it by the world, where DDP would), then sum; a world of one: a
+plain sum (see :func:`averaging`) —; on the last bucket it checks and launches. Under
+``policy="drop"`` a rank whose batch or loss was non-finite sends zeros in place of its
+buckets (drop.py). Where the gradients are the buckets' own (``gradient_as_bucket_view=True``:
+the all-reduce overwrites them in place) or a fire drill wrote into the first bucket, each
+bucket is checked in its own hook call before its all-reduce.
 """
 
 from __future__ import annotations
