@@ -150,13 +150,13 @@ def test_the_nccl_seam_registers_no_comm_hook_and_checks_once_in_backward(
     s = nansentinel.Sentinel(model, opt, report_dir=str(tmp_path), env={}, metrics_port=0)
     assert s.gradients.seam == ddp_seam.END_OF_BACKWARD
     torch.manual_seed(1)
-    for step in range(3):
+    for _ in range(3):
         r = _step(model, s, opt, count)
         assert r.applied and math.isfinite(r.local_grad_norm)
         assert "buckets" not in count and count.get("grad_norms") == 1, count
         assert not s.exchange.launched  # launched in backward, decided in step()
     torch.manual_seed(1)  # plain DDP on the same batches: the same weights, bit for bit
-    for step in range(3):
+    for _ in range(3):
         x = torch.randn(4, 16)
         plain(x).pow(2).mean().backward()
         plain_opt.step()
