@@ -181,6 +181,26 @@ def test_gpu_syncs_runs_the_multi_rank_path_on_the_cpu() -> None:
 
 
 @pytest.mark.e2e
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("backend", ["fake", "gloo"])
+def test_hook_cost_runs_every_seam_on_the_cpu(backend: str) -> None:
+    """Issue 46: ``hook_cost.py`` times the DDP path's host work per bucket on a lent GPU;
+    here a few steps of each variant the backend can run (the fake one runs no C++ DDP
+    all-reduce: no ``builtin``, no end-of-backward seam), so that it cannot rot."""
+    proc = _bench("hook_cost.py", "--steps", "4", "--warmup", "2", "--rounds", "1",
+                  "--backend", backend, timeout=80)
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, (
+        f"{proc.stdout}\n{proc.stderr}")
+    rows = [line.split(" |")[0].lstrip("| ").split(" (")[0]
+            for line in proc.stdout.splitlines() if line.startswith("| ") and "---" not in line]
+    expected = ["pyhook", "sentinel", "sentinel_hook", "sentinel_each"]
+    if backend == "gloo":
+        expected = ["builtin", "pyhook", "sentinel", "sentinel_end", "sentinel_hook",
+                    "sentinel_each"]
+    assert rows[1:] == expected, proc.stdout  # rows[0]: the header
+
+
+@pytest.mark.e2e
 @pytest.mark.timeout(240)
 def test_scale_benchmark_is_flat_from_8_to_a_million_ranks(tmp_path: Path) -> None:
     """bench/scale.py end to end on the fake backend, at W = 8 and W = 2**20: a healthy step
