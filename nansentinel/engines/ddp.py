@@ -24,6 +24,7 @@ bucket is checked in its own hook call before its all-reduce.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 from collections.abc import Iterable
 from typing import Any
@@ -37,6 +38,8 @@ from nansentinel.engines import Capabilities, GradientSink, KeptNorms
 from nansentinel.engines.ddp_seam import END_OF_BACKWARD, EndOfBackward, seam_for
 from nansentinel.engines.local import check_local_grads, naming_detail
 from nansentinel.result import SentinelUsageError
+
+log = logging.getLogger("nansentinel")
 
 
 class DDPPath:
@@ -89,6 +92,7 @@ class DDPPath:
         #: the end of backward, or this path's comm hook on every bucket.
         self.seam = seam_for(backend, as_view=self._as_view, per_reduction=sink.per_reduction)
         self._end: EndOfBackward | None = None
+        self._warned = False
         if self.seam == END_OF_BACKWARD:
             self._end = EndOfBackward(model, self._at_end_of_backward)
             return
@@ -124,7 +128,17 @@ class DDPPath:
 
     def check_now(self) -> None:
         """No bucket was reduced this step (no backward, or every micro-batch under
-        ``no_sync``): check the local gradients as they are."""
+        ``no_sync``): check the local gradients as they are. On the end-of-backward seam, a
+        model whose output held no tensor to hook is said once: its gradients were reduced
+        unchecked, and are checked now, where a NaN can no longer be blamed on one rank."""
+        if self._end is not None and self._end.missed and not self._warned:
+            self._warned = True
+            log.warning(
+                "nansentinel: rank %d: the DDP model's output held no floating tensor that "
+                "requires grad, so the gradients of step %d were checked after DDP reduced "
+                "them (a NaN is then blamed on every rank). Return tensors (in dicts, lists, "
+                "tuples or dataclasses) from the model's forward.", dist.get_rank(self.group),
+                self.sink.step_index)
         check_local_grads(self.model.parameters(), self.sink)
 
     def take_norms(self) -> KeptNorms | None:
@@ -147,7 +161,7 @@ class DDPPath:
         self.at_last = False
         self._kept = None
         if self._end is not None:
-            self._end.queued = False
+            self._end.queued = self._end.missed = False
 
     def first_bucket(self, buffer: torch.Tensor) -> None:
         """The step's first bucket: arm the watchdog and fire a due grad drill into it; the

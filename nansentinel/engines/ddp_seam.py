@@ -20,7 +20,8 @@ watchdog names a dead peer there either way).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import dataclasses
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -46,6 +47,18 @@ def queue_callback(fn: Callable[[], None]) -> None:
     torch.autograd.Variable._execution_engine.queue_callback(fn)
 
 
+def outputs(obj: Any) -> list[torch.Tensor]:
+    """The floating tensors of a model's output: nested mappings, lists, tuples and
+    dataclasses (where DDP looks for them too)."""
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        obj = [getattr(obj, f.name) for f in dataclasses.fields(obj)]
+    if isinstance(obj, Mapping):
+        obj = list(obj.values())
+    if isinstance(obj, list | tuple):
+        return [t for value in obj for t in outputs(value)]
+    return list(checks.float_tensors(obj))
+
+
 class EndOfBackward:
     """Queues ``on_end`` once per reducing backward, from a gradient hook on the DDP model's
     outputs (a forward hook arms it; forwards under ``no_sync`` or without grad do not).
@@ -59,15 +72,19 @@ class EndOfBackward:
     def __init__(self, model: Any, on_end: Callable[[], None]) -> None:
         self.model, self.on_end = model, on_end
         self.queued = False
+        #: A reducing forward returned no tensor to hook (said once, at ``step()``).
+        self.missed = False
         model.register_forward_hook(self.arm)
 
     def arm(self, module: Any, args: Any, output: Any) -> None:
         """After DDP's forward: hook the first gradient the backward computes."""
         if not torch.is_grad_enabled() or not self.model.require_backward_grad_sync:
             return
-        tensors = [t for t in checks.float_tensors(output) if t.requires_grad]
+        tensors = [t for t in outputs(output) if t.requires_grad]
         if tensors:
             torch.autograd.graph.register_multi_grad_hook(tensors, self.queue, mode="any")
+        else:
+            self.missed = True
 
     def queue(self, *_: Any) -> None:
         if not self.queued:

@@ -6,9 +6,12 @@ end of backward, forced here on gloo."""
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import math
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -196,3 +199,43 @@ def test_the_nccl_seam_catches_and_names_a_backward_only_nan(
     group: None, end_of_backward: None, tmp_path: Path, gate: str,
 ) -> None:
     test_a_backward_only_nan_is_caught_at_the_last_bucket_and_named(group, tmp_path, gate)
+
+
+@dataclasses.dataclass
+class Out:
+    logits: torch.Tensor
+
+
+class Wrapped(torch.nn.Module):
+    """Returns its output in a dataclass, or in an object no walk looks into."""
+
+    def __init__(self, opaque: bool) -> None:
+        super().__init__()
+        self.net, self.opaque = torch.nn.Linear(16, 16), opaque
+
+    def forward(self, x: torch.Tensor) -> Any:
+        y = self.net(x)
+        return SimpleNamespace(logits=y) if self.opaque else Out(y)
+
+
+@pytest.mark.parametrize("opaque", [False, True])
+def test_the_nccl_seam_finds_outputs_in_dataclasses_and_says_when_it_finds_none(
+    group: None, end_of_backward: None, tmp_path: Path, opaque: bool,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    torch.manual_seed(0)
+    model = DDP(Wrapped(opaque))
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1, fused=True)
+    s = nansentinel.Sentinel(model, opt, report_dir=str(tmp_path), env={}, metrics_port=0)
+    with caplog.at_level(logging.WARNING, logger="nansentinel"):
+        for _ in range(2):
+            x = torch.randn(4, 16)
+            s.check_batch({"x": x})
+            loss = model(x).logits.pow(2).mean()
+            s.check_loss(loss)
+            loss.backward()
+            assert s.exchange.launched is not opaque  # checked in backward, or not at all
+            assert s.step().applied
+    said = [r.message for r in caplog.records if "checked after DDP reduced" in r.message]
+    assert len(said) == (1 if opaque else 0)
+    s.close()
