@@ -11,8 +11,9 @@
 # 3. hook_cost.py (~25 s): host work per DDP bucket: DDP's C++ all-reduce, a bare Python
 #    comm hook, the sentinel (NCCL: no hook, one callback), its comm hook, and its comm hook
 #    checking every bucket as before issue 46.
-# 4. gpu_checks.py --large (~60 s): the 625 M bf16 fused-AdamW step ratio against plain DDP:
-#    the default (sentinel), the host gate forced, a bare Python comm hook.
+# 4. gpu_checks.py --large (~70 s): the 625 M bf16 fused-AdamW step ratio against plain DDP:
+#    the default (sentinel: decided in step() after the optimizer is queued, no comm hook),
+#    gate="device" (decided at the next call), the host gate forced, a bare Python comm hook.
 set -uo pipefail
 
 cd "$(dirname "$0")/.."
@@ -35,8 +36,9 @@ part() {  # part NAME SECONDS COMMAND...: one bounded run, its log under $RESULT
 part correctness 60 python bench/gpu_correctness.py --json "$RESULTS/correctness46.json"
 part syncs 90 python bench/gpu_syncs.py
 part hooks 45 python bench/hook_cost.py --steps 150 --json "$RESULTS/hook_cost46.json"
-part big_fused 100 python bench/gpu_checks.py --large --optimizer fused --steps 16 --warmup 2 \
+part big_fused 110 python bench/gpu_checks.py --large --optimizer fused --steps 14 --warmup 2 \
     --burst 2 --memory-steps 0 --check-reps 5 \
-    --variants baseline,sentinel,sentinel_host,pyhook --json "$RESULTS/big_fused46.json"
+    --variants baseline,sentinel,sentinel_device,sentinel_host,pyhook \
+    --json "$RESULTS/big_fused46.json"
 echo "gpu_issue46.sh: done (exit $status); results in $RESULTS"
 exit "$status"
