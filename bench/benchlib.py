@@ -34,6 +34,10 @@ For the breakdown of the sentinel's cost on a GPU (not in the default set):
 ``sentinel_host``
     nansentinel forced onto the host gate (``gate="host"``): with a fused optimizer, the
     difference to ``sentinel`` is what skipping on the device saves.
+``sentinel_device``
+    nansentinel on ``gate="device"``: the device gate with the decision left to the next
+    sentinel call; against ``sentinel`` (the default ``auto``, which decides inside ``step()``
+    once the optimizer step is queued), what deciding a call later saves.
 ``sentinel_nochecks``
     nansentinel without ``check_batch``/``check_loss``: the gradient path and the decision.
 
@@ -73,8 +77,8 @@ from nansentinel import checks
 
 BASELINE = "baseline"
 DEFAULT_VARIANTS = ("baseline", "sentinel", "pyhook", "hooks", "anomaly")
-VARIANTS = (*DEFAULT_VARIANTS, "sync", "pyhook_sync", "sentinel_host", "sentinel_nochecks",
-            "sentinel_nofp", "sentinel_fp1", "sentinel_drop")
+VARIANTS = (*DEFAULT_VARIANTS, "sync", "pyhook_sync", "sentinel_host", "sentinel_device",
+            "sentinel_nochecks", "sentinel_nofp", "sentinel_fp1", "sentinel_drop")
 #: ``--optimizer`` choices: torch's default AdamW implementation, or forced foreach / fused.
 OPTIMIZERS = ("adamw", "foreach", "fused")
 LABELS = {
@@ -86,6 +90,7 @@ LABELS = {
     "sync": "DDP + one cuda.synchronize() before optimizer.step()",
     "pyhook_sync": "DDP + Python comm hook + one synchronize()",
     "sentinel_host": "nansentinel, host gate forced",
+    "sentinel_device": 'nansentinel, gate="device" (decided at the next call)',
     "sentinel_nochecks": "nansentinel without check_batch/check_loss",
     "sentinel_nofp": "nansentinel without replica fingerprints (fingerprint_every=0)",
     "sentinel_fp1": "nansentinel, replica fingerprints every step (fingerprint_every=1)",
@@ -358,7 +363,8 @@ def build_variant(
         return Variant(model, opt)
     if name.startswith("sentinel"):
         variant = SentinelVariant(
-            model, opt, report_dir, gate="host" if name == "sentinel_host" else "auto",
+            model, opt, report_dir,
+            gate={"sentinel_host": "host", "sentinel_device": "device"}.get(name, "auto"),
             checks=name != "sentinel_nochecks", fingerprint_every=FINGERPRINT_EVERY.get(name),
             policy="drop" if name == "sentinel_drop" else "skip",
         )

@@ -1,32 +1,40 @@
 """Count the host synchronisations the sentinel adds per healthy step on CUDA.
 
 ``torch.cuda.set_sync_debug_mode("warn")`` makes PyTorch warn at every operation that
-synchronises the host with the GPU. This script runs the same DDP step with and without the
-sentinel, for a foreach and a fused AdamW, and reports the warnings per step of each and the
-difference, on two paths:
+synchronises the host with the GPU. This script runs the same step with and without the
+sentinel (every default: ``gate="auto"``), for DDP and FSDP2, each with a foreach and a fused
+AdamW, and reports the warnings per step of each and the difference. The promise follows the
+gate the run took (``sentinel.gate``, which the run prints), on two paths:
 
 - **NCCL at world size 1** (one GPU; ``--only nccl``). The promises:
 
-  - fused AdamW (the device gate): **0** added syncs per healthy step. The decision's one wait
-    is on a CUDA event recorded right after the health vector's copy to pinned memory, at the
-    next sentinel call; it is counted apart, as the share of steps where that event was not
-    yet done when the host got there (the host then waits for the end of backward, not for
-    the optimizer);
-  - foreach AdamW (the host gate): at most 1 (reading the health vector before the optimizer).
+  - the device gate (the default on CUDA with a fused optimizer, DDP or FSDP2): **0** added
+    syncs per healthy step. ``step()`` queues the optimizer step, gated by a ``found_inf``
+    taken on the device, before the host reads anything; it then waits for the CUDA event
+    recorded behind the health vector's copy to pinned memory (the end of backward), while
+    the GPU runs the optimizer. That wait is no sync torch's debug mode sees (no blocking
+    copy, no stream or device synchronisation); it is counted apart, as the share of
+    decisions whose event was not yet done when the host got there;
+  - the host gate (a foreach optimizer): at most 1 (reading the health vector before the
+    optimizer).
 
   Alone, the exchange, its watchdog and the replica check are off, so this path cannot show
-  what the multi-rank path costs.
+  what the multi-rank path costs; FSDP2 on one rank reduce-scatters nothing (its gradients are
+  checked at ``step()``).
 - **gloo over CUDA tensors on several ranks** (``--world``, default 2, sharing the GPUs there
-  are; ``--only gloo``): the multi-rank path, with the health exchange, its watchdog and the
-  replica fingerprints (every :data:`FINGERPRINT_EVERY` steps) as at scale. Gloo reduces on the
-  host, so the exchange copies the vector to the host when it leaves (where NCCL would not)
-  and the replica check reads its comparison there: the promise is at most 1 a step on either
-  gate, plus one per replica check.
+  are; ``--only gloo``; DDP only: gloo has no reduce-scatter of CUDA tensors): the multi-rank
+  path, with the health exchange, its watchdog and the replica fingerprints (every
+  :data:`FINGERPRINT_EVERY` steps) as at scale. Gloo reduces on the host, so the exchange
+  copies the vector to the host when it leaves (where NCCL would not) and the replica check
+  reads its comparison there: the promise is at most 1 a step on either gate, plus one per
+  replica check.
 
-Without CUDA (CI) the gloo path runs the same loops on the CPU, on the same ranks, and says
-that nothing was counted (``tests/e2e/test_bench_smoke.py`` runs it so, so that it cannot rot
-between GPU loans); ``bench/run_gpu.sh`` runs it on a lent GPU machine. It exits 1 when a
-promise is broken, 0 otherwise.
+``--gates auto,device,host`` runs each of those gates too (``device``: the decision left to
+the next sentinel call). Without CUDA (CI) the gloo path runs the same loops on the CPU (DDP
+and FSDP2), on the same ranks, and says that nothing was counted
+(``tests/e2e/test_bench_smoke.py`` runs it so, so that it cannot rot between GPU loans);
+``bench/run_gpu.sh`` runs it on a lent GPU machine. It exits 1 when a promise is broken, 0
+otherwise.
 """
 
 from __future__ import annotations
@@ -53,11 +61,13 @@ STEPS = 10
 WARMUP = 5  # DDP rebuilds its buckets after the first step
 #: Replica checks in the measured window of the gloo path: every this many steps.
 FINGERPRINT_EVERY = 5
-#: Added host syncs per healthy step, at most: NCCL at world size 1, by optimizer.
-PROMISE = {"foreach": 1.0, "fused": 0.0}
-#: The same on gloo over CUDA tensors: the vector's one copy to the host, plus the replica
+IMPLS = ("foreach", "fused")
+ENGINES = ("DDP", "FSDP2")
+#: Added host syncs per healthy step, at most: NCCL at world size 1, by the gate taken.
+PROMISE = {"device": 0.0, "host": 1.0}
+#: On gloo over CUDA tensors, either gate: the vector's one copy to the host, plus the replica
 #: checks' reads of their comparison (one per check).
-PROMISE_GLOO = {impl: 1.0 + 1.0 / FINGERPRINT_EVERY for impl in PROMISE}
+PROMISE_GLOO = 1.0 + 1.0 / FINGERPRINT_EVERY
 
 
 class EventWaits:
@@ -125,9 +135,25 @@ def count_syncs(model: torch.nn.Module, opt: torch.optim.Optimizer,
     return sum("synchroniz" in str(w.message) for w in caught) / steps
 
 
+def build(engine: str, width: int, device: torch.device, index: int) -> torch.nn.Module:
+    """Eight Linear layers under DDP, or each ``fully_shard``-ed and the root (FSDP2)."""
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(8)]).to(device)
+    if engine == "DDP":
+        return DDP(net, device_ids=[index] if device.type == "cuda" else None)
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    for layer in net:
+        fully_shard(layer, mesh=mesh)
+    return fully_shard(net, mesh=mesh)
+
+
 def measure(rank: int, world: int, backend: str, init: str, width: int, steps: int,
-            out: str) -> None:
-    """One rank: every optimizer, with and without the sentinel; its counts into ``out``."""
+            out: str, gates: list[str]) -> None:
+    """One rank: every engine, optimizer and gate, with and without the sentinel; its counts
+    into ``out``."""
     cuda = torch.cuda.is_available()
     index = rank % torch.cuda.device_count() if cuda else 0
     device = torch.device("cuda", index) if cuda else torch.device("cpu")
@@ -135,64 +161,77 @@ def measure(rank: int, world: int, backend: str, init: str, width: int, steps: i
         torch.cuda.set_device(index)
     dist.init_process_group(backend, init_method=init, rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=60))
+    engines = [e for e in ENGINES if not (e == "FSDP2" and backend == "gloo" and cuda)]
     results: dict[str, Any] = {}
     try:
-        for impl in PROMISE:
-            counts: dict[str, float | None] = {}
-            waits, gates = EventWaits(), ""
-            for name in ("baseline", "sentinel"):
-                torch.manual_seed(0)
-                net = torch.nn.Sequential(
-                    *[torch.nn.Linear(width, width) for _ in range(8)]).to(device)
-                model = DDP(net, device_ids=[index] if cuda else None)
-                opt = torch.optim.AdamW(model.parameters(), lr=1e-4, **{impl: True})
-                sentinel = None
-                if name == "sentinel":
-                    sentinel = nansentinel.Sentinel(
-                        model, opt, metrics_port=0, env={}, report_dir=f"{out}/reports",
-                        fingerprint_every=FINGERPRINT_EVERY)
-                    gates = "device" if sentinel.device_gate is not None else "host"
-                with waits:
-                    counts[name] = count_syncs(model, opt, sentinel, device, width, steps)
-                if sentinel is not None:
-                    sentinel.close()
-            results[impl] = {"counts": counts, "gate": gates, "waited": waits.waited,
-                             "decisions": waits.total}
+        for engine in engines:
+            for impl in IMPLS:
+                baseline: float | None = None
+                for gate in gates:
+                    waits = EventWaits()
+                    counts: dict[str, float | None] = {}
+                    names = ("sentinel",) if baseline is not None else ("baseline", "sentinel")
+                    taken = ""
+                    for name in names:
+                        model = build(engine, width, device, index)
+                        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, **{impl: True})
+                        sentinel = None
+                        if name == "sentinel":
+                            sentinel = nansentinel.Sentinel(
+                                model, opt, metrics_port=0, env={}, gate=gate,
+                                report_dir=f"{out}/reports", fingerprint_every=FINGERPRINT_EVERY)
+                            taken = sentinel.gate.name
+                        with waits:
+                            counts[name] = count_syncs(model, opt, sentinel, device, width,
+                                                       steps)
+                        if sentinel is not None:
+                            sentinel.close()
+                    if baseline is None:
+                        baseline = counts["baseline"]
+                    counts["baseline"] = baseline
+                    results[f"{engine}/{impl}/{gate}"] = {
+                        "counts": counts, "gate": taken, "waited": waits.waited,
+                        "decisions": waits.total}
     finally:
         dist.destroy_process_group()
     Path(out, f"rank{rank}.json").write_text(json.dumps(results))
 
 
-def run(backend: str, world: int, width: int, steps: int) -> list[dict[str, Any]]:
+def run(backend: str, world: int, width: int, steps: int, gates: list[str]
+        ) -> list[dict[str, Any]]:
     """Every rank's results of one path (``world`` processes, spawned)."""
     with tempfile.TemporaryDirectory(prefix="nansentinel-syncs-") as out:
         init = f"file://{out}/store"
-        mp.start_processes(measure, args=(world, backend, init, width, steps, out),
+        mp.start_processes(measure, args=(world, backend, init, width, steps, out, gates),
                            nprocs=world, start_method="spawn")
         return [json.loads(Path(out, f"rank{r}.json").read_text()) for r in range(world)]
 
 
-def report(path: str, ranks: list[dict[str, Any]], promise: dict[str, float], steps: int
-           ) -> bool:
-    """Print one line per optimizer (the worst rank's counts); False if a promise broke."""
+def report(path: str, ranks: list[dict[str, Any]], gloo: bool, steps: int) -> bool:
+    """Print one line per engine, optimizer and gate asked (the worst rank's counts); False
+    if the promise of the gate the run took broke."""
     ok = True
-    for impl in PROMISE:
-        rows = [r[impl] for r in ranks]
+    for key in ranks[0]:
+        engine, impl, asked = key.split("/")
+        rows = [r[key] for r in ranks]
         gates = "/".join(sorted({row["gate"] for row in rows}))
         waited = sum(row["waited"] for row in rows)
         decisions = sum(row["decisions"] for row in rows)
         share = f"{waited}/{decisions}" if decisions else "none"
+        what = f"{path}: {engine}, {impl} AdamW, gate={asked!r} took the {gates} gate"
         if any(row["counts"]["sentinel"] is None for row in rows):
-            print(f"{path}: {impl} AdamW ({gates} gate): {steps} steps ran with and without the "
-                  f"sentinel on {len(rows)} rank(s); no CUDA, so no sync was counted")
+            print(f"{what}: {steps} steps ran with and without the sentinel on {len(rows)} "
+                  "rank(s); no CUDA, so no sync was counted")
             continue
+        promise = PROMISE_GLOO if gloo else max(
+            PROMISE["host" if row["gate"] == "host" else "device"] for row in rows)
         base = max(row["counts"]["baseline"] for row in rows)
         ours = max(row["counts"]["sentinel"] for row in rows)
         extra = max(row["counts"]["sentinel"] - row["counts"]["baseline"] for row in rows)
-        ok = ok and extra <= promise[impl] + 1e-9
-        print(f"{path}: {impl} AdamW ({gates} gate): host syncs per step (worst rank): "
-              f"baseline {base:.1f}, sentinel {ours:.1f}, added by the sentinel {extra:.1f} "
-              f"(promise: <= {promise[impl]:g}); decisions that waited on their event: {share}")
+        ok = ok and extra <= promise + 1e-9
+        print(f"{what}: host syncs per step (worst rank): baseline {base:.1f}, sentinel "
+              f"{ours:.1f}, added by the sentinel {extra:.1f} (promise: <= {promise:g}); "
+              f"device-gated decisions that waited on their event: {share}")
     return ok
 
 
@@ -203,21 +242,24 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--width", type=int, default=1024, help="the model's width (default 1024)")
     p.add_argument("--steps", type=int, default=STEPS, help="measured steps (default 10)")
     p.add_argument("--only", choices=("nccl", "gloo"), help="one path (default both)")
+    p.add_argument("--gates", default="auto",
+                   help="the gates asked for, comma-separated (default: auto, the default)")
     args = p.parse_args(argv)
+    gates = [g for g in args.gates.split(",") if g]
     os.environ.setdefault("NANSENTINEL_METRICS_PORT", "0")
     cuda = torch.cuda.is_available()
     ok = True
     if args.only != "gloo":
         if cuda and dist.is_nccl_available():
-            ranks = run("nccl", 1, args.width, args.steps)
-            ok = report("nccl, world size 1", ranks, PROMISE, args.steps) and ok
+            ranks = run("nccl", 1, args.width, args.steps, gates)
+            ok = report("nccl, world size 1", ranks, False, args.steps) and ok
         else:
             print("gpu_syncs.py: the NCCL path needs a CUDA device and NCCL: not run here",
                   file=sys.stderr)
     if args.only != "nccl":
         where = "CUDA tensors" if cuda else "the CPU (no CUDA)"
-        ranks = run("gloo", args.world, args.width, args.steps)
-        ok = report(f"gloo over {where}, world size {args.world}", ranks, PROMISE_GLOO,
+        ranks = run("gloo", args.world, args.width, args.steps, gates)
+        ok = report(f"gloo over {where}, world size {args.world}", ranks, True,
                     args.steps) and ok
     return 0 if ok else 1
 

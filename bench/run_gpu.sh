@@ -52,7 +52,7 @@ run large_fused 90 --optimizer fused --steps 40 --memory-steps 0 --check-reps 20
 #    alive at once (~12 GB each); burst 2 lets the host run ahead as real training does.
 run big_fused 150 --large --optimizer fused --steps 24 --warmup 3 --burst 2 \
     --memory-steps 0 --check-reps 10 \
-    --variants baseline,sentinel,sync,pyhook,pyhook_sync,sentinel_nochecks
+    --variants baseline,sentinel,sentinel_device,sentinel_host,pyhook,sentinel_nochecks
 run big_foreach 90 --large --optimizer foreach --steps 16 --warmup 3 --burst 2 \
     --memory-steps 0 --check-reps 10 --variants baseline,sentinel,sync
 # 3. What bucket_cap_mb does to the comm hook's cost (fewer, larger buckets: less Python).
@@ -65,10 +65,15 @@ run small_fused 60 --cpu-size --optimizer fused --steps 60 --check-reps 20 \
 run small_memory_fresh 60 --cpu-size --optimizer fused --steps 4 --warmup 1 --check-reps 5 \
     --memory-fresh --variants baseline,sentinel,pyhook
 
-# 5. Host syncs per healthy step added by the sentinel: NCCL at world size 1 (fused: 0;
-#    foreach: at most 1), then 2 gloo ranks over CUDA tensors (the multi-rank path; at most 1,
-#    plus one per replica check). Each path spawns its ranks (~10 s of imports).
-[[ -n "${RUN_ONLY:-}" && " $RUN_ONLY " != *" syncs "* ]] || timeout 90 python bench/gpu_syncs.py 2>&1 | tee "$RESULTS/gpu_syncs.log" || status=$?
+# 5. Host syncs per healthy step added by the sentinel, by the gate each run took: NCCL at
+#    world size 1, DDP and FSDP2 (device gate: 0; host gate: at most 1), for the default and
+#    each gate; then 2 gloo ranks over CUDA tensors (the multi-rank path; at most 1, plus one
+#    per replica check). Each path spawns its ranks (~10 s of imports).
+[[ -n "${RUN_ONLY:-}" && " $RUN_ONLY " != *" syncs "* ]] || timeout 120 python bench/gpu_syncs.py --gates auto,device,host 2>&1 | tee "$RESULTS/gpu_syncs.log" || status=$?
+
+# 5b. The comm hook's host work per bucket against a bare Python hook (issue 46), before
+#     (every bucket checked in its own call) and after (the check on the last bucket).
+[[ -n "${RUN_ONLY:-}" && " $RUN_ONLY " != *" hooks "* ]] || timeout 90 python bench/hook_cost.py --json "$RESULTS/hook_cost.json" 2>&1 | tee "$RESULTS/hook_cost.log" || status=$?
 
 # 6. The framework x engine cells of docs/frameworks.md on the GPUs, without the CPU patches
 #    (~5 min on one GPU): not in the default run (its 13 minutes); RUN_ONLY=frameworks runs it.

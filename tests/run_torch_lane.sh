@@ -41,6 +41,7 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
     tests/distributed/test_ddp_average.py tests/distributed/test_fsdp.py \
     tests/distributed/test_tp.py tests/distributed/test_pipeline.py \
     tests/distributed/test_wire.py tests/distributed/test_device_gate.py \
+    tests/distributed/test_ddp_last_bucket.py tests/distributed/test_fsdp_device_gate.py \
     --ignore tests/unit/test_docs.py \
     --deselect tests/distributed/test_fsdp.py::test_the_watchdog_spares_slow_work_between_micro_batches \
     "$@"

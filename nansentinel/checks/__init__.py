@@ -136,7 +136,7 @@ def as_loss(loss: object, device: torch.device, where: str) -> torch.Tensor:
     return loss
 
 
-def grad_norms(grads: Sequence[torch.Tensor]) -> torch.Tensor:
+def grad_norms(grads: Sequence[torch.Tensor], *, plain: bool = False) -> torch.Tensor:
     """Per-tensor L2 norms of ``grads`` (one device and dtype, as in a DDP bucket) as one
     fp32 vector, using the fused multi-tensor kernel (one launch on CUDA), so a bucket costs
     about one read of its bytes.
@@ -144,11 +144,13 @@ def grad_norms(grads: Sequence[torch.Tensor]) -> torch.Tensor:
     The per-tensor norms are kept so that, only after a detection, the poisoned rank can name
     the parameters that held the non-finite values without a second pass. DTensor gradients
     are normed through their local tensors (:func:`local`): this rank's own, before any
-    reduction.
+    reduction. ``plain``: the caller knows none is a DTensor (a look-up per tensor saved, on
+    the DDP hook's last bucket).
     """
     if not grads:
         return torch.zeros(0, dtype=torch.float32)
-    grads = [local(g) for g in grads]
+    if not plain:
+        grads = [local(g) for g in grads]
     dtype = torch.float32 if grads[0].dtype in _HALF else None
     return torch.stack(insides.foreach_norm(grads, dtype)).to(torch.float32)
 

@@ -356,6 +356,15 @@ def schedule_has_backward(schedule: Any) -> bool:
     return bool(schedule._has_backward)
 
 
+# --- autograd ---------------------------------------------------------------------------------
+
+
+def queue_backward_callback(fn: Callable[[], None]) -> None:
+    """Queue ``fn`` to run when the backward in progress ends, after the callbacks queued
+    before it (the autograd engine's final callbacks, which DDP and FSDP use too)."""
+    torch.autograd.Variable._execution_engine.queue_callback(fn)
+
+
 # --- autograd dispatch ---------------------------------------------------------------------------
 
 

@@ -51,8 +51,15 @@ class GradientSink(Protocol):
     def inferring(self) -> bool:
         """A pipeline schedule's shape inference is running: its gradients are not a step's."""
 
-    def before_reduction(self, local_grads: torch.Tensor) -> None:
-        """``local_grads`` is about to be reduced: arm the watchdog, fire a due grad drill."""
+    @property
+    def per_reduction(self) -> bool:
+        """Every reduction must pass through the path (``policy="drop"`` withholds a poisoned
+        rank's gradients in it, a grad drill writes into it): a path that can check the step
+        without a seam in each reduction (DDP's end of backward) keeps that seam."""
+
+    def before_reduction(self, local_grads: torch.Tensor) -> bool:
+        """``local_grads`` is about to be reduced: arm the watchdog, fire a due grad drill
+        (True if one was written into ``local_grads``)."""
 
     def reducing(self) -> None:
         """A reduction of this step is being launched: the watchdog counts from now."""
@@ -174,8 +181,8 @@ class GradPath(Protocol):
         reduction checked them this step: no backward, or every micro-batch under ``no_sync``)."""
 
     #: Keep this step's per-parameter norms for :meth:`take_norms` (the device gate sets it:
-    #: the step is decided after the user has zeroed the gradients). Paths that always keep
-    #: per-parameter norms (FSDP2, DeepSpeed) ignore it; they keep the host gate.
+    #: the step is decided after the user has zeroed the gradients). FSDP2 always takes its
+    #: per-parameter norms and hands them over when it is set; DeepSpeed keeps the host gate.
     keep_norms: bool
 
     def take_norms(self) -> KeptNorms | None:

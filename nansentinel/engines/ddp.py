@@ -1,19 +1,32 @@
-"""The DDP gradient path: a communication hook that checks each bucket before its all-reduce.
+"""The DDP gradient path: this rank's local gradients, checked before their all-reduce.
 
-DDP hands the hook each flat gradient bucket of this rank, in the order the buckets become
-ready during backward. The hook takes one L2 norm of the bucket (one read of contiguous memory,
-one kernel; NaN and Inf propagate into it), then averages the bucket with DDP's default's
-arithmetic, on every backend — scale each element by 1/world at fp32 (or divide it by the
-world, where DDP would), then sum; a world of one: a plain sum (see :func:`averaging`) — and,
-on the last bucket, launches the health exchange so it leaves with the gradients. Under
-``policy="drop"`` a rank whose batch or loss was non-finite sends zeros in place of its bucket
-(drop.py); the averaging is unchanged.
+Where the check reads: DDP copies each local gradient into its bucket and leaves ``.grad``
+alone until the end of backward, when it copies the reduced buckets back (the default,
+``gradient_as_bucket_view=False``). So once the last bucket has left, every ``.grad`` still
+holds this rank's own gradient, and one fused per-parameter norm over all of them (one
+multi-tensor launch per device and dtype, :meth:`DDPPath.check_at_last`) checks the step: the
+bytes the buckets hold, read once, a few launches a step instead of one per bucket, and the
+per-parameter norms that name a poisoned parameter come with them. The health exchange
+leaves right after, with the gradients.
+
+When (ddp_seam.py): on NCCL there is no Python comm hook at all: DDP all-reduces in C++ as
+plain DDP does, and one callback at the end of backward, queued before DDP's own, checks and
+launches. Elsewhere the sentinel's comm hook takes each bucket, in the order DDP makes them
+ready, and averages it with DDP's default's arithmetic, on every backend — scale each element
+by 1/world at fp32 (or divide it by the world, where DDP would), then sum; a world of one: a
+plain sum (see :func:`averaging`) —; on the last bucket it checks and launches. Under
+``policy="drop"`` a rank whose batch or loss was non-finite sends zeros in place of its
+buckets (drop.py). Where the gradients are the buckets' own (``gradient_as_bucket_view=True``:
+the all-reduce overwrites them in place) or a fire drill wrote into the first bucket, each
+bucket is checked in its own hook call before its all-reduce.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -22,12 +35,16 @@ from torch.nn.parallel import DistributedDataParallel
 
 from nansentinel import checks
 from nansentinel.engines import Capabilities, GradientSink, KeptNorms
+from nansentinel.engines.ddp_seam import END_OF_BACKWARD, EndOfBackward, seam_for
 from nansentinel.engines.local import check_local_grads, naming_detail
 from nansentinel.result import SentinelUsageError
 
+log = logging.getLogger("nansentinel")
+
 
 class DDPPath:
-    """Checks DDP's buckets in its communication hook (DDP allows one hook per model)."""
+    """Checks DDP's local gradients before their all-reduce: at the end of backward under
+    DDP's own all-reduce (NCCL), or in its communication hook (DDP allows one per model)."""
 
     CAPS = Capabilities(label="DDP", wraps=True)
     mesh_groups: tuple[Any, ...] = ()
@@ -53,9 +70,16 @@ class DDPPath:
         self._as_view = bool(getattr(model, "gradient_as_bucket_view", False))
         self._probe = next((p for p in model.parameters() if p.requires_grad), None)
         self.buckets = 0
+        #: This step's check waits for the last bucket (:meth:`check_at_last`); False: each
+        #: bucket is checked in its own call (gradients that are bucket views, a drill).
+        self.at_last = False
         self.keep_norms = False
         self._kept: KeptNorms | None = None
         self._names = {id(p): n for n, p in model.module.named_parameters()}
+        #: The trainable parameters by (device, dtype), each group one fused norm at the last
+        #: bucket; DTensor parameters (tensor parallel) are normed through their local tensors.
+        self._groups = grouped(p for p in model.module.parameters() if p.requires_grad)
+        self._dtensors = any(hasattr(p, "to_local") for p in model.parameters())
         # DDP's own collectives in its forward (the buffer broadcast, the bucket rebuild) lie
         # between its forward hooks and its module's: bracketed, they are left out of the
         # forward's collectives (collectives.ForwardCollectives), while a user's collective
@@ -64,6 +88,14 @@ class DDPPath:
         model.module.register_forward_pre_hook(self._own_ends, prepend=True)
         model.module.register_forward_hook(self._own_begins)
         model.register_forward_hook(self._own_ends, prepend=True)
+        #: Where the step is checked (ddp_seam.py): DDP's C++ all-reduce and one callback at
+        #: the end of backward, or this path's comm hook on every bucket.
+        self.seam = seam_for(backend, as_view=self._as_view, per_reduction=sink.per_reduction)
+        self._end: EndOfBackward | None = None
+        self._warned = False
+        if self.seam == END_OF_BACKWARD:
+            self._end = EndOfBackward(model, self._at_end_of_backward)
+            return
         try:
             model.register_comm_hook(self, _comm_hook)
         except RuntimeError as exc:
@@ -96,7 +128,17 @@ class DDPPath:
 
     def check_now(self) -> None:
         """No bucket was reduced this step (no backward, or every micro-batch under
-        ``no_sync``): check the local gradients as they are."""
+        ``no_sync``): check the local gradients as they are. On the end-of-backward seam, a
+        model whose output held no tensor to hook is said once: its gradients were reduced
+        unchecked, and are checked now, where a NaN can no longer be blamed on one rank."""
+        if self._end is not None and self._end.missed and not self._warned:
+            self._warned = True
+            log.warning(
+                "nansentinel: rank %d: the DDP model's output held no floating tensor that "
+                "requires grad, so the gradients of step %d were checked after DDP reduced "
+                "them (a NaN is then blamed on every rank). Return tensors (in dicts, lists, "
+                "tuples or dataclasses) from the model's forward.", dist.get_rank(self.group),
+                self.sink.step_index)
         check_local_grads(self.model.parameters(), self.sink)
 
     def take_norms(self) -> KeptNorms | None:
@@ -116,7 +158,46 @@ class DDPPath:
 
     def reset(self) -> None:
         self.buckets = 0
+        self.at_last = False
         self._kept = None
+        if self._end is not None:
+            self._end.queued = self._end.missed = False
+
+    def first_bucket(self, buffer: torch.Tensor) -> None:
+        """The step's first bucket: arm the watchdog and fire a due grad drill into it; the
+        check may wait for the last bucket unless the gradients are the buckets' own or the
+        drill wrote into this one (which ``.grad`` does not see)."""
+        drilled = self.sink.before_reduction(buffer)
+        self.at_last = not self._as_view and not drilled
+
+    def check_at_last(self) -> None:
+        """The step's local gradients, at the last bucket, before DDP copies the reduced
+        buckets back: one norm per (device, dtype) group, from the per-parameter norms of one
+        fused pass (kept with their names for the device gate)."""
+        if self.keep_norms:
+            self._kept = KeptNorms()
+        for params in self._groups:
+            present = [(p, g) for p in params if (g := p.grad) is not None]
+            if not present:
+                continue
+            grads = [g for _, g in present]
+            norms = checks.grad_norms(grads, plain=not self._dtensors)
+            self.sink.add_grad_norm(torch.linalg.vector_norm(norms))
+            if self._kept is not None:
+                self._kept.add([self._names.get(id(p), "<unnamed>") for p, _ in present],
+                               norms)
+
+    def _at_end_of_backward(self) -> None:
+        """The end-of-backward seam: every bucket's all-reduce has left and ``.grad`` is still
+        local: arm the watchdog, check the step, launch the exchange."""
+        started = time.perf_counter()
+        first = next((g for group in self._groups for p in group if (g := p.grad) is not None),
+                     None)
+        if first is not None:
+            self.sink.before_reduction(first)
+            self.check_at_last()
+            self.sink.launch_exchange()
+        self.sink.spent(time.perf_counter() - started)
 
     def bucket_norm(self, bucket: Any) -> torch.Tensor:
         """One L2 norm of the bucket's local gradients (fp32 accumulation, NaN and Inf
@@ -130,6 +211,15 @@ class DDPPath:
             self._kept = KeptNorms()
         self._kept.add([self._names.get(id(p), "<unnamed>") for p in bucket.parameters()], norms)
         return torch.linalg.vector_norm(norms)
+
+
+def grouped(params: Iterable[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """``params`` by (device, dtype) of their local values, in order: one fused norm each."""
+    groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+    for p in params:
+        t = checks.local(p)
+        groups.setdefault((t.device, t.dtype), []).append(p)
+    return list(groups.values())
 
 
 SCALE_THEN_SUM, SUM = "scale_then_sum", "sum"
@@ -197,9 +287,10 @@ def _comm_hook(state, bucket):
     sink = path.sink
     buffer = bucket.buffer()
     if path.buckets == 0:
-        sink.before_reduction(buffer)
+        path.first_bucket(buffer)
     path.buckets += 1
-    sink.add_grad_norm(path.bucket_norm(bucket))
+    if not path.at_last:
+        sink.add_grad_norm(path.bucket_norm(bucket))
     sink.withhold(buffer)  # policy="drop": a poisoned rank sends zeros (drop.py)
     if path.averaging == SCALE_THEN_SUM:
         scale(buffer, path.world_size, path.divides)
@@ -207,6 +298,8 @@ def _comm_hook(state, bucket):
     # A failure (a peer died) becomes the step's one diagnosis, naming the missing ranks.
     future = sink.diagnosed(work.get_future(), sink.step_index, buffer)
     if bucket.is_last():
+        if path.at_last:
+            path.check_at_last()
         sink.launch_exchange()
     sink.spent(time.perf_counter() - started)
     return future

@@ -166,12 +166,15 @@ class FSDPPath:
     """Installs a :class:`CheckedReduceScatter` on every FSDP group of an FSDP2 model."""
 
     CAPS = Capabilities(
-        label="FSDP2", device_gate="the FSDP2 gradient path keeps the host gate",
+        label="FSDP2",
         replay="its backward would reduce-scatter through the gradient path being judged",
         fingerprints="pure FSDP (no replicate dimension: every rank holds a different shard)",
     )
     recognizes = staticmethod(is_fsdp)
-    keep_norms = False  # its per-parameter norms are always kept (self.norms)
+    #: Hand the step's norms over at ``take_norms`` (the device gate decides after the user
+    #: zeroed the gradients and after :meth:`reset`); they are always taken (self.norms).
+    keep_norms = False
+    _kept: KeptNorms | None = None
     #: The FSDP mesh's process groups (shard, then replicate under HSDP) when they do not span
     #: the job (pipeline stages hold different parameters): the naming's flag per parameter is
     #: max-reduced over them, not the job. None: over the job's peers.
@@ -337,11 +340,28 @@ class FSDPPath:
         gradients as they are."""
         if not self.norms:
             started = time.perf_counter()
-            check_local_grads(self.model.parameters(), self.sink)
+            if self.keep_norms:
+                self._kept = KeptNorms()
+                check_local_grads(self.model.parameters(), self.sink, self._kept,
+                                  {id(p): n for n, p in self.model.named_parameters()})
+            else:
+                check_local_grads(self.model.parameters(), self.sink)
             self.sink.spent(time.perf_counter() - started)
 
     def take_norms(self) -> KeptNorms | None:
-        return None  # its own per-parameter norms name the parameters; it keeps the host gate
+        """Under the device gate, this step's norms by parameter (no host read): a group
+        whose buffer layout was not known stands for each of its parameters with its one norm,
+        so a detection decided after the gradients are gone names the whole group."""
+        if not self.keep_norms:
+            return None
+        kept, self._kept = self._kept, None
+        if self.norms:
+            kept = KeptNorms()
+            for index, norm, per in self.norms:
+                params = self.groups[index][1]
+                kept.add(list(params), per if per is not None
+                         else norm.reshape(1).expand(len(params)))
+        return kept
 
     def naming_detail(self, poisoned: bool, peers: Any,
                       kept: KeptNorms | None = None) -> dict[str, Any]:
@@ -358,6 +378,9 @@ class FSDPPath:
         reduced = {n for n, flag in zip(names, anywhere, strict=True) if flag > 0}
         if not poisoned:
             return {}
+        if kept is not None:  # the device gate: the gradients may be gone by now
+            found = list(dict.fromkeys(kept.poisoned()))  # in reduce order, as below
+            return {"parameters": found} if found else {}
         if not self.norms:  # nothing was reduced (a world of one): the local scan is exact
             return {"parameters": scanned} if scanned else {}
         device = self.norms[0][1].device
@@ -382,6 +405,7 @@ class FSDPPath:
 
     def reset(self) -> None:
         self.norms = []
+        self._kept = None
 
 
 def parameter_norms(flat: torch.Tensor, world: int, widths: list[int]) -> torch.Tensor:

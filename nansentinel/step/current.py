@@ -153,12 +153,19 @@ class CurrentStep:
     def inferring(self) -> bool:
         return any(w.inferring for w in self.stages)
 
-    def before_reduction(self, local_grads: torch.Tensor) -> None:
+    @property
+    def per_reduction(self) -> bool:
+        return self.drop or any(f.kind == "grad" for f in self.injector.faults)
+
+    def before_reduction(self, local_grads: torch.Tensor) -> bool:
         """The step's first gradients are about to be reduced: arm the watchdog, and write a
-        due grad drill into them (before the reduction, as a real fault would be)."""
+        due grad drill into them (before the reduction, as a real fault would be); True if
+        it did."""
         self.deadline.arm()
         if self.injector.poison("grad", self.index, local_grads):
             self.local.injected = True
+            return True
+        return False
 
     def reducing(self) -> None:
         self.deadline.restart()

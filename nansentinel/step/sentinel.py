@@ -8,8 +8,8 @@
                  │ before its reduction; the health exchange leaves with the last one
     step() ──────┘ the totals (wire/exchange.py: the one host sync) → step/judge.py:
                    [flagged: name them, rare/detection.py] → decide (decide/policy.py) → act;
-                   on the device gate the optimizer steps at once and the host decides at
-                   the next call (step/gate.py)
+                   on the device gate the optimizer step is queued first, then the host
+                   reads and decides (gate="device": at the next call; step/gate.py)
 
 The step's states are named in step/record.py. This class builds its collaborators top to
 bottom from one Context (wire/context.py) and composes them (docs/design.md).
@@ -43,7 +43,7 @@ from nansentinel.rare.replicas import replica_check
 from nansentinel.result import ResultPending, StepResult
 from nansentinel.step import prepared
 from nansentinel.step.current import CurrentStep
-from nansentinel.step.gate import GatedSteps, gated_steps
+from nansentinel.step.gate import GateChoice, GatedSteps, choose_gate, gated_steps
 from nansentinel.step.judge import StepJudge, Stepping
 from nansentinel.step.record import PendingResult
 from nansentinel.wire import watchdog
@@ -89,6 +89,7 @@ class Sentinel:
     _judge: StepJudge
     _end: stop.RunEnd
     _gate: GatedSteps | None
+    _gate_choice: GateChoice
     _engine: EngineAdapter | None
 
     def __init__(
@@ -139,7 +140,9 @@ class Sentinel:
         stepping = Stepping(optimizer, scaler, self._current.buffers, snaps, replicas)
         self._judge = StepJudge(ctx, stepping, self._detector, spikes)
         self._end = stop.RunEnd(ctx, self._judge, getattr(self._gradients, "release", None))
-        self._gate = gated_steps(ctx, self._judge, self._gradients.caps, rearm=self._rearm,
+        self._gate_choice = choose_gate(cfg, ctx.device, optimizer, scaler=scaler,
+                                        caps=self._gradients.caps)
+        self._gate = gated_steps(ctx, self._judge, self._gate_choice, rearm=self._rearm,
                                  stop_if=self._end.stop_if)
         if self._gate is not None:  # decided later: name from norms, hold no gradient
             self._gradients.keep_norms = True
@@ -224,9 +227,11 @@ class Sentinel:
         when every rank is healthy; otherwise every rank skips, rolls back, or raises
         :class:`NonFiniteError` (:class:`HostExcludedError`). ``optimizer_step=False``: the
         caller (a framework) steps the optimizer itself right after; on a skip the gradients
-        are then ``None``. On the device gate a
+        are then ``None``. On ``gate="device"`` a
         :class:`~nansentinel.step.record.PendingResult` comes back, decided at the next
-        sentinel call (or on a read that needs no collective). With a DeepSpeed engine it
+        sentinel call (or on a read that needs no collective); the default ``gate="auto"``
+        decides within this call after queueing the optimizer step, and returns a
+        ``StepResult``. With a DeepSpeed engine it
         replaces ``engine.step()``, and returns None on a micro-batch before the accumulation
         boundary (counted, decided at the boundary)."""
         self._resolve()
@@ -238,10 +243,15 @@ class Sentinel:
             self.check_grads()
         record = self._current.record
         if optimizer_step and self._gate is not None and self._gate.ready():
-            _, vector = self._ctx.exchange.take()
+            _, vector = self._ctx.exchange.take()  # no host read: found_inf comes from it
             pending = self._gate.launch(record, vector, self._gradients.take_norms())
             self._current.next()
-            return pending
+            if self._gate.deferred:
+                return pending
+            # The optimizer step is queued on the device: the host now waits for the end of
+            # backward (the copy's event) while the GPU runs the optimizer, not the other way.
+            self._gate.resolve()
+            return pending.resolve()
         _, record.values = self._ctx.exchange.wait()  # waiting for the all-reduce beside it
         self._ctx.deadline.disarm()
         self._judge.decide(record, optimizer_step=optimizer_step)
@@ -316,6 +326,8 @@ class Sentinel:
                          doc="The gradient path; its ``caps`` say what it supports.")
     device_gate = property(lambda self: self._gate,
                            doc="The device gate's steps; None: the host gate.")
+    gate = property(lambda self: self._gate_choice,
+                    doc="The gate this run took and why (step/gate.GateChoice).")
     engine = property(lambda self: self._engine,
                       doc="A DeepSpeed engine's adapter; None for any other model.")
     optimizer = property(lambda self: self._judge.optimizer, doc="What a step applies with.")

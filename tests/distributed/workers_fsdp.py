@@ -87,14 +87,15 @@ def full_weights(model: nn.Module) -> torch.Tensor:
 
 def train_fsdp(rank: int, world: int, *, steps: int, report_dir: str, hsdp: bool = False,
                faults: Faults | None = None, sentinel: bool = True, accumulate: int = 1,
-               shard: dict[str, Any] | None = None, **overrides: Any) -> dict[str, Any]:
+               shard: dict[str, Any] | None = None, fused: bool = False,
+               **overrides: Any) -> dict[str, Any]:
     """Train the sharded model; return each step's result and the full final weights.
 
     ``accumulate``: micro-batches per step, all but the last without gradient sync;
-    ``shard``: more keywords of ``fully_shard``."""
+    ``shard``: more keywords of ``fully_shard``; ``fused``: a fused AdamW."""
     faults = faults or {}
     model = build(world, hsdp, **(shard or {}))
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, fused=fused or None)
     watcher = (nansentinel.Sentinel(model, opt, report_dir=report_dir, **overrides)
                if sentinel else None)
     loss_fn = nn.CrossEntropyLoss()
@@ -141,6 +142,7 @@ def train_fsdp(rank: int, world: int, *, steps: int, report_dir: str, hsdp: bool
             watcher.close()
     return {"records": records, "weights": full_weights(model), "error": error,
             "path": watcher.gradients.caps.label if watcher is not None else None,
+            "gate": watcher.gate.name if watcher is not None else None,
             "device": str(watcher.device) if watcher is not None else None}
 
 

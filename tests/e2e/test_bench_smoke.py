@@ -171,12 +171,33 @@ def test_gpu_syncs_runs_the_multi_rank_path_on_the_cpu() -> None:
     assert proc.returncode == 0 and "Traceback" not in proc.stderr, (
         f"{proc.stdout}\n{proc.stderr}")
     lines = [line for line in proc.stdout.splitlines() if line.startswith("gloo")]
-    assert [("foreach" in line, "fused" in line) for line in lines] == [(True, False),
-                                                                       (False, True)]
-    assert all("world size 2" in line for line in lines)
+    assert [(line.split(": ")[1].split(",")[0], "foreach" in line, "fused" in line)
+            for line in lines] == [(e, *f) for e in ("DDP", "FSDP2")
+                                   for f in ((True, False), (False, True))]
+    assert all("world size 2" in line and "gate='auto'" in line for line in lines)
     if not torch.cuda.is_available():
         assert all("no sync was counted" in line for line in lines)
         assert "NCCL path needs a CUDA device" in proc.stderr
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("backend", ["fake", "gloo"])
+def test_hook_cost_runs_every_seam_on_the_cpu(backend: str) -> None:
+    """Issue 46: ``hook_cost.py`` times the DDP path's host work per bucket on a lent GPU;
+    here a few steps of each variant the backend can run (the fake one runs no C++ DDP
+    all-reduce: no ``builtin``, no end-of-backward seam), so that it cannot rot."""
+    proc = _bench("hook_cost.py", "--steps", "4", "--warmup", "2", "--rounds", "1",
+                  "--backend", backend, timeout=80)
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, (
+        f"{proc.stdout}\n{proc.stderr}")
+    rows = [line.split(" |")[0].lstrip("| ").split(" (")[0]
+            for line in proc.stdout.splitlines() if line.startswith("| ") and "---" not in line]
+    expected = ["pyhook", "sentinel", "sentinel_hook", "sentinel_each"]
+    if backend == "gloo":
+        expected = ["builtin", "pyhook", "sentinel", "sentinel_end", "sentinel_hook",
+                    "sentinel_each"]
+    assert rows[1:] == expected, proc.stdout  # rows[0]: the header
 
 
 @pytest.mark.e2e
