@@ -111,6 +111,12 @@ def device_gate_refusal(
     """
     if caps.pipelined:
         return caps.device_gate
+    if not insides.skips_on_device(optimizer) and any(
+            g.get("fused") for g in optimizer.param_groups):
+        return (  # fused Adagrad before torch 2.13: its kernel is not known to skip
+            f"fused {type(optimizer).__name__} on torch {torch.__version__} does not say it "
+            "skips a step on the device (docs/torch-support.md)"
+        )
     if not insides.skips_on_device(optimizer):
         return (
             f"{type(optimizer).__name__} is not fused (it cannot skip a step on the device); "
