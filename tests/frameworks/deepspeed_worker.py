@@ -24,6 +24,7 @@ import nansentinel
 from nansentinel.demo import VOCAB, synthetic_batch
 from tests.distributed.workers_deepspeed import config, engine_for
 from tests.frameworks.cpu_guards import deepspeed_without_toolchain
+from tests.frameworks.faults import leave_together
 
 
 def main() -> None:
@@ -61,3 +62,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    leave_together()

@@ -28,7 +28,7 @@ from transformers import Trainer, TrainerCallback, TrainingArguments
 from nansentinel.config import ConfigError
 from nansentinel.result import SentinelUsageError
 from nansentinel.transformers import SentinelCallback
-from tests.frameworks.faults import fault, local, parse_faults, weights
+from tests.frameworks.faults import fault, leave_together, local, parse_faults, weights
 
 
 class Pairs(Dataset):
@@ -243,3 +243,4 @@ def refusal(args: argparse.Namespace, stage: int | None, policy: str) -> str | N
 
 if __name__ == "__main__":
     main()
+    leave_together()

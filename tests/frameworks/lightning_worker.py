@@ -22,7 +22,7 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 from nansentinel.lightning import SentinelCallback
-from tests.frameworks.faults import fault, local, parse_faults, weights
+from tests.frameworks.faults import fault, leave_together, local, parse_faults, weights
 
 
 class Body(torch.nn.Module):
@@ -214,3 +214,4 @@ def fit(args: argparse.Namespace, faults: str, overrides: dict[str, Any]) -> dic
 
 if __name__ == "__main__":
     main()
+    leave_together()
