@@ -150,11 +150,8 @@ class DDPPath:
         """From the norms kept before the reduction (the device gate), or by a scan of the
         gradients: after the all-reduce a NaN sits wherever any rank had one, so this rank's
         scan shows its own (and, with several poisoned ranks, theirs too)."""
-        if kept is not None:
-            order = {name: i for i, name in enumerate(self._names.values())}
-            names = kept.poisoned(order) if poisoned else []
-            return {"parameters": names} if names else {}
-        return naming_detail(self.model.named_parameters(), poisoned, prefix="module.")
+        return naming_detail(self.model.named_parameters(), poisoned, prefix="module.",
+                             kept=kept)
 
     def reset(self) -> None:
         self.buckets = 0

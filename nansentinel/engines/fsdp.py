@@ -60,7 +60,7 @@ import torch.distributed as dist
 from nansentinel import checks
 from nansentinel.common import torch_insides as insides
 from nansentinel.engines import Capabilities, GradientSink, KeptNorms
-from nansentinel.engines.local import check_local_grads, scan_parameters
+from nansentinel.engines.local import check_grads_now, scan_parameters
 from nansentinel.result import SentinelUsageError
 
 try:  # torch >= 2.6 (public)
@@ -339,14 +339,7 @@ class FSDPPath:
         """No reduce-scatter ran this step (a world of one, or no backward): check the local
         gradients as they are."""
         if not self.norms:
-            started = time.perf_counter()
-            if self.keep_norms:
-                self._kept = KeptNorms()
-                check_local_grads(self.model.parameters(), self.sink, self._kept,
-                                  {id(p): n for n, p in self.model.named_parameters()})
-            else:
-                check_local_grads(self.model.parameters(), self.sink)
-            self.sink.spent(time.perf_counter() - started)
+            self._kept = check_grads_now(self.model, self.sink, keep=self.keep_norms)
 
     def take_norms(self) -> KeptNorms | None:
         """Under the device gate, this step's norms by parameter (no host read): a group

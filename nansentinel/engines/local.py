@@ -66,13 +66,33 @@ def scan_parameters(named: Iterable[tuple[str, torch.Tensor]], prefix: str = "")
 
 
 def naming_detail(named: Iterable[tuple[str, torch.Tensor]], poisoned: bool,
-                  prefix: str = "") -> dict[str, Any]:
+                  prefix: str = "", kept: KeptNorms | None = None) -> dict[str, Any]:
     """A poisoned rank's parameters with non-finite local gradients, for the incident's
-    gather (before the gradients are discarded); nothing on a healthy rank."""
+    gather; nothing on a healthy rank. From ``kept``, the norms kept before the reduction
+    (the device gate: the gradients may be gone by the decision), in ``named``'s order, else
+    by a scan of the gradients (before they are discarded)."""
     if not poisoned:
         return {}
-    names = scan_parameters(named, prefix)
+    if kept is not None:
+        names = kept.poisoned({n.removeprefix(prefix): i for i, (n, _) in enumerate(named)})
+    else:
+        names = scan_parameters(named, prefix)
     return {"parameters": names} if names else {}
+
+
+def check_grads_now(model: torch.nn.Module, sink: GradientSink, *, keep: bool
+                    ) -> KeptNorms | None:
+    """Check ``model``'s local gradients as they are (no reduction ran), timed into
+    ``sink``; with ``keep``, their per-parameter norms are returned for the device gate."""
+    started = time.perf_counter()
+    kept = KeptNorms() if keep else None
+    if kept is not None:
+        check_local_grads(model.parameters(), sink, kept,
+                          {id(p): n for n, p in model.named_parameters()})
+    else:
+        check_local_grads(model.parameters(), sink)
+    sink.spent(time.perf_counter() - started)
+    return kept
 
 
 class LocalGradPath:
@@ -101,14 +121,7 @@ class LocalGradPath:
         self._kept: KeptNorms | None = None
 
     def check_now(self) -> None:
-        started = time.perf_counter()
-        if self.keep_norms:
-            self._kept = KeptNorms()
-            check_local_grads(self.model.parameters(), self.sink, self._kept,
-                              {id(p): n for n, p in self.model.named_parameters()})
-        else:
-            check_local_grads(self.model.parameters(), self.sink)
-        self.sink.spent(time.perf_counter() - started)
+        self._kept = check_grads_now(self.model, self.sink, keep=self.keep_norms)
 
     def take_norms(self) -> KeptNorms | None:
         kept, self._kept = self._kept, None
@@ -116,11 +129,7 @@ class LocalGradPath:
 
     def naming_detail(self, poisoned: bool, peers: Any,
                       kept: KeptNorms | None = None) -> dict[str, Any]:
-        if kept is not None:
-            order = {name: i for i, (name, _) in enumerate(self.model.named_parameters())}
-            names = kept.poisoned(order) if poisoned else []
-            return {"parameters": names} if names else {}
-        return naming_detail(self.model.named_parameters(), poisoned)
+        return naming_detail(self.model.named_parameters(), poisoned, kept=kept)
 
     def reset(self) -> None:
         self._kept = None

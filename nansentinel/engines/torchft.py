@@ -112,11 +112,8 @@ class TorchFTPath:
                       kept: KeptNorms | None = None) -> dict[str, Any]:
         """From a scan of the gradients (after the all-reduce a NaN sits wherever a group had
         one, so a poisoned group lists its own, and another poisoned group's too)."""
-        if kept is not None:
-            order = {name: i for i, name in enumerate(self._names.values())}
-            names = kept.poisoned(order) if poisoned else []
-            return {"parameters": names} if names else {}
-        return naming_detail(self.model.named_parameters(), poisoned, prefix="module.")
+        return naming_detail(self.model.named_parameters(), poisoned, prefix="module.",
+                             kept=kept)
 
     def reset(self) -> None:
         self.buckets = 0
