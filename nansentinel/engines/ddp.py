@@ -34,9 +34,9 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from nansentinel import checks
-from nansentinel.engines import Capabilities, GradientSink, KeptNorms
+from nansentinel.engines.base import Capabilities, GradientSink, KeptNorms
 from nansentinel.engines.ddp_seam import END_OF_BACKWARD, EndOfBackward, seam_for
-from nansentinel.engines.local import check_local_grads, naming_detail
+from nansentinel.engines.local import BucketNorms, check_local_grads
 from nansentinel.result import SentinelUsageError
 
 log = logging.getLogger("nansentinel")
@@ -74,8 +74,7 @@ class DDPPath:
         #: bucket is checked in its own call (gradients that are bucket views, a drill).
         self.at_last = False
         self.keep_norms = False
-        self._kept: KeptNorms | None = None
-        self._names = {id(p): n for n, p in model.module.named_parameters()}
+        self._norms = BucketNorms(model)
         #: The trainable parameters by (device, dtype), each group one fused norm at the last
         #: bucket; DTensor parameters (tensor parallel) are normed through their local tensors.
         self._groups = grouped(p for p in model.module.parameters() if p.requires_grad)
@@ -142,21 +141,16 @@ class DDPPath:
         check_local_grads(self.model.parameters(), self.sink)
 
     def take_norms(self) -> KeptNorms | None:
-        kept, self._kept = self._kept, None
-        return kept
+        return self._norms.take()
 
     def naming_detail(self, poisoned: bool, peers: Any,
                       kept: KeptNorms | None = None) -> dict[str, Any]:
-        """From the norms kept before the reduction (the device gate), or by a scan of the
-        gradients: after the all-reduce a NaN sits wherever any rank had one, so this rank's
-        scan shows its own (and, with several poisoned ranks, theirs too)."""
-        return naming_detail(self.model.named_parameters(), poisoned, prefix="module.",
-                             kept=kept)
+        return self._norms.naming_detail(poisoned, kept)
 
     def reset(self) -> None:
         self.buckets = 0
         self.at_last = False
-        self._kept = None
+        self._norms.kept = None
         if self._end is not None:
             self._end.queued = self._end.missed = False
 
@@ -171,8 +165,7 @@ class DDPPath:
         """The step's local gradients, at the last bucket, before DDP copies the reduced
         buckets back: one norm per (device, dtype) group, from the per-parameter norms of one
         fused pass (kept with their names for the device gate)."""
-        if self.keep_norms:
-            self._kept = KeptNorms()
+        kept = self._norms.kept = KeptNorms() if self.keep_norms else None
         for params in self._groups:
             present = [(p, g) for p in params if (g := p.grad) is not None]
             if not present:
@@ -180,9 +173,8 @@ class DDPPath:
             grads = [g for _, g in present]
             norms = checks.grad_norms(grads, plain=not self._dtensors)
             self.sink.add_grad_norm(torch.linalg.vector_norm(norms))
-            if self._kept is not None:
-                self._kept.add([self._names.get(id(p), "<unnamed>") for p, _ in present],
-                               norms)
+            if kept is not None:
+                kept.add([self._norms.names.get(id(p), "<unnamed>") for p, _ in present], norms)
 
     def _at_end_of_backward(self) -> None:
         """The end-of-backward seam: every bucket's all-reduce has left and ``.grad`` is still
@@ -197,17 +189,8 @@ class DDPPath:
         self.sink.spent(time.perf_counter() - started)
 
     def bucket_norm(self, bucket: Any) -> torch.Tensor:
-        """One L2 norm of the bucket's local gradients (fp32 accumulation, NaN and Inf
-        propagate): of the flat buffer (one read, one kernel), or, where the step's
-        per-parameter norms are kept (:attr:`keep_norms`), of the per-parameter norms taken
-        in one fused multi-tensor pass over the same bytes."""
-        if not self.keep_norms:
-            return checks.tensor_norm(bucket.buffer())
-        norms = checks.grad_norms(bucket.gradients())
-        if self._kept is None:
-            self._kept = KeptNorms()
-        self._kept.add([self._names.get(id(p), "<unnamed>") for p in bucket.parameters()], norms)
-        return torch.linalg.vector_norm(norms)
+        """One L2 norm of the bucket's local gradients (local.BucketNorms)."""
+        return self._norms.norm(bucket, self.keep_norms)
 
 
 def grouped(params: Iterable[torch.Tensor]) -> list[list[torch.Tensor]]:

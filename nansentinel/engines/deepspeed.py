@@ -48,7 +48,7 @@ from typing import Any
 import torch
 
 from nansentinel import checks
-from nansentinel.engines import Capabilities, Given, GradientSink, KeptNorms
+from nansentinel.engines.base import Capabilities, GradientSink, KeptNorms
 
 #: The seam per ZeRO setup (see the module docstring).
 ALLREDUCE, BUCKET, PARTITION = "allreduce", "bucket", "partition"
@@ -120,13 +120,6 @@ class DeepSpeedPath:
     caps = CAPS
     recognizes = staticmethod(is_engine)
 
-    @staticmethod
-    def adapt(given: Given, config: Any, env: Any) -> Any:
-        """The engine's adapter (what the Sentinel steps: its optimizer and loss scale), the
-        Sentinel's other arguments checked against it (deepspeed_step.py)."""
-        from nansentinel.engines.deepspeed_step import adapt
-
-        return adapt(given, config, env)
     keep_norms = False  # its per-parameter norms are always kept (self.norms)
 
     def __init__(self, engine: Any, sink: GradientSink) -> None:

@@ -67,7 +67,7 @@ from typing import Any
 import torch
 
 from nansentinel.config import SentinelConfig, resolve_hostname
-from nansentinel.engines import Given
+from nansentinel.engines.base import Given
 from nansentinel.engines.deepspeed import DeepSpeedPath, seam_refusal
 from nansentinel.result import SentinelUsageError
 from nansentinel.wire.collectives import job_rank

@@ -59,7 +59,7 @@ import torch.distributed as dist
 
 from nansentinel import checks
 from nansentinel.common import torch_insides as insides
-from nansentinel.engines import Capabilities, GradientSink, KeptNorms
+from nansentinel.engines.base import Capabilities, GradientSink, KeptNorms
 from nansentinel.engines.local import check_grads_now, scan_parameters
 from nansentinel.result import SentinelUsageError
 

@@ -19,12 +19,12 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, cast
 
 import torch
 
 from nansentinel import checks
-from nansentinel.engines import (
+from nansentinel.engines.base import (
     EXCHANGE,
     PIPELINE_REPLICAS,
     Capabilities,
@@ -133,3 +133,40 @@ class LocalGradPath:
 
     def reset(self) -> None:
         self._kept = None
+
+
+class BucketNorms:
+    """One step's bucket norms of a wrapper whose communication hook sees DDP's buckets (DDP,
+    torchft's DDP): the one place both paths take a bucket's norm, keep its per-parameter
+    norms for the device gate, and name the poisoned parameters after a detection."""
+
+    def __init__(self, wrapper: torch.nn.Module) -> None:
+        self.wrapper = wrapper
+        #: Parameter id -> its name in the wrapped module.
+        self.names = {id(p): n for n, p in cast(torch.nn.Module, wrapper.module).named_parameters()}
+        #: This step's per-parameter norms, where the device gate keeps them.
+        self.kept: KeptNorms | None = None
+
+    def norm(self, bucket: Any, keep: bool) -> torch.Tensor:
+        """One L2 norm of the bucket's local gradients (fp32 accumulation, NaN and Inf
+        propagate): of the flat buffer (one read, one kernel), or, with ``keep``, of the
+        per-parameter norms taken in one fused multi-tensor pass over the same bytes."""
+        if not keep:
+            return checks.tensor_norm(bucket.buffer())
+        norms = checks.grad_norms(bucket.gradients())
+        if self.kept is None:
+            self.kept = KeptNorms()
+        self.kept.add([self.names.get(id(p), "<unnamed>") for p in bucket.parameters()], norms)
+        return torch.linalg.vector_norm(norms)
+
+    def take(self) -> KeptNorms | None:
+        """This step's kept norms (None: not kept), forgotten here."""
+        kept, self.kept = self.kept, None
+        return kept
+
+    def naming_detail(self, poisoned: bool, kept: KeptNorms | None) -> dict[str, Any]:
+        """From the norms kept before the reduction (the device gate), or by a scan of the
+        gradients: after the all-reduce a NaN sits wherever any rank had one, so this rank's
+        scan shows its own (and, with several poisoned ranks, theirs too)."""
+        return naming_detail(self.wrapper.named_parameters(), poisoned, prefix="module.",
+                             kept=kept)

@@ -31,9 +31,8 @@ from typing import Any
 import torch
 from torchft.ddp import DistributedDataParallel as _TorchFTDDP
 
-from nansentinel import checks
-from nansentinel.engines import Capabilities, GradientSink, KeptNorms
-from nansentinel.engines.local import check_local_grads, naming_detail
+from nansentinel.engines.base import Capabilities, GradientSink, KeptNorms
+from nansentinel.engines.local import BucketNorms, check_local_grads
 
 
 class _HookState:
@@ -77,8 +76,7 @@ class TorchFTPath:
         self.drop_flag: Callable[[], torch.Tensor] | None = None
         #: The flag this step's buckets were withheld by (None: not dropping).
         self.withheld: torch.Tensor | None = None
-        self._kept: KeptNorms | None = None
-        self._names = {id(p): n for n, p in model.module.named_parameters()}
+        self._norms = BucketNorms(model)
         model._hook_state.path = self
 
     def before_reduction(self, bucket: Any) -> None:
@@ -88,15 +86,7 @@ class TorchFTPath:
             self.sink.before_reduction(buffer)
             self.withheld = self.drop_flag() if self.drop_flag is not None else None
         self.buckets += 1
-        if self.keep_norms:
-            norms = checks.grad_norms(bucket.gradients())
-            if self._kept is None:
-                self._kept = KeptNorms()
-            self._kept.add([self._names.get(id(p), "<unnamed>") for p in bucket.parameters()],
-                           norms)
-            self.sink.add_grad_norm(torch.linalg.vector_norm(norms))
-        else:
-            self.sink.add_grad_norm(checks.tensor_norm(buffer))
+        self.sink.add_grad_norm(self._norms.norm(bucket, self.keep_norms))
         if self.withheld is not None:
             withhold(buffer, self.withheld)
 
@@ -105,19 +95,15 @@ class TorchFTPath:
         check_local_grads(self.model.parameters(), self.sink)
 
     def take_norms(self) -> KeptNorms | None:
-        kept, self._kept = self._kept, None
-        return kept
+        return self._norms.take()
 
     def naming_detail(self, poisoned: bool, peers: Any,
                       kept: KeptNorms | None = None) -> dict[str, Any]:
-        """From a scan of the gradients (after the all-reduce a NaN sits wherever a group had
-        one, so a poisoned group lists its own, and another poisoned group's too)."""
-        return naming_detail(self.model.named_parameters(), poisoned, prefix="module.",
-                             kept=kept)
+        return self._norms.naming_detail(poisoned, kept)
 
     def reset(self) -> None:
         self.buckets = 0
-        self._kept = None
+        self._norms.kept = None
 
     def take_withheld(self) -> bool:
         """Whether this step's buckets went as zeros (one host read of the flag); forgets it."""
