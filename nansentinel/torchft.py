@@ -125,7 +125,7 @@ class Sentinel(_Sentinel):
         self._refuse_excluded_host()
         if self._drop:
             path = self.gradients
-            path.drop_flag = lambda: self._current.local.poisoned()
+            path.drop_flag = lambda: self._parts.current.local.poisoned()
 
     @property
     def manager(self) -> Any:
@@ -181,7 +181,7 @@ class Sentinel(_Sentinel):
         # and a stop lingers for the final scrape only after the groups have agreed.
         metrics, self.metrics = self.metrics, None
         grads = [p.grad for p in self.module.parameters()] if self._drop else []
-        spent, started = self._current.record.spent, time.perf_counter()
+        spent, started = self._parts.current.record.spent, time.perf_counter()
         try:
             local = super().step(optimizer_step=False)
         except NonFiniteError as exc:  # the core's abort (max_consecutive_skips, policy)

@@ -28,9 +28,11 @@ import torch
 
 from nansentinel.checks import local as _local
 from nansentinel.common import torch_insides as insides
+from nansentinel.engines.base import EXCHANGE
 from nansentinel.wire.collectives import dtensor_from_local
 
 if TYPE_CHECKING:
+    from nansentinel.engines.base import Capabilities
     from nansentinel.wire.collectives import Peers
     from nansentinel.wire.context import Context, Watched
 
@@ -628,12 +630,13 @@ class Cooldown:
 
 
 def snapshot_store(snapshots: tuple[Any, Any] | SnapshotStore | None, ctx: Context,
-                   watched: Watched) -> SnapshotStore | None:
+                   watched: Watched, caps: Capabilities) -> SnapshotStore | None:
     """Where this run's last good state goes: the user's ``(save, load)`` pair or store, else
     host memory when a rollback is configured, else nowhere (no copies made).
 
-    Under DDP every replica holds the same weights and optimizer state, so each rank keeps 1/W
-    of them (:class:`MemorySnapshots`), over DDP's own group."""
+    Under a wrapper whose replicas are a process group of their own (DDP: ``caps.wraps`` and
+    ``caps.replica_group``) every replica holds the same weights and optimizer state, so each
+    rank keeps 1/W of them (:class:`MemorySnapshots`), over that group."""
     config = ctx.config
     if isinstance(snapshots, tuple):
         return UserSnapshots(*snapshots)
@@ -641,14 +644,11 @@ def snapshot_store(snapshots: tuple[Any, Any] | SnapshotStore | None, ctx: Conte
         return snapshots
     if "rollback" not in (config.policy, config.loss_spike_action, config.grad_spike_action):
         return None
-    from torch.nn.parallel import DistributedDataParallel
-
     from nansentinel.wire.collectives import Peers
 
-    model, peers = watched.model, ctx.peers
+    peers, group = ctx.peers, caps.replica_group
     replicas = None
-    if isinstance(model, DistributedDataParallel):
-        replicas = (peers if model.process_group is peers.group
-                    else Peers(model.process_group, ctx.device))
+    if caps.wraps and group is not None and group is not EXCHANGE:
+        replicas = peers if group is peers.group else Peers(group, ctx.device)
     return MemorySnapshots(watched, peers=peers, replicas=replicas,
                            hostname=ctx.identity.hostname)

@@ -34,6 +34,7 @@ from nansentinel.engines.base import (
 from nansentinel.engines.paths import (
     adapter_of,
     attach,
+    exchange_group,
     recognize,
     registry,
     steps_of,
@@ -43,6 +44,6 @@ from nansentinel.engines.paths import (
 
 __all__ = [
     "EXCHANGE", "PIPELINE_DROP", "PIPELINE_GATE", "PIPELINE_REPLICAS", "Capabilities", "Given",
-    "GradPath", "GradientSink", "KeptNorms", "adapter_of", "attach", "recognize", "registry",
-    "steps_of", "takes_replay", "wrapper_of",
+    "GradPath", "GradientSink", "KeptNorms", "adapter_of", "attach", "exchange_group",
+    "recognize", "registry", "steps_of", "takes_replay", "wrapper_of",
 ]

@@ -53,6 +53,11 @@ class DDPPath:
     def recognizes(model: Any) -> bool:
         return isinstance(model, DistributedDataParallel)
 
+    @staticmethod
+    def exchange_group(model: DistributedDataParallel) -> Any:
+        """The ranks' exchange runs on DDP's group (or the one a wrapper names)."""
+        return getattr(model, "sentinel_group", model.process_group)
+
     def __init__(self, model: DistributedDataParallel, sink: GradientSink) -> None:
         self.model = model
         self.sink = sink

@@ -60,6 +60,13 @@ def recognize(model: Any) -> Any:
     return next(path for path in registry() if path.recognizes(model))
 
 
+def exchange_group(model: Any) -> Any:
+    """The process group a wrapper names for the ranks' exchange (DDP's own, or the
+    ``sentinel_group`` a wrapper built on it names); None: the default group, if any."""
+    own = getattr(recognize(model), "exchange_group", None)
+    return own(model) if own is not None else None
+
+
 def attach(model: torch.nn.Module, sink: GradientSink, *, staged: bool = False) -> GradPath:
     """Choose and install the gradient path for ``model`` (once, at construction).
     ``staged``: this rank holds pipeline stages (:meth:`Capabilities.staged`)."""

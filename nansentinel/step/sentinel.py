@@ -11,51 +11,40 @@
                    on the device gate the optimizer step is queued first, then the host
                    reads and decides (gate="device": at the next call; step/gate.py)
 
-The step's states are named in step/record.py. This class builds its collaborators top to
-bottom from one Context (wire/context.py) and composes them (docs/design.md).
+The step's states are named in step/record.py. The parts are built once, top to bottom, by
+step/assembly.py; this class is the loop's calls over them (docs/design.md). A scope wider
+than the ranks' exchange (torchft's replica groups) is a part an integration adds: ``step()``
+then asks it after the ranks' own decision (:meth:`Sentinel._agree`).
 """
 
 from __future__ import annotations
 
-import functools
 import logging
-import os
-from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any, Literal, cast, overload
+import operator
+import time
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, Literal, overload
 
 import torch
-from torch.nn.parallel import DistributedDataParallel
 
-from nansentinel import engines
 from nansentinel.checks import pipeline
-from nansentinel.checks.health import identify, local_device
-from nansentinel.checks.quarantine import Quarantine
-from nansentinel.common import torch_insides as insides
-from nansentinel.common.inject import Injector, parse_inject
-from nansentinel.config import SentinelConfig, resolve_hostname
-from nansentinel.decide.spikes import SpikeDetector
-from nansentinel.effects import stop
-from nansentinel.effects.recovery import MemorySnapshots, SnapshotStore, snapshot_store
-from nansentinel.rare.detection import Detector
-from nansentinel.rare.incident import IncidentWriter
+from nansentinel.effects.recovery import SnapshotStore
 from nansentinel.rare.replay import ReplayFn
-from nansentinel.rare.replicas import replica_check
-from nansentinel.result import ResultPending, StepResult
-from nansentinel.step import prepared
-from nansentinel.step.current import CurrentStep
-from nansentinel.step.gate import GateChoice, GatedSteps, choose_gate, gated_steps
-from nansentinel.step.judge import StepJudge, Stepping
+from nansentinel.result import NonFiniteError, ResultPending, StepResult
+from nansentinel.step import assembly
+from nansentinel.step.assembly import Asked, Parts, Scope
 from nansentinel.step.record import PendingResult
-from nansentinel.wire import watchdog
-from nansentinel.wire.context import Context, Watched
-from nansentinel.wire.exchange import HealthExchange
 
 if TYPE_CHECKING:
     import torch.distributed as dist
 
-    from nansentinel.engines.deepspeed_step import EngineAdapter
-
 log = logging.getLogger("nansentinel")
+
+
+def _read(path: str, doc: str) -> Any:
+    """A read-only property of the Sentinel: ``path`` (``"ctx.config"``) read in its parts."""
+    get = operator.attrgetter(path)
+    return property(lambda self: get(self._parts), doc=doc)
 
 
 class Sentinel:
@@ -75,22 +64,17 @@ class Sentinel:
         snapshots: ``(save, load)`` or a ``SnapshotStore`` for rollbacks (default: host memory).
         stages: this rank's ``PipelineStage`` (or a list): its boundaries are checked.
         env: where ``NANSENTINEL_*`` is read (default ``os.environ``).
+        scopes: agreements wider than the ranks' exchange, each an
+            :class:`~nansentinel.step.assembly.Scope` (an integration's:
+            ``nansentinel.torchft.Sentinel`` adds torchft's replica groups).
         **overrides: :class:`SentinelConfig` fields; keyword > env > default.
 
-    Its collaborators are private; what the loop may read is the short surface at the end of
-    the class (:attr:`config`, :attr:`identity`, :attr:`rank`, :attr:`step_index`, ...).
+    Its parts are built once (step/assembly.py) and private; what the loop may read is the
+    short surface at the end of the class (:attr:`config`, :attr:`identity`, :attr:`rank`,
+    :attr:`step_index`, ...).
     """
 
-    _ctx: Context
-    _watched: Watched
-    _current: CurrentStep
-    _gradients: engines.GradPath
-    _detector: Detector
-    _judge: StepJudge
-    _end: stop.RunEnd
-    _gate: GatedSteps | None
-    _gate_choice: GateChoice
-    _engine: EngineAdapter | None
+    _parts: Parts
 
     def __init__(
         self, model: torch.nn.Module | list[torch.nn.Module],
@@ -98,89 +82,17 @@ class Sentinel:
         group: dist.ProcessGroup | None = None, registry: Any = None,
         env: dict[str, str] | None = None, replay: ReplayFn | bool | None = None,
         snapshots: tuple[Any, Any] | SnapshotStore | None = None, stages: Any = None,
-        **overrides: Any,
+        scopes: Sequence[Scope] = (), **overrides: Any,
     ) -> None:
-        insides.require("torch")  # below the oldest release CI tests: our error, not torch's
-        prepared.refuse_misprepared(optimizer)  # the framework helpers' refusals hold here too
         if isinstance(replay, bool):  # the config field (keyword > env), not a function
             overrides["replay"], replay = replay, None
-        cfg = SentinelConfig.from_env(env, **overrides)
-        environ = os.environ if env is None else env
-        # What it watches and steps (a DeepSpeed engine brings its own optimizer).
-        model = torch.nn.ModuleList(model) if isinstance(model, list | tuple) else model
-        given = engines.Given(model, optimizer, scaler, group, replay, snapshots, stages)
-        self._engine, optimizer, scaler = engines.steps_of(given, cfg, environ)
-        wrapped = isinstance(model, DistributedDataParallel) or self._engine is not None
-        inner = cast(torch.nn.Module, model.module) if wrapped else model
-        self._watched = watched = Watched(model, inner, optimizer, scaler)
-        # Where this rank runs, who it is, and the deadline on its collectives.
-        pipelined = pipeline.stages_of(stages) if stages is not None else []
-        self._ctx = ctx = self._context(cfg, watched, group, pipelined, environ)
-        # The step in progress, its gradient path, the rare path, the judge, the end, the gate.
-        loss_ratio = cfg.loss_spike_ratio or cfg.spike_ratio
-        spikes = SpikeDetector(window=cfg.spike_window, warmup=cfg.spike_warmup,
-                               ratio={"loss": loss_ratio, "grad_norm": cfg.spike_ratio},
-                               zscore=cfg.spike_zscore)
-        quarantine = Quarantine(ctx.device, size=cfg.quarantine_size,
-                                steps=cfg.quarantine_steps)
-        injector = Injector(parse_inject(cfg.inject) if cfg.inject else [], ctx.rank,
-                            ctx.identity.hostname)
-        self._current = CurrentStep(ctx, injector, quarantine, watched.module, spikes)
-        self._gradients = engines.attach(model, self._current, staged=bool(pipelined))
-        self._current.attach(self._gradients, pipelined)
-        incidents = IncidentWriter(ctx)
-        replayer = Detector.replayer_for(ctx, self._gradients, watched.module, replay)
-        self._detector = Detector(ctx, self._gradients, incidents, replayer, quarantine)
-        snaps = snapshot_store(snapshots, ctx, watched)
-        replicas = replica_check(ctx, watched, self._gradients.caps,
-                                 inject=functools.partial(injector.due, "bitflip"),
-                                 incidents=incidents)
-        if replicas is not None and isinstance(snaps, MemorySnapshots):
-            replicas.before_write = snaps.copies.hold  # a repair waits for the copies
-        stepping = Stepping(optimizer, scaler, self._current.buffers, snaps, replicas)
-        self._judge = StepJudge(ctx, stepping, self._detector, spikes)
-        self._end = stop.RunEnd(ctx, self._judge, getattr(self._gradients, "release", None))
-        self._gate_choice = choose_gate(cfg, ctx.device, optimizer, scaler=scaler,
-                                        caps=self._gradients.caps)
-        self._gate = gated_steps(ctx, self._judge, self._gate_choice, rearm=self._rearm,
-                                 stop_if=self._end.stop_if)
-        if self._gate is not None:  # decided later: name from norms, hold no gradient
-            self._gradients.keep_norms = True
-            ctx.deadline.also_settled(self._gate.settled)
-        self._serve(registry)
-
-    @staticmethod
-    def _context(cfg: SentinelConfig, watched: Watched, group: Any, pipelined: list[Any],
-                 environ: Mapping[str, str]) -> Context:
-        """Where this rank runs: its device, process group and identity (left at the store:
-        nothing is gathered at start), and the deadline on its collectives."""
-        model = watched.model
-        if group is None and isinstance(model, DistributedDataParallel) and not pipelined:
-            # under a pipeline: the whole job (the default group); a wrapper may name its own
-            group = getattr(model, "sentinel_group", model.process_group)
-        device = local_device(list(model.parameters()))
-        exchange = HealthExchange(group, device, cfg.exchange_timeout)
-        identity = identify(exchange.rank, exchange.world_size,
-                            resolve_hostname(cfg.hostname, environ),
-                            int(environ.get("LOCAL_RANK", "0") or 0), device)
-        exchange.publish(identity)
-        deadline = watchdog.StepDeadline(
-            exchange, cfg.exchange_timeout, speak=identity.rank == 0,
-            on_expire=functools.partial(stop.on_timeout, config=cfg, identity=identity,
-                                        exchange=exchange))
-        return Context(cfg, identity, exchange, device,
-                       cfg.job_id or environ.get("TORCHELASTIC_RUN_ID"), deadline,
-                       amp=watched.scaler is not None)
-
-    def _serve(self, registry: Any) -> None:
-        if not self.config.metrics_port:
-            return
-        from nansentinel.effects.metrics import serve_rank  # prometheus only where metrics are on
-
-        metrics = serve_rank(self.identity, self.config, registry, self.device)
-        self._judge.metrics = metrics
-        self._detector.incidents.failed = metrics.observe_report_failure
-        self._detector.suppressed = metrics.observe_suppressed_report
+        cfg, environ = assembly.configure(env, scopes, overrides)
+        asked = Asked(optimizer, scaler, group, replay, snapshots, stages, tuple(scopes))
+        self._parts = parts = assembly.assemble(model, asked, cfg, environ, self._rearm,
+                                                self._resolve)
+        for scope in parts.wider:
+            scope.bind(parts)
+        assembly.serve(parts, registry)
 
     # --- the calls of a training loop --------------------------------------------------------
 
@@ -188,34 +100,34 @@ class Sentinel:
         """Check every floating-point tensor of ``batch`` (any nesting) before ``backward``;
         returns it. ``ids``: a sample id per row, read after a detection (the skip list)."""
         self._resolve()
-        self._current.check_batch(batch, ids)
+        self._parts.current.check_batch(batch, ids)
         return batch
 
     def check_loss(self, loss: torch.Tensor | float) -> None:
         """Check the loss (a tensor, a number; a non-scalar one element-wise) before
         ``backward``, so that its flag leaves with the gradients."""
         self._resolve()
-        self._current.add_loss(loss)
+        self._parts.current.add_loss(loss)
 
     def wrap_loss(self, loss_fn: Callable[..., Any]) -> Callable[..., Any]:
         """``loss_fn`` checked, for a pipeline schedule (``loss_fn=sentinel.wrap_loss(fn)``)."""
 
         def add_loss(loss: Any) -> torch.Tensor:
             self._resolve()
-            return self._current.add_loss(loss)
+            return self._parts.current.add_loss(loss)
 
-        return pipeline.wrap_loss(loss_fn, self._current.stages, add_loss,
-                                  lambda: self._current.local, self.device)
+        return pipeline.wrap_loss(loss_fn, self._parts.current.stages, add_loss,
+                                  lambda: self._parts.current.local, self.device)
 
     def check_grads(self) -> None:
         """Check the local gradients now and start the exchange: only if you reduce
         gradients by hand, after ``backward`` and *before* your all-reduce (DDP and FSDP2
         check them themselves; ``step()`` calls this when nothing did)."""
         self._resolve()
-        self._current.require_open("check_grads")
-        self._gradients.check_now()
-        if not self._ctx.exchange.launched:  # DeepSpeed's path launches it before its all-reduce
-            self._current.launch_exchange()
+        self._parts.current.require_open("check_grads")
+        self._parts.gradients.check_now()
+        if not self._parts.ctx.exchange.launched:  # DeepSpeed's launches it before its own
+            self._parts.current.launch_exchange()
 
     @overload
     def step(self, *, optimizer_step: Literal[False]) -> StepResult | None: ...
@@ -235,31 +147,70 @@ class Sentinel:
         replaces ``engine.step()``, and returns None on a micro-batch before the accumulation
         boundary (counted, decided at the boundary)."""
         self._resolve()
-        if self._engine is not None and self._engine.accumulating(
-                optimizer_step=optimizer_step, step=self.step_index):
+        seam = self._parts.seam
+        if seam is not None and seam.accumulating(optimizer_step=optimizer_step,
+                                                  step=self.step_index):
             return None
-        self._judge.caller_did_not_step()
-        if not self._ctx.exchange.launched:
+        if self._parts.wider:
+            return self._agree(optimizer_step=optimizer_step)
+        return self._decide(optimizer_step=optimizer_step)
+
+    def _decide(self, *, optimizer_step: bool) -> StepResult | PendingResult:
+        """The ranks' decision of this step (the exchange's), and its effects."""
+        parts = self._parts
+        ctx, current, device_gate = parts.ctx, parts.current, parts.device_gate
+        parts.judge.caller_did_not_step()
+        if not ctx.exchange.launched:
             self.check_grads()
-        record = self._current.record
-        if optimizer_step and self._gate is not None and self._gate.ready():
-            _, vector = self._ctx.exchange.take()  # no host read: found_inf comes from it
-            pending = self._gate.launch(record, vector, self._gradients.take_norms())
-            self._current.next()
-            if self._gate.deferred:
+        record = current.record
+        if optimizer_step and device_gate is not None and device_gate.ready():
+            _, vector = ctx.exchange.take()  # no host read: found_inf comes from it
+            pending = device_gate.launch(record, vector, parts.gradients.take_norms())
+            current.next()
+            if device_gate.deferred:
                 return pending
             # The optimizer step is queued on the device: the host now waits for the end of
             # backward (the copy's event) while the GPU runs the optimizer, not the other way.
-            self._gate.resolve()
+            device_gate.resolve()
             return pending.resolve()
-        _, record.values = self._ctx.exchange.wait()  # waiting for the all-reduce beside it
-        self._ctx.deadline.disarm()
-        self._judge.decide(record, optimizer_step=optimizer_step)
-        self._judge.finish(record)
-        self._current.next()
-        assert record.decision is not None
-        self._end.stop_if(record.decision, record.decided)
+        _, record.values = ctx.exchange.wait()  # waiting for the all-reduce beside it
+        ctx.deadline.disarm()
+        parts.judge.decide(record, optimizer_step=optimizer_step)
+        parts.judge.finish(record)
+        current.next()
+        assert record.decision is not None and record.decided is not None
+        parts.end.stop_if(record.decision, record.decided)
         return record.decided
+
+    def _agree(self, *, optimizer_step: bool) -> StepResult:
+        """The step decided by the ranks (without stepping the optimizer, and unobserved: a
+        step a wider scope vetoes is not "applied"), then by each wider scope in order, which
+        steps the optimizer where it applies the step; observed once, as the scopes decided
+        it, and a stop raised only after every scope agreed on it."""
+        parts = self._parts
+        for scope in parts.wider:
+            scope.begin()
+        metrics, parts.judge.metrics = parts.judge.metrics, None
+        spent, started = parts.current.record.spent, time.perf_counter()
+        stopping: NonFiniteError | None = None
+        try:
+            local = self._decide(optimizer_step=False)
+        except NonFiniteError as exc:  # the ranks' abort (max_consecutive_skips, policy)
+            local, stopping = exc.result, exc
+        finally:
+            parts.judge.metrics = metrics
+        spent += time.perf_counter() - started
+        assert isinstance(local, StepResult)
+        result = local
+        for scope in parts.wider:
+            result, stopping = scope.agree(result, stopping, optimizer_step=optimizer_step)
+        if metrics is not None:  # the step as every scope decided it, observed once
+            metrics.observe_step(result, spent)
+        if stopping is not None:
+            for scope in parts.wider:
+                scope.leave(metrics)
+            raise stopping
+        return result
 
     # --- state for checkpoints, and the end ---------------------------------------------------
 
@@ -269,18 +220,18 @@ class Sentinel:
         pending on the device gate that found something is decided later, and the history
         saved now is the one before it (its skip has happened on the device already)."""
         try:
-            if self._gate is not None:
-                self._gate.decide_if_local()
+            if self._parts.device_gate is not None:
+                self._parts.device_gate.decide_if_local()
         except ResultPending:
             log.warning("nansentinel: state_dict() on rank %d while step %d's detection is "
                         "pending (decided at the next sentinel call on every rank); the saved "
                         "history is the one before it", self.rank, self.step_index - 1)
-        return {"step": self.step_index, **self._judge.state_dict()}
+        return {"step": self.step_index, **self._parts.judge.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what :meth:`state_dict` saved."""
-        self._current.restart_at(int(state["step"]))
-        self._judge.load_state_dict(state, self.step_index)
+        self._parts.current.restart_at(int(state["step"]))
+        self._parts.judge.load_state_dict(state, self.step_index)
 
     def close(self) -> None:
         """End the run on this rank; call it on every rank. Decides a step still pending,
@@ -288,13 +239,13 @@ class Sentinel:
         aborts a process that tears its group down while a peer still uses it), leaves the
         launcher a ``closed`` verdict, and stops the exporter and the watchdog. A second call
         does nothing; after a loop that raised on this rank, :meth:`abandon` instead."""
-        self._end.close(self._resolve, self.step_index - 1)
+        self._parts.end.close(self._resolve, self.step_index - 1)
 
     def abandon(self) -> None:
         """Stop the exporter and the watchdog without a collective (the loop failed here)."""
-        if self._gate is not None:
-            self._gate.abandon()
-        self._end.shut()
+        if self._parts.device_gate is not None:
+            self._parts.device_gate.abandon()
+        self._parts.end.shut()
 
     def __enter__(self) -> Sentinel:
         return self
@@ -304,50 +255,39 @@ class Sentinel:
 
     # --- what the loop may read ------------------------------------------------------------
 
-    config = property(lambda self: self._ctx.config, doc="The validated config.")
-    identity = property(lambda self: self._ctx.identity, doc="This rank: host, device, GPU.")
-    rank = property(lambda self: self._ctx.rank, doc="This rank in the exchange's group.")
-    world_size = property(lambda self: self._ctx.world_size,
-                          doc="The ranks that decide together.")
-    device = property(lambda self: self._ctx.device, doc="Where this rank computes.")
-    job_id = property(lambda self: self._ctx.job_id, doc="The job's id, in file names.")
-    exchange = property(lambda self: self._ctx.exchange, doc="The step's health exchange.")
-    model = property(lambda self: self._watched.model, doc="The model as handed in.")
-    module = property(lambda self: self._watched.module,
-                      doc="The module inside it (DDP's, the engine's).")
-    step_index = property(lambda self: self._current.index, doc="The step in progress.")
-    local = property(lambda self: self._current.local, doc="This step's health so far.")
-    stages = property(lambda self: self._current.stages, doc="The pipeline stages watched.")
-    forward = property(lambda self: self._current.forward,
-                       doc="This step's forward collectives, counted (origins).")
-    buffers = property(lambda self: self._current.buffers,
-                       doc="The floating buffers a skipped step puts back.")
-    gradients = property(lambda self: self._gradients,
-                         doc="The gradient path; its ``caps`` say what it supports.")
-    device_gate = property(lambda self: self._gate,
-                           doc="The device gate's steps; None: the host gate.")
-    gate = property(lambda self: self._gate_choice,
-                    doc="The gate this run took and why (step/gate.GateChoice).")
-    engine = property(lambda self: self._engine,
-                      doc="A DeepSpeed engine's adapter; None for any other model.")
-    optimizer = property(lambda self: self._judge.optimizer, doc="What a step applies with.")
-    scaler = property(lambda self: self._judge.scaler, doc="Its loss scale, if any.")
-    history = property(lambda self: self._judge.history, doc="The policy's history.")
-    cooldown = property(lambda self: self._judge.cooldown, doc="The rollback LR cooldown.")
-    spikes = property(lambda self: self._judge.spikes, doc="The spike references.")
-    snapshots = property(lambda self: self._judge.snapshots, doc="The last good state.")
-    replicas = property(lambda self: self._judge.replicas,
-                        doc="The replica fingerprint check; None: none.")
-    curves = property(lambda self: self._detector.curves,
-                      doc="The last steps' loss and gradient norm (reports).")
-    replays = property(lambda self: self._detector.replay is not None,
+    config = _read("ctx.config", "The validated config.")
+    identity = _read("ctx.identity", "This rank: host, device, GPU.")
+    rank = _read("ctx.rank", "This rank in the exchange's group.")
+    world_size = _read("ctx.world_size", "The ranks that decide together.")
+    device = _read("ctx.device", "Where this rank computes.")
+    job_id = _read("ctx.job_id", "The job's id, in file names.")
+    exchange = _read("ctx.exchange", "The step's health exchange (the first scope).")
+    watchdog = _read("ctx.deadline.dog", "The deadline's watchdog; None alone.")
+    model = _read("watched.model", "The model as handed in.")
+    module = _read("watched.module", "The module inside it (DDP's, the engine's).")
+    step_index = _read("current.index", "The step in progress.")
+    local = _read("current.local", "This step's health so far.")
+    stages = _read("current.stages", "The pipeline stages watched.")
+    forward = _read("current.forward", "This step's forward collectives, counted (origins).")
+    buffers = _read("current.buffers", "The floating buffers a skipped step puts back.")
+    gradients = _read("gradients", "The gradient path; its ``caps`` say what it supports.")
+    engine = _read("seam", "A DeepSpeed engine's adapter (its step's seam); None otherwise.")
+    gate = _read("gate", "The gate this run took and why (step/gate.GateChoice).")
+    device_gate = _read("device_gate", "The device gate's steps; None: the host gate.")
+    scopes = _read("scopes", "The agreement scopes: the exchange, then any integration's.")
+    optimizer = _read("judge.optimizer", "What a step applies with.")
+    scaler = _read("judge.scaler", "Its loss scale, if any.")
+    history = _read("judge.history", "The policy's history.")
+    cooldown = _read("judge.cooldown", "The rollback LR cooldown.")
+    spikes = _read("judge.spikes", "The spike references.")
+    snapshots = _read("judge.snapshots", "The last good state.")
+    replicas = _read("judge.replicas", "The replica fingerprint check; None: none.")
+    curves = _read("detector.curves", "The last steps' loss and gradient norm (reports).")
+    quarantine = _read("detector.quarantine", "Batches a data verdict blamed.")
+    replays = property(lambda self: self._parts.detector.replay is not None,
                        doc="A detection is replayed (a function given, the path allows it).")
-    quarantine = property(lambda self: self._detector.quarantine,
-                          doc="Batches a data verdict blamed.")
-    watchdog = property(lambda self: self._ctx.deadline.dog,
-                        doc="The deadline's watchdog; None alone.")
-    metrics = property(lambda self: self._judge.metrics,
-                       lambda self, value: setattr(self._judge, "metrics", value),
+    metrics = property(lambda self: self._parts.judge.metrics,
+                       lambda self, value: setattr(self._parts.judge, "metrics", value),
                        doc="The exporter (metrics.py); None without ``metrics_port``, or once "
                            "closed. Settable: a test or a host process may attach its own.")
 
@@ -355,12 +295,12 @@ class Sentinel:
 
     def _resolve(self) -> None:
         """Decide a step pending on the device gate (at a call every rank makes)."""
-        if self._gate is not None:
-            self._gate.resolve()
+        if self._parts.device_gate is not None:
+            self._parts.device_gate.resolve()
 
     def _rearm(self) -> None:
         """A step decided inside the next step's armed collectives re-arms the watchdog."""
-        if self._ctx.exchange.launched:
-            self._ctx.deadline.arm()
+        if self._parts.ctx.exchange.launched:
+            self._parts.ctx.deadline.arm()
 
 

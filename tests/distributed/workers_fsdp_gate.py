@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-import nansentinel.step.sentinel as sentinel_module
+import nansentinel.step.assembly as sentinel_module
 from nansentinel.step.gate import GateChoice
 from tests.distributed.workers_fsdp import train_fsdp
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import nansentinel
-import nansentinel.step.sentinel as sentinel_module
+import nansentinel.step.assembly as sentinel_module
 from nansentinel.common import torch_insides as insides
 from nansentinel.config import SentinelConfig
 from nansentinel.engines import registry
