@@ -5,8 +5,8 @@ Two replica groups of one process each, as threads of this process (as torchft's
 integration tests run them), a lighthouse in-process, gloo on the CPU. The arms alternate
 round by round, each round with a fresh lighthouse, so that a busy machine weighs on both.
 Printed: the median step time of each arm, and the median of the health row's all-reduce
-(``nansentinel.engines.torchft_groups.agree``), the one round trip the sentinel adds to a healthy
-step.
+(``nansentinel.wire.replica_groups.agree``, as step/replica_groups.py calls it), the one round
+trip the sentinel adds to a healthy step.
 
     python bench/torchft_overhead.py                 # 3 rounds of 80 steps, ~30 s
     python bench/torchft_overhead.py --rounds 1 --steps 10   # the smoke run, a few seconds
@@ -30,7 +30,7 @@ from torchft.manager import Manager
 from torchft.optim import OptimizerWrapper
 from torchft.process_group import ProcessGroupGloo
 
-import nansentinel.engines.torchft_groups as ft_groups
+import nansentinel.step.replica_groups as ft_groups
 import nansentinel.torchft as nft
 
 ARMS = ("torchft", "sentinel")

@@ -145,6 +145,45 @@ class StepResult:
         return not self.bad_ranks
 
 
+# --- torchft's section (nansentinel.torchft): the step as every replica group decided it ---
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class PoisonedGroup:
+    """A replica group (one of its ranks) that did not apply a step, as it named itself."""
+
+    group: str
+    """The replica group's id (``Manager(replica_id=...)``)."""
+    rank: int
+    """The rank inside the replica group."""
+    host: str
+    step: int
+    """torchft's step (``Manager.current_step()``), the same on every group."""
+    kinds: list[str]
+    """Which of ``batch``, ``loss``, ``grad`` were non-finite there (empty: a spike or a
+    quarantined batch made it skip)."""
+    reason: str = ""
+    leaving: bool = False
+    """It was struck out and leaves the quorum after this step."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class FTStepResult(StepResult):
+    """The step as every replica group decided it: :class:`StepResult`'s fields (``applied``
+    true only when this group committed and stepped), and torchft's side."""
+
+    committed: bool = False
+    """``Manager.should_commit()`` was True on this group."""
+    poisoned: list[PoisonedGroup] = dataclasses.field(default_factory=list)
+    """The groups that did not apply the step, named by themselves, the same on every group."""
+    regrouped: bool = False
+    """The manager errored in this step (a peer died, an all-reduce or the quorum failed):
+    not committed; the next quorum regroups."""
+    torchft_step: int = 0
+    """``Manager.current_step()`` when the step began: the count the incident reports, the
+    exclusion record and the logs name the step by."""
+
+
 class NonFiniteError(RuntimeError):
     """Raised on every rank, at the same step, when the policy aborts the run.
 

@@ -9,7 +9,7 @@ group (only there can a group be named), and the health must travel to every gro
 the same managed process group as the gradients, so that every group vetoes the same step.
 
 Two pieces here, where torchft reaches the gradients (what the groups tell each other is
-in engines/torchft_groups.py):
+in wire/replica_groups.py, how they decide a step together in step/replica_groups.py):
 
 - :class:`DistributedDataParallel`: torchft's DDP, whose one communication hook (DDP allows
   one, and torchft's registers it in its constructor) checks each bucket once a sentinel
@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 from torchft.ddp import DistributedDataParallel as _TorchFTDDP
+from torchft.optim import OptimizerWrapper
 
 from nansentinel.engines.base import Capabilities, GradientSink, KeptNorms
 from nansentinel.engines.local import BucketNorms, check_local_grads
@@ -190,3 +191,9 @@ def replica_id(manager: Any) -> str:
 def group_rank(manager: Any) -> int:
     """This process's rank inside its replica group."""
     return int(getattr(manager, "_group_rank", 0))
+
+
+def stepped(optimizer: Any) -> Any:
+    """What the sentinel steps: the optimizer inside torchft's ``OptimizerWrapper`` (whose own
+    ``step()`` would ask ``should_commit()`` a second time), else the optimizer itself."""
+    return optimizer.optim if isinstance(optimizer, OptimizerWrapper) else optimizer

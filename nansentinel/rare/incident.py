@@ -234,6 +234,10 @@ class IncidentWriter:
         self.identity = ctx.identity
         #: Told about each incident file that could not be written (the metrics counter).
         self.failed: Callable[[str], None] | None = None
+        #: The count a report names its step by, from the sentinel's own (None: that one):
+        #: an integration that counts steps its own way (torchft's ``current_step()``, which
+        #: a vetoed step does not advance) names reports, logs and exclusions by one count.
+        self.step_of: Callable[[int], int] | None = None
 
     def write(self, case: Case, curves: Curves | None = None
               ) -> tuple[StepResult, dict[int, dict[str, Any]]]:
@@ -246,6 +250,9 @@ class IncidentWriter:
         rank 0 appends those to the skip list when the batch is at fault (see
         :func:`skipped_ids`).
         """
+        if self.step_of is not None:
+            case = dataclasses.replace(case, view=dataclasses.replace(
+                case.view, step=self.step_of(case.view.step)))
         view, decision, result = case.view, case.decision, case.result
         rank = self.identity.rank
         stem = report.incident_stem(self.ctx.job_id, view.step)

@@ -171,6 +171,39 @@ class Totals:
         return (total - sum(finite)) / rest if rest > 0 else None
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class GroupTotals:
+    """The row torchft's replica groups sum each step (wire/replica_groups.py), through
+    torchft's managed all-reduce, beside the ranks' exchange: counts over the groups."""
+
+    bad: int = 0
+    """Replica groups (of this group rank) that did not apply the step."""
+    batch: int = 0
+    loss: int = 0
+    grad: int = 0
+    """Groups whose batch, loss or gradients were non-finite."""
+    index: int = 0
+    """Sum of the bad groups' participating ranks + 1: the bad group when ``bad == 1``."""
+    dropped: int = 0
+    """Bad groups whose gradients went as zeros (``policy="drop"``)."""
+
+    @classmethod
+    def from_values(cls, values: Sequence[float]) -> GroupTotals:
+        """The summed row read back on the host."""
+        return cls(*_decoded(cls, values[:G.size]))
+
+    @property
+    def kinds(self) -> tuple[str, ...]:
+        """Which of ``batch``, ``loss``, ``grad`` were non-finite in some group."""
+        return tuple(k for k, n in zip(KINDS, (self.batch, self.loss, self.grad), strict=True)
+                     if n)
+
+    @property
+    def single(self) -> int:
+        """With one bad group: its participating replica rank (else -1)."""
+        return self.index - 1 if self.bad == 1 else -1
+
+
 class Index:
     """The wire positions of a record's fields, generated from the record: ``T.bad_batch`` is
     where ``Totals.bad_batch`` lies in the vector, ``R.loss_value`` where the loss lies in a
@@ -197,6 +230,8 @@ class Index:
 R = Index(Row)
 T = Index(Totals)
 O = Index(OwnRow, start=T.size)  # noqa: E741 - the own section, beside R and T
+#: Positions in torchft's replica groups' row (:class:`GroupTotals`).
+G = Index(GroupTotals)
 #: Floats in a rank's vector, and bytes one rank sends per step (fp32), at any world size.
 SIZE = T.size + O.size
 EXCHANGE_BYTES = T.size * 4

@@ -4,6 +4,7 @@ others step on; a dead peer is a regroup, never a crash."""
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from pathlib import Path
@@ -45,6 +46,7 @@ def test_a_nan_in_one_group_is_vetoed_on_every_group_named_and_struck_out_live(
         assert isinstance(g1.error, HostExcludedError), g1.error
         assert "leaves the quorum" in str(g1.error) and "node1" in str(g1.error)
         assert [r.host for r in ExclusionStore(exclusions).records()] == ["node1"]
+        struck = ExclusionStore(exclusions).records()[0].step
         left = g1.results[-1].torchft_step
         deadline = time.monotonic() + 30  # the others go on alone, without a restart
         while min(g0.manager.current_step(), g2.manager.current_step()) < left + 3:
@@ -80,9 +82,13 @@ def test_a_nan_in_one_group_is_vetoed_on_every_group_named_and_struck_out_live(
             assert [(p.group, p.rank, p.host, p.kinds) for p in r.poisoned] == [
                 ("g1", 0, "node1", ["grad"])]
     assert [p.leaving for r in g0.results for p in r.poisoned] == [False, True]
-    # g1's incident reports carry its replica group in their name and job_id.
-    assert sorted(p.name for p in (tmp_path / "reports").glob("*.json")) == [
-        "incident-torchft-g1-step00000002.json", "incident-torchft-g1-step00000004.json"]
+    # g1's incident reports carry its replica group in their name and job_id, and are named
+    # by torchft's step, the count of the exclusion record and the logs (issue 53).
+    reports = sorted((tmp_path / "reports").glob("*.json"))
+    assert [p.name for p in reports] == [
+        f"incident-torchft-g1-step{s:08d}.json" for s in vetoed[g1]], vetoed[g1]
+    assert [json.loads(p.read_text())["step"] for p in reports] == vetoed[g1]
+    assert struck == vetoed[g0][-1], (struck, vetoed)
     # The others trained on after g1 left, and agree bit for bit with the healed group.
     assert g0.manager.current_step() == g2.manager.current_step() == target["step"]
     for a, b, c in zip(g0.weights(), g2.weights(), back.weights(), strict=True):

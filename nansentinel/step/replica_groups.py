@@ -1,0 +1,273 @@
+"""torchft's replica groups as an agreement scope of the Sentinel (step/assembly.Scope): one
+veto on every replica group, and a poisoned group leaves live (docs/torchft.md).
+
+torchft's ``Manager.should_commit()`` agrees within one replica group only. After the ranks
+of a group decided their own step (the optimizer not stepped), every group sums one small
+health row through ``Manager.allreduce`` (wire/replica_groups.py), so every group sees the
+same count of groups that did not apply; a step that some group did not apply is reported to
+every manager (``report_error``), so that ``should_commit()`` is False on every group at the
+same step and nothing non-finite is ever committed, or served to a healing peer. The poisoned
+groups are named (group, rank, host) on every group. A host struck ``host_strikes`` times
+raises :class:`HostExcludedError` in its group after it shut its manager down: the lighthouse
+drops it at the next quorum and the others train on. Under ``policy="drop"`` a group whose
+batch or loss was non-finite sends zeros instead, and every group commits the others' mean.
+
+This module does not import torchft: nansentinel/torchft.py builds the scope from the
+manager (and its ids) and hands it to the Sentinel.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+from nansentinel.common.exclusion import ExclusionRecord, ExclusionStore
+from nansentinel.config import ConfigError, SentinelConfig, resolve_hostname
+from nansentinel.decide.groups import Decided, group_result
+from nansentinel.decide.policy import max_dropped_ranks
+from nansentinel.effects.drop import rescale
+from nansentinel.result import (
+    FTStepResult,
+    HostExcludedError,
+    NonFiniteError,
+    Outcome,
+    StepResult,
+)
+from nansentinel.wire.replica_groups import agree, gather_names, health_row
+from nansentinel.wire.schema import GroupTotals
+
+if TYPE_CHECKING:
+    from nansentinel.step.assembly import Parts
+
+log = logging.getLogger("nansentinel")
+
+
+class ReplicaGroups:
+    """The replica groups of a torchft job, deciding each step together (see the module
+    docstring).
+
+    Args:
+        manager: this group's torchft ``Manager``.
+        group: this replica group's id (as the user gave it).
+        group_rank: this process's rank inside its replica group.
+        rollback: why rollbacks are refused on torchft (the policy and spike actions).
+        by_hand: the gradients are reduced by the user's own ``Manager.allreduce``, where
+            ``policy="drop"`` cannot put zeros in place of a group's contribution.
+    """
+
+    def __init__(self, manager: Any, *, group: str, group_rank: int, rollback: str,
+                 by_hand: bool) -> None:
+        self.manager, self.group, self.group_rank = manager, group, group_rank
+        self.rollback, self.by_hand = rollback, by_hand
+        #: ``policy="drop"`` is carried out across the groups here; each group decides its
+        #: own step as ``skip`` (a group of one cannot leave itself out).
+        self.drop = False
+        #: torchft's step when the step in progress began (the count reports are named by).
+        self.began = 0
+        #: torchft steps at which this group's host was struck (within ``strike_window``).
+        self.strikes: list[int] = []
+        self._grads: list[Any] = []
+        self._parts: Parts | None = None
+
+    # --- the Scope's calls -------------------------------------------------------------------
+
+    def configure(self, config: SentinelConfig, environ: Mapping[str, str]) -> SentinelConfig:
+        """Refuses what torchft cannot do (before anything is started); ``policy="drop"``
+        becomes each group's ``skip``; the job id names the replica group (groups share a
+        report_dir): the run id where torchrun was given one (``--rdzv-id``), else
+        ``torchft``, then the group's id."""
+        host = resolve_hostname(config.hostname, environ)
+        changes: dict[str, Any] = {}
+        if config.policy == "drop":
+            if self.by_hand:
+                raise ConfigError(
+                    "policy='drop' is refused on torchft for gradients reduced by hand: the "
+                    "sentinel cannot put zeros in place of a group's contribution to your own "
+                    "Manager.allreduce. Use nansentinel.torchft.DistributedDataParallel, or "
+                    "policy='skip'; nothing was started.", field="policy")
+            self.drop = True
+            changes["policy"] = "skip"
+        if "rollback" in (config.policy, config.loss_spike_action, config.grad_spike_action):
+            raise ConfigError(
+                f"policy={config.policy!r} (spike actions {config.loss_spike_action!r}, "
+                f"{config.grad_spike_action!r}) is refused on torchft (replica group "
+                f"{self.group}, host {host}): {self.rollback}. Use policy='skip' and a spike "
+                "action 'skip' or 'warn'; nothing was started.", field="policy")
+        self._refuse_excluded(config, host)
+        if config.job_id is None:
+            run = environ.get("TORCHELASTIC_RUN_ID")
+            # torchrun without --rdzv-id says "none": the replica group names the job then.
+            base = run if run and run != "none" else "torchft"
+            changes["job_id"] = f"{base}-{self.group}"
+        return dataclasses.replace(config, **changes) if changes else config
+
+    def bind(self, parts: Parts) -> None:
+        """Keeps the parts; under ``policy="drop"`` the gradient path withholds a poisoned
+        group's buckets; reports are named by torchft's step."""
+        self._parts = parts
+        if self.drop:
+            current = parts.current
+            parts.gradients.drop_flag = lambda: current.local.poisoned()  # type: ignore[attr-defined]
+        parts.detector.incidents.step_of = lambda _: self.began
+
+    def begin(self) -> None:
+        parts = self._bound()
+        self.began = int(self.manager.current_step())
+        # The reduced gradients, before this group's own skip lets them go (policy="drop").
+        self._grads = [p.grad for p in parts.watched.module.parameters()] if self.drop else []
+
+    def agree(self, local: StepResult, stopping: NonFiniteError | None, *,
+              optimizer_step: bool) -> tuple[StepResult, NonFiniteError | None]:
+        """The step as every replica group decided it: this group's own decision (``local``),
+        then the groups' sum, then ``should_commit()``; the optimizer steps only when it is
+        True on this (and so on every) group. A group struck out raises
+        :class:`HostExcludedError`, and under ``policy="abort"`` every group raises
+        :class:`NonFiniteError` at the same step."""
+        parts, manager = self._bound(), self.manager
+        config, began, device = parts.ctx.config, self.began, parts.ctx.device
+        here = not local.applied
+        withheld = self.drop and parts.gradients.take_withheld()  # type: ignore[attr-defined]
+        health = agree(manager, health_row(here, local.kinds, manager.participating_rank(),
+                                           withheld), device)
+        names: list[dict[str, Any]] | None = []
+        strikes = 0
+        kept = self._kept(health, config)
+        if health is not None and health.bad:
+            # A strike only while some group is healthy: when every group is poisoned the
+            # cause is global (learning rate, data), and striking hosts would shrink the job.
+            if here and local.bad_ranks and health.bad < manager.num_participants():
+                strikes = self._strike(began, local.verdict, config)
+            leaving = stopping is not None or strikes >= config.host_strikes
+            mine = self._name(local, leaving, strikes) if here else None
+            names = gather_names(manager, mine, device)
+            if kept is None:
+                manager.report_error(RuntimeError(
+                    f"nansentinel: {health.bad} replica group(s) did not apply step {began}"))
+        regrouped = health is None or names is None
+        committed = bool(manager.should_commit())
+        optimizer = parts.judge.optimizer
+        if committed and kept is not None:  # dropped: the others' mean, on every group
+            for p, g in zip(parts.watched.module.parameters(), self._grads, strict=True):
+                p.grad = g  # the reduced gradients this group's own skip let go
+            rescale(optimizer, manager.num_participants() / kept)
+        if committed and optimizer_step:
+            optimizer.step()
+        elif not committed:  # another group's NaN, or a failed all-reduce's leftovers
+            optimizer.zero_grad(set_to_none=True)
+        self._grads = []
+        result: FTStepResult = group_result(local, names or [], Decided(
+            began, committed, committed and optimizer_step, regrouped, kept))
+        self._say(result)
+        if strikes >= config.host_strikes:
+            stopping = self._struck_out(result, strikes)
+            result = stopping.result  # type: ignore[assignment]  # built as an FTStepResult
+        if stopping is None and config.policy == "abort" and result.poisoned:
+            result = dataclasses.replace(result, outcome=Outcome.ABORTED)
+            stopping = NonFiniteError(f"nansentinel: policy is abort: {result.reason}; every "
+                                      "replica group stops at this step", result)
+        elif stopping is not None and not isinstance(stopping.result, FTStepResult):
+            stopping = type(stopping)(str(stopping), result)  # the groups' view of the step
+        return result, stopping
+
+    def leave(self, metrics: Any) -> None:
+        """The lighthouse drops this group at the next quorum; its final state is served at
+        once, and kept up ``metrics_linger`` seconds so that Prometheus scrapes it."""
+        self.manager.shutdown(wait=False)
+        if metrics is None:
+            return
+        metrics.flush()
+        config = self._bound().ctx.config
+        if config.metrics_linger > 0 and config.metrics_port:
+            log.info("nansentinel: replica group %s keeps its exporter up %g s for the final "
+                     "scrape", self.group, config.metrics_linger)
+            time.sleep(config.metrics_linger)
+
+    # --- internals ---------------------------------------------------------------------------
+
+    def _bound(self) -> Parts:
+        assert self._parts is not None, "ReplicaGroups used before the Sentinel bound it"
+        return self._parts
+
+    def _refuse_excluded(self, config: SentinelConfig, host: str) -> None:
+        """A host struck out stays out: this process leaves before its first quorum."""
+        path = config.exclusion_file
+        if not path or not ExclusionStore(path).is_excluded(host):
+            return
+        self.manager.shutdown(wait=False)
+        message = (f"nansentinel: host {host} is excluded ({path}): replica group "
+                   f"{self.group} does not join the torchft quorum. Clear it with "
+                   f"`nansentinel excluded --exclusion-file {path} --clear {host}` once the "
+                   "host is repaired.")
+        raise HostExcludedError(message, StepResult(
+            step=0, applied=False, outcome=Outcome.EXCLUDED, bad_ranks=[],
+            bad_hosts=[host], kinds=[], local_kinds=[], local_loss=None, local_grad_norm=None,
+            consecutive_skips=0, excluded_hosts=[host], reason=message))
+
+    def _kept(self, health: GroupTotals | None, config: SentinelConfig) -> int | None:
+        """Under ``policy="drop"``: the groups whose gradients the step keeps, when every group
+        that did not apply it sent zeros (its batch or loss was non-finite before its
+        gradients left) and they are at most ``max_dropped`` of the participants and not all;
+        None: the step is vetoed (or healthy)."""
+        if not self.drop or health is None or not health.bad:
+            return None
+        total = int(self.manager.num_participants())
+        if health.dropped != health.bad or health.bad >= total:
+            return None
+        if health.bad > max_dropped_ranks(total, config.max_dropped):
+            return None
+        return total - health.bad
+
+    def _strike(self, step: int, verdict: str | None, config: SentinelConfig) -> int:
+        """One strike against this group's host at torchft's ``step`` (not when a replay
+        blamed the data or a divergence); the strikes within ``strike_window``."""
+        if verdict in ("data", "divergence"):
+            return 0
+        horizon = step - config.strike_window
+        self.strikes = [s for s in self.strikes if s > horizon] + [step]
+        return len(self.strikes)
+
+    def _struck_out(self, result: FTStepResult, strikes: int) -> HostExcludedError:
+        """This group's host was struck ``host_strikes`` times: its record for the launcher
+        (``exclusion_file``), and the error this group raises once it has left."""
+        ctx = self._bound().ctx
+        config, host = ctx.config, ctx.identity.hostname
+        message = (f"nansentinel: host {host} (replica group {self.group}, rank "
+                   f"{self.group_rank}) blamed {strikes} times within "
+                   f"{config.strike_window} steps, at torchft step {result.torchft_step}: "
+                   "this replica group leaves the quorum (Manager.shutdown); the others go on "
+                   "at the next quorum without a restart")
+        if config.exclusion_file:
+            ExclusionStore(config.exclusion_file).add(ExclusionRecord(
+                host=host, reason=f"host {host} blamed {strikes} times within "
+                f"{config.strike_window} steps", step=result.torchft_step,
+                evidence={"replica_group": self.group, "rank": self.group_rank,
+                          "kinds": result.kinds, "strikes": strikes,
+                          "report_path": result.report_path},
+                job_id=ctx.job_id))
+        log.error("%s", message)
+        excluded = dataclasses.replace(result, outcome=Outcome.EXCLUDED,
+                                       excluded_hosts=sorted({*result.excluded_hosts, host}))
+        return HostExcludedError(message, excluded)
+
+    def _name(self, local: StepResult, leaving: bool, strikes: int) -> dict[str, Any]:
+        """What this poisoned group tells every group (bounded: it travels in
+        :data:`~nansentinel.wire.replica_groups.NAME_BYTES`)."""
+        return {"group": self.group[:100], "rank": self.group_rank,
+                "host": self._bound().ctx.identity.hostname[:100], "step": self.began,
+                "kinds": local.kinds, "reason": local.reason[:120], "leaving": leaving,
+                "strikes": strikes}
+
+    def _say(self, result: FTStepResult) -> None:
+        """One line on every group naming the poisoned groups, and what happens next."""
+        host = self._bound().ctx.identity.hostname
+        if result.poisoned:
+            log.error("nansentinel: replica group %s (rank %d, host %s): %s%s", self.group,
+                      self.group_rank, host, result.reason,
+                      "" if result.committed else "; gradients discarded, weights unchanged "
+                      "on every group")
+        elif result.regrouped:
+            log.warning("nansentinel: replica group %s (host %s): %s", self.group, host,
+                        result.reason)

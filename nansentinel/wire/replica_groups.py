@@ -1,0 +1,78 @@
+"""What torchft's replica groups tell each other about a step, through torchft's own managed
+all-reduce (``Manager.allreduce``).
+
+Every step, every group sums one small row (:func:`agree`, laid out by
+:class:`~nansentinel.wire.schema.GroupTotals`, the wire schema's): how many groups did not
+apply the step, which kinds, how many of them sent zeros (``policy="drop"``). Only when that
+count is not zero, the groups' identities travel (:func:`gather_names`): one row of bytes per
+participating group, where only the poisoned ones write. Both go through the manager, at the
+same point of every step on every group, so a dead peer errors the manager (a regroup at the
+next quorum) instead of raising; a group that heals contributes zeros.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import torch
+from torch.distributed import ReduceOp
+
+from nansentinel.result import KINDS
+from nansentinel.wire.schema import G, GroupTotals
+
+#: Bytes of one group's identity on a detection (JSON: group, rank, host, step, kinds).
+NAME_BYTES = 512
+
+
+def health_row(bad: bool, kinds: list[str], replica_rank: int | None,
+               dropped: bool = False) -> list[float]:
+    """This group's row for :func:`agree` (zeros on a healthy step)."""
+    row = [0.0] * G.size
+    if bad:
+        row[G.bad] = 1.0
+        row[G.index] = float((replica_rank or 0) + 1)
+        for kind in KINDS:
+            row[getattr(G, kind)] = float(kind in kinds)
+        row[G.dropped] = float(dropped)
+    return row
+
+
+def agree(manager: Any, row: list[float], device: torch.device) -> GroupTotals | None:
+    """Sum this group's row over the replica groups, through ``Manager.allreduce`` (every
+    group issues it at the same point of every step: after its gradients). None when the
+    manager errored (a dead peer, a failed quorum): the step is not committed and the next
+    quorum regroups. A group that heals contributes zeros (torchft zeroes what a
+    non-participant sends)."""
+    if manager.errored() is not None:
+        return None
+    vector = torch.tensor(row, dtype=torch.float32, device=device)
+    manager.allreduce(vector, reduce_op=ReduceOp.SUM).wait()
+    if manager.errored() is not None:
+        return None
+    return GroupTotals.from_values(vector.tolist())
+
+
+def gather_names(manager: Any, mine: dict[str, Any] | None, device: torch.device
+                 ) -> list[dict[str, Any]] | None:
+    """On a detection only: every participating group's identity, where ``mine`` is given
+    (a poisoned group's), in one all-reduce of one row of :data:`NAME_BYTES` per group (the
+    others send zeros). None when the manager errored."""
+    width = max(1, int(manager.num_participants()))
+    table = torch.zeros(width, NAME_BYTES, dtype=torch.float32, device=device)
+    me = manager.participating_rank()
+    if mine is not None and me is not None and me < width:
+        data = json.dumps(mine, separators=(",", ":")).encode()[:NAME_BYTES]
+        table[me, :len(data)] = torch.tensor(list(data), dtype=torch.float32)
+    manager.allreduce(table, reduce_op=ReduceOp.SUM).wait()
+    if manager.errored() is not None:
+        return None
+    names: list[dict[str, Any]] = []
+    for row in table.to(torch.uint8).cpu().tolist():
+        data = bytes(row).rstrip(b"\0")
+        if data:
+            try:
+                names.append(json.loads(data))
+            except ValueError:
+                names.append({"group": "?", "detail": data.decode(errors="replace")})
+    return names

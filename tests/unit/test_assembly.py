@@ -1,0 +1,145 @@
+"""One assembly builds the Sentinel's parts (step/assembly.py); an integration adds a scope
+instead of subclassing the Sentinel (torchft's replica groups: step/replica_groups.py)."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import nansentinel
+from nansentinel.config import ConfigError, SentinelConfig
+from nansentinel.result import FTStepResult, NonFiniteError, StepResult
+from nansentinel.step.assembly import Parts
+from nansentinel.step.replica_groups import ReplicaGroups
+
+
+def _model() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    return model, torch.optim.SGD(model.parameters(), lr=0.1)
+
+
+def _step(model: torch.nn.Module, sentinel: Any) -> Any:
+    x = sentinel.check_batch(torch.randn(3, 4))
+    loss = model(x).pow(2).mean()
+    sentinel.check_loss(loss)
+    loss.backward()
+    return sentinel.step()
+
+
+def test_the_parts_are_complete_and_frozen(tmp_path: Path) -> None:
+    model, opt = _model()
+    sentinel = nansentinel.Sentinel(model, opt, env={}, report_dir=str(tmp_path))
+    parts = sentinel._parts
+    assert all(getattr(parts, f.name) is not None for f in dataclasses.fields(Parts)
+               if f.name not in ("seam", "device_gate"))
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        parts.gate = None  # type: ignore[misc]
+    # The ranks' exchange is the first scope; the public face reads the parts.
+    assert sentinel.scopes == (sentinel.exchange,) and parts.wider == ()
+    assert sentinel.gradients is parts.gradients and sentinel.gate is parts.gate
+    assert sentinel.engine is None and sentinel.device_gate is None
+    sentinel.close()
+
+
+class Recorder:
+    """A wider scope that records its calls and vetoes the step it is told to."""
+
+    def __init__(self, veto: int | None = None) -> None:
+        self.calls: list[str] = []
+        self.veto = veto
+
+    def configure(self, config: SentinelConfig, environ: Mapping[str, str]) -> SentinelConfig:
+        self.calls.append("configure")
+        return dataclasses.replace(config, job_id="scoped")
+
+    def bind(self, parts: Parts) -> None:
+        self.calls.append("bind")
+        self.parts = parts
+
+    def begin(self) -> None:
+        self.calls.append("begin")
+
+    def agree(self, local: StepResult, stopping: NonFiniteError | None, *,
+              optimizer_step: bool) -> tuple[StepResult, NonFiniteError | None]:
+        self.calls.append(f"agree applied={local.applied} optimizer_step={optimizer_step}")
+        if local.step == self.veto:
+            return local, NonFiniteError("vetoed by the scope", local)
+        if optimizer_step:
+            self.parts.judge.optimizer.step()
+        return local, stopping
+
+    def leave(self, metrics: Any) -> None:
+        self.calls.append("leave")
+
+
+def test_a_scope_is_added_not_subclassed(tmp_path: Path) -> None:
+    """The scope configures the run, is bound to the parts, and decides each step after the
+    ranks (which no longer step the optimizer); its stop is raised after it left."""
+    model, opt = _model()
+    scope = Recorder(veto=1)
+    sentinel = nansentinel.Sentinel(model, opt, env={}, report_dir=str(tmp_path),
+                                    scopes=[scope])
+    assert type(sentinel) is nansentinel.Sentinel and sentinel.scopes[1] is scope
+    assert sentinel.job_id == "scoped" and scope.calls == ["configure", "bind"]
+    before = model.weight.detach().clone()
+    assert _step(model, sentinel).applied
+    assert not torch.equal(before, model.weight), "the scope stepped the optimizer"
+    with pytest.raises(NonFiniteError, match="vetoed by the scope"):
+        _step(model, sentinel)
+    assert scope.calls[2:] == ["begin", "agree applied=True optimizer_step=True",
+                               "begin", "agree applied=True optimizer_step=True", "leave"]
+    sentinel.abandon()
+
+
+class FakeManager:
+    """What ReplicaGroups asks of a torchft Manager before any step."""
+
+    def __init__(self) -> None:
+        self.shut = False
+
+    def shutdown(self, wait: bool = True) -> None:
+        self.shut = True
+
+
+def _groups(by_hand: bool = False) -> ReplicaGroups:
+    return ReplicaGroups(FakeManager(), group="g1", group_rank=0, rollback="torchft heals",
+                         by_hand=by_hand)
+
+
+def test_replica_groups_configure_through_the_config() -> None:
+    """Keyword > env > default for every setting; the job id names the replica group, and
+    torchrun's "none" (no --rdzv-id) is not a job id; drop becomes each group's skip."""
+    env = {"TORCHELASTIC_RUN_ID": "none"}
+    config = _groups().configure(SentinelConfig.from_env(env), env)
+    assert config.job_id == "torchft-g1"
+    env = {"TORCHELASTIC_RUN_ID": "run7"}
+    assert _groups().configure(SentinelConfig.from_env(env), env).job_id == "run7-g1"
+    env = {"NANSENTINEL_JOB_ID": "mine", "NANSENTINEL_POLICY": "drop"}
+    groups = _groups()
+    config = groups.configure(SentinelConfig.from_env(env), env)
+    assert config.job_id == "mine" and config.policy == "skip" and groups.drop
+    with pytest.raises(ConfigError, match="reduced by hand"):
+        _groups(by_hand=True).configure(SentinelConfig.from_env({}, policy="drop"), {})
+    with pytest.raises(ConfigError, match="torchft heals"):
+        _groups().configure(SentinelConfig.from_env({}, policy="rollback"), {})
+
+
+def test_the_torchft_sentinel_is_the_core_one_with_a_scope() -> None:
+    """nansentinel.torchft.Sentinel builds the core Sentinel (no subclass) with torchft's
+    replica groups as its wider scope; FTStepResult is result.py's."""
+    nft = pytest.importorskip("nansentinel.torchft")
+    assert not isinstance(nft.Sentinel, type)
+    assert nft.FTStepResult is FTStepResult
+    from torchft.optim import OptimizerWrapper
+
+    _, opt = _model()
+    wrapped = OptimizerWrapper(FakeManager(), opt)
+    from nansentinel.engines.torchft import stepped
+
+    assert stepped(wrapped) is opt and stepped(opt) is opt
