@@ -81,14 +81,14 @@ def _read_pending(step: int, host: torch.Tensor, event: object) -> list[float]:
 
 
 def check_gate_stream(tmp: Path) -> Outcome:
-    from nansentinel.step.gate import DeviceGate
+    from nansentinel.step.gate import GatedOptimizer
     from nansentinel.wire.schema import SIZE
 
     cuda = _cuda()
     two = cuda and torch.cuda.device_count() >= 2
     device = torch.device("cuda", 1 if two else 0) if cuda else torch.device("cpu")
     param = torch.nn.Parameter(torch.zeros(4, device=device))
-    gate = DeviceGate(torch.optim.AdamW([param], fused=True), device)
+    gate = GatedOptimizer(torch.optim.AdamW([param], fused=True), device)
     vector = torch.zeros(SIZE, device=device)
     stale = []
     for step in range(1, 21):

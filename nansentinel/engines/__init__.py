@@ -3,8 +3,11 @@ reduced across ranks, because after the reduction a NaN from one rank is on ever
 
 One path is chosen once, at construction, from the model the user hands the Sentinel:
 
-- ``ddp``: a ``DistributedDataParallel`` model. Its communication hook checks each flat bucket,
-  then averages it as DDP's default does; the last bucket launches the health exchange.
+- ``ddp``: a ``DistributedDataParallel`` model. On NCCL, one callback at the end of backward
+  (DDP's own C++ all-reduce untouched) checks the local gradients and launches the health
+  exchange; elsewhere, or where every reduction must pass through the sentinel, its
+  communication hook checks each bucket and averages it as DDP's default does, the last
+  bucket launching the exchange (engines/ddp_seam.py).
 - ``fsdp``: an FSDP2 (``fully_shard``) model, 1-D or HSDP. A custom reduce-scatter checks each
   FSDP group's flat, padded, unsharded gradient buffer, then runs FSDP's own reduce-scatter
   unchanged; the exchange leaves at ``step()``.

@@ -25,6 +25,12 @@ collective, and an abort is raised on every rank at the next sentinel call, nami
 it judged.
 
 Every other optimizer keeps the host gate: one host read of the view, then step or not.
+
+One word per thing: ``config.gate`` (``NANSENTINEL_GATE``) is the gate asked for; the *gate*
+(:class:`GateChoice`, ``Sentinel.gate``) is the one taken and why; the *device gate*
+(:class:`GatedSteps`, ``Sentinel.device_gate``) is its steps, launched now and decided later;
+the *gated optimizer* (:class:`GatedOptimizer`) is the device-side ``found_inf`` and the
+optimizer step it gates.
 """
 
 from __future__ import annotations
@@ -134,8 +140,9 @@ def device_gate_refusal(
     return caps.device_gate
 
 
-class DeviceGate:
-    """Runs the optimizer step with a device-side ``found_inf`` taken from the health vector."""
+class GatedOptimizer:
+    """Runs the optimizer step with a device-side ``found_inf`` taken from the health vector
+    (the device-side gating: what :class:`GatedSteps` launches each step)."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, device: torch.device) -> None:
         self.optimizer = optimizer
@@ -223,17 +230,17 @@ class GatedSteps:
     detection still names the poisoned parameters.
 
     Args:
-        gate: the device gate. judge: decides and finishes a step (judge.py).
+        gated: the optimizer, gated on the device. judge: decides and finishes a step.
         buffers: the floating buffers, put back on the device when a step is skipped.
         guarded: a context manager arming the watchdog around a collective.
         rearm: re-arms the watchdog when a step is decided inside the next step's collectives.
         stop_if: raises the decision's abort (the stop path).
     """
 
-    def __init__(self, gate: DeviceGate, judge: StepJudge, buffers: FloatingBuffers, *,
+    def __init__(self, gated: GatedOptimizer, judge: StepJudge, buffers: FloatingBuffers, *,
                  guarded: Callable[[], Any], rearm: Callable[[], None],
                  stop_if: Callable[[Decision, StepResult], None]) -> None:
-        self.gate, self.judge, self.buffers = gate, judge, buffers
+        self.gated, self.judge, self.buffers = gated, judge, buffers
         #: Decided at the next sentinel call (``gate="device"``); False: :meth:`launch`'s
         #: caller decides at once with :meth:`resolve`, the optimizer step being queued
         #: (``gate="auto"``). Set from the :class:`GateChoice` by :func:`gated_steps`.
@@ -243,18 +250,18 @@ class GatedSteps:
         self._pending: tuple[StepRecord, PendingResult] | None = None
 
     def ready(self) -> bool:
-        return self.gate.ready()
+        return self.gated.ready()
 
     def launch(self, record: StepRecord, vector: torch.Tensor, kept: KeptNorms | None
                ) -> PendingResult:
         """Launch the optimizer step gated by a device-side found_inf; decide later."""
-        judge, opt, local = self.judge, self.gate.optimizer, record.local
+        judge, opt, local = self.judge, self.gated.optimizer, record.local
         with local.timed():
             skip = judge.history.skip_batches > 0  # known on the host: no need to look
-            found_inf = self.gate.found_inf(vector, skip)
-            host, event = self.gate.to_host(vector)  # queued before the optimizer: lands early
+            found_inf = self.gated.found_inf(vector, skip)
+            host, event = self.gated.to_host(vector)  # queued before the optimizer: lands early
             saved_lr = judge.cooldown.apply(opt)
-        self.gate.step(found_inf)  # the optimizer's time is not the sentinel's
+        self.gated.step(found_inf)  # the optimizer's time is not the sentinel's
         with local.timed():
             judge.cooldown.restore(opt, saved_lr)  # counted at the decision, if applied
             self.buffers.restore_where(found_inf)  # a skipped step's forward leaves no trace
@@ -353,7 +360,7 @@ def gated_steps(ctx: Context, judge: StepJudge, choice: GateChoice, *,
                      "optimizer step): %s", choice.why)
     if not choice.device:
         return None
-    steps = GatedSteps(DeviceGate(judge.optimizer, ctx.device), judge, judge.buffers,
+    steps = GatedSteps(GatedOptimizer(judge.optimizer, ctx.device), judge, judge.buffers,
                        guarded=ctx.guarded, rearm=rearm, stop_if=stop_if)
     steps.deferred = choice.deferred
     return steps

@@ -17,7 +17,7 @@ from nansentinel import checks
 from nansentinel.checks.health import LocalHealth
 from nansentinel.checks.quarantine import signature_stats
 from nansentinel.rare.replicas import comparand, fingerprint, replicated_state
-from nansentinel.step.gate import DeviceGate
+from nansentinel.step.gate import GatedOptimizer
 from nansentinel.wire.schema import SIZE, pack
 
 ACC = torch.device("meta")  # the accelerator
@@ -77,7 +77,7 @@ def test_the_row_the_vector_and_found_inf_stay_on_the_device() -> None:
     assert row.device == ACC
     vector = pack(row, torch.full((5,), math.inf, device=ACC), 3, amp=False)
     assert vector.device == ACC and vector.shape == (SIZE,)
-    gate = DeviceGate(torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))]), ACC)
+    gate = GatedOptimizer(torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))]), ACC)
     assert gate.found_inf(vector, False).device == ACC
     assert gate.found_inf(vector, True).device == ACC
     # Under gloo the vector is summed on the host: found_inf is moved to the optimizer's device.

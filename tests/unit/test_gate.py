@@ -14,7 +14,7 @@ from nansentinel.engines.ddp import DDPPath
 from nansentinel.engines.deepspeed import DeepSpeedPath
 from nansentinel.engines.fsdp import FSDPPath
 from nansentinel.result import ResultPending
-from nansentinel.step.gate import DeviceGate, device_gate_refusal
+from nansentinel.step.gate import GatedOptimizer, device_gate_refusal
 from nansentinel.step.record import PendingResult
 from nansentinel.wire.schema import SIZE, T
 
@@ -74,7 +74,7 @@ def test_refusals_say_why(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> N
 
 def test_found_inf_follows_the_view() -> None:
     p = torch.nn.Parameter(torch.ones(3))
-    gate = DeviceGate(torch.optim.Adam([p], fused=True), torch.device("cpu"))
+    gate = GatedOptimizer(torch.optim.Adam([p], fused=True), torch.device("cpu"))
     vector = torch.zeros(SIZE)
     assert gate.found_inf(vector, skip=False).item() == 0.0
     assert gate.found_inf(vector, skip=True).item() == 1.0
@@ -88,12 +88,12 @@ def test_found_inf_follows_the_view() -> None:
 def test_fused_sgd_with_momentum_joins_once_its_buffers_exist() -> None:
     p = torch.nn.Parameter(torch.ones(3))
     opt = torch.optim.SGD([p], lr=0.1, momentum=0.9, fused=True)
-    gate = DeviceGate(opt, torch.device("cpu"))
+    gate = GatedOptimizer(opt, torch.device("cpu"))
     p.grad = torch.ones(3)
     assert not gate.ready()  # a skipped first step would leave empty_like buffers
     opt.step()
     assert gate.ready()
-    assert DeviceGate(torch.optim.SGD([p], lr=0.1, fused=True), torch.device("cpu")).ready()
+    assert GatedOptimizer(torch.optim.SGD([p], lr=0.1, fused=True), torch.device("cpu")).ready()
 
 
 def test_result_is_decided_on_first_read_or_at_the_next_call(tmp_path: Path) -> None:
@@ -192,7 +192,7 @@ def test_copy_to_host_is_fenced_on_the_vectors_device_not_the_current_one(
     monkeypatch.setattr(torch.cuda, "current_stream", current_stream)
     monkeypatch.setattr(torch.cuda, "Event", Event)
     # Built for the CPU (no CUDA here); to_host reads only the vector's device.
-    dg = DeviceGate(torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1),
+    dg = GatedOptimizer(torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1),
                     torch.device("cpu"))
     host, event = dg.to_host(Vector())  # type: ignore[arg-type]
     assert isinstance(host, Host) and isinstance(event, Event)

@@ -21,7 +21,7 @@ from nansentinel.engines.deepspeed import DeepSpeedPath
 from nansentinel.engines.fsdp import FSDPPath
 from nansentinel.engines.local import LocalGradPath
 from nansentinel.result import StepResult
-from nansentinel.step.gate import DeviceGate, GateChoice, choose_gate, gated_steps
+from nansentinel.step.gate import GateChoice, GatedOptimizer, choose_gate, gated_steps
 from nansentinel.step.record import PendingResult, StepRecord
 from nansentinel.wire.exchange import HealthExchange
 
@@ -112,9 +112,9 @@ def _run(tmp_path: Path, choice: GateChoice | None, monkeypatch: pytest.MonkeyPa
     if choice is not None:
         monkeypatch.setattr(sentinel_module, "choose_gate", lambda *a, **k: choice)
     events: list[str] = []
-    optimizer_step, read = DeviceGate.step, StepRecord.read
+    optimizer_step, read = GatedOptimizer.step, StepRecord.read
 
-    def gated_step(self: DeviceGate, found_inf: torch.Tensor) -> None:
+    def gated_step(self: GatedOptimizer, found_inf: torch.Tensor) -> None:
         events.append("optimizer")
         optimizer_step(self, found_inf)
 
@@ -130,7 +130,7 @@ def _run(tmp_path: Path, choice: GateChoice | None, monkeypatch: pytest.MonkeyPa
         events.append("blocking read")
         return blocking(self)
 
-    monkeypatch.setattr(DeviceGate, "step", gated_step)
+    monkeypatch.setattr(GatedOptimizer, "step", gated_step)
     monkeypatch.setattr(StepRecord, "read", record_read)
     monkeypatch.setattr(HealthExchange, "wait", blocking_read)
     torch.manual_seed(0)
