@@ -2,12 +2,12 @@
 
 :func:`assemble` builds, from the user's objects and one :class:`SentinelConfig`, one frozen
 :class:`Parts`: where the rank runs (its context), what it watches and steps, the step in
-progress, the gradient path and the seam where an engine's own step meets the sentinel, the
-rare path, the judge, the end, the gate, and an ordered list of agreement scopes: the ranks'
-exchange first (the one every step decides with), then any wider scope an integration adds
-(torchft's replica groups: step/replica_groups.py). The Sentinel (sentinel.py) is the
-loop's calls over these parts; an integration adds a part (a :class:`Scope`), it does not
-subclass the Sentinel.
+progress, the gradient path (and an engine's own step, adapted, where it steps its own
+optimizer), the rare path, the judge, the end, the gate, and an ordered tuple of agreement
+scopes: the ranks' exchange first (the one every step decides with), then any wider scope an
+integration adds (torchft's replica groups: step/replica_groups.py). The Sentinel
+(sentinel.py) is the loop's calls over these parts; an integration adds a part (a
+:class:`Scope`), it does not subclass the Sentinel.
 """
 
 from __future__ import annotations
@@ -93,9 +93,11 @@ class Parts:
     """The step in progress (the gradient path's sink)."""
     gradients: engines.GradPath
     """The gradient path: where the local gradients are checked before their reduction."""
-    seam: EngineAdapter | None
-    """Where an engine that steps its own optimizer meets the sentinel's step (DeepSpeed's
-    adapter); None: the sentinel steps the optimizer it was given."""
+    engine: EngineAdapter | None
+    """The step of an engine that steps its own optimizer, adapted (DeepSpeed's: where its
+    ``step()`` meets the sentinel's); None: the sentinel steps the optimizer it was given.
+    The gradient path's own seam (where it checks: DDP's end of backward or comm hook,
+    FSDP2's reduce-scatter, DeepSpeed's bucket reduction) is the path's (``gradients``)."""
     detector: Detector
     """The rare path: naming, replay, incident reports."""
     judge: StepJudge
@@ -152,7 +154,7 @@ def assemble(model: torch.nn.Module | list[torch.nn.Module], asked: Asked,
     model = torch.nn.ModuleList(model) if isinstance(model, list | tuple) else model
     given = engines.Given(model, asked.optimizer, asked.scaler, asked.group, asked.replay,
                           asked.snapshots, asked.stages)
-    seam, optimizer, scaler = engines.steps_of(given, cfg, environ)
+    engine, optimizer, scaler = engines.steps_of(given, cfg, environ)
     wrapped = engines.recognize(model).CAPS.wraps
     inner = cast(torch.nn.Module, model.module) if wrapped else model
     watched = Watched(model, inner, optimizer, scaler)
@@ -187,7 +189,7 @@ def assemble(model: torch.nn.Module | list[torch.nn.Module], asked: Asked,
     if device_gate is not None:  # decided later: name from norms, hold no gradient
         gradients.keep_norms = True
         ctx.deadline.also_settled(device_gate.settled)
-    return Parts(ctx, watched, current, gradients, seam, detector, judge, end, gate,
+    return Parts(ctx, watched, current, gradients, engine, detector, judge, end, gate,
                  device_gate, (ctx.exchange, *asked.scopes))
 
 

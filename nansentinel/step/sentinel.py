@@ -147,9 +147,9 @@ class Sentinel:
         replaces ``engine.step()``, and returns None on a micro-batch before the accumulation
         boundary (counted, decided at the boundary)."""
         self._resolve()
-        seam = self._parts.seam
-        if seam is not None and seam.accumulating(optimizer_step=optimizer_step,
-                                                  step=self.step_index):
+        engine = self._parts.engine
+        if engine is not None and engine.accumulating(optimizer_step=optimizer_step,
+                                                      step=self.step_index):
             return None
         if self._parts.wider:
             return self._agree(optimizer_step=optimizer_step)
@@ -271,7 +271,7 @@ class Sentinel:
     forward = _read("current.forward", "This step's forward collectives, counted (origins).")
     buffers = _read("current.buffers", "The floating buffers a skipped step puts back.")
     gradients = _read("gradients", "The gradient path; its ``caps`` say what it supports.")
-    engine = _read("seam", "A DeepSpeed engine's adapter (its step's seam); None otherwise.")
+    engine = _read("engine", "A DeepSpeed engine's adapter (its own step); None otherwise.")
     gate = _read("gate", "The gate this run took and why (step/gate.GateChoice).")
     device_gate = _read("device_gate", "The device gate's steps; None: the host gate.")
     scopes = _read("scopes", "The agreement scopes: the exchange, then any integration's.")

@@ -37,7 +37,7 @@ def test_the_parts_are_complete_and_frozen(tmp_path: Path) -> None:
     sentinel = nansentinel.Sentinel(model, opt, env={}, report_dir=str(tmp_path))
     parts = sentinel._parts
     assert all(getattr(parts, f.name) is not None for f in dataclasses.fields(Parts)
-               if f.name not in ("seam", "device_gate"))
+               if f.name not in ("engine", "device_gate"))
     with pytest.raises(dataclasses.FrozenInstanceError):
         parts.gate = None  # type: ignore[misc]
     # The ranks' exchange is the first scope; the public face reads the parts.
@@ -143,3 +143,19 @@ def test_the_torchft_sentinel_is_the_core_one_with_a_scope() -> None:
     from nansentinel.engines.torchft import stepped
 
     assert stepped(wrapped) is opt and stepped(opt) is opt
+
+
+def test_the_replica_groups_row_is_the_wire_schemas() -> None:
+    """One bad group's row, summed with a healthy one's, decodes through the schema's
+    GroupTotals: its count, kinds, participating rank and drop."""
+    from nansentinel.wire.replica_groups import health_row
+    from nansentinel.wire.schema import G, GroupTotals
+
+    bad = health_row(True, ["loss", "grad"], replica_rank=2, dropped=True)
+    summed = [a + b for a, b in zip(bad, health_row(False, [], 0), strict=True)]
+    totals = GroupTotals.from_values(summed)
+    assert len(summed) == G.size
+    assert (totals.bad, totals.kinds, totals.single, totals.dropped) == (1, ("loss", "grad"),
+                                                                         2, 1)
+    two = GroupTotals.from_values([a + b for a, b in zip(bad, bad, strict=True)])
+    assert two.bad == 2 and two.single == -1
