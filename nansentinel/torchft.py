@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from nansentinel import engines
 from nansentinel.result import FTStepResult, PoisonedGroup, SentinelUsageError
 from nansentinel.step.replica_groups import ReplicaGroups
 from nansentinel.step.sentinel import Sentinel as _Sentinel
@@ -39,7 +40,7 @@ def _manager_of(model: torch.nn.Module, manager: Any) -> Any:
             raise SentinelUsageError("nansentinel.torchft.Sentinel: manager= is not the "
                                      "manager the DistributedDataParallel was built with")
         return model.manager
-    if isinstance(model, torch.nn.parallel.DistributedDataParallel) or manager is None:
+    if engines.recognize(model).CAPS.wraps or manager is None:  # another DDP, an engine
         raise SentinelUsageError(
             "nansentinel.torchft.Sentinel watches nansentinel.torchft.DistributedDataParallel"
             f"(manager, module), or a plain module with manager=, not "

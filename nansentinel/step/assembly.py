@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import torch
@@ -144,10 +144,10 @@ def configure(env: Mapping[str, str] | None, scopes: Sequence[Scope],
 
 def assemble(model: torch.nn.Module | list[torch.nn.Module], asked: Asked,
              cfg: SentinelConfig, environ: Mapping[str, str],
-             rearm: Any, resolve: Any) -> Parts:
+             rearm: Callable[[], None]) -> Parts:
     """Every part of one rank's sentinel, built top to bottom (see the module docstring).
-    ``rearm`` and ``resolve`` are the Sentinel's: the device gate re-arms the watchdog and
-    the end decides a pending step through them."""
+    ``rearm`` is the Sentinel's: the device gate re-arms the watchdog through it when it
+    decides a step inside the next step's collectives."""
     insides.require("torch")  # below the oldest release CI tests: our error, not torch's
     prepared.refuse_misprepared(asked.optimizer)  # the framework helpers' refusals hold here
     # What it watches and steps (a DeepSpeed engine brings its own optimizer).

@@ -88,8 +88,7 @@ class Sentinel:
             overrides["replay"], replay = replay, None
         cfg, environ = assembly.configure(env, scopes, overrides)
         asked = Asked(optimizer, scaler, group, replay, snapshots, stages, tuple(scopes))
-        self._parts = parts = assembly.assemble(model, asked, cfg, environ, self._rearm,
-                                                self._resolve)
+        self._parts = parts = assembly.assemble(model, asked, cfg, environ, self._rearm)
         for scope in parts.wider:
             scope.bind(parts)
         assembly.serve(parts, registry)
