@@ -118,6 +118,7 @@ def incidents(argv: list[str]) -> int:
     """List the incident reports of a directory, or explain one (``show``)."""
     import json
 
+    from nansentinel.common.text import printable
     from nansentinel.reading import incidents as reading
 
     default = os.environ.get(env_var("report_dir"), DEFAULT_REPORT_DIR)
@@ -153,7 +154,7 @@ def incidents(argv: list[str]) -> int:
             else:
                 print(reading.table(found))
             for line in errors:
-                print(f"{prog}: error: {line}", file=sys.stderr)
+                print(f"{prog}: error: {printable(line, 2000)}", file=sys.stderr)
             return 2 if errors else 0
         incident = reading.find(args.id, Path(args.dir))
         sections = reading.explain(incident)
@@ -165,5 +166,5 @@ def incidents(argv: list[str]) -> int:
         print(reading.render(sections), end="")
         return 0
     except (reading.ReportError, OSError) as exc:
-        print(f"{prog}: error: {exc}", file=sys.stderr)
+        print(f"{prog}: error: {printable(exc, 2000)}", file=sys.stderr)
         return 2
