@@ -41,7 +41,7 @@ from nansentinel.rare.incident import IncidentWriter
 from nansentinel.rare.replay import ReplayFn
 from nansentinel.rare.replicas import replica_check
 from nansentinel.result import ResultPending, StepResult
-from nansentinel.step import prepared
+from nansentinel.step import prepared, usage
 from nansentinel.step.current import CurrentStep
 from nansentinel.step.gate import GateChoice, GatedSteps, choose_gate, gated_steps
 from nansentinel.step.judge import StepJudge, Stepping
@@ -91,6 +91,7 @@ class Sentinel:
     _gate: GatedSteps | None
     _gate_choice: GateChoice
     _engine: EngineAdapter | None
+    _usage: usage.Usage
 
     def __init__(
         self, model: torch.nn.Module | list[torch.nn.Module],
@@ -101,6 +102,7 @@ class Sentinel:
         **overrides: Any,
     ) -> None:
         insides.require("torch")  # below the oldest release CI tests: our error, not torch's
+        usage.check_objects(model, optimizer)  # the wrong objects, named at once
         prepared.refuse_misprepared(optimizer)  # the framework helpers' refusals hold here too
         if isinstance(replay, bool):  # the config field (keyword > env), not a function
             overrides["replay"], replay = replay, None
@@ -139,7 +141,10 @@ class Sentinel:
             replicas.before_write = snaps.copies.hold  # a repair waits for the copies
         stepping = Stepping(optimizer, scaler, self._current.buffers, snaps, replicas)
         self._judge = StepJudge(ctx, stepping, self._detector, spikes)
-        self._end = stop.RunEnd(ctx, self._judge, getattr(self._gradients, "release", None))
+        self._usage = usage.Usage(watched.module, self._gradients.caps.label,
+                                  lambda: self._end.closed)
+        self._end = stop.RunEnd(ctx, self._judge, usage.chained(
+            getattr(self._gradients, "release", None), self._usage.release))
         self._gate_choice = choose_gate(cfg, ctx.device, optimizer, scaler=scaler,
                                         caps=self._gradients.caps)
         self._gate = gated_steps(ctx, self._judge, self._gate_choice, rearm=self._rearm,
@@ -187,6 +192,7 @@ class Sentinel:
     def check_batch(self, batch: Any, *, ids: Any = None) -> Any:
         """Check every floating-point tensor of ``batch`` (any nesting) before ``backward``;
         returns it. ``ids``: a sample id per row, read after a detection (the skip list)."""
+        self._usage.live("check_batch", self.rank, self.step_index)
         self._resolve()
         self._current.check_batch(batch, ids)
         return batch
@@ -194,6 +200,8 @@ class Sentinel:
     def check_loss(self, loss: torch.Tensor | float) -> None:
         """Check the loss (a tensor, a number; a non-scalar one element-wise) before
         ``backward``, so that its flag leaves with the gradients."""
+        self._usage.live("check_loss", self.rank, self.step_index)
+        self._usage.loss_checked(self.rank, self.step_index)
         self._resolve()
         self._current.add_loss(loss)
 
@@ -211,6 +219,7 @@ class Sentinel:
         """Check the local gradients now and start the exchange: only if you reduce
         gradients by hand, after ``backward`` and *before* your all-reduce (DDP and FSDP2
         check them themselves; ``step()`` calls this when nothing did)."""
+        self._usage.live("check_grads", self.rank, self.step_index)
         self._resolve()
         self._current.require_open("check_grads")
         self._gradients.check_now()
@@ -234,13 +243,16 @@ class Sentinel:
         ``StepResult``. With a DeepSpeed engine it
         replaces ``engine.step()``, and returns None on a micro-batch before the accumulation
         boundary (counted, decided at the boundary)."""
+        self._usage.live("step", self.rank, self.step_index)
         self._resolve()
         if self._engine is not None and self._engine.accumulating(
                 optimizer_step=optimizer_step, step=self.step_index):
             return None
         self._judge.caller_did_not_step()
         if not self._ctx.exchange.launched:
+            self._usage.stepping(self.rank, self.step_index)  # a backward since the last step
             self.check_grads()
+        self._usage.stepped()
         record = self._current.record
         if optimizer_step and self._gate is not None and self._gate.ready():
             _, vector = self._ctx.exchange.take()  # no host read: found_inf comes from it
