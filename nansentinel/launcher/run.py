@@ -246,7 +246,12 @@ def main(argv: list[str] | None = None) -> int:
     hostname = _config.resolve_hostname(cfg.hostname)
     store = ExclusionStore(cfg.exclusion_file) if cfg.exclusion_file else None
     if store is not None:
-        mine = store.records_for(hostname)
+        try:
+            mine = store.records_for(hostname)
+        except OSError as exc:
+            return _config_error(f"--exclusion-file {store.path} (or "
+                                 f"{_config.env_var('exclusion_file')}): cannot be read "
+                                 f"({exc.strerror or exc})")
         if mine:
             return refuse_excluded(mine[-1], store, opts.on_exclude)
 
