@@ -90,8 +90,13 @@ class Usage:
         watched = label in GRAD_PATHS and bool(trainable)
         self._trainable = trainable if watched else []
         probes = {id(p): p for p in (trainable[:1] + trainable[-1:])} if watched else {}
-        self._handles = [p.register_post_accumulate_grad_hook(self._accumulated)
-                         for p in probes.values()]
+        self._handles: list[Any] = []
+        try:
+            for p in probes.values():
+                self._handles.append(p.register_post_accumulate_grad_hook(self._accumulated))
+        except RuntimeError:  # a parameter that is no leaf (a view another wrapper made)
+            self.release()
+            self._trainable = []
         self._closed = closed
         self._local = label == "local gradients"
         self._backwards = 0
