@@ -132,12 +132,16 @@ MAX_DEMO_RANKS = 64
 
 
 def _demo_problem(args: argparse.Namespace) -> str | None:
-    """What is wrong with the demo's own options, in one line (None: nothing)."""
-    from nansentinel.demo import demo_arg_problem
-
+    """What is wrong with the demo's own options, in one line (None: nothing). The worker
+    checks ``--steps`` and ``--sleep`` too (``demo.demo_arg_problem``), for a direct
+    ``python -m nansentinel.demo``; the command does not import the worker side."""
     if not 1 <= args.nproc <= MAX_DEMO_RANKS:
         return f"--nproc={args.nproc}: must be from 1 to {MAX_DEMO_RANKS} CPU ranks"
-    return demo_arg_problem(args.steps, args.sleep)
+    if args.steps < 0:
+        return f"--steps={args.steps}: must be 0 or more"
+    if not 0 <= args.sleep <= 3600:  # NaN fails too; time.sleep refuses a negative pause
+        return f"--sleep={args.sleep}: must be a number of seconds from 0 to 3600"
+    return None
 
 
 def _idle_faults(spec: str | None, nproc: int) -> str | None:
