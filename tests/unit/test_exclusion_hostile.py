@@ -98,3 +98,13 @@ def test_a_report_write_removes_hour_old_orphans_only(tmp_path: Path) -> None:
     os.utime(keep, (hour_ago, hour_ago))
     write_json(tmp_path / "step-7.json", {"a": 1})
     assert not old.exists() and fresh.exists() and keep.exists()
+
+
+def test_archiving_verdicts_removes_a_killed_ranks_temporary_file(tmp_path: Path) -> None:
+    from nansentinel.common.verdicts import VERDICTS_SUBDIR, archive_verdicts
+
+    verdicts = tmp_path / VERDICTS_SUBDIR
+    verdicts.mkdir()
+    (verdicts / ".rank-3.ab12cd34.tmp").write_text("{")
+    assert archive_verdicts(tmp_path) is None  # nothing else there: nothing to archive
+    assert not any(verdicts.iterdir())
