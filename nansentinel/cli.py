@@ -41,10 +41,13 @@ def main(argv: list[str] | None = None) -> int:
         from nansentinel.launcher.excluded_command import excluded_main
 
         return excluded_main(rest)
-    if command == "demo":
-        return demo(rest)
-    if command == "incidents":
-        return incidents(rest)
+    try:  # argparse's usage errors and --help return their code: main(argv) never exits
+        if command == "demo":
+            return demo(rest)
+        if command == "incidents":
+            return incidents(rest)
+    except SystemExit as exc:
+        return 0 if exc.code is None else exc.code if isinstance(exc.code, int) else 2
     print(f"nansentinel: unknown command {command!r}\n{USAGE}", end="", file=sys.stderr)
     return 2
 
@@ -75,6 +78,10 @@ def demo(argv: list[str]) -> int:
                    help="shard the model with FSDP2 instead of DDP (gradients checked before "
                    "each reduce-scatter)")
     args = p.parse_args(argv)
+    problem = _demo_problem(args)
+    if problem:  # one line here, not a traceback from every rank
+        print(f"nansentinel demo: error: {problem}", file=sys.stderr)
+        return 2
     # What the command line says overrides the environment, and an error names the option.
     given: dict[str, Any] = {}
     if args.policy is not None:
@@ -82,12 +89,18 @@ def demo(argv: list[str]) -> int:
     if args.inject is not None:
         given["inject"] = args.inject or None
     elif env_var("inject") not in os.environ:
-        given["inject"] = DEFAULT_INJECT
+        # Rank 2 where there is one; the last rank of a smaller demo (a fault that never
+        # fires would show nothing).
+        given["inject"] = DEFAULT_INJECT.replace("rank=2", f"rank={min(2, args.nproc - 1)}")
     try:  # a bad value is one clear line here, not a traceback from every worker
         cfg = SentinelConfig.from_env(os.environ, **given)
     except ConfigError as exc:
         where = f" (from --{exc.field.replace('_', '-')})" if exc.field in given else ""
         print(f"nansentinel demo: error: {exc}{where}", file=sys.stderr)
+        return 2
+    idle = _idle_faults(cfg.inject, args.nproc)
+    if idle:
+        print(f"nansentinel demo: error: {idle}", file=sys.stderr)
         return 2
     os.environ[env_var("policy")] = cfg.policy
     if cfg.inject:
@@ -114,10 +127,43 @@ def demo(argv: list[str]) -> int:
     ])
 
 
+#: The most CPU ranks the demo starts (each is a process with its own copy of the model).
+MAX_DEMO_RANKS = 64
+
+
+def _demo_problem(args: argparse.Namespace) -> str | None:
+    """What is wrong with the demo's own options, in one line (None: nothing). The worker
+    checks ``--steps`` and ``--sleep`` too (``demo.demo_arg_problem``), for a direct
+    ``python -m nansentinel.demo``; the command does not import the worker side."""
+    if not 1 <= args.nproc <= MAX_DEMO_RANKS:
+        return f"--nproc={args.nproc}: must be from 1 to {MAX_DEMO_RANKS} CPU ranks"
+    if args.steps < 0:
+        return f"--steps={args.steps}: must be 0 or more"
+    if not 0 <= args.sleep <= 3600:  # NaN fails too; time.sleep refuses a negative pause
+        return f"--sleep={args.sleep}: must be a number of seconds from 0 to 3600"
+    return None
+
+
+def _idle_faults(spec: str | None, nproc: int) -> str | None:
+    """A fault the demo's ranks can never fire (a rank past the last), named; None if all
+    can."""
+    if not spec:
+        return None
+    from nansentinel.common.inject import parse_inject
+
+    idle = sorted({f.rank for f in parse_inject(spec) if f.rank is not None and f.rank >= nproc})
+    if not idle:
+        return None
+    return (f"the fault spec {spec!r} names rank {', '.join(map(str, idle))}, but the demo runs "
+            f"ranks 0-{nproc - 1} (--nproc={nproc}): it would never fire; name a rank below "
+            f"{nproc}")
+
+
 def incidents(argv: list[str]) -> int:
     """List the incident reports of a directory, or explain one (``show``)."""
     import json
 
+    from nansentinel.common.text import printable
     from nansentinel.reading import incidents as reading
 
     default = os.environ.get(env_var("report_dir"), DEFAULT_REPORT_DIR)
@@ -153,7 +199,7 @@ def incidents(argv: list[str]) -> int:
             else:
                 print(reading.table(found))
             for line in errors:
-                print(f"{prog}: error: {line}", file=sys.stderr)
+                print(f"{prog}: error: {printable(line, 2000)}", file=sys.stderr)
             return 2 if errors else 0
         incident = reading.find(args.id, Path(args.dir))
         sections = reading.explain(incident)
@@ -165,5 +211,5 @@ def incidents(argv: list[str]) -> int:
         print(reading.render(sections), end="")
         return 0
     except (reading.ReportError, OSError) as exc:
-        print(f"{prog}: error: {exc}", file=sys.stderr)
+        print(f"{prog}: error: {printable(exc, 2000)}", file=sys.stderr)
         return 2

@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import logging
+import math
 import os
 import socket
 from collections.abc import Mapping
@@ -240,6 +241,7 @@ class SentinelConfig:
     ``warn``."""
 
     def __post_init__(self) -> None:
+        _check_ranges(self)
         if self.policy not in POLICIES:
             raise ConfigError(
                 f"policy={self.policy!r} is not a known policy; expected one of "
@@ -437,20 +439,76 @@ def _parse_env(var: str, raw: str, kind: str) -> Any:
             return True
         if lowered in ("0", "false", "no", "off"):
             return False
-        raise ConfigError(f"environment variable {var}={raw!r} is not a boolean (1/0, true/false)")
+        raise ConfigError(
+            f"environment variable {var}={shown(raw)} is not a boolean (1/0, true/false)")
     try:
         return int(value) if kind == "int" else float(value)
     except ValueError:
         raise ConfigError(
-            f"environment variable {var}={raw!r} is not a valid {kind}"
+            f"environment variable {var}={shown(raw)} is not a valid {kind}"
         ) from None
+
+
+#: The largest value of each numeric setting (docs/configuration.md, "Ranges"). A value past
+#: these is a typo or a probe, never a run: an infinite timeout hangs the watchdog's fit, an
+#: infinite linger overflows ``time.sleep``, a window of 10**40 overflows ``deque``.
+MAXIMA: dict[str, float] = {
+    "max_consecutive_skips": 1_000_000,
+    "metrics_port": 65535,
+    "metrics_linger": 3600.0,
+    "host_strikes": 1_000_000,
+    "exchange_timeout": 86400.0,
+    "spike_ratio": 1e6,
+    "loss_spike_ratio": 1e6,
+    "spike_zscore": 1e6,
+    "spike_window": 1_000_000,
+    "spike_warmup": 1_000_000,
+    "spike_patience": 1_000_000,
+    "rollback_skip_batches": 1_000_000,
+    "max_rollbacks": 1000,
+    "quarantine_size": 1_000_000,
+}
+#: The largest value of a numeric setting not in :data:`MAXIMA` (steps, counts): a 32-bit
+#: signed integer, or 1e9 for a float.
+INT_MAX = 2**31 - 1
+FLOAT_MAX = 1e9
+
+
+def maximum(field: str) -> float:
+    """The largest value numeric setting ``field`` accepts."""
+    default = FLOAT_MAX if _PARSERS.get(field) == "float" else INT_MAX
+    return MAXIMA.get(field, default)
+
+
+def _check_ranges(cfg: SentinelConfig) -> None:
+    """Every numeric setting is finite and at most its :func:`maximum`, checked in one place
+    (from the field's own annotation, so a field added later is covered too); the lower
+    bounds and the types are each field's own check."""
+    for field in dataclasses.fields(cfg):
+        value = getattr(cfg, field.name)
+        if _PARSERS.get(field.name) not in ("int", "float") or isinstance(value, bool) or (
+            not isinstance(value, int | float)
+        ):
+            continue
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ConfigError(f"{field.name}={value!r} must be a finite number")
+        top = maximum(field.name)
+        if value > top:
+            raise ConfigError(f"{field.name}={shown(value)} is above its maximum, {top:g}")
+
+
+def shown(value: object, limit: int = 60) -> str:
+    """``repr(value)`` cut to ``limit`` characters: a message names the value, but a
+    5000-digit one would bury the rest of the message."""
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit]}...({len(text)} characters)"
 
 
 def _require_int(field: str, value: object, *, minimum: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int):
         raise ConfigError(f"{field}={value!r} must be an integer")
     if value < minimum:
-        raise ConfigError(f"{field}={value!r} must be >= {minimum}")
+        raise ConfigError(f"{field}={shown(value)} must be >= {minimum}")
 
 
 def _require_positive(field: str, value: object, *, above: float) -> None:

@@ -69,6 +69,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="shard the model with FSDP2 (fully_shard on each layer, then the root) "
                    "instead of DDP")
     args = p.parse_args(argv)
+    problem = demo_arg_problem(args.steps, args.sleep)
+    if problem:
+        p.error(problem)
+    if args.checkpoint_every < 1:
+        p.error(f"--checkpoint-every={args.checkpoint_every}: must be 1 or more")
     if args.fsdp and args.checkpoint_dir:
         p.error("--checkpoint-dir saves rank 0's whole model; under --fsdp each rank holds a "
                 "shard, which this demo does not checkpoint (use torch.distributed.checkpoint)")
@@ -77,8 +82,31 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
+def demo_arg_problem(steps: int, sleep: float) -> str | None:
+    """What is wrong with ``--steps`` and ``--sleep``, in one line (None: nothing): checked by
+    ``nansentinel demo`` before it starts any rank, and by each worker run directly."""
+    if steps < 0:
+        return f"--steps={steps}: must be 0 or more"
+    if not 0 <= sleep <= 3600:  # NaN fails too; time.sleep refuses a negative pause
+        return f"--sleep={sleep}: must be a number of seconds from 0 to 3600"
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+    """One demo worker; a stop the sentinel decided (abort, exclusion, a rank that did not
+    answer) is one line on this rank, not a traceback: the launcher's summary after it
+    names every rank, the step and the report, and its exit code says which stop it was."""
+    try:
+        return _train(parse_args(argv))
+    except (nansentinel.NonFiniteError, nansentinel.ExchangeTimeoutError) as exc:
+        rank = os.environ.get("RANK", "0")
+        # One write: the ranks share the terminal, and print's two writes interleave.
+        sys.stderr.write(f"rank {rank}: stopped: {str(exc).removeprefix('nansentinel: ')}\n")
+        sys.stderr.flush()
+        return 1
+
+
+def _train(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout)
     distributed = "WORLD_SIZE" in os.environ
     if distributed:
@@ -120,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
             optimizer.zero_grad(set_to_none=True)
             if rank == 0:
                 bad = (f" bad ranks {result.bad_ranks} hosts {result.bad_hosts} kinds "
-                       f"{result.kinds} verdict {result.verdict}")
+                       f"{result.kinds} verdict {result.verdict or 'none'}")
                 print(
                     f"step {result.step:3d} {result.outcome:8s} loss {result.local_loss:.4f} "
                     f"grad_norm {result.local_grad_norm:.4f}" + (bad if result.bad_ranks else ""),
@@ -231,6 +259,8 @@ def _save(args: argparse.Namespace, model: nn.Module, optimizer: torch.optim.Opt
         tmp,
     )
     os.replace(tmp, path)
+    print(f"checkpoint saved to {path} after step {sentinel.step_index - 1} (a restart resumes "
+          "from it)", flush=True)
 
 
 def _resume(args: argparse.Namespace, model: nn.Module, optimizer: torch.optim.Optimizer,

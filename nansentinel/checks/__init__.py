@@ -25,21 +25,52 @@ from collections.abc import Iterator, Mapping, Sequence
 import torch
 
 from nansentinel.common import torch_insides as insides
+from nansentinel.result import SentinelUsageError
 
 _HALF = (torch.float16, torch.bfloat16)
 
 
 def tensors(obj: object) -> Iterator[torch.Tensor]:
     """Yield every tensor in any nesting of mappings, lists and tuples (other leaves — strings,
-    None, numbers — are skipped)."""
+    None, numbers — are skipped), in order.
+
+    Walked with a stack of its own, not recursion, so a deep nesting costs no Python frames;
+    a container that holds itself (``x = []; x.append(x)``) is a
+    :class:`~nansentinel.result.SentinelUsageError` naming the depth, not an endless walk or a
+    ``RecursionError``. The same container twice side by side is walked twice, as before.
+    """
     if isinstance(obj, torch.Tensor):
         yield obj
-    elif isinstance(obj, Mapping):
-        for value in obj.values():
-            yield from tensors(value)
-    elif isinstance(obj, list | tuple):
-        for value in obj:
-            yield from tensors(value)
+        return
+    path: list[int] = []  # ids of the containers being walked, outermost first
+    walking: set[int] = set()  # the same ids, to look up
+    stack: list[Iterator[object]] = []
+
+    def enter(container: object) -> None:
+        if id(container) in walking:
+            raise SentinelUsageError(
+                f"nansentinel: the batch holds itself: a {type(container).__name__} at depth "
+                f"{len(path)} contains one of its own enclosing containers; give a batch of "
+                "dicts, lists and tuples without cycles")
+        path.append(id(container))
+        walking.add(id(container))
+        values = container.values() if isinstance(container, Mapping) else container
+        stack.append(iter(values))  # type: ignore[call-overload]
+
+    if isinstance(obj, Mapping | list | tuple):
+        enter(obj)
+    while stack:
+        value = next(stack[-1], _END)
+        if value is _END:
+            stack.pop()
+            walking.discard(path.pop())
+        elif isinstance(value, torch.Tensor):
+            yield value
+        elif isinstance(value, Mapping | list | tuple):
+            enter(value)
+
+
+_END = object()
 
 
 def local(t: torch.Tensor) -> torch.Tensor:

@@ -25,6 +25,7 @@ import dataclasses
 import fcntl
 import json
 import logging
+import math
 import os
 import tempfile
 import threading
@@ -32,6 +33,9 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+
+from nansentinel.common.tempfiles import sweep
+from nansentinel.common.text import finite_json
 
 log = logging.getLogger("nansentinel")
 
@@ -61,7 +65,12 @@ class ExclusionRecord:
 
     def to_json(self) -> str:
         """One line of JSON, without a newline."""
-        return json.dumps(dataclasses.asdict(self), sort_keys=True, default=str)
+        return json.dumps(self.to_dict(), sort_keys=True, default=str, allow_nan=False)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The record as JSON-able values (a non-finite number in the evidence as a
+        string)."""
+        return finite_json(dataclasses.asdict(self))
 
     @classmethod
     def from_dict(cls, data: Any) -> ExclusionRecord:
@@ -74,20 +83,30 @@ class ExclusionRecord:
         evidence = data.get("evidence") or {}
         if not isinstance(evidence, dict):
             raise ValueError(f"evidence={evidence!r} is not an object")
-        try:
-            step = int(data.get("step", -1))
-            when = float(data.get("time", 0.0))
-        except (TypeError, ValueError) as exc:
-            raise ValueError(f"bad step or time: {exc}") from None
+        raw_step, raw_time = data.get("step", -1), data.get("time", 0.0)
+        if isinstance(raw_step, bool) or not isinstance(raw_step, int | float) or not (
+            math.isfinite(raw_step) and float(raw_step).is_integer() and -1 <= raw_step < 2**63
+        ):
+            raise ValueError(f"step={raw_step!r:.40} is not a whole step number")
+        if isinstance(raw_time, bool) or not isinstance(raw_time, int | float) or not (
+            0 <= raw_time <= MAX_TIME
+        ):
+            raise ValueError(f"time={raw_time!r:.40} is not an epoch time in seconds")
+        step, when = int(raw_step), float(raw_time)
         job_id = data.get("job_id")
         return cls(
             host=host,
             reason=str(data.get("reason", "")),
             step=step,
-            evidence=evidence,
+            evidence=finite_json(evidence),
             time=when,
             job_id=None if job_id is None else str(job_id),
         )
+
+
+#: The latest record time accepted (seconds since the epoch: the year 9999), so that every
+#: record's time can be printed as a date.
+MAX_TIME = 253402300799.0
 
 
 class ExclusionStore:
@@ -151,7 +170,7 @@ class ExclusionStore:
         The file is rewritten to a temporary file and swapped in with ``os.replace`` under
         the exclusive lock: a crash leaves the old file or the new one. Lines this store
         cannot parse are kept as they were -- clearing one host must not destroy evidence
-        an operator may still want to read.
+        an operator may still want to read -- unless they name ``host``: those go too.
         """
         with self._locked(fcntl.LOCK_EX):
             try:
@@ -162,12 +181,15 @@ class ExclusionStore:
             removed = 0
             for line in text.splitlines():
                 record = self._parse_line(line)
-                if record is not None and record.host == host:
+                if (record.host if record is not None else _host_of(line)) == host:
                     removed += 1
                 elif line.strip():
                     kept.append(line)
             if removed == 0:
                 return 0
+            # Under the exclusive lock no other clear is writing: any temporary file of ours
+            # here is from a clear that was killed before its rename.
+            sweep(self.path.parent, f".{self.path.name}.", min_age=0)
             fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=f".{self.path.name}.")
             try:
                 with os.fdopen(fd, "w", encoding="utf-8") as f:
@@ -219,13 +241,25 @@ class ExclusionStore:
     def _parse_line(self, line: str, lineno: int | None = None) -> ExclusionRecord | None:
         try:
             return ExclusionRecord.from_dict(json.loads(line))
-        except ValueError as exc:
+        except (ValueError, RecursionError) as exc:  # RecursionError: nested 100k deep
             if lineno is not None:
                 log.warning(
                     "%s line %d: skipping unreadable exclusion record (%s): %.80r",
                     self.path, lineno, exc, line,
                 )
             return None
+
+
+def _host_of(line: str) -> str | None:
+    """The ``host`` of a line that is not a valid record (a step of 1e999, a time of NaN)
+    but still names one, so that ``--clear HOST`` removes it too: a record the launcher
+    cannot read must never be one the operator cannot remove."""
+    try:
+        data = json.loads(line)
+    except (ValueError, RecursionError):
+        return None
+    host = data.get("host") if isinstance(data, dict) else None
+    return host if isinstance(host, str) else None
 
 
 def _fsync_dir(directory: Path) -> None:

@@ -26,6 +26,8 @@ from typing import Any
 
 import torch
 
+from nansentinel.common.tempfiles import sweep_orphans
+
 log = logging.getLogger("nansentinel")
 
 #: Modes of what the sentinel creates, before the umask narrows them further.
@@ -37,6 +39,7 @@ def write_new(path: Path, write: Callable[[Path], None]) -> Path:
     """Write a file with ``write(tmp)`` and publish it at ``path`` or ``path`` with a
     ``-1``, ``-2``, … suffix, whichever is free. Returns the path written."""
     make_private_dirs(path.parent)
+    sweep_orphans(path.parent)  # what writes killed here before left behind (an hour old)
     fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
     try:
         os.fchmod(fd, FILE_MODE & ~_umask())  # mkstemp's 0600, or what a stricter umask says

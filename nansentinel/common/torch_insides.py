@@ -2,9 +2,9 @@
 
 nansentinel checks gradients where torch hands them over (FSDP2's reduce-scatter, pipelining's
 stages), reads c10d's groups and timeouts, and leaves a rendezvous by hand. Those seams are
-private and move between releases: FSDP2's ``_fsdp_param_group`` (torch 2.9-2.12) became
-``_fsdp_param_groups`` (2.13), pipelining's ``_shape_inference`` (2.9-2.12) became
-``_forward_metadata_inference`` and ``_backward_metadata_inference`` (2.13). Every read of
+private and move between releases: FSDP2's ``_fsdp_param_group`` (torch 2.9-2.11) became
+``_fsdp_param_groups`` (2.12.1, 2.13), pipelining's ``_shape_inference`` (2.9-2.11) became
+``_forward_metadata_inference`` and ``_backward_metadata_inference`` (2.12.1, 2.13). Every read of
 such a seam goes through a function here, so that a new torch that moves something breaks this
 module, loudly, and nothing else.
 
@@ -50,7 +50,6 @@ def _at_least(version: str) -> bool:
 
 
 #: Version gates, for what no probe can tell (a behaviour, not an attribute).
-TORCH_GE_2_11 = _at_least("2.11")
 TORCH_GE_2_13 = _at_least("2.13")
 
 
@@ -86,15 +85,16 @@ def _fsdp_custom_reduce_scatter() -> bool:
 
 
 def _pipelining() -> bool:
-    """The stage's shape-inference seam, on a release whose schedules CI runs: torch 2.9.1's
-    own GPipe and 1F1B schedules over gloo abort in a send/recv size check ("8 vs 4") with no
-    sentinel at all, so nothing below 2.11 is tested (a behaviour, not an attribute)."""
+    """The stage's shape-inference seam, probed, not the release number: 2.9 and 2.10 have
+    ``_shape_inference`` and the sentinel's seam works there. (torch 2.9.1's own GPipe and
+    1F1B schedules over gloo abort in a send/recv size check, "8 vs 4", with no sentinel at
+    all: a torch bug the sentinel neither causes nor could avoid by refusing, so it is said in
+    docs/torch-support.md, not gated here.)"""
     try:
         from torch.distributed.pipelining import PipelineStage
     except ImportError:
         return False
-    seam = any(hasattr(PipelineStage, n) for n in (*_SHAPE_INFERENCE_NEW, *_SHAPE_INFERENCE_OLD))
-    return seam and TORCH_GE_2_11
+    return any(hasattr(PipelineStage, n) for n in (*_SHAPE_INFERENCE_NEW, *_SHAPE_INFERENCE_OLD))
 
 
 def _hash_tensor() -> bool:
@@ -116,10 +116,9 @@ FEATURES: dict[str, Feature] = {
         seam="FSDPModule.set_custom_reduce_scatter and FSDP2's gradient divide factors",
         instead="upgrade torch, or use DDP", present=_fsdp_custom_reduce_scatter),
     "pipelining": Feature(
-        name="pipeline stage boundary checks", minimum="2.11",
+        name="pipeline stage boundary checks", minimum="2.9",
         seam="PipelineStage's shape-inference methods (_shape_inference, or "
-             "_forward_metadata_inference and _backward_metadata_inference) on a release "
-             "whose pipeline schedules CI runs",
+             "_forward_metadata_inference and _backward_metadata_inference)",
         instead="upgrade torch", present=_pipelining),
     "fingerprints": Feature(
         name="replica fingerprints (fingerprint_every)", minimum="2.9",
@@ -160,7 +159,7 @@ def require(key: str, where: str = "") -> None:
 
 def fsdp_param_groups(module: Any) -> list[Any]:
     """The FSDP parameter groups of a ``fully_shard``-ed module: ``_fsdp_param_groups``
-    (torch >= 2.13, a list) or ``_fsdp_param_group`` (2.9-2.12, one group or None)."""
+    (torch 2.12.1 and >= 2.13, a list) or ``_fsdp_param_group`` (2.9-2.11, one group or None)."""
     state = module._get_fsdp_state()
     groups = getattr(state, "_fsdp_param_groups", None)
     if groups is not None:

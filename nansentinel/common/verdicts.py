@@ -38,6 +38,7 @@ from nansentinel.common.exitcodes import (
     EXIT_NONFINITE_ABORT,
     EXIT_WORKER_FAILED,
 )
+from nansentinel.common.tempfiles import sweep_orphans
 from nansentinel.result import Outcome
 
 log = logging.getLogger("nansentinel")
@@ -190,6 +191,8 @@ def archive_verdicts(run_dir: str | Path) -> Path | None:
     None when there was nothing to move.
     """
     directory = Path(run_dir) / VERDICTS_SUBDIR
+    # Between attempts no worker writes here: a temporary file is a killed rank's, never read.
+    sweep_orphans(directory, min_age=0)
     if not directory.is_dir() or not any(directory.iterdir()):
         return None
     for n in itertools.count():

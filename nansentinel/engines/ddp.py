@@ -88,10 +88,14 @@ class DDPPath:
         # between its forward hooks and its module's: bracketed, they are left out of the
         # forward's collectives (collectives.ForwardCollectives), while a user's collective
         # inside the module, on the same group, still counts.
-        model.register_forward_pre_hook(self._own_begins)
-        model.module.register_forward_pre_hook(self._own_ends, prepend=True)
-        model.module.register_forward_hook(self._own_begins)
-        model.register_forward_hook(self._own_ends, prepend=True)
+        self._handles = [
+            model.register_forward_pre_hook(self._own_begins),
+            model.module.register_forward_pre_hook(self._own_ends, prepend=True),
+            model.module.register_forward_hook(self._own_begins),
+            model.register_forward_hook(self._own_ends, prepend=True),
+        ]
+        #: The sentinel was closed (:meth:`release`): the comm hook only averages.
+        self.released = False
         #: Where the step is checked (ddp_seam.py): DDP's C++ all-reduce and one callback at
         #: the end of backward, or this path's comm hook on every bucket.
         self.seam = seam_for(backend, as_view=self._as_view, per_reduction=sink.per_reduction)
@@ -108,6 +112,17 @@ class DDPPath:
                 f"{dist.get_rank()}: {exc}. Construct the Sentinel before the first backward and "
                 "do not register another comm hook."
             ) from exc
+
+    def release(self) -> None:
+        """The sentinel is closed (``Sentinel.close``): its hooks leave the model, and what
+        DDP cannot unregister (a comm hook) averages as DDP's default does, checking nothing
+        and launching no exchange. Idempotent."""
+        self.released = True
+        if self._end is not None:
+            self._end.release()
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
 
     def _capabilities(self) -> Capabilities:
         """DDP's group holds this rank's replicas; DTensor parameters (tensor parallel) make a
@@ -271,6 +286,10 @@ def _comm_hook(state, bucket):
     path: DDPPath = state
     sink = path.sink
     buffer = bucket.buffer()
+    if path.released:  # the sentinel is closed: DDP's default average, nothing checked
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+        return default_hooks.allreduce_hook(path.group, bucket)
     if path.buckets == 0:
         path.first_bucket(buffer)
     path.buckets += 1

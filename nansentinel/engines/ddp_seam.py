@@ -74,7 +74,15 @@ class EndOfBackward:
         self.queued = False
         #: A reducing forward returned no tensor to hook (said once, at ``step()``).
         self.missed = False
-        model.register_forward_hook(self.arm)
+        self._handle: Any = model.register_forward_hook(self.arm)
+
+    def release(self) -> None:
+        """Stop arming (``Sentinel.close``): later backwards are DDP's alone, with no check
+        and no exchange launched into a closed sentinel. A backward already armed queues
+        nothing either. Idempotent."""
+        handle, self._handle = self._handle, None
+        if handle is not None:
+            handle.remove()
 
     def arm(self, module: Any, args: Any, output: Any) -> None:
         """After DDP's forward: hook the first gradient the backward computes."""
@@ -87,6 +95,6 @@ class EndOfBackward:
             self.missed = True
 
     def queue(self, *_: Any) -> None:
-        if not self.queued:
+        if not self.queued and self._handle is not None:
             self.queued = True
             queue_callback(self.on_end)

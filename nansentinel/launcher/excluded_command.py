@@ -9,7 +9,6 @@ the file locked while it rewrites it).
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import sys
@@ -19,6 +18,7 @@ from typing import Any
 from nansentinel import config as _config
 from nansentinel.common.exclusion import ExclusionStore
 from nansentinel.common.exitcodes import EXIT_CONFIG, EXIT_OK
+from nansentinel.common.text import printable
 from nansentinel.launcher.console import exit_status, format_time
 
 
@@ -54,23 +54,26 @@ def excluded_main(argv: list[str] | None = None) -> int:
         if args.clear:
             for host in args.clear:
                 removed = store.clear(host)
-                print(f"cleared {removed} exclusion record(s) of host {host} from {store.path}")
+                print(f"cleared {removed} exclusion record(s) of host {printable(host, 255)} "
+                      f"from {store.path}")
             return EXIT_OK
         records = store.records()
     except OSError as exc:
         print(f"nansentinel excluded: error: {exc}", file=sys.stderr)
         return EXIT_CONFIG
     if args.json:
-        print(json.dumps([dataclasses.asdict(r) for r in records], indent=2, default=str))
+        print(json.dumps([r.to_dict() for r in records], indent=2, default=str,
+                         allow_nan=False))
         return EXIT_OK
     if not records:
         print(f"no excluded hosts in {store.path}")
         return EXIT_OK
     for r in records:
-        print(f"{r.host}  step {r.step}  {format_time(r.time)}  job {r.job_id}")
-        print(f"    reason:   {r.reason}")
+        job = None if r.job_id is None else printable(r.job_id, 80)
+        print(f"{printable(r.host, 255)}  step {r.step}  {format_time(r.time)}  job {job}")
+        print(f"    reason:   {printable(r.reason)}")
         if r.evidence:
-            print(f"    evidence: {_summarize(r.evidence)}")
+            print(f"    evidence: {printable(_summarize(r.evidence))}")
     return EXIT_OK
 
 

@@ -95,7 +95,7 @@ from typing import Any
 
 from nansentinel import config as _config
 from nansentinel.common.exclusion import ExclusionStore
-from nansentinel.common.exitcodes import EXIT_CONFIG, EXIT_OK
+from nansentinel.common.exitcodes import EXIT_CONFIG, EXIT_OK, NAMES
 from nansentinel.common.verdicts import archive_verdicts
 from nansentinel.launcher.agent import launch, refuse_excluded
 from nansentinel.launcher.console import PROG, exit_status, say
@@ -158,7 +158,10 @@ def build_parser() -> argparse.ArgumentParser:
         usage=f"{PROG} [sentinel options] [torchrun options] training_script [script args]",
         description="Run torch.distributed.run (torchrun) with the nansentinel launcher: "
         "per-rank failure summaries, exit codes by outcome, host exclusion across restarts.",
-        epilog="Every other option is torchrun's and is passed through unchanged; they follow.",
+        epilog="exit codes: " + "; ".join(
+            f"{code} {name}" for code, name in sorted(NAMES.items())) + " (nansentinel/common/"
+        "exitcodes.py says when each is used). Every other option is torchrun's and is passed "
+        "through unchanged; they follow.",
         add_help=False,
         allow_abbrev=False,
     )
@@ -243,15 +246,23 @@ def main(argv: list[str] | None = None) -> int:
     hostname = _config.resolve_hostname(cfg.hostname)
     store = ExclusionStore(cfg.exclusion_file) if cfg.exclusion_file else None
     if store is not None:
-        mine = store.records_for(hostname)
+        try:
+            mine = store.records_for(hostname)
+        except OSError as exc:
+            return _config_error(f"--exclusion-file {store.path} (or "
+                                 f"{_config.env_var('exclusion_file')}): cannot be read "
+                                 f"({exc.strerror or exc})")
         if mine:
             return refuse_excluded(mine[-1], store, opts.on_exclude)
 
     explicit_reports = opts.report_dir or os.environ.get(_config.env_var("report_dir"))
     with _restored_process_state():
-        run_dir, created = _make_run_dir(explicit_reports, hostname)
-        # Verdicts describe this launch only: a reused NANSENTINEL_RUN_DIR may hold old ones.
-        archive_verdicts(run_dir)
+        try:
+            run_dir, created = _make_run_dir(explicit_reports, hostname)
+            # Verdicts describe this launch only: a reused NANSENTINEL_RUN_DIR may hold old ones.
+            archive_verdicts(run_dir)
+        except OSError as exc:
+            return _config_error(_run_dir_problem(explicit_reports, exc))
         env[_config.env_var("run_dir")] = str(run_dir)
         os.environ.update(env)
         try:
@@ -262,6 +273,11 @@ def main(argv: list[str] | None = None) -> int:
             detail = str(exc) or (f"refused by torch (--nnodes={args.nnodes}, "
                                   f"--nproc-per-node={args.nproc_per_node})")
             return _config_error(f"torchrun options: {detail}")
+        if launch_config.nproc_per_node < 1:  # torch's agent asserts it, with no message
+            if created:
+                _remove_empty_tree(run_dir)
+            return _config_error(f"--nproc-per-node={args.nproc_per_node}: at least 1 worker "
+                                 "per node is needed")
         if launch_config.rdzv_backend == "static" and launch_config.max_nodes > 1:
             if created:
                 _remove_empty_tree(run_dir)
@@ -360,6 +376,20 @@ def _make_run_dir(report_dir: str | None, hostname: str) -> tuple[Path, bool]:
     base = Path(report_dir) / "runs" if report_dir else Path(tempfile.gettempdir())
     _private_dirs(base)
     return Path(tempfile.mkdtemp(prefix=f"nansentinel-run-{file_safe(hostname)}-", dir=base)), True
+
+
+def _run_dir_problem(report_dir: str | None, exc: OSError) -> str:
+    """One line naming the option or variable whose directory could not be made."""
+    given = os.environ.get(_config.env_var("run_dir"))
+    if given:
+        where = f"{_config.env_var('run_dir')}={given}"
+    elif report_dir:
+        where = f"--report-dir {report_dir} (or {_config.env_var('report_dir')})"
+    else:
+        where = f"the temporary directory {tempfile.gettempdir()}"
+    reason = exc.strerror or type(exc).__name__
+    return (f"{where}: cannot create the run directory there ({reason}: {exc.filename}); "
+            "give a writable directory")
 
 
 def _private_dirs(directory: Path) -> None:

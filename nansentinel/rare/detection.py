@@ -92,9 +92,9 @@ class Detector:
         the gradient path being judged)."""
         config = ctx.config
         off = gradients.caps.replay
-        if off is not None and replay is not None and config.replay:
-            log.info("nansentinel: replay is off under %s (%s); detections get verdict None",
-                     gradients.caps.label, off)
+        if off is not None and replay is not None and config.replay and ctx.rank == 0:
+            log.info("nansentinel: replay is off under %s (%s); detections get verdict none",
+                     gradients.caps.label, off)  # said once, by rank 0, as the gate choice is
         on = config.replay and off is None
         return Replayer(module, replay if on else None, ctx.peers, config.replay_anomaly)
 

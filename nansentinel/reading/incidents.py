@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from nansentinel.common.text import printable
 from nansentinel.result import KINDS
 
 #: A report's file name (incident.py's stem; ``-N`` when a re-run found the name taken).
@@ -181,7 +182,7 @@ def _field(report: dict[str, Any], name: str, types: type | tuple[type, ...], pa
            default: Any = None) -> Any:
     value = report.get(name, default)
     if value is not None and (not isinstance(value, types) or isinstance(value, bool)):
-        raise ReportError(f"{path}: field {name!r} is {value!r}, not a valid value; "
+        raise ReportError(f"{path}: field {name!r} is {value!r:.60}, not a valid value; "
                           "is this an incident report?")
     return value
 
@@ -189,7 +190,7 @@ def _field(report: dict[str, Any], name: str, types: type | tuple[type, ...], pa
 def _list(report: dict[str, Any], name: str, item: type, path: Path) -> tuple[Any, ...]:
     value = _field(report, name, list, path) or []
     if not all(isinstance(v, item) and not isinstance(v, bool) for v in value):
-        raise ReportError(f"{path}: field {name!r} is {value!r}, not a list of {item.__name__}")
+        raise ReportError(f"{path}: field {name!r} is {value!r:.60}, not a list of {item.__name__}")
     return tuple(value)
 
 
@@ -204,6 +205,8 @@ def load(path: Path) -> Incident:
     except json.JSONDecodeError as exc:
         raise ReportError(f"{path}: malformed report, not JSON (line {exc.lineno}, column "
                           f"{exc.colno}: {exc.msg})") from None
+    except RecursionError:
+        raise ReportError(f"{path}: malformed report, JSON nested too deeply to read") from None
     if not isinstance(report, dict):
         raise ReportError(f"{path}: malformed report, a JSON {type(report).__name__} instead "
                           "of an object")
@@ -215,7 +218,15 @@ def load(path: Path) -> Incident:
         step = int(named["step"])
     job = _field(report, "job_id", str, path) or (named["job"] if named else "local")
     stamp = _field(report, "time", (int, float), path)
-    return Incident(
+    if stamp is not None and not 0 <= stamp <= MAX_TIME:  # NaN fails both
+        raise ReportError(f"{path}: malformed report, field 'time' is {stamp!r:.40}, not a time "
+                          "in seconds since the epoch")
+    if step < 0:
+        raise ReportError(f"{path}: malformed report, field 'step' is {step}, below 0")
+    for name in ("cluster", "spikes", "origin_trace"):
+        _field(report, name, dict, path)
+    _field(report, "ranks", (dict, list), path)
+    incident = Incident(
         path=path, report=report, time=float(stamp) if stamp is not None else None, job=job,
         step=step, outcome=_field(report, "outcome", str, path) or "unknown",
         bad_ranks=_list(report, "bad_ranks", int, path),
@@ -223,6 +234,17 @@ def load(path: Path) -> Incident:
         kinds=_list(report, "kinds", str, path),
         verdict=_field(report, "verdict", str, path),
     )
+    try:  # what the listing shows must also explain: a report that cannot is named here
+        explain(incident)
+    except (AttributeError, TypeError, ValueError, KeyError, OverflowError,
+            RecursionError) as exc:
+        raise ReportError(f"{path}: malformed report, cannot be explained "
+                          f"({type(exc).__name__}: {printable(exc, 120)})") from None
+    return incident
+
+
+#: The latest report time accepted (the year 9999): any later cannot be printed as a date.
+MAX_TIME = 253402300799.0
 
 
 def scan(directory: Path) -> tuple[list[Incident], list[str]]:
@@ -237,12 +259,18 @@ def scan(directory: Path) -> tuple[list[Incident], list[str]]:
     paths = sorted(p for p in directory.iterdir() if REPORT_NAME.match(p.name) and p.is_file())
     if not paths:
         raise ReportError(f"no incident reports in {directory}")
+    found, errors = _load_all(paths)
+    return found, [message for _, message in errors]
+
+
+def _load_all(paths: list[Path]) -> tuple[list[Incident], list[tuple[Path, str]]]:
+    """Each path's incident, newest first, and (path, message) for each malformed one."""
     found, errors = [], []
     for p in paths:
         try:
             found.append(load(p))
         except ReportError as exc:
-            errors.append(str(exc))
+            errors.append((p, str(exc)))
     found.sort(key=lambda i: (i.time if i.time is not None else i.path.stat().st_mtime,
                               i.step, i.path.name), reverse=True)
     return found, errors
@@ -254,7 +282,21 @@ def ids(incidents: list[Incident]) -> list[str]:
     steps = [i.step for i in incidents]
     keys = [i.key for i in incidents]
     return [str(i.step) if steps.count(i.step) == 1 else
-            i.key if keys.count(i.key) == 1 else i.path.name for i in incidents]
+            _short_key(i, incidents) if keys.count(i.key) == 1 else i.path.name
+            for i in incidents]
+
+
+def _short_key(incident: Incident, incidents: list[Incident]) -> str:
+    """``JOB:STEP`` with the job cut to its shortest prefix of 8 or more characters that no
+    other job at that step shares (a torchrun job id is a 36-character UUID)."""
+    others = [i.job for i in incidents if i.step == incident.step and i.job != incident.job]
+    for n in range(8, len(incident.job)):
+        prefix = incident.job[:n]
+        if not any(o.startswith(prefix) for o in others) and not any(
+            i.job == prefix for i in incidents
+        ):
+            return f"{prefix}:{incident.step}"
+    return incident.key
 
 
 def find(spec: str, directory: Path) -> Incident:
@@ -264,22 +306,52 @@ def find(spec: str, directory: Path) -> Incident:
     if spec.endswith(".json") and (given.exists() or given.parent != Path(".")):
         return load(given)
     incidents, _ = scan(directory)
-    if re.fullmatch(r"\d+", spec):
-        matches = [i for i in incidents if i.step == int(spec)]
-    elif re.fullmatch(r".+:\d+", spec):
-        job, _, step = spec.rpartition(":")
-        matches = [i for i in incidents if i.job == job and i.step == int(step)]
-    else:
-        matches = [i for i in incidents if spec in (i.path.name, i.path.stem)]
+    matches = _matches(spec, incidents)
     if len(matches) == 1:
         return matches[0]
     if not matches:
-        known = ", ".join(ids(incidents)[:8])
+        broken = [message for path, message in _broken(directory) if _names(spec, path)]
+        if broken:
+            raise ReportError(f"incident {spec!r} in {directory} cannot be shown: {broken[0]}")
+        known = ", ".join(ids(incidents)[:8]) or "none readable"
         raise ReportError(f"no incident {spec!r} in {directory} (ids there: {known})")
     names = ", ".join(i.key if [m.key for m in matches].count(i.key) == 1 else i.path.name
                       for i in matches)
     raise ReportError(f"incident id {spec!r} matches {len(matches)} reports in {directory}: "
                       f"{names}; give one of these")
+
+
+def _broken(directory: Path) -> list[tuple[Path, str]]:
+    paths = sorted(p for p in directory.iterdir() if REPORT_NAME.match(p.name) and p.is_file())
+    return _load_all(paths)[1]
+
+
+def _names(spec: str, path: Path) -> bool:
+    """Whether ``spec`` names the report at ``path`` by its file name alone (the file may
+    not be readable enough to know its step and job otherwise)."""
+    named = REPORT_NAME.match(path.name)
+    if named is None:
+        return False
+    if re.fullmatch(r"\d+", spec):
+        return int(named["step"]) == int(spec)
+    if re.fullmatch(r".+:\d+", spec):
+        job, _, step = spec.rpartition(":")
+        return named["job"].startswith(job) and int(named["step"]) == int(step)
+    return spec in (path.name, path.stem)
+
+
+def _matches(spec: str, incidents: list[Incident]) -> list[Incident]:
+    """The incidents ``spec`` names: a step, ``JOB:STEP`` (or a prefix of the job, as the
+    listing shortens it, when no job is exactly that), or a file name."""
+    if re.fullmatch(r"\d+", spec):
+        matches = [i for i in incidents if i.step == int(spec)]
+    elif re.fullmatch(r".+:\d+", spec):
+        job, _, step = spec.rpartition(":")
+        matches = [i for i in incidents if i.job == job and i.step == int(step)] or [
+            i for i in incidents if i.job.startswith(job) and i.step == int(step)]
+    else:
+        matches = [i for i in incidents if spec in (i.path.name, i.path.stem)]
+    return matches
 
 
 def when(stamp: float | None) -> str:
@@ -323,9 +395,10 @@ def table(incidents: list[Incident]) -> str:
          names(i.bad_hosts, 3), names(i.kinds), i.verdict or "-", str(i.path))
         for ident, i in zip(ids(incidents), incidents, strict=True)
     ]
-    widths = [max(len(r[c]) for r in rows) for c in range(len(head) - 1)]
+    shown = [tuple(printable(v, 200) for v in r) for r in rows]
+    widths = [max(len(r[c]) for r in shown) for c in range(len(head) - 1)]
     return "\n".join("  ".join(f"{v:<{w}}" for v, w in zip(r, widths, strict=False)) + "  "
-                     + r[-1] for r in rows)
+                     + r[-1] for r in shown)
 
 
 def advice(incident: Incident) -> Advice:
@@ -453,5 +526,5 @@ def numbers(incident: Incident) -> list[str]:
 
 def render(sections: list[Section]) -> str:
     """The explanation as plain text."""
-    return "\n\n".join(s.title + "\n" + "\n".join("  " + line for line in s.lines)
-                       for s in sections) + "\n"
+    return "\n\n".join(printable(s.title) + "\n" + "\n".join(
+        "  " + printable(line, 2000) for line in s.lines) for s in sections) + "\n"

@@ -21,10 +21,11 @@ import dataclasses
 import html
 import io
 import math
+import os
+import tempfile
 from pathlib import Path
 from typing import Any
 
-from nansentinel.common import report
 from nansentinel.reading.incidents import Incident, ReportError, Section, names, number
 
 #: The signals drawn, one panel each.
@@ -180,12 +181,29 @@ def html_page(incident: Incident, sections: list[Section]) -> str:
 
 
 def write(incident: Incident, sections: list[Section], out: Path) -> Path:
-    """Write the page to ``out`` atomically, never over an existing file (then ``out`` with a
-    ``-1``, ``-2``, ... suffix, as reports are: the page holds hosts and parameter names, so it
-    is created 0600); returns the path written."""
-    page = html_page(incident, sections)
-
-    def write_page(tmp: Path) -> None:
-        tmp.write_text(page, encoding="utf-8")
-
-    return report.write_new(out, write_page)
+    """Write the page to ``out`` atomically (a temporary file linked into place), created
+    0600, as reports are: the page holds hosts and parameter names. What the user did not mean
+    is a :class:`ReportError` naming it, never a guess: ``out`` already there (it may be the
+    user's own file: not overwritten, and not written as ``out-1`` beside it, which the user
+    would not look for), a missing folder (a typo in the path, not one to create silently).
+    Returns ``out``."""
+    if out.exists() or out.is_symlink():
+        raise ReportError(f"--html {out}: already exists; remove it or give another name")
+    if not out.parent.is_dir():
+        raise ReportError(f"--html {out}: no directory {out.parent}; create it first")
+    try:
+        page = html_page(incident, sections)
+    except (TypeError, ValueError, KeyError, AttributeError, OverflowError) as exc:
+        raise ReportError(f"{incident.path}: its curves cannot be drawn "
+                          f"({type(exc).__name__}: {exc})") from None
+    fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.", dir=out.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            fh.write(page)
+        os.link(tmp, out)  # fails if the name was taken meanwhile: never overwrite
+    except FileExistsError:
+        raise ReportError(f"--html {out}: already exists; remove it or give another name") \
+            from None
+    finally:
+        Path(tmp).unlink(missing_ok=True)
+    return out

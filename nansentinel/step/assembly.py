@@ -35,7 +35,7 @@ from nansentinel.rare.incident import IncidentWriter
 from nansentinel.rare.replay import ReplayFn
 from nansentinel.rare.replicas import replica_check
 from nansentinel.result import NonFiniteError, StepResult
-from nansentinel.step import prepared
+from nansentinel.step import prepared, usage
 from nansentinel.step.current import CurrentStep
 from nansentinel.step.gate import GateChoice, GatedSteps, choose_gate, gated_steps
 from nansentinel.step.judge import StepJudge, Stepping
@@ -111,6 +111,8 @@ class Parts:
     scopes: tuple[Any, ...]
     """The agreement scopes, in order: the ranks' exchange (``ctx.exchange``), then the
     :class:`Scope` each integration added."""
+    usage: usage.Usage
+    """The order of the loop's calls (live until close, a backward before each step)."""
 
     @property
     def wider(self) -> tuple[Scope, ...]:
@@ -183,14 +185,17 @@ def assemble(model: torch.nn.Module | list[torch.nn.Module], asked: Asked,
         replicas.before_write = snaps.copies.hold  # a repair waits for the copies
     stepping = Stepping(optimizer, scaler, current.buffers, snaps, replicas)
     judge = StepJudge(ctx, stepping, detector, spikes)
-    end = stop.RunEnd(ctx, judge, getattr(gradients, "release", None))
+    end: stop.RunEnd  # the usage reads whether it closed; it removes the usage's hooks
+    use = usage.Usage(watched.module, gradients.caps.label, lambda: end.closed)
+    end = stop.RunEnd(ctx, judge, usage.chained(getattr(gradients, "release", None),
+                                                use.release))
     gate = choose_gate(cfg, ctx.device, optimizer, scaler=scaler, caps=gradients.caps)
     device_gate = gated_steps(ctx, judge, gate, rearm=rearm, stop_if=end.stop_if)
     if device_gate is not None:  # decided later: name from norms, hold no gradient
         gradients.keep_norms = True
         ctx.deadline.also_settled(device_gate.settled)
     return Parts(ctx, watched, current, gradients, engine, detector, judge, end, gate,
-                 device_gate, (ctx.exchange, *asked.scopes))
+                 device_gate, (ctx.exchange, *asked.scopes), use)
 
 
 def context(cfg: SentinelConfig, watched: Watched, group: Any, pipelined: list[Any],

@@ -31,7 +31,7 @@ from nansentinel.checks import pipeline
 from nansentinel.effects.recovery import SnapshotStore
 from nansentinel.rare.replay import ReplayFn
 from nansentinel.result import NonFiniteError, ResultPending, StepResult
-from nansentinel.step import assembly
+from nansentinel.step import assembly, usage
 from nansentinel.step.assembly import Asked, Parts, Scope
 from nansentinel.step.record import PendingResult
 
@@ -86,6 +86,7 @@ class Sentinel:
     ) -> None:
         if isinstance(replay, bool):  # the config field (keyword > env), not a function
             overrides["replay"], replay = replay, None
+        usage.check_objects(model, optimizer)  # the wrong objects, named at once
         cfg, environ = assembly.configure(env, scopes, overrides)
         asked = Asked(optimizer, scaler, group, replay, snapshots, stages, tuple(scopes))
         self._parts = parts = assembly.assemble(model, asked, cfg, environ, self._rearm)
@@ -98,6 +99,7 @@ class Sentinel:
     def check_batch(self, batch: Any, *, ids: Any = None) -> Any:
         """Check every floating-point tensor of ``batch`` (any nesting) before ``backward``;
         returns it. ``ids``: a sample id per row, read after a detection (the skip list)."""
+        self._parts.usage.live("check_batch", self.rank, self.step_index)
         self._resolve()
         self._parts.current.check_batch(batch, ids)
         return batch
@@ -105,6 +107,8 @@ class Sentinel:
     def check_loss(self, loss: torch.Tensor | float) -> None:
         """Check the loss (a tensor, a number; a non-scalar one element-wise) before
         ``backward``, so that its flag leaves with the gradients."""
+        self._parts.usage.live("check_loss", self.rank, self.step_index)
+        self._parts.usage.loss_checked(self.rank, self.step_index)
         self._resolve()
         self._parts.current.add_loss(loss)
 
@@ -122,6 +126,7 @@ class Sentinel:
         """Check the local gradients now and start the exchange: only if you reduce
         gradients by hand, after ``backward`` and *before* your all-reduce (DDP and FSDP2
         check them themselves; ``step()`` calls this when nothing did)."""
+        self._parts.usage.live("check_grads", self.rank, self.step_index)
         self._resolve()
         self._parts.current.require_open("check_grads")
         self._parts.gradients.check_now()
@@ -145,6 +150,7 @@ class Sentinel:
         ``StepResult``. With a DeepSpeed engine it
         replaces ``engine.step()``, and returns None on a micro-batch before the accumulation
         boundary (counted, decided at the boundary)."""
+        self._parts.usage.live("step", self.rank, self.step_index)
         self._resolve()
         engine = self._parts.engine
         if engine is not None and engine.accumulating(optimizer_step=optimizer_step,
@@ -160,7 +166,9 @@ class Sentinel:
         ctx, current, device_gate = parts.ctx, parts.current, parts.device_gate
         parts.judge.caller_did_not_step()
         if not ctx.exchange.launched:
+            parts.usage.stepping(self.rank, self.step_index)  # a backward since the last step
             self.check_grads()
+        parts.usage.stepped()
         record = current.record
         if optimizer_step and device_gate is not None and device_gate.ready():
             _, vector = ctx.exchange.take()  # no host read: found_inf comes from it

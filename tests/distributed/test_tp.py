@@ -27,6 +27,7 @@ from typing import Any
 import pytest
 import torch
 
+from nansentinel.common import torch_insides as insides
 from tests.distributed.harness import run_ranks, values
 from tests.distributed.workers_tp import (
     DRILLS,
@@ -80,8 +81,13 @@ def local_kinds(loss_type: str, step: int, me: int) -> list[str]:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     tmp = tmp_path_factory.mktemp("tp")
+    # DETAIL (the harness's default) checks every collective across ranks, but before torch
+    # 2.12 that mode's wrapper of a gloo group lacks the coalesced all-gather DTensor's
+    # redistributions call: the gap is DETAIL's, not torch's, so there the ranks run without
+    # it and TP is tested on every lane.
+    env = {} if insides._at_least("2.12") else {"TORCH_DISTRIBUTED_DEBUG": "OFF"}
     return values(run_ranks(scenarios, WORLD, tmp, report_dir=str(tmp / "reports"),
-                            timeout=150))
+                            timeout=150, env=env))
 
 
 def _runs_here(runs: list[dict[str, Any]], loss: str) -> None:

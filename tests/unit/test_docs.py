@@ -125,7 +125,8 @@ def _anchors(page: Path) -> set[str]:
 
 # --- the front page ---------------------------------------------------------------------------
 
-DEMO = "pip install torch==2.13.0 && pip install -e . && nansentinel demo"
+DEMO = ("pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu && "
+        "pip install -e . && nansentinel demo")
 TESTS = "bash tests/run.sh"
 
 

@@ -346,15 +346,19 @@ def test_the_page_is_self_contained_and_names_rank_host_step(tmp_path: Path) -> 
     assert "has no history" in page.html_page(old, incidents.explain(old))
 
 
-def test_the_page_never_overwrites_a_file(tmp_path: Path) -> None:
+def test_the_page_is_a_new_file_in_an_existing_folder(tmp_path: Path) -> None:
     pytest.importorskip("matplotlib")
     incident = incidents.load(put(tmp_path, with_history(sample_report(120))))
     mine = tmp_path / "page.html"
     mine.write_text("the user's own file")
-    written = page.write(incident, incidents.explain(incident), mine)
-    assert written == tmp_path / "page-1.html" and "<svg" in written.read_text()
+    with pytest.raises(incidents.ReportError, match="already exists"):
+        page.write(incident, incidents.explain(incident), mine)
     assert mine.read_text() == "the user's own file"
-    assert (written.stat().st_mode & 0o777) == 0o600
+    assert sorted(p.name for p in tmp_path.iterdir() if "page" in p.name) == ["page.html"]
+    with pytest.raises(incidents.ReportError, match="no directory"):
+        page.write(incident, incidents.explain(incident), tmp_path / "nope" / "p.html")
+    written = page.write(incident, incidents.explain(incident), tmp_path / "new.html")
+    assert "<svg" in written.read_text() and (written.stat().st_mode & 0o777) == 0o600
 
 
 def test_html_without_matplotlib_names_the_extra(
@@ -370,6 +374,5 @@ def test_html_without_matplotlib_names_the_extra(
 
 def test_the_usage_names_the_command(capsys: pytest.CaptureFixture[str]) -> None:
     assert "\n  incidents  list the incident reports" in cli.USAGE
-    with pytest.raises(SystemExit) as done:
-        cli.main(["incidents", "show", "--help"])
-    assert done.value.code == 0 and "ID|FILE" in capsys.readouterr().out
+    assert cli.main(["incidents", "show", "--help"]) == 0  # returned, not exited
+    assert "ID|FILE" in capsys.readouterr().out

@@ -61,11 +61,13 @@ def test_real_nan_batch_is_skipped_and_weights_untouched(tmp_path: Path) -> None
     assert math.isnan(saved["x"][3, 1]) and saved["tag"] == "b"
 
 
-def test_step_before_any_backward_is_harmless(tmp_path: Path) -> None:
+def test_a_bare_step_before_any_backward_is_refused(tmp_path: Path) -> None:
     _model, _opt, s = make(tmp_path)
+    with pytest.raises(nansentinel.SentinelUsageError, match=r"before any loss\.backward"):
+        s.step()  # nothing checked, nothing back-propagated: nothing to decide (issue 53)
+    s.check_loss(torch.tensor(1.0))  # a loss-only step is the loop's choice: decided
     r = s.step()
-    assert r.applied and r.local_grad_norm is None and r.local_loss is None
-    assert s.step().step == 1
+    assert r.applied and r.local_grad_norm is None and r.local_loss == 1.0
 
 
 def test_non_scalar_loss_is_checked_elementwise(tmp_path: Path) -> None:

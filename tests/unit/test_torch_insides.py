@@ -115,7 +115,7 @@ def test_pipelining_below_its_minimum_is_refused_at_construction(missing) -> Non
 
     missing("pipelining")
     stage = SimpleNamespace(submod=nn.Linear(2, 2), is_first=True, is_last=True, stage_index=0,
-                            _shape_inference=None)  # the seam is there: the release is not
+                            _shape_inference=None)  # the probe said no (patched)
     with pytest.raises(insides.TorchTooOld, match=r"pipeline stage boundary checks .*torch >= "):
         StageWatch(stage, torch.device("cpu"))
 

@@ -1,0 +1,145 @@
+"""What a torchft step pays for nansentinel when each replica group is its own process, as users
+run them (``bench/torchft_overhead.py`` runs the groups as threads of one process, where they
+share one interpreter lock and the comparison is blurred by it).
+
+A lighthouse in this process, ``--groups`` replica groups of one rank each, each a separate
+process (spawned) with its own store and gloo group, a 4-layer 256-wide MLP on the CPU. The two
+arms (torchft's DDP and ``OptimizerWrapper``; ``nansentinel.torchft``) alternate round by round,
+each round with a fresh lighthouse and fresh processes, so a busy machine weighs on both. Each
+process times its steps after a warm-up and, in the sentinel arm, the health row's all-reduce
+(``wire.replica_groups.agree``, as step/replica_groups.py calls it), the one round trip the
+sentinel adds to a healthy step.
+
+    python bench/torchft_processes.py                      # 3 groups, 2 rounds of 60 steps
+    python bench/torchft_processes.py --groups 2 --rounds 1 --steps 20
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import multiprocessing as mp
+import statistics
+import time
+from datetime import timedelta
+from typing import Any
+
+ARMS = ("torchft", "sentinel")
+
+
+def _group(address: str, gid: int, groups: int, arm: str, steps: int, queue: Any) -> None:
+    """One replica group (one rank): its step times after a warm-up, and the health row's."""
+    import torch
+    from torch.distributed import TCPStore
+    from torchft.ddp import DistributedDataParallel as TorchFTDDP
+    from torchft.manager import Manager
+    from torchft.optim import OptimizerWrapper
+    from torchft.process_group import ProcessGroupGloo
+
+    import nansentinel.step.replica_groups as ft_groups
+    import nansentinel.torchft as nft
+
+    logging.basicConfig(level=logging.ERROR)
+    torch.set_num_threads(1)
+    rows: list[float] = []
+    agree = ft_groups.agree
+
+    def timed_agree(*a: Any, **k: Any) -> Any:
+        started = time.perf_counter()
+        try:
+            return agree(*a, **k)
+        finally:
+            rows.append(time.perf_counter() - started)
+
+    ft_groups.agree = timed_agree  # type: ignore[assignment]
+    store = TCPStore("localhost", 0, is_master=True, wait_for_workers=False)
+    torch.manual_seed(0)
+    module = torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(4)])
+    opt = torch.optim.SGD(module.parameters(), lr=0.01)
+    manager = Manager(
+        pg=ProcessGroupGloo(timeout=timedelta(seconds=60)), min_replica_size=groups,
+        load_state_dict=module.load_state_dict, state_dict=module.state_dict,
+        replica_id=f"g{gid}", store_addr="localhost", store_port=store.port, rank=0,
+        world_size=1, lighthouse_addr=address, timeout=timedelta(seconds=60))
+    times: list[float] = []
+    try:
+        if arm == "torchft":
+            model: Any = TorchFTDDP(manager, module)
+            wrapper = OptimizerWrapper(manager, opt)
+            for _ in range(steps):
+                started = time.perf_counter()
+                wrapper.zero_grad()
+                model(torch.randn(64, 256)).pow(2).mean().backward()
+                wrapper.step()
+                times.append(time.perf_counter() - started)
+        else:
+            model = nft.DistributedDataParallel(manager, module)
+            sentinel = nft.Sentinel(model, opt, metrics_port=0, env={})
+            for _ in range(steps):
+                started = time.perf_counter()
+                opt.zero_grad()
+                manager.start_quorum()
+                x = sentinel.check_batch(torch.randn(64, 256))
+                loss = model(x).pow(2).mean()
+                sentinel.check_loss(loss)
+                loss.backward()
+                sentinel.step()
+                times.append(time.perf_counter() - started)
+            sentinel.close()
+    finally:
+        manager.shutdown(wait=False)
+    warmup = steps // 4
+    queue.put((gid, times[warmup:], rows[warmup:]))
+
+
+def round_of(arm: str, groups: int, steps: int) -> tuple[list[float], list[float]]:
+    """One round: ``groups`` processes; their step times and health-row times after warm-up."""
+    from torchft._torchft import LighthouseServer
+
+    house = LighthouseServer(bind="[::]:0", min_replicas=groups, join_timeout_ms=1000,
+                             heartbeat_timeout_ms=5000)
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=_group, args=(house.address(), g, groups, arm, steps, queue))
+             for g in range(groups)]
+    try:
+        for p in procs:
+            p.start()
+        results = [queue.get(timeout=600) for _ in procs]
+        for p in procs:
+            p.join(timeout=60)
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+        house.shutdown()
+    times = [t for _, ts, _ in results for t in ts]
+    rows = [r for _, _, rs in results for r in rs]
+    return times, rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--groups", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=60)
+    args = parser.parse_args(argv)
+    samples: dict[str, list[float]] = {arm: [] for arm in ARMS}
+    rows: list[float] = []
+    for _ in range(args.rounds):
+        for arm in ARMS:
+            times, row = round_of(arm, args.groups, args.steps)
+            samples[arm] += times
+            rows += row
+    base = statistics.median(samples["torchft"])
+    for arm in ARMS:
+        median = statistics.median(samples[arm])
+        print(f"{arm:9s} median step {median * 1e3:7.2f} ms  ({median / base:.3f}x torchft, "
+              f"{len(samples[arm])} steps)")
+    print(f"health row all-reduce median {statistics.median(rows) * 1e3:.2f} ms "
+          f"({len(rows)} steps)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
