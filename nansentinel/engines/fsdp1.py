@@ -77,6 +77,8 @@ class CheckedUnit:
     """Indices of the flat parameter's segments that are parameters (not padding)."""
     total: int
     """The flat parameter's unsharded length (its segments'), before world padding."""
+    numels: list[int]
+    """Its segments' lengths (the layout's), as ``split`` takes them."""
 
 
 class FSDP1Path:
@@ -147,7 +149,7 @@ class FSDP1Path:
                 f"nansentinel: FSDP1 unit {label!r} on torch {torch.__version__} names "
                 f"{len(layout.names)} parameters for {len(keep)} segments of its flat "
                 "parameter: this torch's layout is not supported for FSDP1 gradient checks.")
-        return CheckedUnit(self, index, unit, keep, sum(layout.numels))
+        return CheckedUnit(self, index, unit, keep, sum(layout.numels), list(layout.numels))
 
     def _refuse_outside(self, fsdp: type) -> None:
         """Trainable parameters in no FSDP1 unit: nothing reduces them in a hook, so nothing
@@ -190,12 +192,14 @@ class FSDP1Path:
         if not self.norms:
             self.sink.before_reduction(flat)
         self.sink.reducing()
-        segments = flat[:checked.total].split(list(checked.unit.layout.numels))
+        segments = flat[:checked.total].split(checked.numels)
         low = flat.dtype in (torch.float16, torch.bfloat16)
         norms = insides.foreach_norm(segments, torch.float32 if low else None)
         if len(checked.keep) != len(norms):
             norms = [norms[i] for i in checked.keep]
-        per_param = torch.stack(norms).float()
+        per_param = torch.stack(norms)
+        if per_param.dtype != torch.float32:
+            per_param = per_param.float()
         norm = torch.linalg.vector_norm(per_param)
         if flat.is_cuda:
             # Made on FSDP's post-backward stream, read on the default stream at step(),

@@ -162,6 +162,19 @@ def test_rollback_restores_the_weights_on_every_rank(runs: list[dict[str, Any]])
 
 
 @pytest.mark.timeout(300)
+def test_replica_fingerprints_on_no_shard_and_hybrid(runs: list[dict[str, Any]]) -> None:
+    """A flipped bit on rank 1 at step 1: NO_SHARD's 4 replicas repair it from the majority;
+    HYBRID_SHARD's replicate group holds 2, where no majority exists: an abort."""
+    for r in runs:
+        records = r["fingerprint-no-shard"]["records"]
+        assert [x["outcome"] for x in records] == ["applied"] * 3
+        assert records[1]["bad_ranks"] == [1] and records[1]["kinds"] == ["replica"]
+        error = r["fingerprint-hybrid"]["error"]
+        assert error and error["type"] == "NonFiniteError" and error["step"] == 1, error
+    _same_everywhere([r["fingerprint-no-shard"] for r in runs])
+
+
+@pytest.mark.timeout(300)
 def test_unsupported_fsdp1_setups_are_refused_at_construction(
     runs: list[dict[str, Any]],
 ) -> None:

@@ -152,8 +152,9 @@ MATRIX_STEPS = 6
 def scenarios(rank: int, world: int, *, report_dir: str) -> dict[str, Any]:
     """Every FSDP1 scenario of the tests in one process group: the fault matrix and a healthy
     run with and without the sentinel per strategy, mixed precision, FSDP1's own
-    clip_grad_norm_, abort, drop and its hand reference, no_sync accumulation, rollback, and
-    the refusals. (FSDP1's CPU offload pins memory, which needs an accelerator: not here.)"""
+    clip_grad_norm_, abort, drop and its hand reference, no_sync accumulation, rollback,
+    replica fingerprints, and the refusals. (FSDP1's CPU offload pins memory, which needs an
+    accelerator: not here.)"""
     runs: dict[str, Any] = {}
     for setup in SETUPS:
         runs[f"matrix-{setup}"] = train(rank, world, steps=MATRIX_STEPS, faults=MATRIX,
@@ -185,6 +186,10 @@ def scenarios(rank: int, world: int, *, report_dir: str) -> dict[str, Any]:
                              policy="rollback", snapshot_every=100,
                              report_dir=f"{report_dir}/rollback")
     runs["no-step"] = train(rank, world, steps=0, sentinel=False, report_dir=report_dir)
+    for setup in ("no-shard", "hybrid"):  # the replicas: NO_SHARD's group, HYBRID's replicate
+        runs[f"fingerprint-{setup}"] = train(
+            rank, world, steps=3, setup=setup, fingerprint_every=1,
+            inject="kind=bitflip,rank=1,step=1", report_dir=f"{report_dir}/fp-{setup}")
     runs["refused"] = {s: refused(rank, world, setup=s) for s in ("own-hook", "outside", "twice")}
     return runs
 
