@@ -337,14 +337,20 @@ def build_variant(
     fsdp: bool = False,
     optimizer: str = "adamw",
     bucket_cap_mb: float | None = None,
+    fsdp1: bool = False,
 ) -> Variant:
     """A fresh DDP (or, with ``fsdp``, FSDP2) model — same seed, hence the same initial weights
     for every variant — and an AdamW optimizer (``optimizer``: torch's default, ``foreach`` or
-    ``fused``), wrapped in the named variant. Needs an initialised process group."""
+    ``fused``), wrapped in the named variant; ``fsdp1``: FSDP1 instead (:func:`shard_fsdp1`).
+    Needs an initialised process group."""
     torch.manual_seed(seed)
     module = BenchModel(cfg).to(device)
     model: nn.Module
-    if fsdp:
+    if fsdp1:
+        if name in ("pyhook", "pyhook_sync"):
+            raise ValueError(f"the {name} variant is a DDP comm hook; it has no FSDP1 form")
+        model = shard_fsdp1(module, device)
+    elif fsdp:
         if name in ("pyhook", "pyhook_sync"):
             raise ValueError(f"the {name} variant is a DDP comm hook; it has no FSDP2 form")
         model = shard(module, device)
@@ -395,8 +401,20 @@ def shard(module: nn.Module, device: torch.device) -> nn.Module:
     return fully_shard(module, mesh=mesh)
 
 
+def shard_fsdp1(module: nn.Module, device: torch.device) -> nn.Module:
+    """FSDP1 as Lightning's and Accelerate's users wrap it: each encoder layer its own unit
+    (an auto-wrap policy by class), the rest in the root's; FULL_SHARD, ``use_orig_params``."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+    return FullyShardedDataParallel(
+        module, auto_wrap_policy=ModuleWrapPolicy({nn.TransformerEncoderLayer}),
+        device_id=device, use_orig_params=True)
+
+
 def unwrap(model: nn.Module) -> nn.Module:
-    """The user's module: DDP's ``.module``; an FSDP2 model is its own."""
+    """The user's module: DDP's ``.module``; an FSDP2 model, and an FSDP1 root (whose
+    ``state_dict`` is the whole model's, gathered), are their own."""
     return model.module if isinstance(model, DDP) else model
 
 

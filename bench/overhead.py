@@ -38,6 +38,7 @@ import gc
 import json
 import os
 import platform
+import statistics
 import sys
 import tempfile
 import time
@@ -69,6 +70,7 @@ class Spec(benchlib.RunSpec):
     memory_fresh: bool = False
     phase: str = "timing"
     fsdp: bool = False
+    fsdp1: bool = False
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -105,6 +107,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         action="store_true",
         help="FSDP2 instead of DDP: every variant's model is fully_shard-ed (each layer, then "
         "the root); the baseline is plain fully_shard (default variants: baseline,sentinel)",
+    )
+    p.add_argument(
+        "--fsdp1",
+        action="store_true",
+        help="FSDP1 instead of DDP: every variant's model is FullyShardedDataParallel (each "
+        "layer a unit, FULL_SHARD, use_orig_params); the baseline is plain FSDP1 (default "
+        "variants: baseline,sentinel); also times the sentinel's work in each comm hook call",
     )
     p.add_argument(
         "--pp",
@@ -195,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
         return _main_pipeline(args, cfg, say)
     if args.deepspeed is not None:
         return _main_deepspeed(args, cfg, say)
-    if args.fsdp and args.variants == ",".join(benchlib.DEFAULT_VARIANTS):
+    if (args.fsdp or args.fsdp1) and args.variants == ",".join(benchlib.DEFAULT_VARIANTS):
         args.variants = "baseline,sentinel"
     variants = tuple(benchlib.parse_variants(args.variants))
     started = time.perf_counter()
@@ -209,6 +218,7 @@ def main(argv: list[str] | None = None) -> int:
             memory_steps=args.memory_steps,
             memory_fresh=args.memory_fresh,
             fsdp=args.fsdp,
+            fsdp1=args.fsdp1,
         )
         say(
             f"timing: {len(variants)} variants x {args.steps} rounds (+{args.warmup} warm-up) "
@@ -233,7 +243,8 @@ def main(argv: list[str] | None = None) -> int:
 
     summary = benchlib.summarize(times, memory, cpu_times)
     report: dict[str, Any] = {
-        "benchmark": "nansentinel overhead, CPU gloo" + (", FSDP2" if args.fsdp else ", DDP"),
+        "benchmark": "nansentinel overhead, CPU gloo"
+        + (", FSDP1" if args.fsdp1 else ", FSDP2" if args.fsdp else ", DDP"),
         "world_size": WORLD_SIZE,
         "threads_per_rank": args.threads,
         "model": dataclasses.asdict(cfg),
@@ -246,6 +257,7 @@ def main(argv: list[str] | None = None) -> int:
         "memory_detail": mem_detail,
         "check_cost": cost,
         "weights_max_abs_diff_vs_baseline": ranks[0]["weights_diff"],
+        "hook_checks": [r.get("hook_checks") for r in ranks],
         "profile": ranks[0].get("profile"),
         "step_times_s": times,
         "step_cpu_times_s": cpu_times,
@@ -358,6 +370,7 @@ def render(report: dict[str, Any]) -> str:
         benchlib.markdown_table(
             report["summary"],
             {"baseline": "baseline (plain FSDP2 fully_shard)"} if "FSDP2" in report["benchmark"]
+            else {"baseline": "baseline (plain FSDP1)"} if "FSDP1" in report["benchmark"]
             else None,
         ),
         "",
@@ -373,6 +386,12 @@ def render(report: dict[str, Any]) -> str:
             f"gradient {d['largest_grad_bytes']} bytes, all gradients {d['grad_bytes']} bytes)"
         )
     lines.append(f"- {benchlib.check_cost_line(report['check_cost'])}")
+    for rank, hooks in enumerate(report.get("hook_checks") or []):
+        if hooks:
+            lines.append(
+                f"- rank {rank}: the sentinel's host work in FSDP1's comm hook (check, withhold), "
+                f"per call: median {hooks['median_us']:.1f} µs wall, {hooks['median_cpu_us']:.1f} "
+                f"µs CPU, over {hooks['calls']} calls ({hooks['per_step']:.0f} a step)")
     diff = report["weights_max_abs_diff_vs_baseline"]
     lines.append(
         "- final weights, max |variant - baseline|: "
@@ -481,9 +500,11 @@ def _timing_worker(rank: int, spec: Spec) -> None:
             timer.install()
         report_dir = str(Path(spec.out_dir) / "reports")
         variants = [
-            benchlib.build_variant(v, spec.model, device, report_dir=report_dir, fsdp=spec.fsdp)
+            benchlib.build_variant(v, spec.model, device, report_dir=report_dir, fsdp=spec.fsdp,
+                                   fsdp1=spec.fsdp1)
             for v in spec.variants
         ]
+        hooks = _HookTimer() if spec.fsdp1 else None
         if timer is not None:
             timer.attach(_by_name(variants, "sentinel"))
         batches = functools.partial(benchlib.make_batch, spec.model, rank, device=device)
@@ -498,9 +519,13 @@ def _timing_worker(rank: int, spec: Spec) -> None:
         gc.collect()
         if timer is not None:
             timer.armed = True
+        if hooks is not None:
+            hooks.install()
         rounds = benchlib.run_rounds(
             variants, batch_of, spec.steps, nosync, first_round=spec.warmup
         )
+        if hooks is not None:
+            hooks.remove()
         # This rank's weights (its shards under FSDP2).
         first = benchlib.unwrap(variants[0].model).state_dict()
         base = {k: benchlib.local(p) for k, p in first.items()}
@@ -517,6 +542,7 @@ def _timing_worker(rank: int, spec: Spec) -> None:
             "parameters": sum(p.numel() for p in variants[0].model.parameters()),
             "weights_diff": diff,
             "profile": timer.per_step(spec.steps) if timer is not None else None,
+            "hook_checks": hooks.summary(spec.steps) if hooks is not None else None,
         }
         for v in variants:
             v.close()
@@ -526,6 +552,41 @@ def _timing_worker(rank: int, spec: Spec) -> None:
         _result_path(spec, rank).write_text(json.dumps(result))
     finally:
         dist.destroy_process_group()
+
+
+class _HookTimer:
+    """Times the sentinel's own work in each FSDP1 comm hook call (``FSDP1Path.check`` and the
+    drop's withhold, :func:`nansentinel.engines.fsdp1._withheld`): the host work it adds to
+    each collective, beside FSDP1's own reduction in the same hook."""
+
+    def __init__(self) -> None:
+        from nansentinel.engines import fsdp1
+
+        self.module = fsdp1
+        self.original = fsdp1._withheld
+        self.wall: list[float] = []
+        self.cpu: list[float] = []
+
+    def install(self) -> None:
+        original = self.original
+
+        def timed(checked: Any, flat: torch.Tensor) -> None:
+            wall, cpu = time.perf_counter(), time.thread_time()
+            original(checked, flat)
+            self.cpu.append(time.thread_time() - cpu)
+            self.wall.append(time.perf_counter() - wall)
+
+        self.module._withheld = timed
+
+    def remove(self) -> None:
+        self.module._withheld = self.original
+
+    def summary(self, steps: int) -> dict[str, float] | None:
+        if not self.wall:
+            return None
+        return {"calls": len(self.wall), "per_step": len(self.wall) / steps,
+                "median_us": statistics.median(self.wall) * 1e6,
+                "median_cpu_us": statistics.median(self.cpu) * 1e6}
 
 
 def _pipeline_worker(rank: int, spec: pipeline_overhead.PipeSpec) -> None:
@@ -585,7 +646,7 @@ def measure_memory(name: str, rank: int, spec: Spec) -> dict[str, Any]:
     activities = [torch.profiler.ProfilerActivity.CPU]
     with torch.profiler.profile(activities=activities, profile_memory=True) as prof:
         variant = benchlib.build_variant(
-            name, spec.model, device, report_dir=report_dir, fsdp=spec.fsdp
+            name, spec.model, device, report_dir=report_dir, fsdp=spec.fsdp, fsdp1=spec.fsdp1
         )
         for step in range(spec.memory_steps):
             variant.step(benchlib.make_batch(spec.model, rank, step, device))

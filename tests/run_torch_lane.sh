@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One torch lane of CI: the unit tests and the distributed tests that lean on torch's insides
-# (DDP's comm hook, FSDP2/HSDP's reduce-scatter, TP's DTensors, pipelining, the exchange's
-# collectives, the device gate) on one torch release, beside the main lane's pinned 2.13.
+# (DDP's comm hook, FSDP2/HSDP's reduce-scatter, FSDP1's comm hook, TP's DTensors, pipelining,
+# the exchange's collectives, the device gate) on one torch release, beside the main lane's pinned 2.13.
 #
 #   bash tests/run_torch_lane.sh VERSION [pytest args]      e.g. 2.9.1 (the oldest), 2.15.0
 #
@@ -39,6 +39,7 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 # needs 2.13) and the watchdog's slow-work test (about our timer, not torch's insides).
 "$venv/bin/python" -m pytest -p no:cacheprovider tests/unit \
     tests/distributed/test_ddp_average.py tests/distributed/test_fsdp.py \
+    tests/distributed/test_fsdp1.py \
     tests/distributed/test_tp.py tests/distributed/test_pipeline.py \
     tests/distributed/test_wire.py tests/distributed/test_device_gate.py \
     tests/distributed/test_ddp_last_bucket.py tests/distributed/test_fsdp_device_gate.py \

@@ -84,6 +84,17 @@ def _fsdp_custom_reduce_scatter() -> bool:
     return hasattr(FSDPModule, "set_custom_reduce_scatter") and fsdp_divide_factors() is not None
 
 
+def _fsdp1_comm_hook() -> bool:
+    """FSDP1's per-state communication hook and the flat parameter's layout metadata."""
+    try:
+        from torch.distributed.fsdp import FullyShardedDataParallel
+        from torch.distributed.fsdp._flat_param import FlatParameter
+    except ImportError:
+        return False
+    return (hasattr(FullyShardedDataParallel, "register_comm_hook")
+            and hasattr(FlatParameter, "_init_metadata"))
+
+
 def _pipelining() -> bool:
     """The stage's shape-inference seam, probed, not the release number: 2.9 and 2.10 have
     ``_shape_inference`` and the sentinel's seam works there. (torch 2.9.1's own GPipe and
@@ -115,6 +126,11 @@ FEATURES: dict[str, Feature] = {
         name="FSDP2 / HSDP gradient checks", minimum="2.9",
         seam="FSDPModule.set_custom_reduce_scatter and FSDP2's gradient divide factors",
         instead="upgrade torch, or use DDP", present=_fsdp_custom_reduce_scatter),
+    "fsdp1": Feature(
+        name="FSDP1 gradient checks", minimum="2.9",
+        seam="FullyShardedDataParallel's communication hook (_comm_hook, _comm_hook_state) "
+             "and its FlatParameter's layout (_fqns, _numels_with_padding, _is_padding_mask)",
+        instead="upgrade torch, or use FSDP2 (fully_shard)", present=_fsdp1_comm_hook),
     "pipelining": Feature(
         name="pipeline stage boundary checks", minimum="2.9",
         seam="PipelineStage's shape-inference methods (_shape_inference, or "
@@ -213,6 +229,111 @@ def fsdp_reduce_scatter_base() -> type:
     except ImportError:
         return object
     return ReduceScatter
+
+
+# --- FSDP1 (torch.distributed.fsdp.FullyShardedDataParallel) ------------------------------
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class FlatLayout:
+    """One FSDP1 flat parameter's layout: each original parameter's name (relative to the
+    FSDP module's wrapped module), and each segment's length in the unsharded flat tensor
+    (alignment padding included, flagged in ``padding``), in FSDP's order."""
+
+    names: tuple[str, ...]
+    numels: tuple[int, ...]
+    padding: tuple[bool, ...]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class FSDP1Unit:
+    """One FSDP1 instance that reduces gradients (it holds a flat parameter): what the
+    sentinel's communication hook needs of it, read once at construction."""
+
+    state: Any
+    """The ``FullyShardedDataParallel`` instance (FSDP1's state object)."""
+    layout: FlatLayout
+    sharded: bool
+    """Its gradients are reduce-scattered (FULL_SHARD, SHARD_GRAD_OP, HYBRID_*); False:
+    all-reduced (NO_SHARD)."""
+    hybrid: bool
+    """HYBRID_SHARD or _HYBRID_SHARD_ZERO2: an all-reduce over ``inter_group`` follows."""
+    group: Any
+    """The process group of its reduce-scatter (or NO_SHARD's all-reduce)."""
+    inter_group: Any
+    """HYBRID: the replicate group; else None."""
+
+
+#: What the FSDP1 path reads of each FSDP1 instance after construction.
+_FSDP1_STATE_SEAMS = ("_comm_hook", "_comm_hook_state", "_gradient_predivide_factor",
+                      "_gradient_postdivide_factor")
+
+
+def fsdp1_class() -> type:
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    return FullyShardedDataParallel
+
+
+def fsdp1_unit(state: Any) -> FSDP1Unit | None:
+    """The unit of one ``FullyShardedDataParallel`` instance, None where it holds no flat
+    parameter (every parameter belongs to a nested instance)."""
+    handle = getattr(state, "_handle", None)
+    if handle is None:
+        return None
+    flat = handle.flat_param
+    try:
+        layout = FlatLayout(tuple(flat._fqns), tuple(flat._numels_with_padding),
+                            tuple(bool(b) for b in flat._is_padding_mask))
+        strategy = state.sharding_strategy.name
+        hybrid = strategy in ("HYBRID_SHARD", "_HYBRID_SHARD_ZERO2")
+        unit = FSDP1Unit(
+            state=state, layout=layout, sharded=bool(handle.uses_sharded_strategy),
+            hybrid=hybrid, group=state.process_group,
+            inter_group=state._inter_node_pg if hybrid else None)
+        for seam in _FSDP1_STATE_SEAMS:  # read at each reduction: probed here, once
+            getattr(state, seam)
+    except AttributeError as exc:
+        raise TorchTooOld(
+            f"nansentinel: FSDP1's state on torch {torch.__version__} lacks {exc.name!r}: "
+            "this torch is not supported for FSDP1 gradient checks. Use FSDP2 (fully_shard)."
+        ) from exc
+    return unit
+
+
+def fsdp1_comm_hook(state: Any) -> tuple[Any, Any]:
+    """The communication hook an FSDP1 instance calls, and its state (None, None: FSDP's
+    default reduction)."""
+    return state._comm_hook, state._comm_hook_state
+
+
+def set_fsdp1_comm_hook(state: Any, hook: Any, hook_state: Any) -> None:
+    """Install ``hook`` on one FSDP1 instance: set as ``register_comm_hook`` sets it, but per
+    instance (each gets its own ``hook_state``) and for the hybrid strategies too, whose
+    replicate all-reduce the hook then runs itself (``register_comm_hook`` refuses them)."""
+    state._comm_hook = hook
+    state._comm_hook_state = hook_state
+
+
+def fsdp1_divide_factors(state: Any) -> tuple[float, float]:
+    """FSDP1's gradient (pre-divide, post-divide) factors, read at each reduction (FSDP's own
+    default path reads them there too)."""
+    return state._gradient_predivide_factor, state._gradient_postdivide_factor
+
+
+def clean_fsdp1_name(name: str) -> str:
+    """A name without FSDP1's and the checkpoint wrapper's prefixes (torch's own rule)."""
+    from torch.distributed.fsdp._common_utils import clean_tensor_name
+
+    return str(clean_tensor_name(name))
+
+
+def reduce_scatter_into() -> Callable[..., Any]:
+    """The one-tensor reduce-scatter FSDP1 calls: ``reduce_scatter_single`` where this torch
+    has it, else ``reduce_scatter_tensor`` (the same collective under its older name)."""
+    import torch.distributed as dist
+
+    return getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 # --- foreach kernels (torch._foreach_*) --------------------------------------------------------

@@ -11,6 +11,9 @@ One path is chosen once, at construction, from the model the user hands the Sent
 - ``fsdp``: an FSDP2 (``fully_shard``) model, 1-D or HSDP. A custom reduce-scatter checks each
   FSDP group's flat, padded, unsharded gradient buffer, then runs FSDP's own reduce-scatter
   unchanged; the exchange leaves at ``step()``.
+- ``fsdp1``: an FSDP1 (``FullyShardedDataParallel``) model, every sharding strategy. FSDP1's
+  communication hook checks each unit's flat, unsharded gradient, then reduces it exactly as
+  FSDP1's default does (engines/fsdp1.py); the exchange leaves at ``step()``.
 - ``deepspeed``: a ``deepspeed.DeepSpeedEngine``. Each ZeRO stage's local gradients, before
   DeepSpeed reduces them: all of them before its all-reduce (ZeRO-0/1), each IPG bucket before
   its reduce (ZeRO-2), each bucket before its reduce-scatter into partitions (ZeRO-3).

@@ -80,20 +80,9 @@ MIN_TORCH = insides.FEATURES["fsdp2"].minimum
 def is_fsdp(model: torch.nn.Module) -> bool:
     """True for an FSDP2 model: ``fully_shard``-ed at its root, or below it (Lightning's
     ``ModelParallelStrategy`` shards submodules of the LightningModule in ``configure_model``,
-    and the LightningModule is never the root). A clear error for FSDP1, and for trainable
-    parameters that no ``fully_shard``-ed module holds: FSDP reduces no gradient of theirs, so
-    nothing would check them before whatever reduces them."""
-    from torch.distributed.fsdp import FullyShardedDataParallel
-
-    if isinstance(model, FullyShardedDataParallel) or any(
-        isinstance(m, FullyShardedDataParallel) for m in model.modules()
-    ):
-        raise SentinelUsageError(
-            "nansentinel: FSDP1 (FullyShardedDataParallel) is not supported: its gradients are "
-            "reduced where nansentinel cannot check them per rank first. Use FSDP2 "
-            "(torch.distributed.fsdp.fully_shard), which nansentinel checks before each "
-            "reduce-scatter."
-        )
+    and the LightningModule is never the root). A clear error for trainable parameters that
+    no ``fully_shard``-ed module holds: FSDP reduces no gradient of theirs, so nothing would
+    check them before whatever reduces them. (FSDP1 models are taken before, by fsdp1.py.)"""
     if FSDPModule is None:
         return False
     if isinstance(model, FSDPModule):

@@ -45,9 +45,10 @@ def registry() -> tuple[Any, ...]:
     from nansentinel.engines.ddp import DDPPath
     from nansentinel.engines.deepspeed import DeepSpeedPath
     from nansentinel.engines.fsdp import FSDPPath
+    from nansentinel.engines.fsdp1 import FSDP1Path
     from nansentinel.engines.local import LocalGradPath
 
-    return (DDPPath, DeepSpeedPath, FSDPPath, LocalGradPath)
+    return (DDPPath, DeepSpeedPath, FSDP1Path, FSDPPath, LocalGradPath)
 
 
 def recognize(model: Any) -> Any:

@@ -1,7 +1,7 @@
 """The invariants of DESIGN.md, in every combination users make, on every engine (issues 26, 36).
 
-Engine (every gradient path of ``nansentinel.engines.registry()``: DDP, DeepSpeed, FSDP2, local
-gradients reduced by hand) x policy (skip, rollback, abort, drop) x gate x optimizer x
+Engine (every gradient path of ``nansentinel.engines.registry()``: DDP, DeepSpeed, FSDP1, FSDP2,
+local gradients reduced by hand) x policy (skip, rollback, abort, drop) x gate x optimizer x
 GradScaler x BatchNorm x gradient accumulation x replay x replica fingerprints x rank 0 alone
 reading results, crossed with faults of four kinds (batch, loss, forward activation, backward)
 on one rank and on two, on 3 gloo ranks. A CI run takes a random sample of the combinations,

@@ -4,7 +4,8 @@ ranks.
 
 A combination is a plain dict (``Combo``), so that the test can sample them with a printed
 seed and ship them to spawned ranks. Its ``engine`` is the name of a gradient path class of
-``nansentinel.engines.registry()`` (DDP, DeepSpeed, FSDP2, local gradients reduced by hand);
+``nansentinel.engines.registry()`` (DDP, DeepSpeed, FSDP1, FSDP2, local gradients reduced by
+hand);
 :data:`BUILDERS` holds, per engine, a :class:`Run` subclass that builds that engine's model,
 optimizer and loop on CPU gloo ranks. A new engine joins the matrix with one such subclass
 (``engine = TheNewPath``), listed in :data:`BUILDERS`; the test fails until it has one.
@@ -41,6 +42,7 @@ from nansentinel.engines import Capabilities
 from nansentinel.engines.ddp import DDPPath
 from nansentinel.engines.deepspeed import DeepSpeedPath
 from nansentinel.engines.fsdp import FSDPPath
+from nansentinel.engines.fsdp1 import FSDP1Path
 from nansentinel.engines.local import LocalGradPath
 from nansentinel.result import ResultPending, SentinelUsageError
 from tests.support import full_tensor
@@ -82,8 +84,8 @@ def every_combo(engine: str | None = None) -> list[Combo]:
     """Every combination (of one ``engine``, or of all)."""
     dims = dict(DIMENSIONS, engine=(engine,)) if engine is not None else DIMENSIONS
     names = list(dims)
-    return [dict(zip(names, values, strict=True))
-            for values in itertools.product(*dims.values())]
+    combos = (dict(zip(names, values, strict=True)) for values in itertools.product(*dims.values()))
+    return [c for c in combos if BUILDERS[c["engine"]].exists(c)]
 
 
 class _NanGrad(torch.autograd.Function):
@@ -220,6 +222,12 @@ class Run:
         """Why this engine cannot run here (a package missing); None: it can."""
         return None
 
+    @staticmethod
+    def exists(combo: Combo) -> bool:
+        """Whether users can build the combination with this engine at all, without the
+        sentinel (torch itself fails otherwise): the matrix samples only those."""
+        return True
+
     def build(self, net: Net) -> tuple[Any, torch.optim.Optimizer | None]:
         """(what the Sentinel is handed, the optimizer the user steps through it)."""
         return net, _optimizer(self.combo["optimizer"], net.parameters())
@@ -355,6 +363,71 @@ class FSDPRun(Run):
         super()._one_more_step()
 
 
+def _gathered(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """This rank's tensors flat in fp64, gathered from every rank in rank order (a
+    collective): whole, where each rank holds an equal shard (FSDP1's padded flat shards)."""
+    own = _flat(tensors, torch.float64)
+    parts = torch.empty(own.numel() * dist.get_world_size(), dtype=own.dtype)
+    dist.all_gather_into_tensor(parts, own)
+    return parts
+
+
+class FSDP1Run(Run):
+    """FSDP1 (``FullyShardedDataParallel``) FULL_SHARD over every rank, flat parameters
+    (``use_orig_params=False``: equal shards on every rank); ``no_sync`` before the last
+    micro-batch; FSDP1's own ``clip_grad_norm_`` and ``ShardedGradScaler``, as FSDP1's users
+    clip and scale (a plain GradScaler would find an overflow in some ranks' shards only);
+    weights and optimizer state compared whole (each rank's shard gathered)."""
+
+    engine = FSDP1Path
+    refusals = 0  # FSDP1's capabilities refuse nothing of the matrix
+
+    @staticmethod
+    def exists(combo: Combo) -> bool:
+        """Not ``unscale_`` (to clip) with a fused optimizer: ShardedGradScaler's explicit
+        ``unscale_`` leaves a ``found_inf`` of shape [1], which torch's fused AdamW then
+        rejects ("output with shape [] doesn't match the broadcast shape [1]", torch 2.13
+        and 2.15, with no sentinel)."""
+        return combo["scaler"] != "clip" or combo["optimizer"] != "adamw_fused"
+
+    def __init__(self, combo: Combo, rank: int, world: int) -> None:
+        super().__init__(combo, rank, world)
+        if self.scaler is not None:
+            from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+            self.scaler = ShardedGradScaler("cpu", init_scale=1024.0)
+
+    def build(self, net: Net) -> tuple[Any, torch.optim.Optimizer | None]:
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+        model = FSDP(net, device_id=torch.device("cpu"), use_orig_params=False)
+        return model, _optimizer(self.combo["optimizer"], model.parameters())
+
+    def sync(self, last: bool) -> contextlib.AbstractContextManager[Any]:
+        return self.model.no_sync() if not last else contextlib.nullcontext()
+
+    def clip(self) -> None:
+        if self.scaler is not None and self.combo["scaler"] == "clip":
+            self.scaler.unscale_(self.optimizer)
+            self.model.clip_grad_norm_(1.0)
+
+    def optimizer_state(self) -> torch.Tensor:
+        assert self.optimizer is not None
+        opt = self.optimizer
+        return _gathered([v for group in opt.param_groups for p in group["params"]
+                          for _, v in sorted(opt.state.get(p, {}).items(),
+                                             key=lambda kv: str(kv[0]))
+                          if isinstance(v, torch.Tensor)])
+
+    def state(self) -> dict[str, Any]:
+        return {
+            "params": _gathered(list(self.net.parameters())),
+            "buffers": _flat([b for b in self.net.buffers() if b.is_floating_point()]),
+            "optimizer": self.optimizer_state(),
+            "scale": float(self.scaler.get_scale()) if self.scaler is not None else None,
+        }
+
+
 class DeepSpeedRun(Run):
     """A DeepSpeed engine at ZeRO-1, fp32, on the combination's torch optimizer, with
     DeepSpeed's own ``gradient_accumulation_steps``: ``engine.backward`` and ``sentinel.step()``
@@ -424,7 +497,7 @@ class DeepSpeedRun(Run):
 
 #: Engine (its class name in ``engines.registry()``) -> how to build and drive it.
 BUILDERS: dict[str, type[Run]] = {
-    run.engine.__name__: run for run in (DDPRun, DeepSpeedRun, FSDPRun, LocalRun)
+    run.engine.__name__: run for run in (DDPRun, DeepSpeedRun, FSDP1Run, FSDPRun, LocalRun)
 }
 
 

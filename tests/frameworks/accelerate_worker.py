@@ -1,8 +1,8 @@
 """A plain training loop on Accelerate, as docs/frameworks.md writes it, watched by
 ``AcceleratedSentinel``; started by torchrun on 2 CPU ranks (gloo). Each rank writes what it saw.
 
-Usage: ``accelerate_worker.py OUT --engine ddp|deepspeed_S|fsdp2 [--cuda]``. One run, in the same
-processes, one phase after the other (a new model, optimizer and sentinel each):
+Usage: ``accelerate_worker.py OUT --engine ddp|deepspeed_S|fsdp1|fsdp2 [--cuda]``. One run, in
+the same processes, one phase after the other (a new model, optimizer and sentinel each):
 
 - ``alone`` (ddp, CPU only): ``Accelerator()`` without ``cpu=True`` on torchrun's CPU ranks: the
   error that names ``cpu=True``, recorded; Accelerate's state is then reset;
@@ -13,7 +13,8 @@ processes, one phase after the other (a new model, optimizer and sentinel each):
   at step 3 (drop withholds a rank whose batch or loss was non-finite); on DeepSpeed the
   refusal's message is recorded instead.
 
-``--engine fsdp2`` lifts Accelerate's one CPU refusal (cpu_guards.py) unless ``--cuda``.
+``--engine fsdp1`` (Accelerate's default FSDP plugin: FSDP1) and ``--engine fsdp2`` lift
+Accelerate's one CPU refusal (cpu_guards.py) unless ``--cuda``.
 """
 
 from __future__ import annotations
@@ -73,6 +74,12 @@ def accelerator_for(engine: str, cuda: bool, accumulate: int, precision: str) ->
             "zero_optimization": {"stage": int(engine.split("_")[1])},
             "zero_allow_untested_optimizer": True, "steps_per_print": 10**9,
         })
+    elif engine == "fsdp1":  # Accelerate's default FSDP plugin (fsdp_version 1)
+        from accelerate.utils import FullyShardedDataParallelPlugin
+
+        kwargs["mixed_precision"] = "no"
+        kwargs["fsdp_plugin"] = FullyShardedDataParallelPlugin(
+            auto_wrap_policy="transformer_based_wrap", transformer_cls_names_to_wrap=["Block"])
     elif engine == "fsdp2":
         from accelerate.utils import FullyShardedDataParallelPlugin
 
@@ -92,15 +99,25 @@ def train(engine: str, args: argparse.Namespace, faults: dict[tuple[int, int], s
     accelerator = accelerator_for(engine, args.cuda, args.accumulate, args.precision)
     torch.manual_seed(0)
     model = Net()
+    if engine == "fsdp1":
+        # Accelerate's FSDP1 recipe: the model first, the optimizer on its wrapped parameters
+        # (prepared together, the optimizer would keep the parameters FSDP1 replaced).
+        model = accelerator.prepare(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0 / (1 + 0.1 * s))
     data = TensorDataset(torch.randn(512, 8), torch.randn(512, 1))
     loader = DataLoader(data, batch_size=4, shuffle=False)
-    model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
+    if engine == "fsdp1":
+        optimizer, loader, scheduler = accelerator.prepare(optimizer, loader, scheduler)
+    else:
+        model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader,
+                                                                  scheduler)
     inner = getattr(scheduler, "scheduler", scheduler)
     sentinel = AcceleratedSentinel(accelerator, model, optimizer, **overrides)
     rank = dist.get_rank()
     ds = model if hasattr(model, "zero_optimization_stage") else None
+    if engine == "fsdp1":
+        ds = model  # faults.weights gathers FSDP1's flat shards through the root
     results: dict[str, Any] = {}
     unchanged: dict[str, bool] = {}
     before = weights(model, ds)
@@ -135,7 +152,8 @@ def train(engine: str, args: argparse.Namespace, faults: dict[tuple[int, int], s
         "rank": rank, "world": dist.get_world_size(), "engine": engine,
         "num_processes": accelerator.num_processes, "results": results, "unchanged": unchanged,
         "scheduler_steps": inner.last_epoch,
-        "ds_steps": [ds.global_steps, ds.skipped_steps] if ds is not None else None,
+        "ds_steps": [ds.global_steps, ds.skipped_steps] if engine.startswith("deepspeed")
+        else None,
         "sentinel_model": type(sentinel.sentinel.model).__name__,
         "weights": [w.flatten().tolist() for w in weights(model, ds)],
     }
@@ -165,7 +183,7 @@ def refused(engine: str, args: argparse.Namespace, policy: str) -> str | None:
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("out")
-    p.add_argument("--engine", default="ddp", help="ddp, deepspeed_S, fsdp2")
+    p.add_argument("--engine", default="ddp", help="ddp, deepspeed_S, fsdp1, fsdp2")
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--accumulate", type=int, default=2)
     p.add_argument("--precision", default="bf16", help="Accelerate's mixed_precision (DDP)")
@@ -180,7 +198,12 @@ def main() -> None:
         from tests.frameworks.cpu_guards import deepspeed_without_toolchain
 
         deepspeed_without_toolchain()
-    if engine == "fsdp2" and not args.cuda:
+    if engine == "fsdp1" and not args.cuda:
+        # Accelerate's own device knob: on CPU ranks its state names the device cpu:<local
+        # rank>, which FSDP1 rejects beside its compute device "cpu" ("Inconsistent compute
+        # device and `device_id`"); a user on CPU sets the same.
+        os.environ.setdefault("ACCELERATE_TORCH_DEVICE", "cpu")
+    if engine in ("fsdp1", "fsdp2") and not args.cuda:
         from tests.frameworks.cpu_guards import accelerate_fsdp_on_cpu
 
         accelerate_fsdp_on_cpu()

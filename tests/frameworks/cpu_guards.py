@@ -17,6 +17,15 @@ Two cells of the framework table do not run on CPU as the frameworks ship (docs/
   ``deepspeed.initialize`` and the engine are Lightning's and DeepSpeed's own, on DeepSpeed's
   CPU accelerator (``DS_ACCELERATOR=cpu``).
 
+- **Lightning × FSDP1** (``strategy="fsdp"``): the accelerator connector refuses ``"fsdp"``
+  (and an ``FSDPStrategy`` of exactly that type) unless the accelerator is CUDA, and the
+  strategy wraps with ``device_id=root_device.index`` (None on CPU, which FSDP1 refuses: "FSDP
+  needs a non-CPU accelerator device"). :func:`lightning_fsdp_on_cpu` hands the connector an
+  instance of a subclass, which that one check does not match, whose ``_setup_model`` wraps
+  the model as Lightning's does but with ``device_id=torch.device("cpu")`` and then hands it to
+  Lightning's own (which keeps a wrapped model as it is); the rest of ``FSDPStrategy`` (its
+  optimizer setup, ``clip_gradients``, precision plugin, ``no_sync``) runs unchanged, on gloo.
+
 The GPU script (bench/gpu_frameworks.py) runs the same workers without these patches.
 """
 
@@ -53,6 +62,27 @@ def lightning_deepspeed_on_cpu() -> None:
         super(DeepSpeedStrategy, self).setup_environment()
 
     DeepSpeedStrategy.setup_environment = setup_environment  # type: ignore[method-assign]
+
+
+def lightning_fsdp_on_cpu(**kwargs: Any) -> Any:
+    """Lightning's ``FSDPStrategy(**kwargs)``, past the connector's CUDA check (see the module
+    docstring)."""
+    import torch
+    from lightning.pytorch.strategies import FSDPStrategy
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    class CPUFSDPStrategy(FSDPStrategy):
+        """``FSDPStrategy``, wrapping on the CPU device (see the module docstring)."""
+
+        def _setup_model(self, model: Any) -> Any:
+            wrapped = FullyShardedDataParallel(
+                module=model, cpu_offload=self.cpu_offload,
+                mixed_precision=self.mixed_precision_config,
+                sharding_strategy=self.sharding_strategy, device_id=torch.device("cpu"),
+                **self.kwargs)
+            return super()._setup_model(wrapped)
+
+    return CPUFSDPStrategy(**kwargs)
 
 
 def indexed_cpus(count: int) -> list[Any]:

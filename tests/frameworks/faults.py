@@ -46,8 +46,14 @@ def local(t: torch.Tensor) -> torch.Tensor:
 
 def weights(model: torch.nn.Module, engine: object = None) -> list[torch.Tensor]:
     """The full weights on every rank, detached copies on the CPU (to compare, and to write).
-    Under FSDP2 each DTensor is gathered, under ZeRO-3 the engine's partitions: collectives,
-    so every rank calls this at the same point."""
+    Under FSDP2 each DTensor is gathered, under ZeRO-3 the engine's partitions, under FSDP1
+    (``engine``: the FSDP1 root around ``model``) its flat shards: collectives, so every rank
+    calls this at the same point."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP1
+
+    if isinstance(engine, FSDP1):
+        with FSDP1.summon_full_params(engine, writeback=False):
+            return [p.detach().float().cpu().clone() for p in model.parameters()]
     params = list(model.parameters())
     if engine is not None and getattr(engine, "zero_optimization_stage", lambda: 0)() == 3:
         import deepspeed

@@ -3,8 +3,9 @@ it saw. Started by torchrun or ``nansentinel run`` (or plainly, for one process)
 
 ``--deepspeed 1,2,3``: the Trainer on DeepSpeed (``TrainingArguments(deepspeed=...)``), one
 ``train()`` per ZeRO stage in the same processes, each rank writing ``rank{r}-zero{s}.json``;
-``--fsdp2``: the Trainer on FSDP2 (``fsdp_config`` version 2), with Accelerate's CPU refusal
-lifted (cpu_guards.py) unless ``--cuda``; ``--cuda``: on the GPUs (bench/gpu_frameworks.py).
+``--fsdp1`` / ``--fsdp2``: the Trainer on FSDP1 / FSDP2 (``fsdp_config`` version 1 / 2), with
+Accelerate's CPU refusal lifted (cpu_guards.py) unless ``--cuda``; ``--cuda``: on the GPUs
+(bench/gpu_frameworks.py).
 ``--phases skip,rollback,drop``: train() once per phase in the same processes (``skip``: the
 faults of ``--faults``, written to ``rank{r}.json``; ``rollback``: a backward-only NaN on rank 1
 at step 3; ``drop``: a forward log(0) there, as drop withholds a non-finite batch or loss;
@@ -96,7 +97,9 @@ class Probe(TrainerCallback):
         return out
 
     def on_step_begin(self, args, state, control, model=None, optimizer=None, **kw):  # type: ignore[no-untyped-def]
-        model.step = state.global_step
+        # the Net itself: under FSDP1 the model handed over is the FSDP1 root around it
+        inner = model.module if type(model).__name__ == "FullyShardedDataParallel" else model
+        inner.step = state.global_step
         self.before = self._state(model, optimizer)
 
     def on_step_end(self, args, state, control, model=None, optimizer=None, **kw):  # type: ignore[no-untyped-def]
@@ -118,6 +121,7 @@ def main() -> None:
     parser.add_argument("--bf16", action="store_true")
     parser.add_argument("--faults", default="")
     parser.add_argument("--deepspeed", default="", help="ZeRO stages, one train() each: 1,2,3")
+    parser.add_argument("--fsdp1", action="store_true")
     parser.add_argument("--fsdp2", action="store_true")
     parser.add_argument("--cuda", action="store_true")
     parser.add_argument("--phases", default="skip", help="skip, rollback, drop")
@@ -127,7 +131,11 @@ def main() -> None:
         from tests.frameworks.cpu_guards import deepspeed_without_toolchain
 
         deepspeed_without_toolchain()
-    if args.fsdp2 and not args.cuda:
+    if args.fsdp1 and not args.cuda:
+        # Accelerate names CPU ranks' device cpu:<local rank>, which FSDP1 rejects beside its
+        # compute device "cpu": Accelerate's own device knob, as a user on CPU sets it.
+        os.environ.setdefault("ACCELERATE_TORCH_DEVICE", "cpu")
+    if (args.fsdp1 or args.fsdp2) and not args.cuda:
         from tests.frameworks.cpu_guards import accelerate_fsdp_on_cpu
 
         accelerate_fsdp_on_cpu()
@@ -169,6 +177,13 @@ def training_args(args: argparse.Namespace, stage: int | None, steps: int) -> Tr
             "zero_optimization": {"stage": stage}, "steps_per_print": 10**9,
             **({"bf16": {"enabled": True}} if args.bf16 else {}),
         }
+    if args.fsdp1:
+        extra["fsdp"] = True
+        # The Trainer turns on CPU-RAM-efficient loading (and with it sync_module_states, whose
+        # parameter init Accelerate places on an accelerator only): off on CPU ranks.
+        extra["fsdp_config"] = {"version": 1, "transformer_layer_cls_to_wrap": ["Block"],
+                                **({} if args.cuda else {"cpu_ram_efficient_loading": False,
+                                                         "sync_module_states": False})}
     if args.fsdp2:
         extra["fsdp"] = True
         extra["fsdp_config"] = {"version": 2, "transformer_layer_cls_to_wrap": ["Block"],
@@ -190,7 +205,7 @@ def train(args: argparse.Namespace, stage: int | None, faults: str,
     probe = Probe(sentinel)
     trainer = Trainer(model=model, args=training_args(args, stage, args.steps),
                       train_dataset=Pairs(256), callbacks=[sentinel, probe])
-    if stage is not None:
+    if stage is not None or args.fsdp1:  # ZeRO-3's and FSDP1's weights gather through it
         trainer.add_callback(_EngineOf(probe, trainer))
     trainer.train()
     engine = probe.engine
@@ -202,7 +217,7 @@ def train(args: argparse.Namespace, stage: int | None, faults: str,
         "stage": stage,
         "global_step": trainer.state.global_step,
         "scheduler_steps": trainer.lr_scheduler.last_epoch,
-        "ds_steps": [engine.global_steps, engine.skipped_steps] if engine is not None else None,
+        "ds_steps": [engine.global_steps, engine.skipped_steps] if stage is not None else None,
         "skipped": {
             str(s): {"bad_ranks": r.bad_ranks, "kinds": r.kinds, "outcome": r.outcome,
                      "report_path": r.report_path, "rolled_back_to": r.rolled_back_to,
@@ -220,7 +235,8 @@ def train(args: argparse.Namespace, stage: int | None, faults: str,
 
 
 class _EngineOf(TrainerCallback):
-    """Hands the probe the Trainer's DeepSpeed engine once it exists (train begin)."""
+    """Hands the probe the Trainer's DeepSpeed engine, or its FSDP1 root, once it exists
+    (train begin)."""
 
     def __init__(self, probe: Probe, trainer: Trainer) -> None:
         self.probe, self.trainer = probe, trainer

@@ -3,10 +3,13 @@
 Run as a script (Lightning's DDP launcher re-runs it for the other local ranks, or torchrun /
 ``nansentinel run`` starts the ranks): ``python lightning_worker.py OUT --devices 2 ...``.
 
-``--strategy fsdp2``: ``ModelParallelStrategy`` with ``fully_shard`` in ``configure_model``, as
-Lightning's docs write it (the LightningModule is never the FSDP2 root); ``--strategy
-deepspeed_S``: ``DeepSpeedStrategy(stage=S)``, with Lightning's CUDA-only check lifted on CPU
-(cpu_guards.py) unless ``--cuda``; ``--cuda``: on the GPUs (bench/gpu_frameworks.py).
+``--strategy fsdp``: Lightning's ``FSDPStrategy`` (FSDP1, its defaults: the LightningModule one
+unit, ``use_orig_params=True``), past Lightning's CPU refusals unless ``--cuda``
+(cpu_guards.py); ``--strategy fsdp2``: ``ModelParallelStrategy`` with ``fully_shard`` in
+``configure_model``, as Lightning's docs write it (the LightningModule is never the FSDP2
+root); ``--strategy deepspeed_S``: ``DeepSpeedStrategy(stage=S)``, with Lightning's CUDA-only
+check lifted on CPU (cpu_guards.py) unless ``--cuda``; ``--cuda``: on the GPUs
+(bench/gpu_frameworks.py).
 """
 
 from __future__ import annotations
@@ -84,7 +87,7 @@ class Probe(pl.Callback):
     def _state(self, trainer: pl.Trainer) -> list[torch.Tensor]:
         module = trainer.lightning_module
         engine = _engine(trainer)
-        tensors = weights(module, engine)  # every rank: ZeRO-3 and FSDP2 gather
+        tensors = weights(module, _wrapper(trainer))  # every rank: ZeRO-3, FSDP1, FSDP2 gather
         if engine is None:  # DeepSpeed's optimizer state: tested in tests/distributed
             opt = trainer.optimizers[0]
             for p in module.parameters():
@@ -113,7 +116,20 @@ def _engine(trainer: pl.Trainer) -> Any:
     return model if hasattr(model, "zero_optimization_stage") else None
 
 
+def _wrapper(trainer: pl.Trainer) -> Any:
+    """What gathers the weights (faults.weights): the DeepSpeed engine, or the FSDP1 root
+    Lightning's ``FSDPStrategy`` built; None."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP1
+
+    model = trainer.strategy.model
+    return model if isinstance(model, FSDP1) else _engine(trainer)
+
+
 def _strategy(name: str, cuda: bool, devices: int) -> Any:
+    if name == "fsdp" and not cuda:
+        from tests.frameworks.cpu_guards import lightning_fsdp_on_cpu
+
+        return lightning_fsdp_on_cpu()
     if name == "fsdp2":
         from lightning.pytorch.strategies import ModelParallelStrategy
 
@@ -150,7 +166,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("out")
     parser.add_argument("--devices", type=int, default=2)
-    parser.add_argument("--strategy", default="ddp", help="ddp, auto, fsdp2, deepspeed_S")
+    parser.add_argument("--strategy", default="ddp", help="ddp, auto, fsdp, fsdp2, deepspeed_S")
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--accumulate", type=int, default=2)
     parser.add_argument("--precision", default="32-true")
@@ -205,7 +221,7 @@ def fit(args: argparse.Namespace, faults: str, overrides: dict[str, Any]) -> dic
         "outcomes": probe.outcomes,
         "sentinel_steps": watched.step_index if watched else None,
         "unchanged": {str(k): v for k, v in probe.unchanged.items()},
-        "weights": [w.flatten().tolist() for w in weights(model, engine)],
+        "weights": [w.flatten().tolist() for w in weights(model, _wrapper(trainer))],
         "sentinel_model": type(watched.model).__name__ if watched else None,
         "gradient_path": watched.gradients.caps.label if watched else None,
         "replays": watched.replays if watched else None,

@@ -96,3 +96,14 @@ def test_accelerate_loop_on_fsdp2_seam_on_cpu(tmp_path: Path) -> None:
     results = _run(tmp_path, "fsdp2")
     _assert_skips([r["skip"] for r in results], "FSDPNet")
     _assert_rollback_and_drop(results)
+
+
+@pytest.mark.timeout(300)
+def test_accelerate_loop_on_fsdp1_default_plugin_seam_on_cpu(tmp_path: Path) -> None:
+    """Accelerate's default FSDP plugin (FSDP1, ``use_orig_params=True``, the blocks wrapped
+    by class): each rank's flat gradient checked in FSDP1's communication hook; Accelerate's
+    ``clip_grad_norm_`` (FSDP1's own) and ``no_sync`` accumulation unchanged. On CPU past
+    Accelerate's refusal (cpu_guards.py) with ``ACCELERATE_TORCH_DEVICE=cpu``."""
+    results = _run(tmp_path, "fsdp1")
+    _assert_skips([r["skip"] for r in results], "FullyShardedDataParallel")
+    _assert_rollback_and_drop(results)

@@ -137,6 +137,40 @@ def test_lightning_fsdp2_sharded_below_the_root_skips_rolls_back_and_drops(
 
 
 @pytest.mark.timeout(300)
+def test_lightning_fsdp1_strategy_skips_rolls_back_and_drops(tmp_path: Path) -> None:
+    """``strategy="fsdp"`` (Lightning's FSDPStrategy: FSDP1, the LightningModule one unit,
+    ``use_orig_params=True``) on 2 CPU devices, past Lightning's CUDA-only check
+    (cpu_guards.py; the GPU script runs it without): the Sentinel is built on the FSDP1 root
+    and checks each rank's flat gradient in FSDP1's communication hook; skip, rollback and
+    drop as on FSDP2, the parameters named as the LightningModule names them."""
+    proc = runner.run(
+        runner.python(WORKER, str(tmp_path), "--strategy=fsdp", "--devices=2", "--steps=6",
+                      "--accumulate=2", "--faults=2:0:log0,4:1:grad",
+                      "--phases=skip,rollback,drop"),
+        tmp_path, timeout=280, env={"NANSENTINEL_INJECT": "kind=batch,rank=1,step=1"},
+    )
+    assert proc.returncode == 0, proc.stdout[-6000:]
+    skip = _phase(tmp_path, "skip")
+    _assert_three_faults_skipped(skip)
+    assert all(r["gradient_path"] == "FSDP1" and
+               r["sentinel_model"] == "FullyShardedDataParallel" for r in skip)
+    report = json.loads(Path(skip[0]["skipped"]["4"]["report_path"]).read_text())
+    assert report["poisoned"][0]["parameters"] == ["body.inp.weight", "body.inp.bias"]
+    rollback = _phase(tmp_path, "rollback")
+    for res in rollback:
+        assert {s: (r["outcome"], r["rolled_back_to"], r["bad_ranks"])
+                for s, r in res["skipped"].items()} == {
+            "1": ("rolled_back", 0, [1]), "3": ("rolled_back", 2, [1])}
+    runner.assert_same_finite_weights(rollback)
+    drop = _phase(tmp_path, "drop")
+    for res in drop:
+        assert res["outcomes"] == {s: {"outcome": "dropped", "bad_ranks": [1]}
+                                   for s in ("1", "3")}
+        assert not any(res["unchanged"].values())
+    runner.assert_same_finite_weights(drop)
+
+
+@pytest.mark.timeout(300)
 def test_lightning_deepspeed_zero3_seam_on_cpu(tmp_path: Path) -> None:
     """DeepSpeedStrategy(stage=3) on 2 CPU devices, Lightning's CUDA-only check lifted
     (cpu_guards.py; the GPU script runs it without): Lightning's engine.step() after

@@ -209,6 +209,25 @@ def test_hf_trainer_on_fsdp2_seam_on_cpu(tmp_path: Path) -> None:
     _assert_rolled_back_and_dropped(tmp_path)
 
 
+@pytest.mark.timeout(300)
+def test_hf_trainer_on_fsdp1_seam_on_cpu(tmp_path: Path) -> None:
+    """The Trainer with fsdp_config version 1 on 2 gloo ranks, Accelerate's one CPU refusal
+    lifted (cpu_guards.py) and its CPU device named ``cpu`` (ACCELERATE_TORCH_DEVICE): the
+    callback builds on the FSDP1 root the Trainer hands it and checks each rank's flat
+    gradient in FSDP1's communication hook; skip, rollback and drop, one train() each."""
+    proc = runner.run(
+        runner.torchrun(WORKER, str(tmp_path), "--fsdp1", "--steps=6", "--accumulate=2",
+                        "--faults=2:0:log0,4:1:grad", "--phases=skip,rollback,drop"),
+        tmp_path, timeout=280, env={"NANSENTINEL_INJECT": "kind=batch,rank=1,step=1"},
+    )
+    assert proc.returncode == 0, proc.stdout[-6000:]
+    results = runner.ranks(tmp_path, 2, proc)
+    _assert_three_faults_skipped(results)
+    assert all(r["gradient_path"] == "FSDP1" and r["sentinel_model"] ==
+               "FullyShardedDataParallel" for r in results)
+    _assert_rolled_back_and_dropped(tmp_path)
+
+
 def test_a_trainer_that_runs_each_rank_alone_is_refused_naming_use_cpu() -> None:
     """2 ranks (torch's fake backend), but TrainingArguments says 1 (CPU ranks without
     use_cpu=True): refused at train begin, before anything is installed."""

@@ -8,19 +8,22 @@ from torch import nn
 
 from nansentinel.engines import fsdp
 from nansentinel.engines.local import naming_detail, scan_parameters
-from nansentinel.result import SentinelUsageError
 
 
-def test_fsdp1_is_refused_by_name() -> None:
+def test_fsdp1_is_taken_by_its_own_path() -> None:
+    """An FSDP1 root, or a module holding FSDP1 instances, goes to the FSDP1 path (its comm
+    hook), never to FSDP2's."""
     from torch.distributed.fsdp import FullyShardedDataParallel
+
+    from nansentinel import engines
+    from nansentinel.engines.fsdp1 import FSDP1Path, is_fsdp1
 
     legacy = FullyShardedDataParallel.__new__(FullyShardedDataParallel)  # needs no GPU
     nn.Module.__init__(legacy)
-    with pytest.raises(SentinelUsageError, match=r"FSDP1 .*fully_shard"):
-        fsdp.is_fsdp(legacy)
     outer = nn.Sequential(legacy)
-    with pytest.raises(SentinelUsageError, match="FSDP1"):
-        fsdp.is_fsdp(outer)
+    assert is_fsdp1(legacy) and is_fsdp1(outer)
+    assert engines.recognize(legacy) is FSDP1Path and engines.recognize(outer) is FSDP1Path
+    assert not fsdp.is_fsdp(legacy) and not is_fsdp1(nn.Linear(2, 2))
 
 
 def test_plain_modules_are_not_fsdp() -> None:
