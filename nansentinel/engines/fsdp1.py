@@ -84,8 +84,10 @@ class CheckedUnit:
 class FSDP1Path:
     """Installs a checking communication hook on every FSDP1 unit of the model."""
 
+    # Not ``wraps``: the sentinel watches the FSDP1 root itself (its state_dict() is FSDP1's,
+    # which a rollback needs), and a model that only holds FSDP1 units inside is recognised too.
     CAPS = Capabilities(
-        label="FSDP1", wraps=True,
+        label="FSDP1",
         replay="its backward would reduce through the gradient path being judged",
         fingerprints="FSDP1 sharding without replicas (FULL_SHARD / SHARD_GRAD_OP: every rank "
                      "holds a different shard)",
