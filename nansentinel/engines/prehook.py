@@ -15,9 +15,13 @@ sends (all-reduce, reduce-scatter, reduce, all-to-all). An all-gather, a broadca
 in the backward moves values already reduced (the shards a reduce-scatter returned, a
 ZeRO-style parameter gather): a NaN from one rank sits there on every rank, so they are not
 checked. Collectives before the backward are the forward's (tensor parallelism's
-all-reduces, an MoE all-to-all): their origin is the forward's business (decide/origins.py),
-and they are not gradients. The sentinel's own collectives (the health exchange, the rare
-path) are told by their caller, the first frame outside ``torch``, and never checked.
+all-reduces, an MoE all-to-all): not gradients, but where a NaN crosses one, the first of
+them whose send buffer was non-finite on some rank names the rank where it began. So each
+keeps the norm of what this rank sent (one norm per collective, on the device, no host
+sync), read only after a detection (:meth:`PreHookPath.first_forward_send`,
+rare/live_trace.py): exact on the step itself, a transient fault and a run without a replay
+function included. The sentinel's own collectives (the health exchange, the rare path) are
+told by their caller, the first frame outside ``torch``, and never checked.
 
 Each gradient collective costs one fused norm of its floating send buffers, on their device,
 with no host sync (a 0-d tensor added to the step's row); the exchange leaves at ``step()``.
@@ -31,6 +35,7 @@ gradients, as on the local path.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import sys
 import time
@@ -55,6 +60,32 @@ HOOK_ID = 0x4E414E53
 REDUCTIONS = frozenset({"ALLREDUCE", "ALLREDUCE_COALESCED", "REDUCE", "REDUCE_SCATTER",
                         "REDUCE_SCATTER_BASE", "REDUCE_SCATTER_TENSOR_COALESCED", "ALLTOALL",
                         "ALLTOALL_BASE"})
+
+
+#: What the user called, by ``HookOpName`` (the names a replay's trace gives them too).
+API_NAMES = {
+    "ALLREDUCE": "all_reduce", "ALLREDUCE_COALESCED": "all_reduce_coalesced",
+    "ALLGATHER": "all_gather", "ALLGATHER_BASE": "all_gather_into_tensor",
+    "ALLGATHER_COALESCED": "all_gather_coalesced",
+    "ALLGATHER_INTO_TENSOR_COALESCED": "all_gather_into_tensor_coalesced",
+    "REDUCE_SCATTER": "reduce_scatter", "REDUCE_SCATTER_BASE": "reduce_scatter_tensor",
+    "REDUCE_SCATTER_TENSOR_COALESCED": "reduce_scatter_tensor_coalesced",
+    "ALLTOALL": "all_to_all", "ALLTOALL_BASE": "all_to_all_single",
+}
+#: Collectives that send nothing of this rank's (their tensors are buffers they fill).
+_NO_INPUT = frozenset({"BARRIER", "RECV", "RECVANYSOURCE", "MONITORED_BARRIER"})
+#: Collectives whose buffer is sent by the root alone (elsewhere it may be uninitialised).
+_ROOTED = frozenset({"BROADCAST", "SCATTER"})
+
+
+def contributed(name: str, tensors: list[torch.Tensor], root: int, rank: int
+                ) -> list[torch.Tensor]:
+    """The floating tensors this rank contributes to a forward collective ``name``: none for
+    a barrier or a receive, a rooted collective's on its root only, else its inputs (an
+    all-gather's too: tensor parallelism gathers each rank's activations)."""
+    if name in _NO_INPUT or (name in _ROOTED and root != rank):
+        return []
+    return [t for t in tensors if t.is_floating_point() or t.is_complex()]
 
 
 def sent(name: str, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -114,6 +145,10 @@ class PreHookPath:
         #: This step's backward has begun: collectives from now on are the gradients'.
         self.backward = False
         self._names: dict[int, str] | None = None
+        #: This step's forward collectives, in this rank's order: what each was, and the
+        #: norm of what this rank sent (None: nothing of its own); and the step before's.
+        self._sends: list[tuple[str, torch.Tensor | None]] = []
+        self._previous: tuple[int, list[tuple[str, torch.Tensor | None]]] = (-1, [])
         self._hooked: dict[str, Any] = {}
         self._failed = False
         model.register_forward_pre_hook(self._forward_begins)
@@ -127,7 +162,7 @@ class PreHookPath:
         Sentinel are found at the next step)."""
         for pg, name in insides.named_groups():
             if name not in self._hooked:
-                insides.register_pre_hook(pg, HOOK_ID, self._on)
+                insides.register_pre_hook(pg, HOOK_ID, functools.partial(self._on, pg))
                 self._hooked[name] = pg
 
     def _forward_begins(self, *_: Any) -> None:
@@ -146,17 +181,20 @@ class PreHookPath:
     def _backward_begins(self, *_: Any) -> None:
         self.backward = True
 
-    def _on(self, args: Any) -> None:
+    def _on(self, pg: Any, args: Any) -> None:
         """The pre-hook: never raises into the user's collective (a failure is said once,
         and the step is then checked at ``step()`` as on the local path)."""
-        if self.closed or not self.backward or self._failed or own_collective():
+        if self.closed or self._failed or own_collective():
             return
         started = time.perf_counter()
         try:
-            name, tensors, _, _ = insides.hook_op(args)
-            given = sent(name, tensors)
-            if given:
-                self._gradient(given)
+            name, tensors, root, _ = insides.hook_op(args)
+            if self.backward:
+                given = sent(name, tensors)
+                if given:
+                    self._gradient(given)
+            else:
+                self._forward(name, contributed(name, tensors, root, pg.rank()), pg)
         except Exception as exc:  # the user's collective must go on
             self._failed = True
             log.error("nansentinel: rank %d: the collective pre-hook failed at step %d (%s: "
@@ -183,6 +221,33 @@ class PreHookPath:
                 names = self._names or {}
                 self._kept.add([names.get(given[i].data_ptr(), f"<buffer of collective "
                                 f"#{self.checked}>") for i in idx], norms)
+
+    def _forward(self, name: str, given: list[torch.Tensor], pg: Any) -> None:
+        """A forward collective: the norm of what this rank sends in it (0-d, on the device,
+        read only after a detection: live_trace.py). One with nothing of this rank's (a
+        barrier, a receive) keeps its place, so that places line up across ranks."""
+        norm = None
+        if given:
+            norms = [checks.tensor_norm(t) for t in given]
+            norm = norms[0] if len(norms) == 1 else torch.linalg.vector_norm(
+                torch.stack([n.to(norms[0].device) for n in norms]))
+        what = API_NAMES.get(name, name.lower())
+        self._sends.append((f"{what} on group {pg.group_name}", norm))
+
+    def first_forward_send(self, step: int) -> tuple[int, str] | None:
+        """This rank's first forward collective of ``step`` (this step or the one before:
+        the device gate decides a step at the next call) whose send buffers were non-finite:
+        its place (1-based, in this rank's order) and what it was; None: none was. One host
+        read, after a detection only."""
+        sends = self._sends if step == self.sink.step_index else (
+            self._previous[1] if self._previous[0] == step else [])
+        places = [(i, what, n) for i, (what, n) in enumerate(sends, 1) if n is not None]
+        if not places:
+            return None
+        finite = torch.isfinite(torch.stack([n.detach().float().cpu()
+                                             for _, _, n in places])).tolist()
+        return next(((i, what) for (i, what, _), ok in zip(places, finite, strict=True)
+                     if not ok), None)
 
     # --- engines.GradPath ----------------------------------------------------------------
 
@@ -215,6 +280,7 @@ class PreHookPath:
         self.checked = 0
         self.closed = self.backward = False
         self._kept = self._names = None
+        self._previous, self._sends = (self.sink.step_index - 1, self._sends), []
         if len(self._hooked) != len(insides.named_groups()):
             self._hook_groups()
 

@@ -12,6 +12,7 @@ torch found and the minimum, and the ``check_grads()`` loop runs as before.
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 from typing import Any
@@ -21,7 +22,7 @@ import torch
 
 from nansentinel.common import torch_insides as insides
 from tests.distributed.harness import run_ranks, values
-from tests.distributed.workers_prehook import FAULTS, LOOPS, refused, scenarios
+from tests.distributed.workers_prehook import FAULTS, LOOPS, forward_origin, refused, scenarios
 
 HOOKS = insides.supported("collective_hooks")
 MINIMUM = insides.FEATURES["collective_hooks"].minimum
@@ -83,3 +84,40 @@ def test_below_the_minimum_a_loop_that_reduced_first_is_refused(tmp_path) -> Non
 def runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[Any]]:
     tmp = tmp_path_factory.mktemp("prehook")
     return tmp, values(run_ranks(scenarios, 2, tmp, report_dir=str(tmp / "r"), timeout=220))
+
+
+def _trace(rec: dict[str, Any]) -> dict[str, Any]:
+    return json.loads(Path(rec["report"]).read_text())["origin_trace"]
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("persistent", [False, True], ids=["transient", "faulty-device"])
+def test_the_first_non_finite_forward_send_names_the_origin(tmp_path: Path,
+                                                           persistent: bool) -> None:
+    """Rank 1 writes a NaN into its activations before a forward all-reduce (row-parallel),
+    so every rank's loss is non-finite. On torch >= 2.14 the step's own send buffers name
+    rank 1 (collective #1), transient or not, with or without a replay function; below it,
+    the replay's trace agrees where the fault reproduces, and a transient fault without a
+    replay function cannot be traced (every rank is named)."""
+    outs = values(run_ranks(forward_origin, 2, tmp_path, report_dir=str(tmp_path / "r"),
+                            persistent=persistent, timeout=180))
+    exact = HOOKS or persistent
+    for out in outs:
+        assert out["path"] == ("collective pre-hooks" if HOOKS else "local gradients")
+        recs = out["records"]
+        faulty = [1, 2] if persistent else [1]
+        assert [r["outcome"] for r in recs] == [
+            "skipped" if r["step"] in faulty else "applied" for r in recs]
+        for rec in (recs[i] for i in faulty):
+            if exact:
+                assert rec["bad_ranks"] == [1] and rec["reached"] == [0], rec
+                assert "activation" in rec["kinds"], rec
+            else:
+                assert rec["bad_ranks"] == [0, 1] and rec["reached"] == [], rec
+        assert torch.isfinite(out["weights"]).all()
+    trace = _trace(outs[0]["records"][1])
+    if exact:
+        assert trace["origins"] == [1] and trace["collective"] == 1, trace
+        assert trace["op"].endswith("on group 0") and "all" in trace["op"], trace
+    else:
+        assert trace["origins"] == [] and "no replay function" in trace["reason"], trace

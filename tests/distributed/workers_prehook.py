@@ -119,3 +119,70 @@ def refused(rank: int, world: int, *, report_dir: str) -> dict[str, Any]:
             dist.barrier()  # every rank refused at the same step: leave together
     dist.barrier()
     return out
+
+
+class _SumRanks(torch.autograd.Function):
+    """Row-parallel's all-reduce of partial outputs (Megatron's "reduce from the tensor
+    parallel region"): a sum across ranks forward, the gradient as it is backward."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        out = x.clone()
+        dist.all_reduce(out)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return grad
+
+
+class RowParallel(nn.Module):
+    """Each rank's half of a hidden layer; the partial outputs are summed in the forward.
+    ``faulty``: this rank's hidden activations hold a NaN (a device fault inside the forward,
+    before the all-reduce)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up, self.down = nn.Linear(6, 8), nn.Linear(8, 1)
+        self.faulty = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.up(x))
+        if self.faulty:
+            h = h.index_fill(1, torch.tensor([2]), math.nan)
+        return _SumRanks.apply(self.down(h))
+
+
+def _mse(module: nn.Module, batch: torch.Tensor) -> torch.Tensor:
+    return module(batch).pow(2).mean()
+
+
+def forward_origin(rank: int, world: int, *, report_dir: str, persistent: bool,
+                   fault_at: int = 1, steps: int = 3) -> dict[str, Any]:
+    """A fault on rank 1 before a forward all-reduce: only at ``fault_at`` (transient), with
+    no replay function; or from ``fault_at`` on (``persistent``: a faulty device), with one
+    (which today's trace replays, below torch 2.14)."""
+    torch.manual_seed(rank)
+    model = RowParallel()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    sentinel = nansentinel.Sentinel(model, opt, report_dir=report_dir, env={},
+                                    hostname=f"node{rank}", metrics_port=0, metrics_linger=0,
+                                    replay=_mse if persistent else None)
+    records = []
+    for step in range(steps):
+        g = torch.Generator().manual_seed(10 * step + rank)
+        x = torch.randn(4, 6, generator=g)
+        sentinel.check_batch(x)
+        model.faulty = rank == 1 and (step >= fault_at if persistent else step == fault_at)
+        loss = _mse(model, x)
+        sentinel.check_loss(loss)
+        loss.backward()
+        r = sentinel.step()
+        opt.zero_grad(set_to_none=True)
+        records.append({"step": r.step, "outcome": str(r.outcome), "bad_ranks": r.bad_ranks,
+                        "reached": r.reached, "verdict": r.verdict, "kinds": r.kinds,
+                        "bad_hosts": r.bad_hosts, "report": r.report_path})
+    sentinel.close()
+    dist.barrier()
+    return {"records": records, "path": sentinel.gradients.caps.label,
+            "weights": torch.cat([p.detach().reshape(-1) for p in model.parameters()])}
