@@ -278,7 +278,7 @@ def step(args: argparse.Namespace) -> None:
               f"{statistics.median(cpu):.3f} (rounds {min(cpu):.3f}-{max(cpu):.3f})")
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python bench/prehook_cost.py", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--mode", choices=("host", "step"), default="host")
@@ -291,7 +291,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--report-dir", default="/tmp/nansentinel-prehook-cost")
-    args = p.parse_args(argv)
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     if not hasattr(dist.ProcessGroup, "register_pre_hook"):
         print(f"torch {torch.__version__} has no ProcessGroup.register_pre_hook (torch >= "
               "2.14): nothing to measure", file=sys.stderr)
