@@ -20,6 +20,7 @@ from nansentinel.engines.ddp import DDPPath
 from nansentinel.engines.deepspeed import DeepSpeedPath
 from nansentinel.engines.fsdp import FSDPPath
 from nansentinel.engines.local import LocalGradPath
+from nansentinel.engines.prehook import PreHookPath
 from nansentinel.result import StepResult
 from nansentinel.step.gate import DeviceGate, GateChoice, choose_gate, gated_steps
 from nansentinel.step.record import PendingResult, StepRecord
@@ -27,8 +28,8 @@ from nansentinel.wire.exchange import HealthExchange
 
 CUDA, CPU = torch.device("cuda", 0), torch.device("cpu")
 ENGINES = {"DDP": DDPPath.CAPS, "FSDP2": FSDPPath.CAPS, "local": LocalGradPath.CAPS,
-           "DeepSpeed": DeepSpeedPath.CAPS, "DDP, pipeline": DDPPath.CAPS.staged(),
-           "FSDP2, pipeline": FSDPPath.CAPS.staged()}
+           "pre-hooks": PreHookPath.CAPS, "DeepSpeed": DeepSpeedPath.CAPS,
+           "DDP, pipeline": DDPPath.CAPS.staged(), "FSDP2, pipeline": FSDPPath.CAPS.staged()}
 
 
 def _optimizer(kind: str) -> torch.optim.Optimizer:
@@ -45,7 +46,7 @@ def _optimizer(kind: str) -> torch.optim.Optimizer:
 
 
 FUSED = ("AdamW fused", "Adam fused", "SGD fused", "Adagrad fused")
-DEVICE_ENGINES = ("DDP", "FSDP2", "local")
+DEVICE_ENGINES = ("DDP", "FSDP2", "local", "pre-hooks")
 
 
 @pytest.mark.parametrize("engine", sorted(ENGINES))
