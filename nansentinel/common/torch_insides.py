@@ -116,6 +116,14 @@ def _sentinel() -> bool:
     return _at_least(MIN_TORCH)
 
 
+def _collective_hooks() -> bool:
+    """``ProcessGroup.register_pre_hook`` (torch 2.14): a Python hook called with each
+    collective's send buffers before the collective is issued, on every backend."""
+    import torch.distributed as dist
+
+    return dist.is_available() and hasattr(dist.ProcessGroup, "register_pre_hook")
+
+
 #: Every feature with a minimum of its own, by key (docs/torch-support.md is this table).
 FEATURES: dict[str, Feature] = {
     "torch": Feature(
@@ -140,6 +148,13 @@ FEATURES: dict[str, Feature] = {
         name="replica fingerprints (fingerprint_every)", minimum="2.9",
         seam="torch.hash_tensor", instead="upgrade torch, or set fingerprint_every=0",
         present=_hash_tensor),
+    "collective_hooks": Feature(
+        name="checks of gradients reduced by hand (or by an engine nansentinel does not "
+             "know) before each collective", minimum="2.14",
+        seam="ProcessGroup.register_pre_hook (a hook given each collective's PreHookArgs: "
+             "name, input_tensors, root, op_id)",
+        instead="call sentinel.check_grads() after backward and before your own all-reduce, "
+                "or use DDP or FSDP2", present=_collective_hooks),
 }
 
 
@@ -402,6 +417,26 @@ def sequence_number(pg: Any) -> int:
 def resolve_group(name: str) -> Any:
     """The process group registered under ``name`` (functional collectives name groups)."""
     return torch._C._distributed_c10d._resolve_process_group(name)  # type: ignore[arg-type]
+
+
+def register_pre_hook(pg: Any, hook_id: int, fn: Callable[[Any], None]) -> None:
+    """Call ``fn(args)`` before each collective issued on ``pg`` (``PreHookArgs``: ``name``,
+    ``input_tensors``, ``output_tensors``, ``root``, ``op_id``); one hook per ``hook_id``
+    and group, replaced by a second registration under the same id (torch 2.14)."""
+    pg.register_pre_hook(hook_id, fn)
+
+
+def unregister_pre_hook(pg: Any, hook_id: int) -> None:
+    """Remove the pre-hook ``hook_id`` of ``pg`` (nothing if there is none)."""
+    pg.unregister_pre_hook(hook_id)
+
+
+def hook_op(args: Any) -> tuple[str, list[torch.Tensor], int, int]:
+    """A ``PreHookArgs`` read once: the collective's name (``ALLREDUCE``), the tensors this
+    rank sends, the root (-1 when it has none) and the group's ``op_id``."""
+    name = args.name
+    return (getattr(name, "name", None) or str(name).rsplit(".", 1)[-1],
+            list(args.input_tensors), int(args.root), int(args.op_id))
 
 
 def nccl_trace_dump() -> Callable[[], bytes] | None:

@@ -17,9 +17,13 @@ One path is chosen once, at construction, from the model the user hands the Sent
 - ``deepspeed``: a ``deepspeed.DeepSpeedEngine``. Each ZeRO stage's local gradients, before
   DeepSpeed reduces them: all of them before its all-reduce (ZeRO-0/1), each IPG bucket before
   its reduce (ZeRO-2), each bucket before its reduce-scatter into partitions (ZeRO-3).
-- ``local``: anything else (one process, or users who reduce gradients by hand and call
-  ``check_grads()`` before their reduction): one fused norm per (device, dtype) group of the
-  local ``.grad`` tensors.
+- ``prehook``: any other model in a job of several ranks, on torch >= 2.14: each gradient
+  collective's send buffer, checked in a process-group pre-hook as it leaves (a loop's own
+  all-reduce or reduce-scatter, an engine outside this registry); the exchange leaves at
+  ``step()``.
+- ``local``: anything else (one process, pipeline stages, tensor parallel, or torch < 2.14
+  where users who reduce gradients by hand call ``check_grads()`` before their reduction):
+  one fused norm per (device, dtype) group of the local ``.grad`` tensors.
 
 Each path talks to the sentinel through the few methods of :class:`GradientSink`, so it can be
 read (and replaced) without the rest of the step. The types they share are in engines/base.py;

@@ -31,6 +31,7 @@ from nansentinel.engines.base import (
     GradientSink,
     KeptNorms,
 )
+from nansentinel.engines.reduced_first import ReducedFirst, watches
 
 
 def local_grad(p: torch.Tensor) -> torch.Tensor | None:
@@ -119,8 +120,14 @@ class LocalGradPath:
         self.caps = caps
         self.keep_norms = False
         self._kept: KeptNorms | None = None
+        #: Below torch 2.14, the first step of a job of several ranks is watched for a
+        #: reduction before the check (reduced_first.py); None: not watched.
+        self._first = ReducedFirst(model) if watches(model, sink.world_size) else None
 
     def check_now(self) -> None:
+        first, self._first = self._first, None
+        if first is not None and not self.caps.pipelined:  # stages send between checks
+            first.check(self.sink.step_index)
         self._kept = check_grads_now(self.model, self.sink, keep=self.keep_norms)
 
     def take_norms(self) -> KeptNorms | None:

@@ -47,8 +47,9 @@ def registry() -> tuple[Any, ...]:
     from nansentinel.engines.fsdp import FSDPPath
     from nansentinel.engines.fsdp1 import FSDP1Path
     from nansentinel.engines.local import LocalGradPath
+    from nansentinel.engines.prehook import PreHookPath
 
-    return (DDPPath, DeepSpeedPath, FSDP1Path, FSDPPath, LocalGradPath)
+    return (DDPPath, DeepSpeedPath, FSDP1Path, FSDPPath, PreHookPath, LocalGradPath)
 
 
 def recognize(model: Any) -> Any:
@@ -71,7 +72,13 @@ def exchange_group(model: Any) -> Any:
 def attach(model: torch.nn.Module, sink: GradientSink, *, staged: bool = False) -> GradPath:
     """Choose and install the gradient path for ``model`` (once, at construction).
     ``staged``: this rank holds pipeline stages (:meth:`Capabilities.staged`)."""
-    path = recognize(model)(model, sink)
+    from nansentinel.engines.local import LocalGradPath
+    from nansentinel.engines.prehook import PreHookPath
+
+    kind = recognize(model)
+    if staged and kind is PreHookPath:  # stages send activations: checked at the boundaries
+        kind = LocalGradPath
+    path = kind(model, sink)
     if staged:
         path.caps = path.caps.staged()
     return path

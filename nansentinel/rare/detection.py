@@ -40,7 +40,7 @@ from nansentinel.decide import origins
 from nansentinel.decide.policy import APPLY, Decision, is_blamed
 from nansentinel.decide.spikes import Spikes
 from nansentinel.engines import GradPath, KeptNorms
-from nansentinel.rare import incident
+from nansentinel.rare import incident, live_trace
 from nansentinel.rare import trace as tracing
 from nansentinel.rare.curves import Curves
 from nansentinel.rare.incident import Case, IncidentWriter
@@ -132,8 +132,13 @@ class Detector:
             named = origins.weigh(raw)
         chosen = set(flagged)
         traced = None
+        live = getattr(self.gradients, "first_forward_send", None)  # engines/prehook.py
         if world > 1 and origins.needs_trace(named):
-            if self.replay is None:  # said in the report; nothing to run
+            if live is not None:  # the step's own forward collectives (live_trace.py)
+                traced, named, candidate = self._trace(raw, named, row, batch, candidate,
+                                                       live=live(step))
+                chosen.update(traced.origins)
+            elif self.replay is None:  # said in the report; nothing to run
                 traced = origins.Trace(reason=(
                     "no replay function (replay= not given, NANSENTINEL_REPLAY=0, or FSDP2): "
                     "the forward's collectives could not be traced"))
@@ -166,15 +171,19 @@ class Detector:
 
     def _trace(
         self, raw: list[RankHealth], named: tuple[RankHealth, ...], row: RankHealth,
-        batch: Any, candidate: int | None,
+        batch: Any, candidate: int | None, *, live: Any = False,
     ) -> tuple[origins.Trace, tuple[RankHealth, ...], int | None]:
         """Trace the forward's collectives (trace.py) and apply what it found: ``(trace,
         named, the replay's peer)``. With origins, the peer is a rank half the world away that
         is none of them (a rank the NaN only reached has a healthy device), and the origins
         and the peer send their rows (the first origin with what its first non-finite
-        collective was): one gather in which only they speak."""
-        assert self.replay is not None, "traced only with a replay function"
-        traced, op = tracing.locate(self.peers, self.module, batch, self.replay)
+        collective was): one gather in which only they speak. ``live``: this rank's first
+        non-finite forward send of the step (live_trace.py), in place of a replay."""
+        if live is not False:
+            traced, op = live_trace.locate(self.peers, live)
+        else:
+            assert self.replay is not None, "traced only with a replay function"
+            traced, op = tracing.locate(self.peers, self.module, batch, self.replay)
         if not traced.origins:
             return traced, named, candidate
         world = self.peers.world_size

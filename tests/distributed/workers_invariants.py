@@ -4,8 +4,9 @@ ranks.
 
 A combination is a plain dict (``Combo``), so that the test can sample them with a printed
 seed and ship them to spawned ranks. Its ``engine`` is the name of a gradient path class of
-``nansentinel.engines.registry()`` (DDP, DeepSpeed, FSDP1, FSDP2, local gradients reduced by
-hand);
+``nansentinel.engines.registry()`` (DDP, DeepSpeed, FSDP1, FSDP2, gradients reduced by hand:
+checked in collective pre-hooks from torch 2.14, after ``check_grads()`` on the local path below
+it);
 :data:`BUILDERS` holds, per engine, a :class:`Run` subclass that builds that engine's model,
 optimizer and loop on CPU gloo ranks. A new engine joins the matrix with one such subclass
 (``engine = TheNewPath``), listed in :data:`BUILDERS`; the test fails until it has one.
@@ -37,6 +38,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import nansentinel
 from nansentinel import engines
+from nansentinel.common import torch_insides as insides
 from nansentinel.config import ConfigError
 from nansentinel.engines import Capabilities
 from nansentinel.engines.ddp import DDPPath
@@ -44,6 +46,7 @@ from nansentinel.engines.deepspeed import DeepSpeedPath
 from nansentinel.engines.fsdp import FSDPPath
 from nansentinel.engines.fsdp1 import FSDP1Path
 from nansentinel.engines.local import LocalGradPath
+from nansentinel.engines.prehook import PreHookPath
 from nansentinel.result import ResultPending, SentinelUsageError
 from tests.support import full_tensor
 
@@ -327,13 +330,40 @@ class LocalRun(Run):
 
     engine = LocalGradPath
 
+    @staticmethod
+    def available() -> str | None:
+        if insides.supported("collective_hooks"):
+            return ("from torch 2.14 a plain model on several ranks takes the pre-hook path "
+                    "(PreHookRun), check_grads() or not")
+        return None
+
     def reduce(self, sentinel: nansentinel.Sentinel | None) -> None:
         if sentinel is not None:
             sentinel.check_grads()
+        self.all_reduce()
+
+    def all_reduce(self) -> None:
         for p in self.net.parameters():
             if p.grad is not None:
                 dist.all_reduce(p.grad)
                 p.grad.div_(self.world)
+
+
+class PreHookRun(LocalRun):
+    """The plain model; the loop all-reduces each gradient itself, with no ``check_grads()``:
+    the pre-hook path checks each all-reduce's send buffer (torch >= 2.14)."""
+
+    engine = PreHookPath
+
+    @staticmethod
+    def available() -> str | None:
+        if not insides.supported("collective_hooks"):
+            return (f"torch {torch.__version__} has no collective pre-hooks (from "
+                    f"{insides.FEATURES['collective_hooks'].minimum}): the local path")
+        return None
+
+    def reduce(self, sentinel: nansentinel.Sentinel | None) -> None:
+        self.all_reduce()
 
 
 _MESHES: dict[int, Any] = {}
@@ -497,7 +527,8 @@ class DeepSpeedRun(Run):
 
 #: Engine (its class name in ``engines.registry()``) -> how to build and drive it.
 BUILDERS: dict[str, type[Run]] = {
-    run.engine.__name__: run for run in (DDPRun, DeepSpeedRun, FSDP1Run, FSDPRun, LocalRun)
+    run.engine.__name__: run
+    for run in (DDPRun, DeepSpeedRun, FSDP1Run, FSDPRun, PreHookRun, LocalRun)
 }
 
 

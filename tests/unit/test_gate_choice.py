@@ -21,6 +21,7 @@ from nansentinel.engines.deepspeed import DeepSpeedPath
 from nansentinel.engines.fsdp import FSDPPath
 from nansentinel.engines.fsdp1 import FSDP1Path
 from nansentinel.engines.local import LocalGradPath
+from nansentinel.engines.prehook import PreHookPath
 from nansentinel.result import StepResult
 from nansentinel.step.gate import GateChoice, GatedOptimizer, choose_gate, gated_steps
 from nansentinel.step.record import PendingResult, StepRecord
@@ -28,7 +29,7 @@ from nansentinel.wire.exchange import HealthExchange
 
 CUDA, CPU = torch.device("cuda", 0), torch.device("cpu")
 ENGINES = {"DDP": DDPPath.CAPS, "FSDP2": FSDPPath.CAPS, "FSDP1": FSDP1Path.CAPS,
-           "local": LocalGradPath.CAPS,
+           "local": LocalGradPath.CAPS, "pre-hooks": PreHookPath.CAPS,
            "DeepSpeed": DeepSpeedPath.CAPS, "DDP, pipeline": DDPPath.CAPS.staged(),
            "FSDP2, pipeline": FSDPPath.CAPS.staged()}
 
@@ -47,7 +48,7 @@ def _optimizer(kind: str) -> torch.optim.Optimizer:
 
 
 FUSED = ("AdamW fused", "Adam fused", "SGD fused", "Adagrad fused")
-DEVICE_ENGINES = ("DDP", "FSDP2", "FSDP1", "local")
+DEVICE_ENGINES = ("DDP", "FSDP2", "FSDP1", "local", "pre-hooks")
 
 
 @pytest.mark.parametrize("engine", sorted(ENGINES))
