@@ -334,6 +334,8 @@ class Sentinel:
     scaler = property(lambda self: self._judge.scaler, doc="Its loss scale, if any.")
     history = property(lambda self: self._judge.history, doc="The policy's history.")
     cooldown = property(lambda self: self._judge.cooldown, doc="The rollback LR cooldown.")
+    lr_guard = property(lambda self: self._judge.lr, doc="The learning-rate rules; "
+                        "lr_guard.reset() takes a deliberate LR change (docs/recovery.md).")
     spikes = property(lambda self: self._judge.spikes, doc="The spike references.")
     snapshots = property(lambda self: self._judge.snapshots, doc="The last good state.")
     replicas = property(lambda self: self._judge.replicas,
