@@ -12,11 +12,14 @@ weights the next snapshot then keeps as good. The rules here close that path (is
    far steps at its last applied rate instead (held): a schedule error never reaches the
    weights. A rollback puts the reference back to the snapshot's (the rates applied after it
    were not known to work);
-3. **quiet** — the backoff ends once ``quiet_steps`` applied steps in a row were *clean*:
-   quiet (no signal half-way to a spike), the schedule back under the known-good rate, no
-   group held, the update no larger than a known-good one;
-4. **clean snapshots** — during the backoff a snapshot is kept only after a clean step, so a
-   state damaged by the steps just after a rollback is never kept as good.
+3. **quiet** — the backoff ends once ``quiet_steps`` applied steps in a row were clean (below)
+   *and* asked no more than the known-good rate (the schedule is back under it, no group
+   held);
+4. **clean snapshots** — during the backoff a snapshot is kept only after a *clean* step:
+   quiet (no signal half-way to a spike), no group applying more than its known-good rate,
+   the update no larger than a known-good one. A state damaged by the steps just after a
+   rollback is never kept as good; one made at the capped rate is (it was made at a rate
+   known to work, though the schedule still asks more).
 
 Pure: the inputs are the rates the schedule wrote (the same on every rank), the step's
 quiet/update numbers (from reduced values, the same on every rank) and this object's own
@@ -55,17 +58,19 @@ class Plan:
     ``asked``: what the schedule wrote (None: a group left alone); ``lrs``: what each group
     steps at (None: left alone, the backoff factor alone applies); ``held``: groups held by the
     jump rule; ``capped``: groups whose rate the cap lowered; ``above``: a group's asked rate
-    is above its known-good one during a backoff (the cause may still be there)."""
+    is above its known-good one during a backoff (the cause may still be there);
+    ``applied_above``: a group steps above its known-good rate during a backoff (the cap off)."""
 
     asked: tuple[Rate, ...]
     lrs: tuple[Rate, ...]
     held: tuple[int, ...] = ()
     capped: tuple[int, ...] = ()
     above: bool = False
+    applied_above: bool = False
 
     @property
-    def clean(self) -> bool:
-        """Nothing abnormal asked: no group held, none above its known-good rate."""
+    def under(self) -> bool:
+        """The schedule asks no more than the known-good rates: no group held, none above."""
         return not self.held and not self.above
 
 
@@ -75,7 +80,8 @@ class LrGuard:
     ``highest``/``last``: the highest and the last rate each group applied (the jump rule's
     reference); ``saved``: both as they were at the last snapshot; ``known_good``: the
     snapshot's last applied rates, in force during a backoff (None outside one);
-    ``clean_run``: clean applied steps in a row since the last rollback.
+    ``clean_run``: clean applied steps in a row since the last rollback; ``quiet_run``: those
+    of them that also asked no more than the known-good rates (rule 3's window).
     """
 
     def __init__(self, rules: LrRules) -> None:
@@ -85,6 +91,7 @@ class LrGuard:
         self.saved: tuple[list[Rate], list[Rate]] | None = None
         self.known_good: list[Rate] | None = None
         self.clean_run = 0
+        self.quiet_run = 0
         #: Groups held at the last plan (a new hold is said once, not every step).
         self.holding: frozenset[int] = frozenset()
 
@@ -96,7 +103,7 @@ class LrGuard:
         self._fit(len(asked))
         backoff = self.known_good is not None
         lrs: list[Rate] = []
-        held, capped, above = [], [], False
+        held, capped, above, applied_above = [], [], False, False
         for g, lr in enumerate(asked):
             if lr is None:
                 lrs.append(None)
@@ -115,8 +122,11 @@ class LrGuard:
                 rate = good
                 capped.append(g)
             lrs.append(rate * factor)
+            if backoff and good is not None and rate * factor > good:
+                applied_above = True
         self.holding = frozenset(held)
-        return Plan(tuple(asked), tuple(lrs), tuple(held), tuple(capped), above)
+        return Plan(tuple(asked), tuple(lrs), tuple(held), tuple(capped), above,
+                    applied_above)
 
     def newly_held(self, plan: Plan, before: frozenset[int]) -> list[int]:
         """Groups this plan holds that the one before did not (the start of a hold)."""
@@ -126,9 +136,9 @@ class LrGuard:
 
     def applied(self, plan: Plan, *, quiet: bool, update_ratio: float) -> bool:
         """One step applied at ``plan``'s rates: the references move (a held group's do not),
-        and the step counts towards the quiet window if it was clean. ``update_ratio``: the
-        update's size over a known-good one's (1: as large), judged during a backoff only.
-        Returns whether it was clean."""
+        and the step counts towards the quiet window if it was clean and under the known-good
+        rates. ``update_ratio``: the update's size over a known-good one's (1: as large),
+        judged during a backoff only. Returns whether it was clean."""
         self._fit(len(plan.lrs))
         for g, lr in enumerate(plan.lrs):
             if lr is None or g in plan.held:
@@ -137,14 +147,15 @@ class LrGuard:
             high = self.highest[g]
             self.highest[g] = lr if high is None else max(high, lr)
         backoff = self.known_good is not None
-        clean = quiet and plan.clean and (not backoff or not update_ratio > 1.0)
+        clean = quiet and not plan.applied_above and (not backoff or not update_ratio > 1.0)
         self.clean_run = self.clean_run + 1 if clean else 0
+        self.quiet_run = self.quiet_run + 1 if clean and plan.under else 0
         return clean
 
     def quiet_enough(self) -> bool:
         """Rule 3: the backoff has had its quiet window (never, with the rule off)."""
         return (self.rules.quiet_steps > 0 and self.known_good is not None
-                and self.clean_run >= self.rules.quiet_steps)
+                and self.quiet_run >= self.rules.quiet_steps)
 
     def end_backoff(self) -> None:
         self.known_good = None
@@ -152,10 +163,10 @@ class LrGuard:
     def may_snapshot(self, pending: Plan | None) -> bool:
         """Rule 4: during a backoff, keep a snapshot only of a state a clean step made (the
         last applied step was clean) and, where this step has not stepped yet, only if its own
-        plan is clean too."""
+        plan applies no more than the known-good rates either."""
         if not self.rules.clean_snapshots or self.known_good is None:
             return True
-        return self.clean_run >= 1 and (pending is None or pending.clean)
+        return self.clean_run >= 1 and (pending is None or not pending.applied_above)
 
     # --- snapshots and rollbacks --------------------------------------------------------------
 
@@ -166,7 +177,7 @@ class LrGuard:
     def rolled_back(self) -> None:
         """Back to the last snapshot: its rates are the known-good ones, and the jump rule's
         reference is the snapshot's again (the rates applied since were not known to work)."""
-        self.clean_run = 0
+        self.clean_run = self.quiet_run = 0
         if self.saved is None:
             return
         last, highest = self.saved
@@ -196,7 +207,7 @@ class LrGuard:
         return {"highest": list(self.highest), "last": list(self.last),
                 "saved": [list(s) for s in self.saved] if self.saved is not None else None,
                 "known_good": list(self.known_good) if self.known_good is not None else None,
-                "clean_run": self.clean_run}
+                "clean_run": self.clean_run, "quiet_run": self.quiet_run}
 
     def load_state_dict(self, state: dict[str, Any], *, reference: bool = True) -> None:
         """Restore :meth:`state_dict`; ``reference=False`` drops the jump reference (a
@@ -207,6 +218,7 @@ class LrGuard:
         good = state.get("known_good")
         self.known_good = list(good) if good is not None else None
         self.clean_run = int(state.get("clean_run", 0))
+        self.quiet_run = int(state.get("quiet_run", 0))
         if not reference:
             self.reset()
 

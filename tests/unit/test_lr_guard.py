@@ -35,7 +35,7 @@ def test_a_jump_is_held_at_the_last_applied_rate_and_a_ramp_is_not() -> None:
     for lr in (0.0, 0.1, 0.2, 0.3, 0.4):  # a linear warm-up from 0: never a jump
         assert step(guard, [lr]) == (lr,)
     plan = guard.plan([4.0], 1.0)  # 10x the highest applied
-    assert plan.held == (0,) and plan.lrs == (0.4,) and not plan.clean
+    assert plan.held == (0,) and plan.lrs == (0.4,) and not plan.under
     guard.applied(plan, quiet=True, update_ratio=1.0)
     assert guard.highest == [0.4] and guard.last == [0.4]  # a held rate moves nothing
     assert step(guard, [1.5]) == (1.5,)  # under 4x 0.4: taken, and the new reference
@@ -57,16 +57,26 @@ def test_after_a_rollback_the_known_good_rate_caps_the_schedule_until_a_quiet_wi
     assert plan.held == (0,)  # 30x the snapshot's reference: held at its last rate
     plan = guard.plan([0.3, 0.005], 0.5)  # 3x: capped at the known-good rate x the factor
     assert plan.lrs == (0.05, 0.0025) and plan.capped == (0,) and plan.above
+    assert not plan.applied_above
     guard.applied(plan, quiet=True, update_ratio=1.0)
-    assert guard.clean_run == 0 and not guard.may_snapshot(None)  # still abnormal: not quiet
+    # Made at a known-good rate: a state worth keeping, but the schedule is not back yet.
+    assert guard.clean_run == 1 and guard.quiet_run == 0 and guard.may_snapshot(None)
+    step(guard, [0.09, 0.009], 0.5, quiet=False)  # a loss half-way to a spike: not clean
+    assert guard.clean_run == 0 and not guard.may_snapshot(None)
     for _ in range(2):
         step(guard, [0.09, 0.009], 0.5)
-    assert guard.clean_run == 2 and not guard.quiet_enough() and guard.may_snapshot(None)
+    assert guard.quiet_run == 2 and not guard.quiet_enough()
     step(guard, [0.09, 0.009], 0.5, grad_ratio=5.0)  # a large update breaks the window
-    assert guard.clean_run == 0
+    assert guard.clean_run == guard.quiet_run == 0
     for _ in range(3):
         step(guard, [0.09, 0.009], 0.5, quiet=True)
     assert guard.quiet_enough()
+    nocap = LrGuard(LrRules(quiet_steps=3, clean_snapshots=True))  # the cap off
+    step(nocap, [0.1])
+    nocap.snapshot_taken()
+    nocap.rolled_back()
+    plan = nocap.plan([1.0], 0.5)  # 0.5 applied over a known-good 0.1: a damaging rate
+    assert plan.lrs == (0.5,) and plan.applied_above and not nocap.may_snapshot(plan)
 
 
 def test_rules_off_change_nothing_and_the_state_round_trips() -> None:
