@@ -38,7 +38,8 @@ NOT_A_STEP_SIZE = {
     "DAdapt": "D-Adaptation (its lr multiplies the step size it estimates)",
 }
 
-Saved = list[Any]
+#: What :meth:`LearningRates.apply` wrote: (group index, the user's value, the value written).
+Saved = list[tuple[int, Any, Any]]
 
 
 def rules_of(config: SentinelConfig) -> LrRules:
@@ -101,31 +102,47 @@ class LearningRates:
     # --- around the step ---------------------------------------------------------------------
 
     def apply(self, step: int) -> Saved | None:
-        """Write this step's rates; return the user's values for :meth:`restore`."""
+        """Write this step's rates; return what :meth:`restore` puts back (None: nothing
+        written)."""
         factor = self.cooldown.lr_factor
         groups = self.optimizer.param_groups
-        if not self.active:
+        if not self.active:  # the backoff factor alone, as before issue 52
             self.pending = None
-            return self.cooldown.apply(self.optimizer)
-        asked = [self._asked(g) for g in groups]
-        before = self.guard.holding
-        plan = self.guard.plan(asked, factor)
-        self.pending = self.last_plan = plan
-        if plan.held:
-            self._held(step, plan, self.guard.newly_held(plan, before))
-        saved = [g["lr"] for g in groups]
-        for group, lr, rate, asked_lr in zip(groups, saved, plan.lrs, plan.asked, strict=True):
+            rates: list[Rate] = [None] * len(groups)
+        else:
+            before = self.guard.holding
+            plan = self.guard.plan([self._asked(g) for g in groups], factor)
+            self.pending = self.last_plan = plan
+            if plan.held:
+                self._held(step, plan, self.guard.newly_held(plan, before))
+            rates = [rate if rate != asked else None
+                     for rate, asked in zip(plan.lrs, plan.asked, strict=True)]
+        saved: Saved = []
+        for i, (group, rate) in enumerate(zip(groups, rates, strict=True)):
+            lr = group["lr"]
+            if rate is None and (factor == 1.0 or (self.active and self.pending is not None
+                                                   and self.pending.asked[i] is not None)):
+                continue  # left as the schedule wrote it
             if rate is None:
-                if factor != 1.0:
-                    group["lr"] = lr * factor
-            elif rate != asked_lr:
-                group["lr"] = (torch.tensor(rate, dtype=lr.dtype, device=lr.device)
-                               if isinstance(lr, torch.Tensor) else rate)
-        return saved
+                wrote = lr * factor  # a group the rules leave alone: the factor alone
+            elif isinstance(lr, torch.Tensor):
+                wrote = torch.tensor(rate, dtype=lr.dtype, device=lr.device)
+            else:
+                wrote = rate
+            group["lr"] = wrote
+            saved.append((i, lr, wrote))
+        return saved or None
 
     def restore(self, saved: Saved | None) -> None:
-        """Put the user's rates back (the device gate: before it knows the step applied)."""
-        self.cooldown.restore(self.optimizer, saved)
+        """Put the user's rates back (the device gate: before it knows the step applied),
+        where they still hold what :meth:`apply` wrote: a scheduler that the step itself runs
+        (a DeepSpeed engine's) keeps the rate it wrote for the next step."""
+        if saved is None:
+            return
+        groups = self.optimizer.param_groups
+        for i, user, wrote in saved:
+            if groups[i]["lr"] is wrote:
+                groups[i]["lr"] = user
 
     def count(self, view: ClusterView | None) -> None:
         """One step applied: the backoff counts it, the references move, and the backoff ends

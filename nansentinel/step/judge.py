@@ -35,7 +35,7 @@ from nansentinel.decide.policy import (
 )
 from nansentinel.decide.spikes import SpikeDetector, Spikes
 from nansentinel.effects import drop, scaling
-from nansentinel.effects.learning_rate import LearningRates
+from nansentinel.effects.learning_rate import LearningRates, Saved
 from nansentinel.effects.recovery import SnapshotStore
 from nansentinel.rare.detection import Detector
 from nansentinel.rare.incident import Case
@@ -94,7 +94,7 @@ class StepJudge:
                                 report=self._lr_report)
         self.cooldown = self.lr.cooldown
         self.metrics: Any = None
-        self._after_step: tuple[list[float] | None, ClusterView] | None = None
+        self._after_step: tuple[Saved | None, ClusterView] | None = None
         self._post_hook: Any = None
 
     @property

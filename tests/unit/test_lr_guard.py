@@ -207,3 +207,29 @@ def test_the_reference_is_saved_and_a_resume_may_drop_it(tmp_path: Path) -> None
         _, results, _, _ = run(tmp_path / str(reset), lambda i: LR * 10, 1,
                                    lr_jump_reset=reset, state=state)
         assert results[0].lr_held is held
+
+
+def test_the_users_rates_come_back_unless_the_step_wrote_its_own(tmp_path: Path) -> None:
+    """The rates written around the step go back to the user's values; a scheduler that the
+    step runs itself (a DeepSpeed engine's) keeps the value it wrote; a CPU tensor lr is
+    replaced by a fresh tensor, never written in place."""
+    from nansentinel.decide.spikes import SpikeDetector
+    from nansentinel.effects.learning_rate import LearningRates
+
+    params = [torch.nn.Parameter(torch.zeros(2)), torch.nn.Parameter(torch.zeros(2))]
+    opt = torch.optim.SGD([{"params": [params[0]]}, {"params": [params[1]]}], lr=0.1)
+    spikes = SpikeDetector(window=10, warmup=5, ratio=10.0, zscore=6.0)
+    lrs = LearningRates(opt, SentinelConfig.from_env({}, spikes="recover"), spikes)
+    user = torch.tensor(0.1)
+    opt.param_groups[1]["lr"] = user
+    lrs.restore(lrs.apply(0))  # step 0 applied at 0.1 in both groups: the reference
+    lrs.count(None)
+    opt.param_groups[0]["lr"], opt.param_groups[1]["lr"] = 10.0, torch.tensor(10.0)
+    user = opt.param_groups[1]["lr"]
+    saved = lrs.apply(1)  # both jumped 100x: held
+    assert opt.param_groups[0]["lr"] == 0.1
+    assert float(opt.param_groups[1]["lr"]) == pytest.approx(0.1)
+    assert float(user) == 10.0  # the user's tensor untouched
+    opt.param_groups[0]["lr"] = 0.05  # the step's own scheduler writes the next rate
+    lrs.restore(saved)
+    assert opt.param_groups[0]["lr"] == 0.05 and opt.param_groups[1]["lr"] is user
