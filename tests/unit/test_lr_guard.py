@@ -233,3 +233,27 @@ def test_the_users_rates_come_back_unless_the_step_wrote_its_own(tmp_path: Path)
     opt.param_groups[0]["lr"] = 0.05  # the step's own scheduler writes the next rate
     lrs.restore(saved)
     assert opt.param_groups[0]["lr"] == 0.05 and opt.param_groups[1]["lr"] is user
+
+
+def test_a_jump_is_held_around_the_callers_own_optimizer_step(tmp_path: Path) -> None:
+    """``step(optimizer_step=False)``: the rates are written at the decision, the caller's
+    ``optimizer.step()`` runs at them, and its post-hook puts the user's back."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    used: list[float] = []
+    opt.register_step_pre_hook(lambda o, *_: used.append(o.param_groups[0]["lr"]))
+    with nansentinel.Sentinel(model, opt, report_dir=str(tmp_path), env={}, metrics_port=0,
+                              lr_jump_ratio=4.0) as sentinel:
+        held = []
+        for i in range(4):
+            opt.param_groups[0]["lr"] = LR * 50 if i == 2 else LR
+            x = torch.randn(8, 4)
+            loss = (model(sentinel.check_batch({"x": x})["x"]) ** 2).mean()
+            sentinel.check_loss(loss)
+            loss.backward()
+            held.append(sentinel.step(optimizer_step=False).lr_held)
+            opt.step()
+            assert opt.param_groups[0]["lr"] == (LR * 50 if i == 2 else LR)
+            opt.zero_grad(set_to_none=True)
+    assert used == [LR] * 4 and held == [False, False, True, False]
