@@ -11,6 +11,9 @@ cases
   lr_spike    the learning rate x100 for 20 iterations from step 150: a schedule error (a
               warm-up restarted by a resume, a typo in a per-phase schedule). nanoGPT on real
               text went 2.36 -> 7.76 under it and never recovered.
+  lr_long     the learning rate x100 for 60 iterations from step 150: the same schedule error,
+              lasting past the rollback's discard windows (10 batches, then 20 on a repeat),
+              so that the run resumes while the schedule still asks for the blown-up rate.
   bad_shard   20 batches from step 150 whose numeric column is not normalised (x1000): a shard
               preprocessed without its scaler, extreme but finite.
   fp16        the residual stream kept in float16 (as a half-precision forward keeps it) under
@@ -30,6 +33,8 @@ arms
   rollback  the sentinel, policy and spikes roll back, LR cooldown x0.5 (defaults); an abort
             (max_rollbacks) ends the run there: the steps left are lost.
   recover   the sentinel with spikes="recover" (config.SPIKE_PRESETS["recover"]).
+  recover_nojump  recover without the jump rule (lr_jump_ratio=0): what the rollback's own
+            learning-rate rules (the known-good cap, the quiet window, clean snapshots) do.
   olmo      OLMo-core's SkipStepOptimizer: skip when the loss or the grad norm is 6 sigma above
             the mean of the last 128 steps (after 20).
   zclip     ZClip: clip the grad norm at its EMA mean + 2.5 EMA std (alpha 0.97, 25 warm-up).
@@ -42,8 +47,9 @@ Reported per case and arm, median and spread (min-max) over seeds: the held-out 
 to the stable reference of the same seed (+% worse), steps whose update was lost (skipped,
 rolled back over, or never applied), OLMo-core's spike score (the share of steps whose loss is
 more than 7 sigma above the mean of the 50 before it), and the guard's actions on the stable
-case (false alarms). Run: ``python bench/recovery.py`` (about 10 minutes on 2 cores),
-``--smoke`` (one short case, seconds), ``--json FILE``.
+case (false alarms) and the learning-rate steps the jump rule held there (issue 52). Run:
+``python bench/recovery.py`` (about 12 minutes on 2 idle cores), ``--smoke`` (six short
+runs, seconds), ``--json FILE``.
 """
 
 from __future__ import annotations
@@ -72,8 +78,9 @@ import nansentinel
 V, SEQ, BATCH, D_MODEL, LAYERS, HEADS = 32, 32, 16, 48, 2, 4
 STEPS, WARMUP, LR = 300, 20, 3e-3
 FAULT_AT = 150
-CASES = ("stable", "lr_spike", "bad_shard", "fp16", "slow_climb", "lr_typo")
-ARMS = ("none", "clip", "skip", "rollback", "recover", "olmo", "zclip", "spam", "palm")
+CASES = ("stable", "lr_spike", "lr_long", "bad_shard", "fp16", "slow_climb", "lr_typo")
+ARMS = ("none", "clip", "skip", "rollback", "recover", "recover_nojump", "olmo", "zclip", "spam",
+        "palm")
 
 
 # --- the corpus --------------------------------------------------------------------------------
@@ -186,6 +193,8 @@ def lr_at(step: int, case: str, steps: int) -> float:
         lr = LR * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * (step - WARMUP) / (steps - WARMUP))))
     if case == "lr_spike" and FAULT_AT <= step < FAULT_AT + 20:
         lr *= 100
+    if case == "lr_long" and FAULT_AT <= step < FAULT_AT + 60:
+        lr *= 100
     if case == "lr_typo":
         lr *= 30
     if case == "slow_climb" and step >= 100:
@@ -275,6 +284,8 @@ def sentinel_kwargs(arm: str) -> dict[str, Any] | None:
                 "grad_spike_action": "rollback"}
     if arm == "recover":
         return {"spikes": "recover"}
+    if arm == "recover_nojump":
+        return {"spikes": "recover", "lr_jump_ratio": 0}
     return None
 
 
@@ -289,7 +300,7 @@ def run(case: str, arm: str, seed: int, steps: int = STEPS) -> dict[str, Any]:
     kwargs = sentinel_kwargs(arm)
     losses: list[float] = []
     applied: list[int] = []  # the steps whose update the final weights hold
-    actions = 0
+    actions = held = 0
     olmo_loss, olmo_grad, palm_window = Window(), Window(), Window()
     zclip = ZClip()
     palm_skip, checkpoints = 0, deque(maxlen=3)
@@ -330,6 +341,7 @@ def run(case: str, arm: str, seed: int, steps: int = STEPS) -> dict[str, Any]:
                     applied = [s for s in applied if s < result.rolled_back_to]
                 if result.outcome != "applied" or result.spikes:
                     actions += 1
+                held += bool(getattr(result, "lr_held", False))  # a jump held (issue 52)
                 opt.zero_grad(set_to_none=True)
                 continue
             if scaler is not None:
@@ -379,7 +391,7 @@ def run(case: str, arm: str, seed: int, steps: int = STEPS) -> dict[str, Any]:
             opt.zero_grad(set_to_none=True)
     return {"case": case, "arm": arm, "seed": seed, "val": val_loss(model, data),
             "losses": losses, "lost": steps - len(applied), "actions": actions,
-            "aborted": aborted}
+            "held": held, "aborted": aborted}
 
 
 def spike_score(losses: list[float], window: int = 50, z: float = 7.0) -> float:
@@ -415,6 +427,7 @@ def summarise(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 "lost_steps": statistics.median(r["lost"] for r in mine),
                 "spike_score_pct": 100 * statistics.median(spike_score(r["losses"]) for r in mine),
                 "actions": statistics.median(r["actions"] for r in mine),
+                "held": statistics.median(r.get("held", 0) for r in mine),
                 "aborted": sum(r["aborted"] is not None for r in mine),
             })
     return rows
@@ -443,7 +456,7 @@ def markdown(rows: list[dict[str, Any]], steps: int) -> str:
                 cells.append("")
                 continue
             lo, hi = r["spread_pct"] or (math.nan, math.nan)
-            extra = (f"{r['actions']:g} alarms" if case == "stable"
+            extra = (f"{r['actions']:g} alarms, {r['held']:g} held" if case == "stable"
                      else f"{r['lost_steps']:g} lost")
             if r["aborted"]:
                 extra += f", aborted {r['aborted']}/{r['seeds']}"
@@ -455,6 +468,8 @@ def markdown(rows: list[dict[str, Any]], steps: int) -> str:
         lines.append("")
         lines.append(f"false alarms on the stable case ({steps} steps a seed): " + ", ".join(
             f"{r['arm']} {r['actions']:g}" for r in stable))
+        lines.append("learning-rate steps held on the stable case: " + ", ".join(
+            f"{r['arm']} {r['held']:g}" for r in stable))
     return "\n".join(lines)
 
 
@@ -465,7 +480,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--cases", default=",".join(CASES))
     p.add_argument("--arms", default=",".join(ARMS))
     p.add_argument("--smoke", action="store_true",
-                   help="the lr_spike case, none and recover, one seed, a short run")
+                   help="lr_spike: none, recover and recover_nojump, one seed, a short run")
     p.add_argument("--json", help="write every run and the summary here")
     args = p.parse_args(argv)
     unknown = sorted(set(args.cases.split(",")) - set(CASES)) + sorted(
@@ -483,7 +498,8 @@ def main(argv: list[str] | None = None) -> int:
     cases, arms = args.cases.split(","), args.arms.split(",")
     steps, seeds = args.steps, range(args.seeds)
     if args.smoke:
-        cases, arms, seeds, steps = ["stable", "lr_spike"], ["none", "recover"], range(1), 200
+        cases, arms, seeds, steps = (["stable", "lr_spike"], ["none", "recover", "recover_nojump"],
+                                     range(1), 200)
     global FAULT_AT
     FAULT_AT = min(FAULT_AT, steps // 2)
     runs = []
@@ -497,7 +513,7 @@ def main(argv: list[str] | None = None) -> int:
         runs.append(r)
         stop = f" aborted at {r['aborted']}" if r["aborted"] is not None else ""
         print(f"[{i + 1}/{len(jobs)}] {case:10s} {arm:8s} seed {seed}: val {r['val']:.4f} "
-              f"lost {r['lost']:3d} actions {r['actions']:3d}{stop} "
+              f"lost {r['lost']:3d} actions {r['actions']:3d} held {r['held']:3d}{stop} "
               f"({time.perf_counter() - t:.1f} s)",
               file=sys.stderr, flush=True)
     rows = summarise(runs)

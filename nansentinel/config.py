@@ -50,6 +50,10 @@ SPIKE_PRESETS: dict[str, dict[str, Any]] = {
         "loss_spike_action": "rollback", "grad_spike_action": "rollback",
         "loss_spike_ratio": 1.5, "spike_patience": 2, "spike_warmup": 10,
         "snapshot_every": 5, "max_rollbacks": 10,
+        # issue 52: no update at a learning rate that was never known to work (the cap after
+        # a rollback, a jump held, the backoff over after 20 clean steps, clean snapshots).
+        "rollback_lr_cap": True, "lr_jump_ratio": 4.0, "rollback_lr_quiet_steps": 20,
+        "rollback_clean_snapshots": True,
     },
 }
 DEFAULT_METRICS_PORT = 9410
@@ -193,6 +197,31 @@ class SentinelConfig:
     max_rollbacks: int = 3
     """Rollbacks to the same snapshot before the run aborts: it keeps diverging there."""
 
+    # --- the learning rate after a rollback and at a jump (issue 52, docs/recovery.md) -------
+    rollback_lr_cap: bool = False
+    """After a rollback, each param group steps at most at the learning rate its restored
+    snapshot was trained at (x ``rollback_lr_factor``), whatever the schedule writes, until the
+    backoff ends. ``spikes="recover"``: True."""
+
+    lr_jump_ratio: float = 0.0
+    """A param group asking more than this multiple of the highest learning rate it has applied
+    so far steps at its last applied rate instead (held: a log line, a report, the
+    ``nansentinel_lr_held_steps_total`` metric); 0: off. ``spikes="recover"``: 4."""
+
+    lr_jump_reset: bool = False
+    """Loading the sentinel's ``state_dict`` drops the checkpoint's learning-rate reference: a
+    deliberate change of the learning rate on resume is taken, not held."""
+
+    rollback_lr_quiet_steps: int = 0
+    """The backoff after a rollback ends once this many applied steps in a row were quiet, under
+    the known-good learning rate and no larger an update than a known-good one (at the latest
+    after ``rollback_lr_steps``); 0: it lasts ``rollback_lr_steps``. ``spikes="recover"``: 20."""
+
+    rollback_clean_snapshots: bool = False
+    """During the backoff, a snapshot is kept only after a clean step (quiet, the schedule under
+    the known-good rate, no group held, a normal update): a state damaged just after a rollback
+    is never kept as good. ``spikes="recover"``: True."""
+
     replay: bool = True
     """After a detection, replay the batch to tell data, host and transient faults apart
     (needs ``Sentinel(..., replay=fn)``)."""
@@ -312,6 +341,7 @@ class SentinelConfig:
         _require_int("rollback_lr_steps", self.rollback_lr_steps, minimum=0)
         _require_int("rollback_skip_batches", self.rollback_skip_batches, minimum=0)
         _require_int("max_rollbacks", self.max_rollbacks, minimum=1)
+        _check_lr_rules(self)
         _require_int("quarantine_size", self.quarantine_size, minimum=1)
         _require_int("quarantine_steps", self.quarantine_steps, minimum=1)
         for name in ("replay", "replay_anomaly", "save_batches"):
@@ -502,6 +532,18 @@ def shown(value: object, limit: int = 60) -> str:
     5000-digit one would bury the rest of the message."""
     text = repr(value)
     return text if len(text) <= limit else f"{text[:limit]}...({len(text)} characters)"
+
+
+def _check_lr_rules(config: SentinelConfig) -> None:
+    """The learning-rate rules' fields (issue 52)."""
+    for name in ("rollback_lr_cap", "lr_jump_reset", "rollback_clean_snapshots"):
+        if not isinstance(getattr(config, name), bool):
+            raise ConfigError(f"{name}={getattr(config, name)!r} must be True or False")
+    ratio = config.lr_jump_ratio
+    if isinstance(ratio, bool) or not isinstance(ratio, int | float) or not (
+            ratio == 0 or 1 < ratio < float("inf")):
+        raise ConfigError(f"lr_jump_ratio={ratio!r} must be 0 (off) or a finite number > 1")
+    _require_int("rollback_lr_quiet_steps", config.rollback_lr_quiet_steps, minimum=0)
 
 
 def _require_int(field: str, value: object, *, minimum: int) -> None:

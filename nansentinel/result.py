@@ -128,6 +128,9 @@ class StepResult:
     """The step whose snapshot was restored, when this step rolled back."""
     lr_factor: float = 1.0
     """Learning-rate factor in force after this step (below 1 during a rollback cooldown)."""
+    lr_held: bool = False
+    """True when a param group's learning rate jumped past ``lr_jump_ratio`` x the highest it
+    had applied and this step ran at its last applied rate instead (docs/recovery.md)."""
     reason: str = ""
     """Why the step was not applied as is (empty when it was)."""
     reached: list[int] = dataclasses.field(default_factory=list)

@@ -334,6 +334,14 @@ def refuse_unsupported(config: Trainer.Config, settings: SentinelConfig) -> None
                 "'warn' or 'skip', and torchtitan's checkpoints (--checkpoint.enable) to go "
                 "back to a good state."
             )
+    if settings.lr_jump_ratio:
+        raise SentinelUsageError(
+            f"nansentinel: lr_jump_ratio={settings.lr_jump_ratio:g} is not supported under "
+            "torchtitan's trainer: holding a learning-rate jump writes the optimizer's "
+            "param_groups, which torchtitan's OptimizersContainer does not forward to the "
+            "optimizers it wraps, so the jump would reach the weights though the log said it "
+            "was held. Set lr_jump_ratio=0 (NANSENTINEL_LR_JUMP_RATIO=0)."
+        )
     if settings.policy == "drop":
         raise SentinelUsageError(
             "nansentinel: policy='drop' is not supported under torchtitan's trainer: it clips "

@@ -267,6 +267,12 @@ class SentinelMetrics:
             registry=r,
         )
         self._lr_factor.set(1)
+        self._lr_held = Counter(
+            f"{PREFIX}_lr_held_steps",
+            "Steps at which a param group's learning rate jumped past lr_jump_ratio x the "
+            "highest it had applied and was held at its last applied rate (issue 52).",
+            registry=r,
+        )
         self._timestamp = Gauge(
             f"{PREFIX}_last_step_timestamp_seconds",
             "Unix time of the last step decided (0 before the first); for stall alerts.",
@@ -357,6 +363,8 @@ class SentinelMetrics:
         for signal in result.local_spikes:
             self._spikes[signal].inc()
         self._lr_factor.set(result.lr_factor)
+        if result.lr_held:
+            self._lr_held.inc()
         if self._verdicts is not None and result.verdict in self._verdicts:
             self._verdicts[result.verdict].inc()
         if not math.isnan(check_seconds):

@@ -255,15 +255,15 @@ class GatedSteps:
     def launch(self, record: StepRecord, vector: torch.Tensor, kept: KeptNorms | None
                ) -> PendingResult:
         """Launch the optimizer step gated by a device-side found_inf; decide later."""
-        judge, opt, local = self.judge, self.gated.optimizer, record.local
+        judge, local = self.judge, record.local
         with local.timed():
             skip = judge.history.skip_batches > 0  # known on the host: no need to look
             found_inf = self.gated.found_inf(vector, skip)
             host, event = self.gated.to_host(vector)  # queued before the optimizer: lands early
-            saved_lr = judge.cooldown.apply(opt)
+            saved_lr = judge.lr.apply(record.index)
         self.gated.step(found_inf)  # the optimizer's time is not the sentinel's
         with local.timed():
-            judge.cooldown.restore(opt, saved_lr)  # counted at the decision, if applied
+            judge.lr.restore(saved_lr)  # counted at the decision, if applied
             self.buffers.restore_where(found_inf)  # a skipped step's forward leaves no trace
             record.gated, record.host, record.event, record.skipped = True, host, event, skip
             record.buffers, record.kept = self.buffers.copied, kept

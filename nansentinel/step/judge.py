@@ -35,7 +35,8 @@ from nansentinel.decide.policy import (
 )
 from nansentinel.decide.spikes import SpikeDetector, Spikes
 from nansentinel.effects import drop, scaling
-from nansentinel.effects.recovery import Cooldown, SnapshotStore
+from nansentinel.effects.learning_rate import LearningRates, Saved
+from nansentinel.effects.recovery import SnapshotStore
 from nansentinel.rare.detection import Detector
 from nansentinel.rare.incident import Case
 from nansentinel.rare.replicas import ReplicaCheck
@@ -87,9 +88,13 @@ class StepJudge:
         self.quarantine, self.curves = detector.quarantine, detector.curves
         self.guarded = ctx.guarded
         self.history = History()
-        self.cooldown = Cooldown()
+        #: The learning rate each group steps at: the rollback's backoff and the rules that
+        #: keep an untried rate off the weights (effects/learning_rate.py).
+        self.lr = LearningRates(stepping.optimizer, self.config, spikes, rank=self.rank,
+                                report=self._lr_report)
+        self.cooldown = self.lr.cooldown
         self.metrics: Any = None
-        self._after_step: tuple[list[float] | None, ClusterView] | None = None
+        self._after_step: tuple[Saved | None, ClusterView] | None = None
         self._post_hook: Any = None
 
     @property
@@ -162,17 +167,17 @@ class StepJudge:
             # The caller steps the optimizer right after: the snapshot is taken now, before
             # its update, and the cooldown undone from the optimizer's post-hook.
             self.maybe_snapshot(view)
-            self._after_step = (self.cooldown.apply(self.optimizer), view)
+            self._after_step = (self.lr.apply(view.step), view)
             if self._post_hook is None:  # once: a hook cannot remove itself while it runs
                 self._post_hook = self.optimizer.register_step_post_hook(self._callers_step)
             return None, left_out, 0.0
         if decision.applies:
             if record.gated:  # the device gate has stepped already
-                self.cooldown.count()
+                self.lr.count(view)
                 return None, left_out, 0.0
             self.maybe_snapshot(view)
             started = time.perf_counter()
-            with self.cooldown.stepping(self.optimizer):
+            with self.lr.stepping(view):
                 if self.scaler is not None:
                     self.scaler.step(self.optimizer)
                     self.scaler.update()
@@ -183,7 +188,7 @@ class StepJudge:
         rolled_back_to = None
         if decision.action == ROLLBACK and self.snapshots is not None:
             rolled_back_to = self.snapshots.load()
-            self.cooldown.start(self.config.rollback_lr_factor, self.config.rollback_lr_steps)
+            self.lr.rolled_back()
         return rolled_back_to, restored, 0.0
 
     def _leave_out(self, decision: Decision, view: ClusterView, own: OwnRow) -> int:
@@ -222,14 +227,14 @@ class StepJudge:
         """``step(optimizer_step=False)`` came round again without the caller's optimizer
         step (its GradScaler skipped): undo the cooldown applied for it."""
         if self._after_step is not None:
-            self.cooldown.undo(self.optimizer, self._after_step[0])
+            self.lr.undo(self._after_step[0], None)
             self._after_step = None
 
     def _callers_step(self, *_: Any) -> None:
         """Optimizer step post-hook for ``step(optimizer_step=False)``: undo the cooldown."""
         pending, self._after_step = self._after_step, None
         if pending is not None:
-            self.cooldown.undo(self.optimizer, pending[0])
+            self.lr.undo(pending[0], pending[1])
 
     def maybe_snapshot(self, view: ClusterView) -> None:
         """Keep the state a healthy, quiet step was computed from as the last good one, every
@@ -240,8 +245,11 @@ class StepJudge:
         snaps = self.snapshots
         if snaps is None or self.history.skip_batches > 0 or not self.spikes.quiet(view.totals):
             return
+        if not self.lr.may_snapshot():  # just after a rollback: only a clean step's state
+            return
         if snaps.step is None or view.step - snaps.step >= self.config.snapshot_every:
             snaps.save(view.step)
+            self.lr.snapshot_taken()
 
     def _result(
         self, view: ClusterView, mine: OwnRow, decision: Decision, evidence: Evidence,
@@ -260,6 +268,7 @@ class StepJudge:
             local_spikes=[*spikes.of_rank(self.rank), *(["batch"] if mine.spike_batch else [])],
             quarantined=view.quarantined,
             rolled_back_to=rolled_back_to, lr_factor=self.cooldown.lr_factor,
+            lr_held=self.lr.held_at(view.step),
             reason=decision.reason, reached=view.reached, buffers_restored=buffers_restored,
         )
 
@@ -270,6 +279,7 @@ class StepJudge:
             **self.history.state_dict(),
             "spikes": self.spikes.state_dict(),
             "cooldown": self.cooldown.state_dict(),
+            "lr_guard": self.lr.state_dict(),
             "quarantine": self.quarantine.state_dict(),
         }
 
@@ -279,4 +289,11 @@ class StepJudge:
             self.spikes.load_state_dict(state["spikes"], self.rank)
         if "cooldown" in state:
             self.cooldown.load_state_dict(state["cooldown"])
+        if "lr_guard" in state:
+            self.lr.load_state_dict(state["lr_guard"])
         self.quarantine.load_state_dict(state.get("quarantine", []), step)
+
+    def _lr_report(self, step: int, content: dict[str, Any]) -> str | None:
+        """A held learning-rate jump's incident report (rank 0), where reports go."""
+        path = self.detector.incidents.write_report(step, "-lr", content)
+        return str(path) if path is not None else None

@@ -201,6 +201,7 @@ class PendingResult:
     quarantined = _Decided[bool]()
     rolled_back_to = _Decided[int | None]()
     lr_factor = _Decided[float]()
+    lr_held = _Decided[bool]()
     reason = _Decided[str]()
     reached = _Decided[list[int]]()
     buffers_restored = _Decided[int]()

@@ -286,6 +286,8 @@ class Sentinel:
     scaler = _read("judge.scaler", "Its loss scale, if any.")
     history = _read("judge.history", "The policy's history.")
     cooldown = _read("judge.cooldown", "The rollback LR cooldown.")
+    lr_guard = _read("judge.lr", "The learning-rate rules; lr_guard.reset() takes a deliberate "
+                     "LR change (docs/recovery.md).")
     spikes = _read("judge.spikes", "The spike references.")
     snapshots = _read("judge.snapshots", "The last good state.")
     replicas = _read("judge.replicas", "The replica fingerprint check; None: none.")

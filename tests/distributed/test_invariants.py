@@ -54,6 +54,7 @@ from tests.distributed.harness import run_ranks, values
 from tests.distributed.workers_invariants import (
     BUILDERS,
     FAULT_STEPS,
+    JUMP_STEP,
     PLAIN,
     STEPS,
     drops,
@@ -241,8 +242,19 @@ def check(combo: dict[str, Any], caps: Capabilities, ranks: list[dict[str, Any]]
         assert [o["outcome"] for o in out["outcomes"]] == [
             o["outcome"] for o in first["outcomes"]], f"{where}: decisions differ across ranks"
         assert out["error"] == first["error"], f"{where}: ranks ended differently"
+        assert out["planned_lrs"] == first["planned_lrs"], (
+            f"{where}: learning rates planned differently across ranks")
+        assert [o.get("lr_held") for o in out["outcomes"]] == [
+            o.get("lr_held") for o in first["outcomes"]], f"{where}: LR holds differ"
     faults = faults_of(combo, WORLD)
     outcomes = {o["step"]: o for o in first["outcomes"]}
+    # Issue 52: the loop's x100 at a healthy step is held at the last applied rate (step 0's)
+    # on every engine and gate, and no other step is held.
+    held = [s for s, o in outcomes.items() if o.get("lr_held")]
+    assert held == [JUMP_STEP], f"{where}: learning rate held at steps {held}"
+    assert outcomes[JUMP_STEP]["applied"], f"{where}: {outcomes[JUMP_STEP]}"
+    jump_plan = first["planned_lrs"][JUMP_STEP]
+    assert jump_plan == first["base_lrs"], f"{where}: step {JUMP_STEP} ran at {jump_plan}"
     # Under GradScaler, non-finite gradients alone are fp16 overflow: GradScaler's to skip.
     overflow = combo["scaler"] != "none" and combo["fault"] == "backward"
     aborts = combo["policy"] == "abort" and not overflow
@@ -305,7 +317,10 @@ def check(combo: dict[str, Any], caps: Capabilities, ranks: list[dict[str, Any]]
                 assert restored == want, f"{where}: step {step} restored {restored}"
     # One valid report per incident.
     incidents = [o for o in first["outcomes"] if o["bad_ranks"]]
-    reports = first["reports"]
+    lr_reports = [r for r in first["reports"] if r["name"].endswith("-lr.json")]
+    assert [(r["content"] or {}).get("step") for r in lr_reports] == [JUMP_STEP], (
+        f"{where}: the held jump's reports: {lr_reports}")
+    reports = [r for r in first["reports"] if r not in lr_reports]
     assert all(r["content"] is not None for r in reports), f"{where}: invalid report JSON"
     if not aborts:
         assert len(reports) == len(incidents), f"{where}: {len(reports)} reports, {incidents}"

@@ -77,6 +77,13 @@ STEPS = 8
 FAULT_STEPS = (3, 5)
 #: Rollbacks need a snapshot before the first fault.
 SNAPSHOT_EVERY = 2
+#: The healthy step whose learning rate the loop's schedule blows up (x100, issue 52): held at
+#: the last applied rate on every rank, in every combination (the LR rules are on in all).
+JUMP_STEP = 1
+#: The learning-rate rules of issue 52, on in every combination: one healthy step's jump is
+#: held, and a rollback caps and ends its backoff; the references are the same rules.
+LR_RULES: dict[str, Any] = {"lr_jump_ratio": 4.0, "rollback_lr_cap": True,
+                            "rollback_lr_quiet_steps": 2, "rollback_clean_snapshots": True}
 #: The capability fields the probe sends back (``replica_group`` is a process group).
 CAPS_FIELDS = tuple(f.name for f in dataclasses.fields(Capabilities) if f.name != "replica_group")
 
@@ -539,7 +546,7 @@ def _outcome(result: Any) -> dict[str, Any]:
     return {"step": result.step, "outcome": str(result.outcome), "applied": result.applied,
             "bad_ranks": list(result.bad_ranks), "buffers_restored": result.buffers_restored,
             "report_path": result.report_path, "reason": result.reason,
-            "rolled_back_to": result.rolled_back_to}
+            "rolled_back_to": result.rolled_back_to, "lr_held": result.lr_held}
 
 
 def _anywhere(flag: bool) -> bool:
@@ -579,7 +586,7 @@ def run_one(rank: int, world: int, combo: Combo, report_dir: Path, *, faulty: bo
         fingerprint_every=1 if combo["fingerprint"] else 0,
         snapshot_every=SNAPSHOT_EVERY, hostname=f"host{rank}", metrics_port=0,
         inject=(_inject_spec(combo, faults) or None) if faulty else None,
-        max_consecutive_skips=10, rollback_skip_batches=1,
+        max_consecutive_skips=10, rollback_skip_batches=1, **LR_RULES,
     )
     if sentinel is None:
         return {"refused": refused}
@@ -589,8 +596,13 @@ def run_one(rank: int, world: int, combo: Combo, report_dir: Path, *, faulty: bo
     steps = [s for s in range(STEPS) if faulty or s not in faults]
     if stop_before is not None:
         steps = [s for s in steps if s < stop_before]
+    groups = sentinel.optimizer.param_groups
+    base = [g["lr"] for g in groups]
+    planned: list[Any] = []
     try:
         for step in steps:
+            for g, lr in zip(groups, base, strict=True):  # the loop's schedule, and its jump
+                g["lr"] = lr * 100 if step == JUMP_STEP else lr
             hit = faulty and rank in faults.get(step, ()) and combo["fault"] in (
                 "activation", "backward")
             run.net.fault = combo["fault"] if hit else None
@@ -610,6 +622,8 @@ def run_one(rank: int, world: int, combo: Combo, report_dir: Path, *, faulty: bo
             result = sentinel.step()
             run.net.fault = None
             results.append(result)
+            plan = sentinel.lr_guard.last_plan
+            planned.append(list(plan.lrs) if plan is not None else None)
             if rank == 0 and combo["rank0_reads"]:  # a loop that logs on rank 0 alone
                 try:
                     reads.append(str(result.outcome))
@@ -633,7 +647,8 @@ def run_one(rank: int, world: int, combo: Combo, report_dir: Path, *, faulty: bo
            "path": type(sentinel.gradients).__name__,
            "gate": "device" if sentinel.device_gate is not None else "host",
            "replay": sentinel.replays,
-           "fingerprints": sentinel.replicas is not None, "reads": reads}
+           "fingerprints": sentinel.replicas is not None, "reads": reads,
+           "planned_lrs": planned, "base_lrs": base}
     # Usable the next step: one more healthy step on the same optimizer and scaler.
     if error is None:
         out["next"] = run.one_more_step()

@@ -283,9 +283,10 @@ def test_deepspeed_overhead_benchmark_tiny_run(tmp_path: Path) -> None:
 @pytest.mark.timeout(120)
 def test_recovery_benchmark_smoke_run(tmp_path: Path) -> None:
     """bench/recovery.py --smoke: the stable reference and a learning rate x100 for 20
-    iterations, unguarded and under spikes="recover", one seed, 200 steps. The unguarded run
-    ends far above the stable one; recover rolls back and ends within 5% of it, with no
-    false alarm on the stable run (the same numbers as the full bench's lr_spike row)."""
+    iterations, unguarded, under spikes="recover" and under recover without its jump rule, one
+    seed, 200 steps. The unguarded run ends far above the stable one; recover holds the jump
+    (no step lost) and recover without the jump rule rolls back, both ending within 5% of it,
+    with no false alarm and no held step on the stable run (the full bench's lr_spike row)."""
     out = tmp_path / "recovery.json"
     proc = subprocess.run(
         [sys.executable, str(ROOT / "bench" / "recovery.py"), "--smoke", "--json", str(out)],
@@ -295,8 +296,12 @@ def test_recovery_benchmark_smoke_run(tmp_path: Path) -> None:
     rows = {(r["case"], r["arm"]): r for r in json.loads(out.read_text())["summary"]}
     assert rows["lr_spike", "none"]["val_vs_stable_pct"] > 20
     recovered = rows["lr_spike", "recover"]
-    assert recovered["val_vs_stable_pct"] < 5 and recovered["lost_steps"] > 0
-    assert rows["stable", "recover"]["actions"] == 0
+    assert recovered["val_vs_stable_pct"] < 5 and recovered["held"] > 0
+    assert recovered["lost_steps"] == 0
+    rolled = rows["lr_spike", "recover_nojump"]
+    assert rolled["val_vs_stable_pct"] < 5 and rolled["lost_steps"] > 0
+    for arm in ("recover", "recover_nojump"):
+        assert rows["stable", arm]["actions"] == 0 and rows["stable", arm]["held"] == 0
     assert "| lr_spike |" in proc.stdout and "false alarms on the stable case" in proc.stdout
 
 

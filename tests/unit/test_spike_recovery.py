@@ -26,7 +26,8 @@ def test_recover_rolls_back_to_before_the_ruining_update_and_its_lr_factor_holds
     used: list[float] = []
     opt.register_step_pre_hook(lambda o, *_: used.append(o.param_groups[0]["lr"]))
     sentinel = nansentinel.Sentinel(model, opt, report_dir=str(tmp_path), env={},
-                                    metrics_port=0, spikes="recover", snapshot_every=1)
+                                    metrics_port=0, spikes="recover", snapshot_every=1,
+                                    lr_jump_ratio=0)  # the jump rule would hold it (issue 52)
     w_true = torch.randn(8, 1)
     before: dict[int, list[torch.Tensor]] = {}
     results = []
