@@ -102,29 +102,36 @@ def demo(argv: list[str]) -> int:
     if idle:
         print(f"nansentinel demo: error: {idle}", file=sys.stderr)
         return 2
-    os.environ[env_var("policy")] = cfg.policy
-    if cfg.inject:
-        os.environ[env_var("inject")] = cfg.inject
-    else:
-        os.environ.pop(env_var("inject"), None)
-    # One thread per CPU rank: the ranks share the machine, and torchrun otherwise prints its
-    # OMP_NUM_THREADS banner to a first-time user. A value you exported is kept.
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    from nansentinel.launcher.run import main as run
+    # The ranks read the demo's settings from the environment they inherit; it is put back
+    # afterwards, so that a caller of main() in-process keeps the environment it had.
+    saved = dict(os.environ)
+    try:
+        os.environ[env_var("policy")] = cfg.policy
+        if cfg.inject:
+            os.environ[env_var("inject")] = cfg.inject
+        else:
+            os.environ.pop(env_var("inject"), None)
+        # One thread per CPU rank: the ranks share the machine, and torchrun otherwise prints its
+        # OMP_NUM_THREADS banner to a first-time user. A value you exported is kept.
+        os.environ.setdefault("OMP_NUM_THREADS", "1")
+        from nansentinel.launcher.run import main as run
 
-    print(
-        f"nansentinel demo: {args.nproc} CPU ranks ({'FSDP2' if args.fsdp else 'DDP'}), "
-        f"{args.steps} steps, policy {cfg.policy}, "
-        f"injecting {cfg.inject or 'nothing'}; reports in {args.report_dir}",
-        flush=True,
-    )
-    # Through `nansentinel run`, as users launch: its summary and exit codes apply.
-    return run([
-        f"--report-dir={args.report_dir}", f"--metrics-port={args.metrics_port}",
-        "--standalone", f"--nproc-per-node={args.nproc}", "--monitor-interval=0.5",
-        "-m", "nansentinel.demo", "--steps", str(args.steps), "--sleep", str(args.sleep),
-        *(["--fsdp"] if args.fsdp else []),
-    ])
+        print(
+            f"nansentinel demo: {args.nproc} CPU ranks ({'FSDP2' if args.fsdp else 'DDP'}), "
+            f"{args.steps} steps, policy {cfg.policy}, "
+            f"injecting {cfg.inject or 'nothing'}; reports in {args.report_dir}",
+            flush=True,
+        )
+        # Through `nansentinel run`, as users launch: its summary and exit codes apply.
+        return run([
+            f"--report-dir={args.report_dir}", f"--metrics-port={args.metrics_port}",
+            "--standalone", f"--nproc-per-node={args.nproc}", "--monitor-interval=0.5",
+            "-m", "nansentinel.demo", "--steps", str(args.steps), "--sleep", str(args.sleep),
+            *(["--fsdp"] if args.fsdp else []),
+        ])
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
 
 
 #: The most CPU ranks the demo starts (each is a process with its own copy of the model).

@@ -4,6 +4,7 @@ traceback from every rank."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -89,5 +90,8 @@ def test_a_small_demo_moves_its_default_fault_onto_a_rank_it_has(
         return 0
 
     monkeypatch.setattr(run, "main", fake)
+    before = dict(os.environ)
     assert cli.main(["demo", "--nproc", "2"]) == 0
     assert "rank=1" in seen["inject"]
+    # The ranks' settings were the launch's alone: an in-process caller keeps its environment.
+    assert dict(os.environ) == before
