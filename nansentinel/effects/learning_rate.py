@@ -119,10 +119,12 @@ class LearningRates:
                      for rate, asked in zip(plan.lrs, plan.asked, strict=True)]
         saved: Saved = []
         for i, (group, rate) in enumerate(zip(groups, rates, strict=True)):
-            lr = group["lr"]
             if rate is None and (factor == 1.0 or (self.active and self.pending is not None
                                                    and self.pending.asked[i] is not None)):
                 continue  # left as the schedule wrote it
+            lr = group.get("lr")
+            if lr is None or isinstance(lr, bool):
+                continue  # a group without a rate of its own (a container's view): nothing
             if rate is None:
                 wrote = lr * factor  # a group the rules leave alone: the factor alone
             elif isinstance(lr, torch.Tensor):

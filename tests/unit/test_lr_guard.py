@@ -257,3 +257,27 @@ def test_a_jump_is_held_around_the_callers_own_optimizer_step(tmp_path: Path) ->
             assert opt.param_groups[0]["lr"] == (LR * 50 if i == 2 else LR)
             opt.zero_grad(set_to_none=True)
     assert used == [LR] * 4 and held == [False, False, True, False]
+
+
+@pytest.mark.parametrize("spikes", ["warn", "recover"])
+@pytest.mark.parametrize("factor", [1.0, 0.5])
+def test_a_group_without_a_rate_of_its_own_is_left_alone(spikes: str, factor: float) -> None:
+    """An optimizer container's ``param_groups`` (torchtitan's OptimizersContainer) may hold
+    groups with no ``lr``: the rules and the backoff leave them as they are, never a
+    ``KeyError`` from inside the step."""
+    from nansentinel.decide.spikes import SpikeDetector
+    from nansentinel.effects.learning_rate import LearningRates
+
+    class Container:
+        def __init__(self) -> None:
+            self.param_groups = [{"params": []}, {"params": [], "lr": 0.1}]
+
+    opt = Container()
+    detector = SpikeDetector(window=10, warmup=5, ratio=10.0, zscore=6.0)
+    lrs = LearningRates(opt, SentinelConfig.from_env({}, spikes=spikes), detector)
+    lrs.cooldown.start(factor, steps=5)
+    saved = lrs.apply(0)
+    assert "lr" not in opt.param_groups[0]
+    assert opt.param_groups[1]["lr"] == pytest.approx(0.1 * factor)
+    lrs.restore(saved)
+    assert opt.param_groups == [{"params": []}, {"params": [], "lr": 0.1}]
