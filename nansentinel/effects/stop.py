@@ -191,12 +191,14 @@ class RunEnd:
         self.stopped = False
         """The run was stopped here: this rank's verdict is left already."""
 
-    def stop_if(self, decision: Decision, result: StepResult) -> None:
-        """Raise the decision's abort (or exclusion) on this rank, everything on disk first."""
+    def stop_if(self, decision: Decision, result: StepResult, *, serve: bool = True) -> None:
+        """Raise the decision's abort (or exclusion) on this rank, everything on disk first.
+        ``serve``: flush the exporter and linger for a last scrape first; False where a wider
+        scope still decides the step (it leaves, and serves the end, once it has agreed)."""
         if not decision.stops:
             return
         self.stopped = True
-        metrics = self.judge.metrics
+        metrics = self.judge.metrics if serve else None
         if metrics is not None:  # the final state is served at once, not a second late
             metrics.flush()
         from nansentinel.rare.incident import describe_abort

@@ -143,10 +143,11 @@ class StepJudge:
         record.snapshot = decision.applies and optimizer_step and record.gated
         record.to(Stage.DECIDED)
 
-    def finish(self, record: StepRecord) -> None:
+    def finish(self, record: StepRecord, *, observe: bool = True) -> None:
         """What a decided step owes every rank together: the snapshot and the replica check
         (collectives, both), then its metrics (``DECIDED`` -> ``DONE``). The replica check may
-        change the result and the decision (a divergence)."""
+        change the result and the decision (a divergence). ``observe=False``: a wider scope
+        decides the step after the ranks, and observes it once, as decided there."""
         started = time.perf_counter()
         view, result, decision = record.view, record.result, record.decision
         assert view is not None and result is not None and decision is not None
@@ -154,7 +155,7 @@ class StepJudge:
             self.maybe_snapshot(view)
         if self.replicas is not None and not decision.stops:  # after the optimizer step
             result, decision = self.replicas.check(view.step, result, decision, self.history)
-        if self.metrics is not None:
+        if observe and self.metrics is not None:
             self.metrics.observe_step(result, record.spent + time.perf_counter() - started)
         record.result, record.decision = result, decision
         record.to(Stage.DONE)

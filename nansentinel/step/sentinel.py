@@ -160,8 +160,11 @@ class Sentinel:
             return self._agree(optimizer_step=optimizer_step)
         return self._decide(optimizer_step=optimizer_step)
 
-    def _decide(self, *, optimizer_step: bool) -> StepResult | PendingResult:
-        """The ranks' decision of this step (the exchange's), and its effects."""
+    def _decide(self, *, optimizer_step: bool, alone: bool = True,
+                ) -> StepResult | PendingResult:
+        """The ranks' decision of this step (the exchange's), and its effects; ``alone``: no
+        wider scope decides after it, so this decision is observed (metrics) and served (the
+        exporter's last scrape before a stop) here."""
         parts = self._parts
         ctx, current, device_gate = parts.ctx, parts.current, parts.device_gate
         parts.judge.caller_did_not_step()
@@ -183,10 +186,10 @@ class Sentinel:
         _, record.values = ctx.exchange.wait()  # waiting for the all-reduce beside it
         ctx.deadline.disarm()
         parts.judge.decide(record, optimizer_step=optimizer_step)
-        parts.judge.finish(record)
+        parts.judge.finish(record, observe=alone)
         current.next()
         assert record.decision is not None and record.decided is not None
-        parts.end.stop_if(record.decision, record.decided)
+        parts.end.stop_if(record.decision, record.decided, serve=alone)
         return record.decided
 
     def _agree(self, *, optimizer_step: bool) -> StepResult:
@@ -197,15 +200,13 @@ class Sentinel:
         parts = self._parts
         for scope in parts.wider:
             scope.begin()
-        metrics, parts.judge.metrics = parts.judge.metrics, None
+        metrics = parts.judge.metrics
         spent, started = parts.current.record.spent, time.perf_counter()
         stopping: NonFiniteError | None = None
         try:
-            local = self._decide(optimizer_step=False)
+            local = self._decide(optimizer_step=False, alone=False)
         except NonFiniteError as exc:  # the ranks' abort (max_consecutive_skips, policy)
             local, stopping = exc.result, exc
-        finally:
-            parts.judge.metrics = metrics
         spent += time.perf_counter() - started
         assert isinstance(local, StepResult)
         result = local
