@@ -201,7 +201,9 @@ class SentinelConfig:
     rollback_lr_cap: bool = False
     """After a rollback, each param group steps at most at the learning rate its restored
     snapshot was trained at (x ``rollback_lr_factor``), whatever the schedule writes, until the
-    backoff ends. ``spikes="recover"``: True."""
+    backoff ends; where the rate rose between the snapshot and the spike, at most
+    ``rollback_lr_factor`` x the highest rate applied since (the rise is suspect).
+    ``spikes="recover"``: True."""
 
     lr_jump_ratio: float = 0.0
     """A param group asking more than this multiple of the highest learning rate it has applied

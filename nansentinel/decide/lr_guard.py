@@ -7,7 +7,11 @@ weights the next snapshot then keeps as good. The rules here close that path (is
 
 1. **cap** — during the backoff after a rollback, a group steps at most at the learning rate
    its restored snapshot was trained at (the last one applied before the save), times the
-   backoff factor, whatever the schedule asks;
+   backoff factor, whatever the schedule asks. Where the rate rose between the snapshot and
+   the spike, the rise is suspect and the snapshot's rate is only a step below the one that
+   failed: the known-good rate is then at most the factor times the highest rate applied
+   since the snapshot, so the cap is the factor squared times the failing rate (what a second
+   rollback's halving gave before the cap, without waiting for the second spike);
 2. **jump** — a group whose asked rate exceeds ``jump_ratio`` x the highest it has applied so
    far steps at its last applied rate instead (held): a schedule error never reaches the
    weights. A rollback puts the reference back to the snapshot's (the rates applied after it
@@ -90,6 +94,9 @@ class LrGuard:
         self.last: list[Rate] = []
         self.saved: tuple[list[Rate], list[Rate]] | None = None
         self.known_good: list[Rate] | None = None
+        #: The highest rate each group applied since the last snapshot (the rates the
+        #: rollback discards: the spike came after them).
+        self.since: list[Rate] = []
         self.clean_run = 0
         self.quiet_run = 0
         #: Groups held at the last plan (a new hold is said once, not every step).
@@ -144,6 +151,8 @@ class LrGuard:
             if lr is None or g in plan.held:
                 continue
             self.last[g] = lr
+            top = self.since[g]
+            self.since[g] = lr if top is None else max(top, lr)
             high = self.highest[g]
             self.highest[g] = lr if high is None else max(high, lr)
         backoff = self.known_good is not None
@@ -173,16 +182,32 @@ class LrGuard:
     def snapshot_taken(self) -> None:
         """The state a snapshot keeps was made at the rates applied so far: remember them."""
         self.saved = (list(self.last), list(self.highest))
+        self.since = [None] * len(self.since)
 
-    def rolled_back(self) -> None:
+    def rolled_back(self, factor: float = 1.0) -> None:
         """Back to the last snapshot: its rates are the known-good ones, and the jump rule's
-        reference is the snapshot's again (the rates applied since were not known to work)."""
+        reference is the snapshot's again (the rates applied since were not known to work).
+
+        A group whose rate rose between the snapshot and the spike (a schedule climbing past
+        the edge of stability) may have spiked from the rise itself, and the snapshot's rate
+        is then only a step below the failing one, at the edge: its known-good rate is at most
+        ``factor`` (the backoff's) times the highest rate applied since the snapshot. Capped
+        at that times the factor again, the run steps well under the edge instead of at half
+        of it, where a rate that keeps climbing (bench/recovery.py's slow_climb) pinned it.
+        A rate that jumped (x100) leaves the snapshot's rate as it is (x0.5 of the jump is
+        above it); one that did not rise (a data spike on a flat or decaying schedule) too.
+        The cost: a data spike during a rising schedule (a warm-up) backs off to a quarter of
+        the snapshot's rate rather than a half, until the backoff ends."""
         self.clean_run = self.quiet_run = 0
+        since, self.since = self.since, [None] * len(self.since)
         if self.saved is None:
             return
         last, highest = self.saved
         self.last, self.highest = list(last), list(highest)
-        self.known_good = list(last)
+        since += [None] * (len(last) - len(since))
+        self.known_good = [good if good is None or top is None or top <= good
+                           else min(good, factor * top)
+                           for good, top in zip(last, since, strict=False)]
 
     def reset(self) -> None:
         """Forget the jump reference: the next rates applied become it (a deliberate change)."""
@@ -205,6 +230,7 @@ class LrGuard:
 
     def state_dict(self) -> dict[str, Any]:
         return {"highest": list(self.highest), "last": list(self.last),
+                "since": list(self.since),
                 "saved": [list(s) for s in self.saved] if self.saved is not None else None,
                 "known_good": list(self.known_good) if self.known_good is not None else None,
                 "clean_run": self.clean_run, "quiet_run": self.quiet_run}
@@ -213,6 +239,7 @@ class LrGuard:
         """Restore :meth:`state_dict`; ``reference=False`` drops the jump reference (a
         deliberate change of the learning rate on resume)."""
         self.highest, self.last = list(state.get("highest", [])), list(state.get("last", []))
+        self.since = list(state.get("since", [None] * len(self.highest)))
         saved = state.get("saved")
         self.saved = (list(saved[0]), list(saved[1])) if saved else None
         good = state.get("known_good")
@@ -224,7 +251,7 @@ class LrGuard:
 
     def _fit(self, n: int) -> None:
         """A group added since (``add_param_group``) starts with no reference."""
-        for seq in (self.highest, self.last):
+        for seq in (self.highest, self.last, self.since):
             seq.extend([None] * (n - len(seq)))
         if self.known_good is not None:
             self.known_good.extend([None] * (n - len(self.known_good)))

@@ -187,7 +187,7 @@ class LearningRates:
 
     def rolled_back(self) -> None:
         self.cooldown.start(self.config.rollback_lr_factor, self.config.rollback_lr_steps)
-        self.guard.rolled_back()
+        self.guard.rolled_back(self.config.rollback_lr_factor)
         if self.cooldown.steps_left <= 0:  # rollback_lr_steps=0: no backoff at all
             self.guard.end_backoff()
 

@@ -79,6 +79,31 @@ def test_after_a_rollback_the_known_good_rate_caps_the_schedule_until_a_quiet_wi
     assert plan.lrs == (0.5,) and plan.applied_above and not nocap.may_snapshot(plan)
 
 
+def test_a_rate_that_rose_into_the_spike_sets_the_margin_from_the_rate_that_failed() -> None:
+    """slow_climb: the snapshot's rate sits just under the one that spiked, so the cap at half
+    of it kept the run at the edge; the known-good rate is at most the factor x the highest
+    rate applied since the snapshot. A jump (x100) and a data spike (no rise) keep the
+    snapshot's rate."""
+    guard = LrGuard(ALL)
+    for lr in (0.10, 0.11, 0.12):
+        step(guard, [lr, 0.01, 0.5])
+    guard.snapshot_taken()  # the state made at 0.12 / 0.01 / 0.5
+    step(guard, [0.13, 0.01, 0.4])  # group 0 climbs on, 1 stays, 2 decays
+    step(guard, [0.14, 1.0, 0.4])  # group 1 jumps x100 (the jump rule holds it at 0.01)
+    guard.rolled_back(0.5)
+    assert guard.known_good == [0.07, 0.01, 0.5]  # 0.5 x 0.14, under the snapshot's 0.12
+    assert guard.plan([0.2, 0.01, 0.5], 0.5).lrs == (0.035, 0.005, 0.25)
+    step(guard, [0.2, 0.01, 0.5], 0.5)
+    guard.rolled_back(0.5)  # nothing applied since the snapshot rose above it: as it was
+    assert guard.known_good == [0.12, 0.01, 0.5]
+    resumed = LrGuard(ALL)
+    guard.end_backoff()
+    step(guard, [0.15, 0.01, 0.5])
+    resumed.load_state_dict(json.loads(json.dumps(guard.state_dict())))
+    resumed.rolled_back(0.5)  # the rates since the snapshot are kept in the checkpoint
+    assert resumed.known_good == [0.075, 0.01, 0.5]
+
+
 def test_rules_off_change_nothing_and_the_state_round_trips() -> None:
     off = LrGuard(LrRules())
     assert not LrRules().any
