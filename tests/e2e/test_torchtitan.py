@@ -163,6 +163,10 @@ def test_with_sentinel_through_torchtitans_config_manager(tmp_path: Path) -> Non
                        ("env_rollback", "loss_spike_action")):
         assert f"{field}='rollback' is not supported" in got[key], got[key]
         assert "policy='skip' or 'abort'" in got[key]
+    for key in ("lr_jump", "env_lr_jump"):  # issue 52's jump rule writes param_groups too
+        assert "lr_jump_ratio=4 is not supported" in got[key], got[key]
+        assert "NANSENTINEL_LR_JUMP_RATIO=0" in got[key]
+    assert got["lr_jump_off"] == "no error"
     assert got["pipeline"] == "no error"  # torchtitan's default schedule, 1F1B
     for key, schedule in (("pipeline_schedule", "ZBVZeroBubble"), ("pipeline_cli", "DualPipeV")):
         assert f"parallelism.pipeline_parallel_schedule='{schedule}'" in got[key], got[key]

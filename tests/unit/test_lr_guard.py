@@ -102,6 +102,10 @@ def test_a_rate_that_rose_into_the_spike_sets_the_margin_from_the_rate_that_fail
     resumed.load_state_dict(json.loads(json.dumps(guard.state_dict())))
     resumed.rolled_back(0.5)  # the rates since the snapshot are kept in the checkpoint
     assert resumed.known_good == [0.075, 0.01, 0.5]
+    older = {k: v for k, v in guard.state_dict().items() if k != "since"}  # before the rule
+    resumed.load_state_dict(older)
+    resumed.rolled_back(0.5)  # no record of a rise: the snapshot's rates, as before
+    assert resumed.known_good == [0.12, 0.01, 0.5]
 
 
 def test_rules_off_change_nothing_and_the_state_round_trips() -> None:

@@ -57,6 +57,11 @@ def main() -> dict[str, Any]:
     os.environ["NANSENTINEL_LOSS_SPIKE_ACTION"] = "rollback"
     out["env_rollback"] = error(lambda: with_sentinel(llama3_debugmodel()))
     del os.environ["NANSENTINEL_LOSS_SPIKE_ACTION"]
+    out["lr_jump"] = error(lambda: with_sentinel(llama3_debugmodel(), lr_jump_ratio=4.0))
+    os.environ["NANSENTINEL_LR_JUMP_RATIO"] = "4"
+    out["env_lr_jump"] = error(lambda: with_sentinel(llama3_debugmodel()))
+    del os.environ["NANSENTINEL_LR_JUMP_RATIO"]
+    out["lr_jump_off"] = error(lambda: with_sentinel(llama3_debugmodel(), lr_jump_ratio=0.0))
     pp = llama3_debugmodel()
     pp.parallelism.pipeline_parallel_degree = 2
     out["pipeline"] = error(lambda: with_sentinel(pp))
