@@ -18,6 +18,7 @@ from nansentinel.common.inject import Fault, parse_inject
 from nansentinel.config import ConfigError, SentinelConfig
 from nansentinel.effects.recovery import SnapshotMemoryError
 from nansentinel.result import (
+    ArgumentTypeError,
     ExchangeTimeoutError,
     HostExcludedError,
     NonFiniteError,
@@ -33,6 +34,7 @@ from nansentinel.step.sentinel import Sentinel
 __version__ = "0.1.0"
 
 __all__ = [
+    "ArgumentTypeError",
     "ConfigError",
     "ExchangeTimeoutError",
     "Fault",

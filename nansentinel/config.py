@@ -20,6 +20,8 @@ import socket
 from collections.abc import Mapping
 from typing import Any, Literal, get_args, get_origin
 
+from nansentinel.common import doors
+
 log = logging.getLogger("nansentinel")
 
 #: Every setting is also an environment variable: field ``metrics_port`` is
@@ -272,6 +274,7 @@ class SentinelConfig:
     ``warn``."""
 
     def __post_init__(self) -> None:
+        _check_types(self)
         _check_ranges(self)
         if self.policy not in POLICIES:
             raise ConfigError(
@@ -378,6 +381,14 @@ class SentinelConfig:
             overrides: field values; an unknown field name is a :class:`ConfigError`.
         """
         env = os.environ if env is None else env
+        if not doors.conforms(env, Mapping[str, str]):
+            bad = next(((k, v) for k, v in env.items() if not isinstance(k, str)
+                        or not isinstance(v, str)), None) if isinstance(env, Mapping) else None
+            raise ConfigError(
+                f"env= holds {shown(bad[0], 40)}: {shown(bad[1], 40)} "
+                f"({doors.given(bad[0])} to {doors.given(bad[1])}), not strings "
+                "to strings" if bad else doors.refusal("env", env, Mapping[str, str])
+                or "", "env")
         names = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(overrides) - names)
         if unknown:
@@ -427,6 +438,28 @@ def _parser_of(annotation: object) -> str:
     if head not in ("str", "int", "float", "bool"):
         raise TypeError(f"SentinelConfig: no environment parser for a {annotation!r} field")
     return head
+
+
+#: Each field's type, from its annotation: what :func:`_check_types` holds every value to.
+_HINTS: dict[str, Any] = doors.hints(SentinelConfig)
+#: The fields that name a file or a directory: an ``os.PathLike`` is taken as its string.
+PATH_FIELDS = frozenset({"report_dir", "exclusion_file", "run_dir", "skip_list",
+                         "metrics_certfile", "metrics_keyfile"})
+
+
+def _check_types(cfg: SentinelConfig) -> None:
+    """Every field holds the type its annotation says, checked in one place from the
+    annotations (a field added later is checked too): a wrong type is a :class:`ConfigError`
+    naming the field, the type given and the type wanted, before any range or choice is
+    compared (``spikes=[]`` would otherwise fail inside a ``dict`` lookup)."""
+    for name, hint in _HINTS.items():
+        value = getattr(cfg, name)
+        if name in PATH_FIELDS and isinstance(value, os.PathLike):
+            value = os.fspath(value)
+            setattr(cfg, name, value)
+        problem = doors.refusal(name, value, hint, choices=False)
+        if problem is not None:
+            raise ConfigError(problem, name)
 
 
 #: Field name -> parser (``str``, ``int``, ``float``, ``bool``), read from the dataclass.
@@ -532,6 +565,8 @@ def _check_ranges(cfg: SentinelConfig) -> None:
 def shown(value: object, limit: int = 60) -> str:
     """``repr(value)`` cut to ``limit`` characters: a message names the value, but a
     5000-digit one would bury the rest of the message."""
+    if isinstance(value, int) and value.bit_length() > 4 * limit:  # repr refuses 4,300 digits
+        return f"<an integer of {value.bit_length()} bits>"
     text = repr(value)
     return text if len(text) <= limit else f"{text[:limit]}...({len(text)} characters)"
 
