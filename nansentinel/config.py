@@ -290,6 +290,11 @@ class SentinelConfig:
             )
         if not isinstance(self.report_dir, str) or not self.report_dir:
             raise ConfigError(f"report_dir={self.report_dir!r} must be a non-empty path")
+        for name in ("report_dir", "run_dir"):  # said now, not as an OSError at close()
+            where = getattr(self, name)
+            if where and os.path.lexists(where) and not os.path.isdir(where):
+                raise ConfigError(f"{name}={shown(where)} exists and is not a directory; give "
+                                  "a directory (it is created when missing)", name)
         _require_int("max_consecutive_skips", self.max_consecutive_skips, minimum=1)
         _require_int("metrics_port", self.metrics_port, minimum=0)
         if self.metrics_port > 65535:
