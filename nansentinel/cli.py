@@ -17,7 +17,7 @@ from typing import Any
 
 from nansentinel.config import DEFAULT_REPORT_DIR, ConfigError, SentinelConfig, env_var
 
-USAGE = """usage: nansentinel {run,demo,excluded,incidents} ...   (--version: the version)
+USAGE = """usage: nansentinel {run,demo,excluded,incidents} ...
 
   run        launch a training script like torchrun does, with the sentinel's options
              (nansentinel run --help)
@@ -25,6 +25,7 @@ USAGE = """usage: nansentinel {run,demo,excluded,incidents} ...   (--version: th
   excluded   list the hosts excluded from runs (and --clear HOST to lift one)
   incidents  list the incident reports, newest first; `incidents show ID` explains one
              (--html OUT: a page with its loss and gradient-norm curves)
+  --version  print the version
 """
 
 
