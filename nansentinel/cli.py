@@ -51,6 +51,11 @@ EXIT_BROKEN_PIPE = 141
 
 
 def _dispatch(argv: list[str]) -> int:
+    # A path or a host from argv or a file may hold bytes that are not UTF-8 (Python keeps
+    # them as lone surrogates): printed, they are escaped instead of failing the command.
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(AttributeError, ValueError):
+            stream.reconfigure(errors="backslashreplace")  # type: ignore[union-attr]
     if not argv or argv[0] in ("-h", "--help"):
         print(USAGE, end="")
         return 0 if argv else 2

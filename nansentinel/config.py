@@ -278,18 +278,18 @@ class SentinelConfig:
         _check_ranges(self)
         if self.policy not in POLICIES:
             raise ConfigError(
-                f"policy={self.policy!r} is not a known policy; expected one of "
+                f"policy={shown(self.policy)} is not a known policy; expected one of "
                 f"{', '.join(POLICIES)}"
             )
         if isinstance(self.max_dropped, bool) or not isinstance(
             self.max_dropped, int | float
         ) or not 0 < self.max_dropped < 1:
             raise ConfigError(
-                f"max_dropped={self.max_dropped!r} must be a fraction of the data-parallel "
+                f"max_dropped={shown(self.max_dropped)} must be a fraction of the data-parallel "
                 "ranks, above 0 and below 1 (at least one rank is always droppable)"
             )
         if not isinstance(self.report_dir, str) or not self.report_dir:
-            raise ConfigError(f"report_dir={self.report_dir!r} must be a non-empty path")
+            raise ConfigError(f"report_dir={shown(self.report_dir)} must be a non-empty path")
         for name in ("report_dir", "run_dir"):  # said now, not as an OSError at close()
             where = getattr(self, name)
             if where and os.path.lexists(where) and not os.path.isdir(where):
@@ -302,7 +302,7 @@ class SentinelConfig:
         if (self.metrics_certfile is None) != (self.metrics_keyfile is None):
             raise ConfigError(
                 "metrics_certfile and metrics_keyfile must be given together "
-                f"(certfile={self.metrics_certfile!r}, keyfile={self.metrics_keyfile!r})",
+                f"(certfile={shown(self.metrics_certfile)}, keyfile={shown(self.metrics_keyfile)})",
                 field="metrics_certfile" if self.metrics_certfile else "metrics_keyfile",
                 related=("metrics_certfile", "metrics_keyfile"),
             )
@@ -311,19 +311,20 @@ class SentinelConfig:
         if isinstance(self.exchange_timeout, bool) or not isinstance(
             self.exchange_timeout, int | float
         ):
-            raise ConfigError(f"exchange_timeout={self.exchange_timeout!r} must be a number")
+            raise ConfigError(f"exchange_timeout={shown(self.exchange_timeout)} must be a number")
         if not self.exchange_timeout > 0:
-            raise ConfigError(f"exchange_timeout={self.exchange_timeout!r} must be > 0 seconds")
+            raise ConfigError(
+                f"exchange_timeout={shown(self.exchange_timeout)} must be > 0 seconds")
         if isinstance(self.metrics_linger, bool) or not isinstance(
             self.metrics_linger, int | float
         ) or not self.metrics_linger >= 0:
-            raise ConfigError(f"metrics_linger={self.metrics_linger!r} must be >= 0 seconds")
+            raise ConfigError(f"metrics_linger={shown(self.metrics_linger)} must be >= 0 seconds")
         if self.hostname is not None and (not isinstance(self.hostname, str) or not self.hostname):
-            raise ConfigError(f"hostname={self.hostname!r} must be a non-empty string")
+            raise ConfigError(f"hostname={shown(self.hostname)} must be a non-empty string")
         for name in ("loss_spike_action", "grad_spike_action"):
             if getattr(self, name) not in SPIKE_ACTIONS:
                 raise ConfigError(
-                    f"{name}={getattr(self, name)!r} is not a spike action; expected one of "
+                    f"{name}={shown(getattr(self, name))} is not a spike action; expected one of "
                     f"{', '.join(SPIKE_ACTIONS)}"
                 )
         _require_positive("spike_ratio", self.spike_ratio, above=1.0)
@@ -335,7 +336,7 @@ class SentinelConfig:
             _require_positive("loss_spike_ratio", self.loss_spike_ratio, above=1.0)
         if self.spikes not in SPIKE_PRESETS:
             raise ConfigError(
-                f"spikes={self.spikes!r} is not a spike preset; expected one of "
+                f"spikes={shown(self.spikes)} is not a spike preset; expected one of "
                 f"{', '.join(SPIKE_PRESETS)}", "spikes")
         if self.spike_warmup > self.spike_window:
             raise ConfigError(
@@ -347,7 +348,8 @@ class SentinelConfig:
         if not (isinstance(self.rollback_lr_factor, int | float) and not isinstance(
             self.rollback_lr_factor, bool
         ) and 0 < self.rollback_lr_factor <= 1):
-            raise ConfigError(f"rollback_lr_factor={self.rollback_lr_factor!r} must be in (0, 1]")
+            raise ConfigError(
+                f"rollback_lr_factor={shown(self.rollback_lr_factor)} must be in (0, 1]")
         _require_int("rollback_lr_steps", self.rollback_lr_steps, minimum=0)
         _require_int("rollback_skip_batches", self.rollback_skip_batches, minimum=0)
         _require_int("max_rollbacks", self.max_rollbacks, minimum=1)
@@ -356,15 +358,15 @@ class SentinelConfig:
         _require_int("quarantine_steps", self.quarantine_steps, minimum=1)
         for name in ("replay", "replay_anomaly", "save_batches"):
             if not isinstance(getattr(self, name), bool):
-                raise ConfigError(f"{name}={getattr(self, name)!r} must be True or False")
+                raise ConfigError(f"{name}={shown(getattr(self, name))} must be True or False")
         if self.gate not in GATES:
             raise ConfigError(
-                f"gate={self.gate!r} is not a gate; expected one of {', '.join(GATES)}"
+                f"gate={shown(self.gate)} is not a gate; expected one of {', '.join(GATES)}"
             )
         _require_int("fingerprint_every", self.fingerprint_every, minimum=0)
         if self.divergence_action not in DIVERGENCE_ACTIONS:
             raise ConfigError(
-                f"divergence_action={self.divergence_action!r} is not an action; expected one "
+                f"divergence_action={shown(self.divergence_action)} is not an action; expected one "
                 f"of {', '.join(DIVERGENCE_ACTIONS)}"
             )
         if self.inject is not None:
@@ -373,7 +375,7 @@ class SentinelConfig:
             try:
                 parse_inject(self.inject)
             except ValueError as exc:
-                raise ConfigError(f"inject={self.inject!r}: {exc}") from None
+                raise ConfigError(f"inject={shown(self.inject)}: {str(exc)[:300]}") from None
 
     @classmethod
     def from_env(
@@ -561,7 +563,7 @@ def _check_ranges(cfg: SentinelConfig) -> None:
         ):
             continue
         if isinstance(value, float) and not math.isfinite(value):
-            raise ConfigError(f"{field.name}={value!r} must be a finite number")
+            raise ConfigError(f"{field.name}={shown(value)} must be a finite number")
         top = maximum(field.name)
         if value > top:
             raise ConfigError(f"{field.name}={shown(value)} is above its maximum, {top:g}")
@@ -580,24 +582,24 @@ def _check_lr_rules(config: SentinelConfig) -> None:
     """The learning-rate rules' fields (issue 52)."""
     for name in ("rollback_lr_cap", "lr_jump_reset", "rollback_clean_snapshots"):
         if not isinstance(getattr(config, name), bool):
-            raise ConfigError(f"{name}={getattr(config, name)!r} must be True or False")
+            raise ConfigError(f"{name}={shown(getattr(config, name))} must be True or False")
     ratio = config.lr_jump_ratio
     if isinstance(ratio, bool) or not isinstance(ratio, int | float) or not (
             ratio == 0 or 1 < ratio < float("inf")):
-        raise ConfigError(f"lr_jump_ratio={ratio!r} must be 0 (off) or a finite number > 1")
+        raise ConfigError(f"lr_jump_ratio={shown(ratio)} must be 0 (off) or a finite number > 1")
     _require_int("rollback_lr_quiet_steps", config.rollback_lr_quiet_steps, minimum=0)
 
 
 def _require_int(field: str, value: object, *, minimum: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int):
-        raise ConfigError(f"{field}={value!r} must be an integer")
+        raise ConfigError(f"{field}={shown(value)} must be an integer")
     if value < minimum:
         raise ConfigError(f"{field}={shown(value)} must be >= {minimum}")
 
 
 def _require_positive(field: str, value: object, *, above: float) -> None:
     if isinstance(value, bool) or not isinstance(value, int | float) or not value > above:
-        raise ConfigError(f"{field}={value!r} must be a number > {above:g}")
+        raise ConfigError(f"{field}={shown(value)} must be a number > {above:g}")
 
 
 def _did_you_mean(word: str, choices: object) -> str:

@@ -29,6 +29,8 @@ from nansentinel.common import torch_insides as insides
 from nansentinel.result import ArgumentTypeError, SentinelUsageError
 
 _HALF = (torch.float16, torch.bfloat16)
+#: The largest finite fp32: a Python number past it is recorded as what fp32 makes of it, inf.
+_FLOAT32_MAX = float(torch.finfo(torch.float32).max)
 
 
 def tensors(obj: object) -> Iterator[torch.Tensor]:
@@ -190,6 +192,8 @@ def as_loss(loss: object, device: torch.device, where: str) -> torch.Tensor:
             value = float(loss)
         except OverflowError:  # an integer past float's range: what fp32/fp64 make of it
             value = math.inf if loss > 0 else -math.inf
+        if abs(value) > _FLOAT32_MAX and math.isfinite(value):  # torch.full would refuse it
+            value = math.copysign(math.inf, value)
         return torch.full((), value, device=device)
     if not isinstance(loss, torch.Tensor):
         raise ArgumentTypeError(f"nansentinel: check_loss expects a tensor or a number, got "
