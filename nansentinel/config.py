@@ -290,11 +290,7 @@ class SentinelConfig:
             )
         if not isinstance(self.report_dir, str) or not self.report_dir:
             raise ConfigError(f"report_dir={shown(self.report_dir)} must be a non-empty path")
-        for name in ("report_dir", "run_dir"):  # said now, not as an OSError at close()
-            where = getattr(self, name)
-            if where and os.path.lexists(where) and not os.path.isdir(where):
-                raise ConfigError(f"{name}={shown(where)} exists and is not a directory; give "
-                                  "a directory (it is created when missing)", name)
+        _check_paths(self)
         _require_int("max_consecutive_skips", self.max_consecutive_skips, minimum=1)
         _require_int("metrics_port", self.metrics_port, minimum=0)
         if self.metrics_port > 65535:
@@ -452,6 +448,39 @@ _HINTS: dict[str, Any] = doors.hints(SentinelConfig)
 #: The fields that name a file or a directory: an ``os.PathLike`` is taken as its string.
 PATH_FIELDS = frozenset({"report_dir", "exclusion_file", "run_dir", "skip_list",
                          "metrics_certfile", "metrics_keyfile"})
+
+
+#: The path fields that name a directory, and those that name a file the package reads.
+DIRECTORY_FIELDS = ("report_dir", "run_dir")
+FILE_FIELDS = ("exclusion_file", "skip_list")
+
+
+def _check_paths(cfg: SentinelConfig) -> None:
+    """A directory field that names a file (or lies under one), or a file field that names a
+    FIFO, a device or a directory, is refused now, naming the field (and so its variable),
+    instead of failing later as an OSError from ``close()`` or blocking on a FIFO."""
+    for name in (*DIRECTORY_FIELDS, *FILE_FIELDS):
+        where = getattr(cfg, name)
+        if not where:
+            continue
+        if name in FILE_FIELDS and os.path.lexists(where) and not os.path.isfile(where):
+            raise ConfigError(f"{name}={shown(where, 200)} exists and is not a regular file; "
+                              "give the path of a file (it is created when missing)", name)
+        directory = where if name in DIRECTORY_FIELDS else os.path.dirname(where)
+        existing = _first_existing(directory or ".")
+        if not os.path.isdir(existing):
+            raise ConfigError(f"{name}={shown(where, 200)}: {shown(existing, 200)} exists and is "
+                              "not a directory; give a path under a directory", name)
+
+
+def _first_existing(path: str) -> str:
+    """``path`` or the nearest of its ancestors that exists."""
+    while not os.path.lexists(path):
+        parent = os.path.dirname(path.rstrip(os.sep)) or "."
+        if parent == path:
+            break
+        path = parent
+    return path
 
 
 def _check_types(cfg: SentinelConfig) -> None:

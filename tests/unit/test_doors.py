@@ -144,3 +144,23 @@ def test_doors_describe_the_types_they_hold_values_to() -> None:
     assert doors.refusal("x", (1,), tuple[Any, Any]) == "x=(1,) is a tuple, not a tuple"
     assert doors.conforms({"a": "b"}, dict[str, str]) and not doors.conforms({"a": 1},
                                                                               dict[str, str])
+
+
+def test_a_path_field_that_cannot_be_what_it_names_is_refused_by_its_variable(
+        tmp_path: Path) -> None:
+    """NANSENTINEL_RUN_DIR set to a file was accepted, and close() then raised a bare
+    NotADirectoryError; a FIFO as the exclusion file blocked the launcher."""
+    import os
+
+    afile, fifo = tmp_path / "file", tmp_path / "fifo"
+    afile.write_text("")
+    os.mkfifo(fifo)
+    for var, value, words in (
+            ("NANSENTINEL_RUN_DIR", afile, "exists and is not a directory"),
+            ("NANSENTINEL_REPORT_DIR", afile / "sub", "exists and is not a directory"),
+            ("NANSENTINEL_EXCLUSION_FILE", fifo, "is not a regular file"),
+            ("NANSENTINEL_SKIP_LIST", tmp_path, "is not a regular file")):
+        with pytest.raises(ConfigError) as caught:
+            SentinelConfig.from_env({var: str(value)})
+        assert words in str(caught.value) and str(caught.value).endswith(
+            f"(from environment variable {var})"), str(caught.value)
