@@ -452,7 +452,7 @@ PATH_FIELDS = frozenset({"report_dir", "exclusion_file", "run_dir", "skip_list",
 
 #: The path fields that name a directory, and those that name a file the package reads.
 DIRECTORY_FIELDS = ("report_dir", "run_dir")
-FILE_FIELDS = ("exclusion_file", "skip_list")
+FILE_FIELDS = ("exclusion_file", "skip_list", "metrics_certfile", "metrics_keyfile")
 
 
 def _check_paths(cfg: SentinelConfig) -> None:
@@ -464,8 +464,9 @@ def _check_paths(cfg: SentinelConfig) -> None:
         if not where:
             continue
         if name in FILE_FIELDS and os.path.lexists(where) and not os.path.isfile(where):
-            raise ConfigError(f"{name}={shown(where, 200)} exists and is not a regular file; "
-                              "give the path of a file (it is created when missing)", name)
+            raise ConfigError(f"{name}={shown(where, 200)} exists and is not a regular file (a "
+                              "FIFO would block, a device never ends); give the path of a file",
+                              name)
         directory = where if name in DIRECTORY_FIELDS else os.path.dirname(where)
         existing = _first_existing(directory or ".")
         if not os.path.isdir(existing):

@@ -127,7 +127,7 @@ def batch_norms(batch: object, device: torch.device) -> list[torch.Tensor]:
     for n, t in enumerate(float_tensors(batch)):
         if t.layout != torch.strided:
             t = _stored_values(t)
-        unreadable = _unreadable(t)
+        unreadable = _unreadable(t, device)
         if unreadable:
             raise ArgumentTypeError(f"nansentinel: check_batch(batch): its floating-point "
                                     f"tensor #{n} is {unreadable}")
@@ -140,10 +140,11 @@ def _stored_values(t: torch.Tensor) -> torch.Tensor:
     return t._values() if t.layout == torch.sparse_coo else t.values()
 
 
-def _unreadable(t: torch.Tensor) -> str | None:
-    """Why the checks cannot read ``t``'s values (a meta tensor has none; a layout other
-    than strided or sparse), or None."""
-    if t.is_meta:
+def _unreadable(t: torch.Tensor, device: torch.device) -> str | None:
+    """Why the checks cannot read ``t``'s values for a rank on ``device`` (a meta tensor has
+    none, unless the rank itself is on meta: shapes only, as the device tests run; a layout
+    other than strided or sparse), or None."""
+    if t.is_meta and device.type != "meta":
         return ("a meta tensor (shapes only, no values to check: materialise it with "
                 "to_empty() and load its weights first)")
     if t.layout != torch.strided:
@@ -198,7 +199,7 @@ def as_loss(loss: object, device: torch.device, where: str) -> torch.Tensor:
     if not isinstance(loss, torch.Tensor):
         raise ArgumentTypeError(f"nansentinel: check_loss expects a tensor or a number, got "
                                 f"{type(loss).__name__} ({where})")
-    unreadable = _unreadable(loss)
+    unreadable = _unreadable(loss, device)
     if unreadable:
         raise ArgumentTypeError(f"nansentinel: check_loss expects a tensor it can read, got "
                                 f"{unreadable} ({where})")
