@@ -88,3 +88,13 @@ def test_a_variables_error_names_the_variable_not_a_flag(
     err = capsys.readouterr().err
     assert variable in err and "--metrics-port" not in err and "--report-dir" not in err, err
     assert len(err.splitlines()) == 1
+
+
+def test_a_path_that_is_not_utf8_is_printed_escaped(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Found by the type-drawn fuzz: a path argument with bytes that are not UTF-8 (Python
+    keeps them as lone surrogates) failed the command with a UnicodeEncodeError."""
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(["excluded", "--exclusion-file", "ex\udcff"]) == 0
+    assert "ex\\udcff" in capsys.readouterr().out
