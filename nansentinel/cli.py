@@ -9,6 +9,7 @@ the incident, naming the poisoned rank and host.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 from pathlib import Path
@@ -24,14 +25,45 @@ USAGE = """usage: nansentinel {run,demo,excluded,incidents} ...
   excluded   list the hosts excluded from runs (and --clear HOST to lift one)
   incidents  list the incident reports, newest first; `incidents show ID` explains one
              (--html OUT: a page with its loss and gradient-norm curves)
+  --version  print the version
 """
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
+    """The command: the exit code of the subcommand ``argv`` names. A reader that stops
+    early (``nansentinel incidents --json | head``) ends the output quietly, with the code a
+    command killed by SIGPIPE has, instead of a "Broken pipe" error line."""
+    try:
+        return _dispatch(sys.argv[1:] if argv is None else argv)
+    except BrokenPipeError:
+        # Python flushes stdout again at exit and would print the error there: point the
+        # descriptor at /dev/null first (the recipe of Python's signal documentation).
+        with contextlib.suppress(OSError, ValueError):
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())
+            os.close(devnull)
+        return EXIT_BROKEN_PIPE
+
+
+#: The exit code of a command whose reader closed the pipe (128 + SIGPIPE, as the shell
+#: reports ``ls | head``'s ``ls``).
+EXIT_BROKEN_PIPE = 141
+
+
+def _dispatch(argv: list[str]) -> int:
+    # A path or a host from argv or a file may hold bytes that are not UTF-8 (Python keeps
+    # them as lone surrogates): printed, they are escaped instead of failing the command.
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(AttributeError, ValueError):
+            stream.reconfigure(errors="backslashreplace")  # type: ignore[union-attr]
     if not argv or argv[0] in ("-h", "--help"):
         print(USAGE, end="")
         return 0 if argv else 2
+    if argv[0] in ("-V", "--version"):
+        from nansentinel import __version__
+
+        print(f"nansentinel {__version__} (Python {sys.version.split()[0]})")
+        return 0
     command, rest = argv[0], argv[1:]
     if command == "run":
         from nansentinel.launcher.run import main as run_main
@@ -68,10 +100,14 @@ def demo(argv: list[str]) -> int:
     p.add_argument("--policy", default=None,
                    help=f"skip, abort, rollback or drop (default: {env_var('policy')}, "
                    "else skip)")
-    p.add_argument("--report-dir",
-                   default=os.environ.get(env_var("report_dir"), DEFAULT_REPORT_DIR))
-    p.add_argument("--metrics-port", type=int, default=os.environ.get(env_var("metrics_port"), "0"),
-                   help="base port of the per-rank exporters (default 0: off)")
+    # No default from the environment here: a variable's value is checked where the workers'
+    # config reads it, so that its error names the variable, not a flag nobody typed.
+    p.add_argument("--report-dir", default=None,
+                   help=f"report directory (default: {env_var('report_dir')}, else "
+                   f"{DEFAULT_REPORT_DIR})")
+    p.add_argument("--metrics-port", type=int, default=None,
+                   help=f"base port of the per-rank exporters (default: "
+                   f"{env_var('metrics_port')}, else 0: off)")
     p.add_argument("--sleep", type=float, default=0.0,
                    help="pause after each step, seconds (to watch the metrics live)")
     p.add_argument("--fsdp", action="store_true",
@@ -86,6 +122,10 @@ def demo(argv: list[str]) -> int:
     given: dict[str, Any] = {}
     if args.policy is not None:
         given["policy"] = args.policy
+    if args.report_dir is not None:
+        given["report_dir"] = args.report_dir
+    if args.metrics_port is not None:
+        given["metrics_port"] = args.metrics_port
     if args.inject is not None:
         given["inject"] = args.inject or None
     elif env_var("inject") not in os.environ:
@@ -119,13 +159,17 @@ def demo(argv: list[str]) -> int:
         print(
             f"nansentinel demo: {args.nproc} CPU ranks ({'FSDP2' if args.fsdp else 'DDP'}), "
             f"{args.steps} steps, policy {cfg.policy}, "
-            f"injecting {cfg.inject or 'nothing'}; reports in {args.report_dir}",
+            f"injecting {cfg.inject or 'nothing'}; reports in {cfg.report_dir}",
             flush=True,
         )
-        # Through `nansentinel run`, as users launch: its summary and exit codes apply.
+        # Through `nansentinel run`, as users launch: its summary and exit codes apply. A
+        # flag is passed on only where it was given (or where the demo's default differs from
+        # the sentinel's and no variable is set): a variable reaches the workers as it is.
+        flags = [f"--report-dir={args.report_dir}"] if args.report_dir is not None else []
+        if args.metrics_port is not None or env_var("metrics_port") not in os.environ:
+            flags.append(f"--metrics-port={args.metrics_port or 0}")
         return run([
-            f"--report-dir={args.report_dir}", f"--metrics-port={args.metrics_port}",
-            "--standalone", f"--nproc-per-node={args.nproc}", "--monitor-interval=0.5",
+            *flags, "--standalone", f"--nproc-per-node={args.nproc}", "--monitor-interval=0.5",
             "-m", "nansentinel.demo", "--steps", str(args.steps), "--sleep", str(args.sleep),
             *(["--fsdp"] if args.fsdp else []),
         ])
@@ -217,6 +261,8 @@ def incidents(argv: list[str]) -> int:
             sections.append(reading.Section("Page", (f"written to {written}",)))
         print(reading.render(sections), end="")
         return 0
+    except BrokenPipeError:
+        raise  # the reader stopped reading: main() ends quietly
     except (reading.ReportError, OSError) as exc:
         print(f"{prog}: error: {printable(exc, 2000)}", file=sys.stderr)
         return 2

@@ -20,6 +20,8 @@ import socket
 from collections.abc import Mapping
 from typing import Any, Literal, get_args, get_origin
 
+from nansentinel.common import doors
+
 log = logging.getLogger("nansentinel")
 
 #: Every setting is also an environment variable: field ``metrics_port`` is
@@ -272,21 +274,23 @@ class SentinelConfig:
     ``warn``."""
 
     def __post_init__(self) -> None:
+        _check_types(self)
         _check_ranges(self)
         if self.policy not in POLICIES:
             raise ConfigError(
-                f"policy={self.policy!r} is not a known policy; expected one of "
+                f"policy={shown(self.policy)} is not a known policy; expected one of "
                 f"{', '.join(POLICIES)}"
             )
         if isinstance(self.max_dropped, bool) or not isinstance(
             self.max_dropped, int | float
         ) or not 0 < self.max_dropped < 1:
             raise ConfigError(
-                f"max_dropped={self.max_dropped!r} must be a fraction of the data-parallel "
+                f"max_dropped={shown(self.max_dropped)} must be a fraction of the data-parallel "
                 "ranks, above 0 and below 1 (at least one rank is always droppable)"
             )
         if not isinstance(self.report_dir, str) or not self.report_dir:
-            raise ConfigError(f"report_dir={self.report_dir!r} must be a non-empty path")
+            raise ConfigError(f"report_dir={shown(self.report_dir)} must be a non-empty path")
+        _check_paths(self)
         _require_int("max_consecutive_skips", self.max_consecutive_skips, minimum=1)
         _require_int("metrics_port", self.metrics_port, minimum=0)
         if self.metrics_port > 65535:
@@ -294,7 +298,7 @@ class SentinelConfig:
         if (self.metrics_certfile is None) != (self.metrics_keyfile is None):
             raise ConfigError(
                 "metrics_certfile and metrics_keyfile must be given together "
-                f"(certfile={self.metrics_certfile!r}, keyfile={self.metrics_keyfile!r})",
+                f"(certfile={shown(self.metrics_certfile)}, keyfile={shown(self.metrics_keyfile)})",
                 field="metrics_certfile" if self.metrics_certfile else "metrics_keyfile",
                 related=("metrics_certfile", "metrics_keyfile"),
             )
@@ -303,19 +307,20 @@ class SentinelConfig:
         if isinstance(self.exchange_timeout, bool) or not isinstance(
             self.exchange_timeout, int | float
         ):
-            raise ConfigError(f"exchange_timeout={self.exchange_timeout!r} must be a number")
+            raise ConfigError(f"exchange_timeout={shown(self.exchange_timeout)} must be a number")
         if not self.exchange_timeout > 0:
-            raise ConfigError(f"exchange_timeout={self.exchange_timeout!r} must be > 0 seconds")
+            raise ConfigError(
+                f"exchange_timeout={shown(self.exchange_timeout)} must be > 0 seconds")
         if isinstance(self.metrics_linger, bool) or not isinstance(
             self.metrics_linger, int | float
         ) or not self.metrics_linger >= 0:
-            raise ConfigError(f"metrics_linger={self.metrics_linger!r} must be >= 0 seconds")
+            raise ConfigError(f"metrics_linger={shown(self.metrics_linger)} must be >= 0 seconds")
         if self.hostname is not None and (not isinstance(self.hostname, str) or not self.hostname):
-            raise ConfigError(f"hostname={self.hostname!r} must be a non-empty string")
+            raise ConfigError(f"hostname={shown(self.hostname)} must be a non-empty string")
         for name in ("loss_spike_action", "grad_spike_action"):
             if getattr(self, name) not in SPIKE_ACTIONS:
                 raise ConfigError(
-                    f"{name}={getattr(self, name)!r} is not a spike action; expected one of "
+                    f"{name}={shown(getattr(self, name))} is not a spike action; expected one of "
                     f"{', '.join(SPIKE_ACTIONS)}"
                 )
         _require_positive("spike_ratio", self.spike_ratio, above=1.0)
@@ -327,7 +332,7 @@ class SentinelConfig:
             _require_positive("loss_spike_ratio", self.loss_spike_ratio, above=1.0)
         if self.spikes not in SPIKE_PRESETS:
             raise ConfigError(
-                f"spikes={self.spikes!r} is not a spike preset; expected one of "
+                f"spikes={shown(self.spikes)} is not a spike preset; expected one of "
                 f"{', '.join(SPIKE_PRESETS)}", "spikes")
         if self.spike_warmup > self.spike_window:
             raise ConfigError(
@@ -339,7 +344,8 @@ class SentinelConfig:
         if not (isinstance(self.rollback_lr_factor, int | float) and not isinstance(
             self.rollback_lr_factor, bool
         ) and 0 < self.rollback_lr_factor <= 1):
-            raise ConfigError(f"rollback_lr_factor={self.rollback_lr_factor!r} must be in (0, 1]")
+            raise ConfigError(
+                f"rollback_lr_factor={shown(self.rollback_lr_factor)} must be in (0, 1]")
         _require_int("rollback_lr_steps", self.rollback_lr_steps, minimum=0)
         _require_int("rollback_skip_batches", self.rollback_skip_batches, minimum=0)
         _require_int("max_rollbacks", self.max_rollbacks, minimum=1)
@@ -348,15 +354,15 @@ class SentinelConfig:
         _require_int("quarantine_steps", self.quarantine_steps, minimum=1)
         for name in ("replay", "replay_anomaly", "save_batches"):
             if not isinstance(getattr(self, name), bool):
-                raise ConfigError(f"{name}={getattr(self, name)!r} must be True or False")
+                raise ConfigError(f"{name}={shown(getattr(self, name))} must be True or False")
         if self.gate not in GATES:
             raise ConfigError(
-                f"gate={self.gate!r} is not a gate; expected one of {', '.join(GATES)}"
+                f"gate={shown(self.gate)} is not a gate; expected one of {', '.join(GATES)}"
             )
         _require_int("fingerprint_every", self.fingerprint_every, minimum=0)
         if self.divergence_action not in DIVERGENCE_ACTIONS:
             raise ConfigError(
-                f"divergence_action={self.divergence_action!r} is not an action; expected one "
+                f"divergence_action={shown(self.divergence_action)} is not an action; expected one "
                 f"of {', '.join(DIVERGENCE_ACTIONS)}"
             )
         if self.inject is not None:
@@ -365,7 +371,7 @@ class SentinelConfig:
             try:
                 parse_inject(self.inject)
             except ValueError as exc:
-                raise ConfigError(f"inject={self.inject!r}: {exc}") from None
+                raise ConfigError(f"inject={shown(self.inject)}: {str(exc)[:300]}") from None
 
     @classmethod
     def from_env(
@@ -378,6 +384,14 @@ class SentinelConfig:
             overrides: field values; an unknown field name is a :class:`ConfigError`.
         """
         env = os.environ if env is None else env
+        if not doors.conforms(env, Mapping[str, str]):
+            bad = next(((k, v) for k, v in env.items() if not isinstance(k, str)
+                        or not isinstance(v, str)), None) if isinstance(env, Mapping) else None
+            raise ConfigError(
+                f"env= holds {shown(bad[0], 40)}: {shown(bad[1], 40)} "
+                f"({doors.given(bad[0])} to {doors.given(bad[1])}), not strings "
+                "to strings" if bad else doors.refusal("env", env, Mapping[str, str])
+                or "", "env")
         names = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(overrides) - names)
         if unknown:
@@ -427,6 +441,62 @@ def _parser_of(annotation: object) -> str:
     if head not in ("str", "int", "float", "bool"):
         raise TypeError(f"SentinelConfig: no environment parser for a {annotation!r} field")
     return head
+
+
+#: Each field's type, from its annotation: what :func:`_check_types` holds every value to.
+_HINTS: dict[str, Any] = doors.hints(SentinelConfig)
+#: The fields that name a file or a directory: an ``os.PathLike`` is taken as its string.
+PATH_FIELDS = frozenset({"report_dir", "exclusion_file", "run_dir", "skip_list",
+                         "metrics_certfile", "metrics_keyfile"})
+
+
+#: The path fields that name a directory, and those that name a file the package reads.
+DIRECTORY_FIELDS = ("report_dir", "run_dir")
+FILE_FIELDS = ("exclusion_file", "skip_list", "metrics_certfile", "metrics_keyfile")
+
+
+def _check_paths(cfg: SentinelConfig) -> None:
+    """A directory field that names a file (or lies under one), or a file field that names a
+    FIFO, a device or a directory, is refused now, naming the field (and so its variable),
+    instead of failing later as an OSError from ``close()`` or blocking on a FIFO."""
+    for name in (*DIRECTORY_FIELDS, *FILE_FIELDS):
+        where = getattr(cfg, name)
+        if not where:
+            continue
+        if name in FILE_FIELDS and os.path.lexists(where) and not os.path.isfile(where):
+            raise ConfigError(f"{name}={shown(where, 200)} exists and is not a regular file (a "
+                              "FIFO would block, a device never ends); give the path of a file",
+                              name)
+        directory = where if name in DIRECTORY_FIELDS else os.path.dirname(where)
+        existing = _first_existing(directory or ".")
+        if not os.path.isdir(existing):
+            raise ConfigError(f"{name}={shown(where, 200)}: {shown(existing, 200)} exists and is "
+                              "not a directory; give a path under a directory", name)
+
+
+def _first_existing(path: str) -> str:
+    """``path`` or the nearest of its ancestors that exists."""
+    while not os.path.lexists(path):
+        parent = os.path.dirname(path.rstrip(os.sep)) or "."
+        if parent == path:
+            break
+        path = parent
+    return path
+
+
+def _check_types(cfg: SentinelConfig) -> None:
+    """Every field holds the type its annotation says, checked in one place from the
+    annotations (a field added later is checked too): a wrong type is a :class:`ConfigError`
+    naming the field, the type given and the type wanted, before any range or choice is
+    compared (``spikes=[]`` would otherwise fail inside a ``dict`` lookup)."""
+    for name, hint in _HINTS.items():
+        value = getattr(cfg, name)
+        if name in PATH_FIELDS and isinstance(value, os.PathLike):
+            value = os.fspath(value)
+            setattr(cfg, name, value)
+        problem = doors.refusal(name, value, hint, choices=False)
+        if problem is not None:
+            raise ConfigError(problem, name)
 
 
 #: Field name -> parser (``str``, ``int``, ``float``, ``bool``), read from the dataclass.
@@ -523,7 +593,7 @@ def _check_ranges(cfg: SentinelConfig) -> None:
         ):
             continue
         if isinstance(value, float) and not math.isfinite(value):
-            raise ConfigError(f"{field.name}={value!r} must be a finite number")
+            raise ConfigError(f"{field.name}={shown(value)} must be a finite number")
         top = maximum(field.name)
         if value > top:
             raise ConfigError(f"{field.name}={shown(value)} is above its maximum, {top:g}")
@@ -532,6 +602,8 @@ def _check_ranges(cfg: SentinelConfig) -> None:
 def shown(value: object, limit: int = 60) -> str:
     """``repr(value)`` cut to ``limit`` characters: a message names the value, but a
     5000-digit one would bury the rest of the message."""
+    if isinstance(value, int) and value.bit_length() > 4 * limit:  # repr refuses 4,300 digits
+        return f"<an integer of {value.bit_length()} bits>"
     text = repr(value)
     return text if len(text) <= limit else f"{text[:limit]}...({len(text)} characters)"
 
@@ -540,24 +612,24 @@ def _check_lr_rules(config: SentinelConfig) -> None:
     """The learning-rate rules' fields (issue 52)."""
     for name in ("rollback_lr_cap", "lr_jump_reset", "rollback_clean_snapshots"):
         if not isinstance(getattr(config, name), bool):
-            raise ConfigError(f"{name}={getattr(config, name)!r} must be True or False")
+            raise ConfigError(f"{name}={shown(getattr(config, name))} must be True or False")
     ratio = config.lr_jump_ratio
     if isinstance(ratio, bool) or not isinstance(ratio, int | float) or not (
             ratio == 0 or 1 < ratio < float("inf")):
-        raise ConfigError(f"lr_jump_ratio={ratio!r} must be 0 (off) or a finite number > 1")
+        raise ConfigError(f"lr_jump_ratio={shown(ratio)} must be 0 (off) or a finite number > 1")
     _require_int("rollback_lr_quiet_steps", config.rollback_lr_quiet_steps, minimum=0)
 
 
 def _require_int(field: str, value: object, *, minimum: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int):
-        raise ConfigError(f"{field}={value!r} must be an integer")
+        raise ConfigError(f"{field}={shown(value)} must be an integer")
     if value < minimum:
         raise ConfigError(f"{field}={shown(value)} must be >= {minimum}")
 
 
 def _require_positive(field: str, value: object, *, above: float) -> None:
     if isinstance(value, bool) or not isinstance(value, int | float) or not value > above:
-        raise ConfigError(f"{field}={value!r} must be a number > {above:g}")
+        raise ConfigError(f"{field}={shown(value)} must be a number > {above:g}")
 
 
 def _did_you_mean(word: str, choices: object) -> str:

@@ -216,6 +216,12 @@ class SentinelUsageError(RuntimeError):
     """The training loop called the sentinel in an order it cannot honour."""
 
 
+class ArgumentTypeError(SentinelUsageError, TypeError):
+    """A public call was handed a value of a type it cannot take; the message names the
+    argument, the type given and the type wanted. Also a ``TypeError``, as Python's own
+    refusals of a wrong type are."""
+
+
 class ResultPending(SentinelUsageError):
     """A field of a device-gated step's result was read before that step was decided.
 

@@ -20,14 +20,17 @@ ranks reaching it would issue, and after which a NaN from one tensor-parallel pe
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator, Mapping, Sequence
 
 import torch
 
 from nansentinel.common import torch_insides as insides
-from nansentinel.result import SentinelUsageError
+from nansentinel.result import ArgumentTypeError, SentinelUsageError
 
 _HALF = (torch.float16, torch.bfloat16)
+#: The largest finite fp32: a Python number past it is recorded as what fp32 makes of it, inf.
+_FLOAT32_MAX = float(torch.finfo(torch.float32).max)
 
 
 def tensors(obj: object) -> Iterator[torch.Tensor]:
@@ -117,8 +120,36 @@ def batch_norms(batch: object, device: torch.device) -> list[torch.Tensor]:
     Tensors on another device are reduced where they live and only their 0-d norm is moved
     (non-blocking towards an accelerator). The flag is taken later, once per step, from all
     the norms together (``view.pack_row``), which keeps a check to one kernel per tensor.
+    A sparse tensor is checked through its stored values (the zeros it leaves out are
+    finite); a meta tensor, which holds no values, is a :class:`SentinelUsageError` naming it.
     """
-    return [moved(tensor_norm(t), device) for t in float_tensors(batch)]
+    norms = []
+    for n, t in enumerate(float_tensors(batch)):
+        if t.layout != torch.strided:
+            t = _stored_values(t)
+        unreadable = _unreadable(t, device)
+        if unreadable:
+            raise ArgumentTypeError(f"nansentinel: check_batch(batch): its floating-point "
+                                    f"tensor #{n} is {unreadable}")
+        norms.append(moved(tensor_norm(t), device))
+    return norms
+
+
+def _stored_values(t: torch.Tensor) -> torch.Tensor:
+    """The values a sparse tensor stores (COO, CSR, CSC, BSR, BSC), dense."""
+    return t._values() if t.layout == torch.sparse_coo else t.values()
+
+
+def _unreadable(t: torch.Tensor, device: torch.device) -> str | None:
+    """Why the checks cannot read ``t``'s values for a rank on ``device`` (a meta tensor has
+    none, unless the rank itself is on meta: shapes only, as the device tests run; a layout
+    other than strided or sparse), or None."""
+    if t.is_meta and device.type != "meta":
+        return ("a meta tensor (shapes only, no values to check: materialise it with "
+                "to_empty() and load its weights first)")
+    if t.layout != torch.strided:
+        return f"a tensor of layout {t.layout}, which the checks cannot read"
+    return None
 
 
 def loss_scalar(loss: torch.Tensor) -> torch.Tensor:
@@ -154,16 +185,28 @@ def loss_scalar(loss: torch.Tensor) -> torch.Tensor:
 
 def as_loss(loss: object, device: torch.device, where: str) -> torch.Tensor:
     """``loss`` as a tensor to check: a number becomes a 0-d tensor made on ``device`` (no host
-    copy on CUDA); anything else than a non-empty floating tensor is a ``TypeError`` naming
+    copy on CUDA); anything else than a non-empty floating tensor is an ``ArgumentTypeError`` (a
+    ``TypeError`` too) naming
     ``where`` (rank and step)."""
     if isinstance(loss, int | float) and not isinstance(loss, bool):
-        return torch.full((), float(loss), device=device)
+        try:
+            value = float(loss)
+        except OverflowError:  # an integer past float's range: what fp32/fp64 make of it
+            value = math.inf if loss > 0 else -math.inf
+        if abs(value) > _FLOAT32_MAX and math.isfinite(value):  # torch.full would refuse it
+            value = math.copysign(math.inf, value)
+        return torch.full((), value, device=device)
     if not isinstance(loss, torch.Tensor):
-        raise TypeError(f"nansentinel: check_loss expects a tensor or a number, got "
-                        f"{type(loss).__name__} ({where})")
+        raise ArgumentTypeError(f"nansentinel: check_loss expects a tensor or a number, got "
+                                f"{type(loss).__name__} ({where})")
+    unreadable = _unreadable(loss, device)
+    if unreadable:
+        raise ArgumentTypeError(f"nansentinel: check_loss expects a tensor it can read, got "
+                                f"{unreadable} ({where})")
     if not (loss.is_floating_point() or loss.is_complex()) or loss.numel() == 0:
-        raise TypeError(f"nansentinel: check_loss expects a non-empty floating-point loss, got "
-                        f"dtype {loss.dtype} with {loss.numel()} elements ({where})")
+        raise ArgumentTypeError(f"nansentinel: check_loss expects a non-empty floating-point "
+                                f"loss, got dtype {loss.dtype} with {loss.numel()} elements "
+                                f"({where})")
     return loss
 
 

@@ -27,6 +27,7 @@ import json
 import logging
 import math
 import os
+import re
 import tempfile
 import threading
 import time
@@ -34,6 +35,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from nansentinel.common import untrusted
 from nansentinel.common.tempfiles import sweep
 from nansentinel.common.text import finite_json
 
@@ -144,13 +146,18 @@ class ExclusionStore:
         log.info("recorded exclusion of host %s in %s: %s", record.host, self.path, record.reason)
 
     def records(self) -> list[ExclusionRecord]:
-        """Every readable record, oldest first; ``[]`` when the file does not exist."""
+        """Every readable record, oldest first; ``[]`` when the file does not exist.
+
+        Raises :class:`~nansentinel.common.untrusted.InputFileError` (an ``OSError`` naming
+        the path) when the path is not a regular file (a FIFO is refused, never waited on) or
+        is larger than :data:`~nansentinel.common.untrusted.MAX_BYTES`.
+        """
         try:
             with self._locked(fcntl.LOCK_SH, required=False):
-                text = self.path.read_text(encoding="utf-8", errors="replace")
+                data = untrusted.read_bytes(self.path, what="exclusion file")
         except FileNotFoundError:
             return []
-        return list(self._parse(text))
+        return list(self._parse(data))
 
     def excluded_hosts(self) -> set[str]:
         """Hosts with at least one record."""
@@ -174,17 +181,16 @@ class ExclusionStore:
         """
         with self._locked(fcntl.LOCK_EX):
             try:
-                text = self.path.read_text(encoding="utf-8", errors="replace")
+                data = untrusted.read_bytes(self.path, what="exclusion file")
             except FileNotFoundError:
                 return 0
-            kept: list[str] = []
+            kept: list[bytes] = []
             removed = 0
-            for line in text.splitlines():
-                record = self._parse_line(line)
-                if (record.host if record is not None else _host_of(line)) == host:
+            for raw in untrusted.split_lines(data):
+                if names_host(raw, host):
                     removed += 1
-                elif line.strip():
-                    kept.append(line)
+                else:
+                    kept.append(raw)  # byte for byte, blank lines and line endings included
             if removed == 0:
                 return 0
             # Under the exclusive lock no other clear is writing: any temporary file of ours
@@ -192,8 +198,8 @@ class ExclusionStore:
             sweep(self.path.parent, f".{self.path.name}.", min_age=0)
             fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=f".{self.path.name}.")
             try:
-                with os.fdopen(fd, "w", encoding="utf-8") as f:
-                    f.write("".join(line + "\n" for line in kept))
+                with os.fdopen(fd, "wb") as f:
+                    f.write(b"".join(kept))
                     f.flush()
                     os.fsync(f.fileno())
                 with contextlib.suppress(OSError):
@@ -217,7 +223,9 @@ class ExclusionStore:
             try:
                 if required:
                     self.lock_path.parent.mkdir(parents=True, exist_ok=True)
-                fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT, 0o666)
+                # A reader uses the lock file when a writer made it and never creates one:
+                # listing the exclusions leaves no file behind.
+                fd = os.open(self.lock_path, os.O_RDWR | (os.O_CREAT if required else 0), 0o666)
             except OSError:
                 if required:
                     raise
@@ -230,36 +238,75 @@ class ExclusionStore:
             finally:
                 os.close(fd)  # closing the descriptor releases the flock
 
-    def _parse(self, text: str) -> Iterator[ExclusionRecord]:
-        for lineno, line in enumerate(text.splitlines(), start=1):
+    def _parse(self, data: bytes) -> Iterator[ExclusionRecord]:
+        for lineno, raw in enumerate(untrusted.split_lines(data), start=1):
+            line = untrusted.decode(raw).rstrip("\r\n")
             if not line.strip():
                 continue
-            record = self._parse_line(line, lineno)
-            if record is not None:
-                yield record
-
-    def _parse_line(self, line: str, lineno: int | None = None) -> ExclusionRecord | None:
-        try:
-            return ExclusionRecord.from_dict(json.loads(line))
-        except (ValueError, RecursionError) as exc:  # RecursionError: nested 100k deep
-            if lineno is not None:
-                log.warning(
-                    "%s line %d: skipping unreadable exclusion record (%s): %.80r",
-                    self.path, lineno, exc, line,
-                )
-            return None
+            try:
+                yield ExclusionRecord.from_dict(untrusted.parse_json(line))
+            except ValueError as exc:  # JsonInputError included: one bad line costs itself
+                torn = "; torn: the file ends without a newline" if not raw.endswith(
+                    b"\n") else ""
+                log.warning("%s line %d: skipping unreadable exclusion record (%s%s): %.80r",
+                            self.path, lineno, exc, torn, line)
 
 
-def _host_of(line: str) -> str | None:
-    """The ``host`` of a line that is not a valid record (a step of 1e999, a time of NaN)
-    but still names one, so that ``--clear HOST`` removes it too: a record the launcher
-    cannot read must never be one the operator cannot remove."""
+def names_host(raw: bytes, host: str) -> bool:
+    """Whether the exclusion file's line ``raw`` names ``host``, as a person reading it would
+    see it: its top-level ``"host"`` value, whether or not the rest of the line parses (a
+    5,000-digit step, evidence nested 100,000 deep, a torn line, a byte-order mark), so that
+    a record the launcher cannot read is never one the operator cannot remove. A host named
+    only inside the evidence does not count."""
+    line = untrusted.decode(raw).rstrip("\r\n").lstrip("\ufeff")
+    if not line.strip():
+        return False
     try:
-        data = json.loads(line)
-    except (ValueError, RecursionError):
+        data = untrusted.parse_json(line)
+    except ValueError:
+        return host in _top_level_hosts(line)
+    return isinstance(data, dict) and data.get("host") == host
+
+
+_STRING = re.compile(r'"(?:[^"\\]|\\.)*"?', re.DOTALL)
+
+
+def _top_level_hosts(line: str) -> list[str]:
+    """The values of ``"host"`` keys at the top level of a line that is not valid JSON,
+    found by a scan that keeps track of nesting (strings skipped), without recursion."""
+    found: list[str] = []
+    level, pos, last_key = 0, 0, None
+    while pos < len(line):
+        char = line[pos]
+        if char == '"':
+            token = _STRING.match(line, pos)
+            assert token is not None  # the pattern matches any text from a quote
+            pos = token.end()
+            text = _unquote(token.group())
+            after = line[pos:pos + 64].lstrip()
+            if level == 1 and after.startswith(":"):
+                last_key = text
+            elif level == 1 and last_key == "host" and text is not None:
+                found.append(text)
+                last_key = None
+            continue
+        if char in "{[":
+            level += 1
+        elif char in "}]":
+            level -= 1
+        if not char.isspace() and char != ":":  # a value that is not a string, or a comma
+            last_key = None
+        pos += 1
+    return found
+
+
+def _unquote(token: str) -> str | None:
+    """A JSON string token's text (escapes decoded), or None when it is cut off or bad."""
+    try:
+        text = json.loads(token)
+    except ValueError:
         return None
-    host = data.get("host") if isinstance(data, dict) else None
-    return host if isinstance(host, str) else None
+    return text if isinstance(text, str) else None
 
 
 def _fsync_dir(directory: Path) -> None:

@@ -32,6 +32,7 @@ from collections.abc import Collection, Mapping
 from pathlib import Path
 from typing import Any
 
+from nansentinel.common import untrusted
 from nansentinel.common.exitcodes import (
     EXIT_EXCHANGE_TIMEOUT,
     EXIT_HOST_EXCLUDED,
@@ -55,7 +56,7 @@ VERDICT_OUTCOMES = (
 )
 
 VERDICTS_SUBDIR = "verdicts"
-_RANK_FILE = re.compile(r"^rank-(\d+)\.json$")
+_RANK_FILE = re.compile(r"^rank-(\d{1,9})\.json$")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -101,7 +102,7 @@ class RankVerdict:
         """Parse :meth:`to_json`'s output; raises ``ValueError`` naming what is wrong.
         ``rank`` (the file's) stands in for a missing ``rank`` key. Unknown keys (from a
         later version) are ignored."""
-        data = json.loads(text)
+        data = untrusted.parse_json(text)
         if not isinstance(data, dict):
             raise ValueError("not a JSON object")
         if rank is not None:
@@ -177,7 +178,8 @@ def read_verdicts(run_dir: str | Path) -> dict[int, RankVerdict]:
             continue
         rank = int(match.group(1))
         try:
-            verdicts[rank] = RankVerdict.from_json(path.read_text(encoding="utf-8"), rank)
+            verdicts[rank] = RankVerdict.from_json(
+                untrusted.read_text(path, what="verdict file"), rank)
         except (OSError, ValueError) as exc:
             log.warning("skipping unreadable verdict file %s: %s", path, exc)
     return verdicts

@@ -176,3 +176,45 @@ def retrace(named: Sequence[RankHealth], trace: Trace,
                 *r.boundary, f"{where} after rank {cause}'s forward"))
             todo.extend(r.forward_groups)
     return tuple(out.get(rank, r) for rank, r in sorted(by_rank.items()))
+
+
+#: The backward's point: gradients, checked as each collective's send buffers leave.
+BACKWARD = 2
+
+
+def needs_gradient_trace(named: Sequence[RankHealth]) -> bool:
+    """Several named ranks, none reached, first went non-finite in their gradients: one rank's
+    NaN may have reached the others through a gradient collective of the step (a
+    reduce-scatter puts it in a peer's shard; that shard's norm all-reduce then leaves the
+    peer non-finite too), and the pre-hook path's order of gradient collectives can tell
+    (:func:`regrade`). Pure, the same on every rank."""
+    return sum(not r.reached and first_point(r) == BACKWARD for r in named) > 1
+
+
+def regrade(named: Sequence[RankHealth], trace: Trace) -> tuple[RankHealth, ...]:
+    """``named`` with the ranks a gradient collective's trace shows were reached marked so.
+
+    ``trace`` names the ranks whose send buffer at gradient collective #k was non-finite while
+    every gradient collective before it, on every rank, was finite: they began it. Every other
+    named rank whose first non-finite value was its gradients (not its batch or its loss) is
+    then reached, named but not blamed nor struck. Without origins, ``named`` as it was.
+
+    What stays ambiguous (docs/parallelism.md, "Two-level reductions"): a second, independent
+    fault on another rank at a later collective of the same step is spared as reached (named
+    the next time it happens), and ranks that issue different gradient collectives, or in a
+    different order, do not line up by place.
+    """
+    if not trace.origins:
+        return tuple(named)
+    origins = set(trace.origins)
+    where = f"gradient collective #{trace.index}" + (f" ({trace.op})" if trace.op else "")
+    first = min(trace.origins)
+    out = []
+    for r in named:
+        if r.rank in origins or r.reached or first_point(r) != BACKWARD:
+            out.append(r)
+        else:
+            out.append(dataclasses.replace(r, reached=True, boundary=(
+                *r.boundary, f"its gradients went non-finite after rank {first}'s send to "
+                f"{where}, every earlier send finite")))
+    return tuple(out)

@@ -149,6 +149,10 @@ class PreHookPath:
         #: norm of what this rank sent (None: nothing of its own); and the step before's.
         self._sends: list[tuple[str, torch.Tensor | None]] = []
         self._previous: tuple[int, list[tuple[str, torch.Tensor | None]]] = (-1, [])
+        #: The same for this step's gradient collectives (the norms the step's row already
+        #: sums: kept by reference, nothing more computed), and the step before's.
+        self._grad_sends: list[tuple[str, torch.Tensor | None]] = []
+        self._grad_previous: tuple[int, list[tuple[str, torch.Tensor | None]]] = (-1, [])
         self._hooked: dict[str, Any] = {}
         self._failed = False
         model.register_forward_pre_hook(self._forward_begins)
@@ -192,7 +196,7 @@ class PreHookPath:
             if self.backward:
                 given = sent(name, tensors)
                 if given:
-                    self._gradient(given)
+                    self._gradient(given, name, pg)
             else:
                 self._forward(name, contributed(name, tensors, root, pg.rank()), pg)
         except Exception as exc:  # the user's collective must go on
@@ -202,7 +206,7 @@ class PreHookPath:
                       dist.get_rank(), self.sink.step_index, type(exc).__name__, exc)
         self.sink.spent(time.perf_counter() - started)
 
-    def _gradient(self, given: list[torch.Tensor]) -> None:
+    def _gradient(self, given: list[torch.Tensor], name: str, pg: Any) -> None:
         """A gradient collective: arm the watchdog (a due drill writes into the first
         buffer), then one fused norm per (device, dtype) of what this rank sends."""
         if self.checked == 0:
@@ -212,15 +216,24 @@ class PreHookPath:
                 self._names = {p.grad.data_ptr(): n for n, p in self.model.named_parameters()
                                if p.grad is not None}
         self.checked += 1
+        what = f"{API_NAMES.get(name, name.lower())} on group {pg.group_name}"
         if len(given) == 1 and self._kept is None:
-            self.sink.add_grad_norm(checks.tensor_norm(given[0]))
+            norm = checks.tensor_norm(given[0])
+            self.sink.add_grad_norm(norm)
+            self._grad_sends.append((what, norm))
             return
+        parts = []
         for idx, norms in checks.grouped_norms(given):
-            self.sink.add_grad_norm(torch.linalg.vector_norm(norms))
+            norm = torch.linalg.vector_norm(norms)
+            self.sink.add_grad_norm(norm)
+            parts.append(norm)
             if self._kept is not None:
                 names = self._names or {}
                 self._kept.add([names.get(given[i].data_ptr(), f"<buffer of collective "
                                 f"#{self.checked}>") for i in idx], norms)
+        # One place per collective (several dtypes or devices: one more tiny norm).
+        self._grad_sends.append((what, parts[0] if len(parts) == 1 else torch.linalg.vector_norm(
+            torch.stack([p.to(parts[0].device) for p in parts]))))
 
     def _forward(self, name: str, given: list[torch.Tensor], pg: Any) -> None:
         """A forward collective: the norm of what this rank sends in it (0-d, on the device,
@@ -241,13 +254,18 @@ class PreHookPath:
         read, after a detection only."""
         sends = self._sends if step == self.sink.step_index else (
             self._previous[1] if self._previous[0] == step else [])
-        places = [(i, what, n) for i, (what, n) in enumerate(sends, 1) if n is not None]
-        if not places:
-            return None
-        finite = torch.isfinite(torch.stack([n.detach().float().cpu()
-                                             for _, _, n in places])).tolist()
-        return next(((i, what) for (i, what, _), ok in zip(places, finite, strict=True)
-                     if not ok), None)
+        return _first_nonfinite(sends)
+
+    def first_gradient_send(self, step: int) -> tuple[int, str] | None:
+        """This rank's first gradient collective of ``step`` whose send buffers were
+        non-finite: its place (1-based, among the step's checked gradient collectives, in
+        this rank's order) and what it was; None: none was. A reduce-scatter spreads one
+        rank's NaN into a peer's shard, and a later collective of that shard (a global norm's
+        all-reduce) then leaves the peer non-finite too: the first place tells the origin
+        from the ranks it reached (detection.py). One host read, after a detection only."""
+        sends = self._grad_sends if step == self.sink.step_index else (
+            self._grad_previous[1] if self._grad_previous[0] == step else [])
+        return _first_nonfinite(sends)
 
     # --- engines.GradPath ----------------------------------------------------------------
 
@@ -281,6 +299,8 @@ class PreHookPath:
         self.closed = self.backward = False
         self._kept = self._names = None
         self._previous, self._sends = (self.sink.step_index - 1, self._sends), []
+        self._grad_previous = (self.sink.step_index - 1, self._grad_sends)
+        self._grad_sends = []
         if len(self._hooked) != len(insides.named_groups()):
             self._hook_groups()
 
@@ -292,3 +312,15 @@ class PreHookPath:
                 insides.unregister_pre_hook(pg, HOOK_ID)
         self._hooked.clear()
         self.closed = True
+
+
+def _first_nonfinite(sends: list[tuple[str, torch.Tensor | None]]) -> tuple[int, str] | None:
+    """The first (place, what) of ``sends`` whose norm is non-finite (one host read of the
+    norms together), None when every one was finite or none was sent."""
+    places = [(i, what, n) for i, (what, n) in enumerate(sends, 1) if n is not None]
+    if not places:
+        return None
+    finite = torch.isfinite(torch.stack([n.detach().float().cpu()
+                                         for _, _, n in places])).tolist()
+    return next(((i, what) for (i, what, _), ok in zip(places, finite, strict=True)
+                 if not ok), None)

@@ -282,6 +282,11 @@ def main(argv: list[str] | None = None) -> int:
             if created:
                 _remove_empty_tree(run_dir)
             return _config_error(STATIC_REFUSED)
+        problem = _script_problem(args)
+        if problem:  # before any worker starts (each would fail with python's own error)
+            if created:
+                _remove_empty_tree(run_dir)
+            return _config_error(problem)
         guard = ExclusionGuard(hostname, run_dir, store, job_id)
         guarded = install_guard(launch_config, guard)
         if guarded and launch_config.max_nodes > launch_config.min_nodes:
@@ -443,6 +448,22 @@ def _restored_process_state() -> Iterator[None]:
         for sig, handler in saved_handlers.items():
             if handler is not None:
                 signal.signal(sig, handler)
+
+
+def _script_problem(args: argparse.Namespace) -> str | None:
+    """What is wrong with the training script's path, in one line (None: nothing, or
+    nothing this launcher can tell: ``-m`` names a module, ``--no-python`` a command)."""
+    if getattr(args, "module", False) or getattr(args, "no_python", False):
+        return None
+    script = getattr(args, "training_script", None)
+    if not script:
+        return None
+    path = Path(script)
+    if not path.exists():
+        return f"training script {script}: no such file (nothing was started)"
+    if not path.is_file():
+        return f"training script {script} is not a file (nothing was started)"
+    return None
 
 
 def _config_error(message: str) -> int:

@@ -145,6 +145,14 @@ class Detector:
             else:
                 traced, named, candidate = self._trace(raw, named, row, batch, candidate)
                 chosen.update(traced.origins)
+        grads = getattr(self.gradients, "first_gradient_send", None)  # engines/prehook.py
+        if traced is None and grads is not None and world > 1 and \
+                origins.needs_gradient_trace(named):
+            # The first gradient collective whose send was non-finite on some rank decides
+            # (every rank runs this: ``named`` is the same everywhere).
+            traced, mine = live_trace.locate(self.peers, grads(step))
+            traced = dataclasses.replace(traced, op=self._origin_op(traced, mine))
+            named = origins.regrade(named, traced)
         flagged_rows = tuple(r for r in named if r.rank in chosen)
         blamed_hosts = {r.identity.hostname for r in flagged_rows if is_blamed(r, amp=self.amp)}
         values = [own.value(s) for s in SIGNALS]
@@ -168,6 +176,16 @@ class Detector:
             extremes=extremes, replay_peer=replay_peer,
             origin_trace=traced.to_json() if traced is not None else None,
         )
+
+    def _origin_op(self, traced: origins.Trace, mine: str | None) -> str:
+        """What the first origin's first non-finite collective was, on every rank: it sends
+        it in a gather where only it speaks (two small all-reduces, nothing per rank)."""
+        if not traced.origins:
+            return traced.op
+        with paused_gc():
+            sent = self.peers.gather_from([traced.origins[0]], mine)
+        op = sent.get(traced.origins[0])
+        return op if isinstance(op, str) else traced.op
 
     def _trace(
         self, raw: list[RankHealth], named: tuple[RankHealth, ...], row: RankHealth,

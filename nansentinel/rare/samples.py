@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from nansentinel import checks
+from nansentinel.common import untrusted
 from nansentinel.common.report import FILE_MODE, make_private_dirs
 from nansentinel.config import DEFAULT_REPORT_DIR, env_var
 
@@ -117,16 +118,23 @@ def load(path: str | os.PathLike[str] | None = None) -> set[SampleId]:
     """The ids in a skip list (default: this job's, see :func:`path_from_env`); an absent
     file is an empty list. A malformed line is an error naming the file and the line."""
     where = Path(path) if path is not None else path_from_env()
-    if not where.exists():
+    try:  # a FIFO, a device or a file past the size cap is refused by name, never waited on
+        data = untrusted.read_bytes(where, what="skip list")
+    except FileNotFoundError:
         return set()
+    except untrusted.InputFileError as exc:
+        raise ValueError(f"nansentinel: {exc}") from None
     ids: set[SampleId] = set()
-    for n, text in enumerate(where.read_text(encoding="utf-8").splitlines(), start=1):
+    for n, raw in enumerate(untrusted.split_lines(data), start=1):
+        text = untrusted.decode(raw)
         if not text.strip():
             continue
         try:
-            record = json.loads(text)
+            record = untrusted.parse_json(text)
+            if not isinstance(record, dict) or "ids" not in record:
+                raise ValueError("not a JSON object with 'ids'")
             ids.update(as_ids(record["ids"]))
-        except (ValueError, KeyError, TypeError) as exc:
+        except (ValueError, TypeError) as exc:
             raise ValueError(
                 f"nansentinel: skip list {where}, line {n} is not a skip record "
                 f"({type(exc).__name__}: {exc})"

@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from nansentinel.common import untrusted
 from nansentinel.common.text import printable
 from nansentinel.result import KINDS
 
@@ -197,16 +198,13 @@ def _list(report: dict[str, Any], name: str, item: type, path: Path) -> tuple[An
 def load(path: Path) -> Incident:
     """Read one report; a file that is not a report is a :class:`ReportError` naming it."""
     try:
-        report = json.loads(path.read_text(encoding="utf-8"))
+        report = untrusted.parse_json(untrusted.read_text(path, what="report"))
     except FileNotFoundError:
         raise ReportError(f"no report file {path}") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ReportError(f"{path}: cannot be read ({exc})") from None
-    except json.JSONDecodeError as exc:
-        raise ReportError(f"{path}: malformed report, not JSON (line {exc.lineno}, column "
-                          f"{exc.colno}: {exc.msg})") from None
-    except RecursionError:
-        raise ReportError(f"{path}: malformed report, JSON nested too deeply to read") from None
+    except untrusted.InputFileError as exc:
+        raise ReportError(str(exc)) from None
+    except untrusted.JsonInputError as exc:
+        raise ReportError(f"{path}: malformed report, {exc}") from None
     if not isinstance(report, dict):
         raise ReportError(f"{path}: malformed report, a JSON {type(report).__name__} instead "
                           "of an object")
@@ -256,7 +254,7 @@ def scan(directory: Path) -> tuple[list[Incident], list[str]]:
     if not directory.is_dir():
         raise ReportError(f"no report directory {directory} (give DIR, or set "
                           "NANSENTINEL_REPORT_DIR)")
-    paths = sorted(p for p in directory.iterdir() if REPORT_NAME.match(p.name) and p.is_file())
+    paths = sorted(p for p in directory.iterdir() if REPORT_NAME.match(p.name))
     if not paths:
         raise ReportError(f"no incident reports in {directory}")
     found, errors = _load_all(paths)
@@ -322,7 +320,7 @@ def find(spec: str, directory: Path) -> Incident:
 
 
 def _broken(directory: Path) -> list[tuple[Path, str]]:
-    paths = sorted(p for p in directory.iterdir() if REPORT_NAME.match(p.name) and p.is_file())
+    paths = sorted(p for p in directory.iterdir() if REPORT_NAME.match(p.name))
     return _load_all(paths)[1]
 
 
@@ -333,22 +331,29 @@ def _names(spec: str, path: Path) -> bool:
     if named is None:
         return False
     if re.fullmatch(r"\d+", spec):
-        return int(named["step"]) == int(spec)
+        return int(named["step"]) == _as_step(spec)
     if re.fullmatch(r".+:\d+", spec):
         job, _, step = spec.rpartition(":")
-        return named["job"].startswith(job) and int(named["step"]) == int(step)
+        return named["job"].startswith(job) and int(named["step"]) == _as_step(step)
     return spec in (path.name, path.stem)
+
+
+def _as_step(digits: str) -> int:
+    """The step an id's digits name; -1 (no report's step) for more digits than any step
+    has, which ``int`` would refuse past 4,300 of them."""
+    significant = digits.lstrip("0")
+    return int(significant or "0") if len(significant) <= 20 else -1
 
 
 def _matches(spec: str, incidents: list[Incident]) -> list[Incident]:
     """The incidents ``spec`` names: a step, ``JOB:STEP`` (or a prefix of the job, as the
     listing shortens it, when no job is exactly that), or a file name."""
     if re.fullmatch(r"\d+", spec):
-        matches = [i for i in incidents if i.step == int(spec)]
+        matches = [i for i in incidents if i.step == _as_step(spec)]
     elif re.fullmatch(r".+:\d+", spec):
         job, _, step = spec.rpartition(":")
-        matches = [i for i in incidents if i.job == job and i.step == int(step)] or [
-            i for i in incidents if i.job.startswith(job) and i.step == int(step)]
+        matches = [i for i in incidents if i.job == job and i.step == _as_step(step)] or [
+            i for i in incidents if i.job.startswith(job) and i.step == _as_step(step)]
     else:
         matches = [i for i in incidents if spec in (i.path.name, i.path.stem)]
     return matches

@@ -19,18 +19,20 @@ then asks it after the ranks' own decision (:meth:`Sentinel._agree`).
 
 from __future__ import annotations
 
+import functools
 import logging
 import operator
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Literal, overload
 
 import torch
 
 from nansentinel.checks import pipeline
+from nansentinel.common import doors
 from nansentinel.effects.recovery import SnapshotStore
 from nansentinel.rare.replay import ReplayFn
-from nansentinel.result import NonFiniteError, ResultPending, StepResult
+from nansentinel.result import ArgumentTypeError, NonFiniteError, ResultPending, StepResult
 from nansentinel.step import assembly, usage
 from nansentinel.step.assembly import Asked, Parts, Scope
 from nansentinel.step.record import PendingResult
@@ -39,6 +41,16 @@ if TYPE_CHECKING:
     import torch.distributed as dist
 
 log = logging.getLogger("nansentinel")
+
+
+@functools.cache
+def _argument_hints() -> dict[str, Any]:
+    """``Sentinel.__init__``'s annotations, resolved once: the types its arguments are held
+    to (``dist`` is imported for type checking only; torch has it as an attribute)."""
+    try:
+        return doors.hints(Sentinel.__init__, dist=torch.distributed)
+    except (NameError, AttributeError):  # a torch built without torch.distributed
+        return {}
 
 
 def _read(path: str, doc: str) -> Any:
@@ -80,13 +92,16 @@ class Sentinel:
         self, model: torch.nn.Module | list[torch.nn.Module],
         optimizer: torch.optim.Optimizer | None = None, *, scaler: Any = None,
         group: dist.ProcessGroup | None = None, registry: Any = None,
-        env: dict[str, str] | None = None, replay: ReplayFn | bool | None = None,
+        env: Mapping[str, str] | None = None, replay: ReplayFn | bool | None = None,
         snapshots: tuple[Any, Any] | SnapshotStore | None = None, stages: Any = None,
         scopes: Sequence[Scope] = (), **overrides: Any,
     ) -> None:
+        usage.check_objects(model, optimizer)  # the wrong objects, named at once
+        usage.check_arguments(_argument_hints(), {
+            "scaler": scaler, "group": group, "registry": registry, "env": env,
+            "replay": replay, "snapshots": snapshots, "stages": stages, "scopes": scopes})
         if isinstance(replay, bool):  # the config field (keyword > env), not a function
             overrides["replay"], replay = replay, None
-        usage.check_objects(model, optimizer)  # the wrong objects, named at once
         cfg, environ = assembly.configure(env, scopes, overrides)
         asked = Asked(optimizer, scaler, group, replay, snapshots, stages, tuple(scopes))
         self._parts = parts = assembly.assemble(model, asked, cfg, environ, self._rearm)
@@ -237,9 +252,28 @@ class Sentinel:
         return {"step": self.step_index, **self._parts.judge.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore what :meth:`state_dict` saved."""
-        self._parts.current.restart_at(int(state["step"]))
-        self._parts.judge.load_state_dict(state, self.step_index)
+        """Restore what :meth:`state_dict` saved. A ``state`` that is not one (another
+        object's state dict, a hand-edited one) is an :class:`ArgumentTypeError` naming what
+        was wrong, and the sentinel keeps the state it had."""
+        step = state.get("step") if isinstance(state, Mapping) else None
+        if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step < 2**62:
+            raise ArgumentTypeError(
+                "nansentinel: load_state_dict(state) needs what Sentinel.state_dict() saved, a "
+                f"dict with a whole 'step' of 0 or more; got {doors.given(state)}"
+                + (f" whose 'step' is {doors.given(step)}" if isinstance(state, Mapping) else ""))
+        before, at = self._parts.judge.state_dict(), self.step_index
+        try:
+            self._parts.current.restart_at(step)
+            self._parts.judge.load_state_dict(dict(state), self.step_index)
+        except (KeyError, TypeError, ValueError, AttributeError, IndexError,
+                OverflowError) as exc:
+            self._parts.current.restart_at(at)
+            self._parts.judge.load_state_dict(before, at)
+            what = f"no key {exc}" if isinstance(exc, KeyError) else str(exc)[:200]
+            raise ArgumentTypeError(
+                "nansentinel: load_state_dict(state) needs what Sentinel.state_dict() saved; "
+                f"this state does not load ({type(exc).__name__}: {what}); the sentinel keeps "
+                "the state it had") from None
 
     def close(self) -> None:
         """End the run on this rank; call it on every rank. Decides a step still pending,

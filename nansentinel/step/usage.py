@@ -20,7 +20,8 @@ from typing import Any
 
 import torch
 
-from nansentinel.result import SentinelUsageError
+from nansentinel.common import doors
+from nansentinel.result import ArgumentTypeError, SentinelUsageError
 
 #: The gradient paths whose gradients are the parameters' own ``.grad`` (engines' labels).
 GRAD_PATHS = ("local gradients", "DDP")
@@ -33,15 +34,29 @@ def check_objects(model: object, optimizer: object) -> None:
     check_optimizer(optimizer, model)
 
 
+def check_arguments(hints: dict[str, Any], arguments: dict[str, Any]) -> None:
+    """Each of ``Sentinel(...)``'s keyword ``arguments`` is of the type its annotation
+    (``hints``) says, or a :class:`SentinelUsageError` names the argument, the type given and
+    the type wanted, before anything is built (``scopes=[1]`` would otherwise fail as an
+    ``AttributeError`` inside the assembly)."""
+    for name, value in arguments.items():
+        problem = doors.refusal(name, value, hints.get(name, Any))
+        if problem is not None:
+            raise ArgumentTypeError(f"nansentinel: Sentinel(..., {problem})")
+
+
 def check_model(model: object) -> None:
     """``model`` is a ``torch.nn.Module`` (or a list of them: a pipeline rank's stages)."""
     parts = list(model) if isinstance(model, list | tuple) else [model]
-    bad = next((p for p in parts if not isinstance(p, torch.nn.Module)), None)
-    if bad is not None or not parts:
+    bad = next((p for p in parts if not isinstance(p, torch.nn.Module)), _NOTHING)
+    if bad is not _NOTHING or not parts:
         raise SentinelUsageError(
             "nansentinel: Sentinel(model, ...) needs a torch.nn.Module (plain, DDP, FSDP2, a "
             "DeepSpeed engine) or a list of pipeline stage modules; got "
             f"{_what(bad) if parts else 'an empty list'}")
+
+
+_NOTHING = object()
 
 
 def check_optimizer(optimizer: object, model: object) -> None:

@@ -22,7 +22,15 @@ import torch
 
 from nansentinel.common import torch_insides as insides
 from tests.distributed.harness import run_ranks, values
-from tests.distributed.workers_prehook import FAULTS, LOOPS, forward_origin, refused, scenarios
+from tests.distributed.workers_prehook import (
+    FAULTS,
+    LOOPS,
+    SHARDED_CLIP,
+    forward_origin,
+    refused,
+    scenarios,
+    sharded_clip,
+)
 
 HOOKS = insides.supported("collective_hooks")
 MINIMUM = insides.FEATURES["collective_hooks"].minimum
@@ -60,6 +68,34 @@ def test_each_loop_blames_the_poisoned_rank_before_its_reduction(
     weights = [out["weights"] for out in outs]
     assert torch.isfinite(weights[0]).all()
     assert torch.equal(weights[0], weights[1]), "the replicas diverged"
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.skipif(not HOOKS, reason=f"collective pre-hooks need torch >= {MINIMUM}")
+def test_the_first_poisoned_gradient_collective_names_the_origin(tmp_path: Path) -> None:
+    """Issue 59: reduce-scatter, a norm all-reduce, all-gather. Rank 1's NaN lands in rank
+    0's shard, so both ranks send a NaN in some gradient collective; the reduce-scatter came
+    first and was non-finite on rank 1 alone: rank 1 is blamed and its host struck and
+    excluded, rank 0 is named as reached, never blamed (it was both, verdict divergence)."""
+    outs = values(run_ranks(sharded_clip, 2, tmp_path, report_dir=str(tmp_path / "r"),
+                            timeout=200))
+    excluded = (tmp_path / "r" / f"excluded-{SHARDED_CLIP}.jsonl").read_text()
+    assert '"node1"' in excluded and '"node0"' not in excluded
+    for rank, out in enumerate(outs):
+        assert out["error"] == {"type": "HostExcludedError", "step": FAULTS[1],
+                                "excluded": ["node1"]}, (rank, out["error"])
+        for rec in out["records"]:
+            outcome, bad = _expected(rec["step"])
+            assert (rec["outcome"], rec["bad_ranks"], rec["bad_hosts"]) == (
+                outcome, bad, [f"node{b}" for b in bad]), rec
+        assert out["blamed"] == (2.0 if rank == 1 else 0.0)
+    report = json.loads(next((tmp_path / "r").glob(f"incident-*-step{FAULTS[0]:08d}.json"))
+                        .read_text())
+    assert report["bad_ranks"] == [1] and report.get("verdict") != "divergence", report
+    trace = report["origin_trace"]
+    assert trace["origins"] == [1] and trace["collective"] == 1, trace
+    assert trace["op"].startswith("reduce_scatter_tensor on group"), trace
+    assert report["ranks"]["0"]["reached"] is True, report["ranks"]
 
 
 @pytest.mark.timeout(240)

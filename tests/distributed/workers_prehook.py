@@ -25,6 +25,9 @@ from nansentinel.effects.metrics import SentinelMetrics
 FAULTS = (2, 4)
 STEPS = 6
 LOOPS = ("per_param", "bucket", "reduce_scatter", "checked")
+#: The loop of issue 59, run on its own: rank 1's NaN lands in rank 0's shard, so rank 0's
+#: norm all-reduce sends a NaN too; the reduce-scatter came first and names rank 1 alone.
+SHARDED_CLIP = "sharded_clip"
 
 
 def _reduce(loop: str, params: list[nn.Parameter], world: int) -> None:
@@ -38,6 +41,19 @@ def _reduce(loop: str, params: list[nn.Parameter], world: int) -> None:
     flat = torch.cat([g.reshape(-1) for g in grads])
     if loop == "bucket":
         dist.all_reduce(flat)
+    elif loop == SHARDED_CLIP:
+        # A ZeRO-style loop with global clipping: reduce-scatter, the shard's squared norm
+        # all-reduced into the global norm, the shard clipped, then gathered back.
+        pad = (-flat.numel()) % world
+        flat = torch.cat([flat, flat.new_zeros(pad)])
+        shard = flat.new_empty(flat.numel() // world)
+        dist.reduce_scatter_tensor(shard, flat)
+        shard.div_(world)
+        norm2 = shard.double().pow(2).sum().reshape(1)
+        dist.all_reduce(norm2)
+        shard.mul_((1.0 / (norm2.sqrt() + 1e-6)).clamp(max=1.0).to(shard.dtype))
+        dist.all_gather_into_tensor(flat, shard)
+        flat.mul_(world)
     else:
         pad = (-flat.numel()) % world
         flat = torch.cat([flat, flat.new_zeros(pad)])
@@ -71,8 +87,8 @@ def run(rank: int, world: int, *, loop: str, report_dir: str) -> dict[str, Any]:
             loss = nn.functional.mse_loss(model(x), y)
             sentinel.check_loss(loss)
             loss.backward()
-            if rank == 1 and step in FAULTS:
-                params[2].grad[0, 3] = math.nan
+            if rank == 1 and step in FAULTS:  # sharded_clip: in rank 0's shard
+                (params[0].grad if loop == SHARDED_CLIP else params[2].grad)[0, 3] = math.nan
             local = math.sqrt(sum(float(p.grad.double().pow(2).sum()) for p in params))
             if loop == "checked":
                 sentinel.check_grads()
@@ -101,6 +117,12 @@ def run(rank: int, world: int, *, loop: str, report_dir: str) -> dict[str, Any]:
 def scenarios(rank: int, world: int, *, report_dir: str) -> dict[str, Any]:
     """Every loop in one process group (one spawn), one Sentinel after the other."""
     out = {loop: run(rank, world, loop=loop, report_dir=report_dir) for loop in LOOPS}
+    dist.barrier()
+    return out
+
+
+def sharded_clip(rank: int, world: int, *, report_dir: str) -> dict[str, Any]:
+    out = run(rank, world, loop=SHARDED_CLIP, report_dir=report_dir)
     dist.barrier()
     return out
 

@@ -53,7 +53,7 @@ def test_unknown_env_var_is_warned(caplog: pytest.LogCaptureFixture) -> None:
 def test_bad_keyword_values() -> None:
     with pytest.raises(ConfigError, match="policy='nope'"):
         SentinelConfig(policy="nope")
-    with pytest.raises(ConfigError, match="max_consecutive_skips=True must be an integer"):
+    with pytest.raises(ConfigError, match="max_consecutive_skips=True is a bool, not an integer"):
         SentinelConfig(max_consecutive_skips=True)
     with pytest.raises(ConfigError, match="given together"):
         SentinelConfig(metrics_certfile="c.pem")

@@ -272,8 +272,8 @@ def test_a_malformed_report_is_named_and_the_others_still_listed(
     bad.write_text('{"step": 7,')
     code, out, err = run(capsys, str(reports))
     assert code == EXIT_CONFIG and len(out.splitlines()) == 3
-    assert err == (f"nansentinel incidents: error: {bad}: malformed report, not JSON (line 1, "
-                   "column 12: Expecting property name enclosed in double quotes)\n")
+    assert err == (f"nansentinel incidents: error: {bad}: malformed report, not valid JSON: "
+                   "it ends before the JSON does (a torn write?)\n")
     assert str(bad) in one_line_error(capsys, "show", str(bad))
 
 

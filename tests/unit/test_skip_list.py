@@ -82,8 +82,8 @@ def test_a_skip_list_that_cannot_be_written_is_counted_and_training_goes_on(
 
     identity = RankIdentity(0, 0, 1, "node0", "cpu")
     blocked = tmp_path / "file"
-    blocked.write_text("not a directory")
     config = SentinelConfig(report_dir=str(tmp_path), skip_list=str(blocked / "skip.jsonl"))
+    blocked.write_text("not a directory")  # after the start: the config refuses it at once
     writer = IncidentWriter(alone(config, identity, "j"))
     metrics = SentinelMetrics(identity, registry=CollectorRegistry())
     writer.failed = metrics.observe_report_failure
