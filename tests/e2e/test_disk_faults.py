@@ -22,12 +22,12 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from nansentinel.common.exitcodes import EXIT_HOST_EXCLUDED, EXIT_NONFINITE_ABORT, EXIT_OK
+from tests.unit.test_full_disk import small_tmpfs
 
 from .netns import NetnsCluster, unavailable_reason
 
@@ -45,19 +45,6 @@ def _hosts(monkeypatch: pytest.MonkeyPatch) -> None:
         pytest.skip(f"multi-host test needs network namespaces: {reason}")
     for key in [k for k in os.environ if k.startswith("NANSENTINEL_")]:
         monkeypatch.delenv(key)
-
-
-@contextlib.contextmanager
-def tmpfs(where: Path, size: str) -> Iterator[Path]:
-    where.mkdir(parents=True)
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)],
-                          capture_output=True, text=True, check=False)
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")
-    try:
-        yield where
-    finally:
-        subprocess.run(["umount", "-l", str(where)], check=False)
 
 
 def fill(disk: Path) -> None:
@@ -116,7 +103,7 @@ def test_a_full_report_disk_costs_lines_not_the_job(tmp_path: Path, policy: str)
     """A NaN on node2 at step 2: skipped (the job trains every step) or aborted on."""
     out = tmp_path / "out"
     out.mkdir()
-    with tmpfs(tmp_path / "disk", "64k") as disk, \
+    with small_tmpfs(tmp_path / "disk", "64k") as disk, \
             NetnsCluster(2, tmp_path / "cluster") as cluster:
         (disk / "reports").mkdir()
         fill(disk)
@@ -156,7 +143,7 @@ def test_a_read_only_exclusion_file_is_one_named_error_and_the_hosts_agree(
     read it and created its lock file)."""
     out = tmp_path / "out"
     out.mkdir()
-    with tmpfs(tmp_path / "shared", "1m") as shared, \
+    with small_tmpfs(tmp_path / "shared", "1m") as shared, \
             NetnsCluster(2, tmp_path / "cluster") as cluster:
         excl = shared / "excluded.jsonl"
         if when == "from-start":
