@@ -7,8 +7,8 @@ namespace once the launchers have exited (checked before the harness kills anyth
 - the report disk (reports, run directory, verdicts) is a full 64 KB tmpfs: a job that trains
   every step exits 0 on both hosts, each file it could not write costs one line naming it;
   a job the sentinel aborts still exits 3 on both, its verdicts delivered by socket;
-- the exclusion file is read-only, from the start or from mid-run: the exclusion of the bad
-  host is one named error on every rank, its launcher runs ``--on-exclude`` and exits 4, the
+- the exclusion file turns read-only mid-run: the exclusion of the bad host is one named
+  error on every rank, its launcher runs ``--on-exclude`` and exits 4, the
   other exits 3 (no restart left), and rank 0 logs the record it could not write.
 """
 
@@ -134,39 +134,34 @@ def test_a_full_report_disk_costs_lines_not_the_job(tmp_path: Path, policy: str)
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("when", ["from-start", "mid-run"])
-def test_a_read_only_exclusion_file_is_one_named_error_and_the_hosts_agree(
-    tmp_path: Path, when: str
+def test_an_exclusion_file_turned_read_only_is_one_named_error_and_the_hosts_agree(
+    tmp_path: Path,
 ) -> None:
-    """node2 poisons steps 5-7; three strikes exclude it at step 7. The exclusion file is on a
-    read-only filesystem from the start, or turns read-only at step 4 (after the launchers
-    read it and created its lock file)."""
+    """node2 poisons steps 5-7; three strikes exclude it at step 7. The exclusion file's
+    filesystem turns read-only at step 4, after the launchers read the file and created its
+    lock file. (Read-only from the start takes the same path from rank 0's failed append on:
+    tests/unit/test_full_disk.py covers both at the store and the stop path.)"""
     out = tmp_path / "out"
     out.mkdir()
     with small_tmpfs(tmp_path / "shared", "1m") as shared, \
             NetnsCluster(2, tmp_path / "cluster") as cluster:
         excl = shared / "excluded.jsonl"
-        if when == "from-start":
-            read_only(shared)
+        excl.write_text("")
         options = [f"--exclusion-file={excl}", f"--report-dir={tmp_path}/reports",
                    "--host-strikes=3", f"--on-exclude={HOOK} '{out}/hook-{{host}}.txt' "
                    "{host} {reason}"]
         env = {"NANSENTINEL_INJECT": "kind=grad,host=node2,steps=5-7"}
-        pause = None
-        if when == "mid-run":
-            pause = 4
-            excl.write_text("")
 
-            def turn_read_only() -> None:
-                deadline = time.monotonic() + 40
-                while not (out / "paused").exists() and time.monotonic() < deadline:
-                    time.sleep(0.05)
-                read_only(shared)
-                (out / "go").touch()
+        def turn_read_only() -> None:
+            deadline = time.monotonic() + 40
+            while not (out / "paused").exists() and time.monotonic() < deadline:
+                time.sleep(0.05)
+            read_only(shared)
+            (out / "go").touch()
 
-            threading.Thread(target=turn_read_only, daemon=True).start()
-        codes, logs = run(cluster, options, out, env, pause_at=pause)
-        assert not excl.exists() or excl.read_text() == ""  # nothing was written
+        threading.Thread(target=turn_read_only, daemon=True).start()
+        codes, logs = run(cluster, options, out, env, pause_at=4)
+        assert excl.read_text() == ""  # nothing was written
     assert codes == [EXIT_NONFINITE_ABORT, EXIT_HOST_EXCLUDED], logs
     named = (f"The exclusion of host node2 could not be recorded: cannot write the exclusion "
              f"file {excl}: could not ")

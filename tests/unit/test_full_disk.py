@@ -183,13 +183,14 @@ def test_the_inbox_takes_socket_verdicts_by_attempt(tmp_path: Path) -> None:
 def test_the_inbox_ignores_another_users_verdicts(tmp_path: Path) -> None:
     """Another user on the host cannot make a launcher exit 4 (or run its hook)."""
     run_dir = tmp_path / "run"
-    code = ("import os, sys; from nansentinel.common.verdicts import RankVerdict, "
-            "send_verdict; os.setuid(65534); "
-            f"sys.exit(0 if send_verdict({str(run_dir)!r}, RankVerdict(rank=0, "
-            "outcome='excluded', step=1, excluded_host='h')) else 3)")
-    with VerdictInbox(run_dir):
-        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                              timeout=60, check=False)
+    message = verdict(0, "excluded", excluded_host="h").to_json().encode()
+    code = ("import os, socket, sys; os.setuid(65534); "
+            "socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM).sendto(bytes.fromhex(sys.argv[1]),"
+            " bytes.fromhex(sys.argv[2]))")
+    with VerdictInbox(run_dir) as inbox:
+        assert inbox.address is not None
+        done = subprocess.run([sys.executable, "-c", code, message.hex(), inbox.address.hex()],
+                              capture_output=True, text=True, timeout=60, check=False)
         assert done.returncode == 0, done.stderr  # delivered, and dropped on arrival
         assert read_verdicts(run_dir) == {}
         assert send_verdict(run_dir, verdict(0))
@@ -214,21 +215,23 @@ def test_verdicts_a_read_only_run_dir_cannot_move_aside_are_ignored(
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.parametrize("when", ["from-start", "mid-run"])
 def test_an_unwritable_exclusion_file_is_one_named_error(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, when: str
 ) -> None:
-    """The store names the file and what failed, as an OSError; the sentinel (one process)
+    """The store names the file and what failed, as an OSError; the stop path (one process)
     still raises HostExcludedError, naming it, and logs the record it could not write."""
     with small_tmpfs(tmp_path / "disk", "1m") as disk:
         store = ExclusionStore(disk / "excluded.jsonl")
-        store.add(ExclusionRecord(host="old", reason="earlier", step=1))  # the lock exists
-        read_only(disk)  # turned read-only mid-run
+        if when == "mid-run":  # the file and its lock exist, then the disk turns read-only
+            store.add(ExclusionRecord(host="old", reason="earlier", step=1))
+        read_only(disk)
         with pytest.raises(ExclusionWriteError) as caught:
             store.add(ExclusionRecord(host="h", reason="r", step=2))
         assert isinstance(caught.value, OSError) and caught.value.errno == 30
         assert str(caught.value) == (f"cannot write the exclusion file {store.path}: could not "
                                      f"take its lock {store.lock_path} (Read-only file system)")
-        assert store.excluded_hosts() == {"old"}  # still readable
+        assert store.excluded_hosts() == ({"old"} if when == "mid-run" else set())
 
         # The stop path of a run that excludes host "bad" (one process: every collective the
         # identity; test_disk_faults.py runs it across hosts).
