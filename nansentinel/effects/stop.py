@@ -87,8 +87,9 @@ def stop(
     and exits 4); rank 0 logs the record as one JSON line to append once the file is
     writable."""
     config, identity = ctx.config, ctx.identity
-    if config.exclusion_file and decision.exclude_host:
-        failed = record_exclusion(ctx, decision, result) if identity.rank == 0 else None
+    if decision.exclude_host:  # the decision, not a rank's config, says who joins this one
+        failed = (record_exclusion(ctx, decision, result)
+                  if identity.rank == 0 and config.exclusion_file else None)
         # Rank 0's record (and report) is on disk, or every rank knows it is not.
         with ctx.guarded():
             problem = ctx.peers.gather_from([0], failed).get(0)
