@@ -215,22 +215,30 @@ def test_verdicts_a_read_only_run_dir_cannot_move_aside_are_ignored(
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("when", ["from-start", "mid-run"])
+@pytest.mark.parametrize("when", ["from-start", "mid-run", "full"])
 def test_an_unwritable_exclusion_file_is_one_named_error(
     tmp_path: Path, caplog: pytest.LogCaptureFixture, when: str
 ) -> None:
     """The store names the file and what failed, as an OSError; the stop path (one process)
-    still raises HostExcludedError, naming it, and logs the record it could not write."""
-    with small_tmpfs(tmp_path / "disk", "1m") as disk:
+    still raises HostExcludedError, naming it, and logs the record it could not write.
+    Read-only from the start (no lock file yet), turned read-only mid-run (the file and its
+    lock exist), or full (the record needs a new block: a first one)."""
+    with small_tmpfs(tmp_path / "disk", "64k") as disk:
         store = ExclusionStore(disk / "excluded.jsonl")
-        if when == "mid-run":  # the file and its lock exist, then the disk turns read-only
+        if when == "mid-run":
             store.add(ExclusionRecord(host="old", reason="earlier", step=1))
-        read_only(disk)
+        if when == "full":
+            fill_up(disk)
+        else:
+            read_only(disk)
         with pytest.raises(ExclusionWriteError) as caught:
             store.add(ExclusionRecord(host="h", reason="r", step=2))
-        assert isinstance(caught.value, OSError) and caught.value.errno == 30
+        assert isinstance(caught.value, OSError)
+        failed = ("append the record (No space left on device)" if when == "full" else
+                  f"take its lock {store.lock_path} (Read-only file system)")
         assert str(caught.value) == (f"cannot write the exclusion file {store.path}: could not "
-                                     f"take its lock {store.lock_path} (Read-only file system)")
+                                     f"{failed}")
+        assert caught.value.errno == (28 if when == "full" else 30)
         assert store.excluded_hosts() == ({"old"} if when == "mid-run" else set())
 
         # The stop path of a run that excludes host "bad" (one process: every collective the
@@ -248,7 +256,8 @@ def test_an_unwritable_exclusion_file_is_one_named_error(
                  lingering=False)
         assert str(excluded.value).startswith(
             "nansentinel: excluding host bad at step 7. The exclusion of host bad could not be "
-            f"recorded: cannot write the exclusion file {store.path}: could not take its lock")
+            f"recorded: cannot write the exclusion file {store.path}: could not {failed}; it "
+            "holds for this launch only (its launcher runs --on-exclude and exits 4)")
         assert read_verdicts(tmp_path / "run")[0].message == str(excluded.value)
         [line] = [r.getMessage() for r in caplog.records]
         assert line.startswith("nansentinel: rank 0 could not record the exclusion of host bad")
