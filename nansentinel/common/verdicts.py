@@ -11,7 +11,8 @@ A verdict is a :class:`RankVerdict`; its JSON keys are its fields: ``rank, local
 hostname, step, outcome`` (``"aborted"`` | ``"excluded"`` | ``"exchange_timeout"`` |
 ``"closed"``: the rank's sentinel closed cleanly, training was over),
 ``message, bad_ranks, bad_hosts, kinds, excluded_host`` (or null), ``report_path`` (or null)
-and ``missing`` (the ranks an exchange timeout names).
+``missing`` (the ranks an exchange timeout names) and ``record_error`` (or null: why rank 0
+could not write the exclusion record of an ``excluded`` verdict).
 
 Files are written atomically (temporary file, fsync, ``os.replace``) because a rank may be
 killed a moment later; a reader sees the old file or the new one, never half of one. The
@@ -96,6 +97,9 @@ class RankVerdict:
     """The incident report (on the rank that wrote it)."""
     missing: list[int] = dataclasses.field(default_factory=list)
     """Ranks that did not answer (outcome ``exchange_timeout``)."""
+    record_error: str | None = None
+    """Why rank 0 could not write the exclusion record (outcome ``excluded``): the launcher
+    then need not wait for it."""
 
     @property
     def excludes(self) -> str | None:
@@ -143,6 +147,7 @@ class RankVerdict:
             local_rank=local_rank if isinstance(local_rank, int) else None,
             excluded_host=_optional_str(data.get("excluded_host")),
             report_path=_optional_str(data.get("report_path")),
+            record_error=_optional_str(data.get("record_error")),
             **lists,
         )
 

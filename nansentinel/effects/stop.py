@@ -87,6 +87,7 @@ def stop(
     and exits 4); rank 0 logs the record as one JSON line to append once the file is
     writable."""
     config, identity = ctx.config, ctx.identity
+    problem = None
     if decision.exclude_host:  # the decision, not a rank's config, says who joins this one
         failed = (record_exclusion(ctx, decision, result)
                   if identity.rank == 0 and config.exclusion_file else None)
@@ -102,6 +103,7 @@ def stop(
         config, identity, result.step, result.outcome, message, bad_ranks=result.bad_ranks,
         bad_hosts=result.bad_hosts, kinds=result.kinds, excluded_host=decision.exclude_host,
         report_path=result.report_path,
+        record_error=problem if isinstance(problem, str) else None,
     )
     # Every rank's verdict is left before anyone raises (torchrun stops a host's workers
     # as soon as one of them exits).

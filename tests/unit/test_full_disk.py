@@ -12,6 +12,7 @@ import math
 import os
 import subprocess
 import sys
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -25,6 +26,7 @@ from nansentinel.common.verdicts import (
     RankVerdict,
     VerdictInbox,
     archive_verdicts,
+    outcome_from_verdicts,
     read_verdicts,
     send_verdict,
     write_verdict,
@@ -32,6 +34,7 @@ from nansentinel.common.verdicts import (
 from nansentinel.config import SentinelConfig
 from nansentinel.decide.policy import EXCLUDE, Decision
 from nansentinel.effects.stop import stop
+from nansentinel.launcher.rendezvous_guard import RECORD_WAIT_S, ExclusionGuard
 from nansentinel.result import Outcome, StepResult
 from nansentinel.wire.context import alone
 from tests.unit.test_sentinel import one_step
@@ -169,6 +172,11 @@ def test_the_inbox_takes_socket_verdicts_by_attempt(tmp_path: Path) -> None:
             0: "aborted", 1: "excluded"}
         assert archive_verdicts(run_dir) == run_dir / "verdicts.attempt-0"
         assert read_verdicts(run_dir) == {}  # the next attempt starts empty
+        # A rank that closed (no file: say a full disk) and then died at exit is told apart.
+        assert send_verdict(run_dir, verdict(0, "closed"))
+        told = outcome_from_verdicts(read_verdicts(run_dir), "h", failed=[0])
+        assert told.exit_code == 1 and "failed at exit, after the sentinel had closed" in \
+            told.explanation
         # More ranks than the kernel queues (10 datagrams): the inbox drains as they come.
         for rank in range(40):
             assert send_verdict(run_dir, verdict(rank, message="x" * 100_000))
@@ -258,7 +266,16 @@ def test_an_unwritable_exclusion_file_is_one_named_error(
             "nansentinel: excluding host bad at step 7. The exclusion of host bad could not be "
             f"recorded: cannot write the exclusion file {store.path}: could not {failed}; it "
             "holds for this launch only (its launcher runs --on-exclude and exits 4)")
-        assert read_verdicts(tmp_path / "run")[0].message == str(excluded.value)
+        [left] = read_verdicts(tmp_path / "run").values()
+        assert left.message == str(excluded.value) and left.excludes == "bad"
+        assert (left.record_error or "").startswith(f"cannot write the exclusion file {store.path}")
+        # The bad host's launcher does not wait for a record rank 0 said it could not write;
+        # its own attempt fails too, in one line, and it leaves all the same.
+        guard = ExclusionGuard("bad", tmp_path / "run", store, "job")
+        began = time.monotonic()
+        kept_out = guard.check()
+        assert time.monotonic() - began < RECORD_WAIT_S / 2
+        assert kept_out is not None and kept_out.host == "bad"
         [line] = [r.getMessage() for r in caplog.records]
         assert line.startswith("nansentinel: rank 0 could not record the exclusion of host bad")
         record = ExclusionRecord.from_dict(json.loads(line.split("writable: ", 1)[1]))
