@@ -12,7 +12,10 @@ on a filesystem every host sees (NFS, Lustre, a PVC). Writers take an exclusive
 ``flock`` on a sidecar lock file ``<file>.lock`` -- not on the data file, because
 :meth:`ExclusionStore.clear` replaces the data file and a lock on the replaced inode would
 protect nothing. Each append is flushed and fsynced before the lock is released, so a record
-is durable before the ranks exit and the launchers look for it. Readers take a shared lock
+is durable before the ranks exit and the launchers look for it; an append that cannot be
+written (a read-only or full filesystem) raises :class:`ExclusionWriteError`, naming the file
+and what failed, and the stop path shares that with every rank (docs/launch.md, "Disks that
+fill or turn read-only"). Readers take a shared lock
 when they can (a read-only operator account may not be able to create the lock file) and
 skip a torn or garbled line with a warning naming the file and the line, so one bad write
 never hides the other records.
