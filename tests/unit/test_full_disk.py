@@ -281,3 +281,33 @@ def test_an_unwritable_exclusion_file_is_one_named_error(
         record = ExclusionRecord.from_dict(json.loads(line.split("writable: ", 1)[1]))
         assert (record.host, record.step, record.job_id) == ("bad", 7, "job")
         assert record.evidence["bad_ranks"] == [1]
+
+
+@pytest.mark.timeout(60)
+def test_a_torchft_group_struck_out_leaves_though_its_record_cannot_be_written(
+    tmp_path: Path,
+) -> None:
+    """The torchft path's own exclusion record (each replica group writes its own): a
+    read-only file is named in the HostExcludedError the group raises, never an OSError."""
+    from types import SimpleNamespace
+
+    from nansentinel.result import FTStepResult
+    from tests.unit.test_assembly import _groups
+
+    with small_tmpfs(tmp_path / "disk", "64k") as disk:
+        read_only(disk)
+        groups = _groups()
+        config = SentinelConfig(exclusion_file=str(disk / "excluded.jsonl"), host_strikes=2)
+        groups._parts = SimpleNamespace(ctx=alone(config, job_id="torchft-g1"))  # type: ignore[assignment]
+        result = FTStepResult(step=4, applied=False, outcome=Outcome.SKIPPED, bad_ranks=[0],
+                              bad_hosts=["localhost"], kinds=["grad"], local_kinds=["grad"],
+                              local_loss=None, local_grad_norm=None, consecutive_skips=1,
+                              torchft_step=9)
+        error = groups._struck_out(result, 2)
+    assert isinstance(error, nansentinel.HostExcludedError)
+    text = str(error)
+    assert "this replica group leaves the quorum" in text
+    assert (f"Its exclusion could not be recorded (cannot write the exclusion file "
+            f"{disk}/excluded.jsonl: could not take its lock") in text
+    record = ExclusionRecord.from_dict(json.loads(text.split("writable: ", 1)[1]))
+    assert (record.host, record.step, record.job_id) == ("localhost", 9, "torchft-g1")
