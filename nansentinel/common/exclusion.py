@@ -12,7 +12,10 @@ on a filesystem every host sees (NFS, Lustre, a PVC). Writers take an exclusive
 ``flock`` on a sidecar lock file ``<file>.lock`` -- not on the data file, because
 :meth:`ExclusionStore.clear` replaces the data file and a lock on the replaced inode would
 protect nothing. Each append is flushed and fsynced before the lock is released, so a record
-is durable before the ranks exit and the launchers look for it. Readers take a shared lock
+is durable before the ranks exit and the launchers look for it; an append that cannot be
+written (a read-only or full filesystem) raises :class:`ExclusionWriteError`, naming the file
+and what failed, and the stop path shares that with every rank (docs/launch.md, "Disks that
+fill or turn read-only"). Readers take a shared lock
 when they can (a read-only operator account may not be able to create the lock file) and
 skip a torn or garbled line with a warning naming the file and the line, so one bad write
 never hides the other records.
@@ -111,6 +114,15 @@ class ExclusionRecord:
 MAX_TIME = 253402300799.0
 
 
+class ExclusionWriteError(OSError):
+    """An exclusion record could not be written; the message names the file and the step
+    that failed (its folder, its lock, the append, the sync). An ``OSError``, with the
+    cause's ``errno``."""
+
+    def __str__(self) -> str:
+        return str(self.strerror)
+
+
 class ExclusionStore:
     """Append-only JSON-lines file of :class:`ExclusionRecord`, safe across processes and
     hosts that share the file.
@@ -131,18 +143,33 @@ class ExclusionStore:
 
         A previous writer that died mid-line leaves the file without a final newline; the
         new record then starts on a fresh line, so the torn line costs only itself.
+
+        Raises:
+            ExclusionWriteError: the record is not on disk (a read-only or full filesystem, a
+                missing permission); its message names the file and what failed.
         """
-        self.path.parent.mkdir(parents=True, exist_ok=True)
         line = record.to_json() + "\n"
-        with self._locked(fcntl.LOCK_EX), open(self.path, "a+b") as f:
-            f.seek(0, os.SEEK_END)
-            if f.tell() > 0:
-                f.seek(-1, os.SEEK_END)
-                if f.read(1) != b"\n":
-                    line = "\n" + line
-            f.write(line.encode("utf-8"))
-            f.flush()
-            os.fsync(f.fileno())
+        doing = f"create its folder {self.path.parent}"
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            doing = f"take its lock {self.lock_path}"
+            with self._locked(fcntl.LOCK_EX):
+                doing = "open it for appending"
+                with open(self.path, "a+b") as f:
+                    f.seek(0, os.SEEK_END)
+                    if f.tell() > 0:
+                        f.seek(-1, os.SEEK_END)
+                        if f.read(1) != b"\n":
+                            line = "\n" + line
+                    doing = "append the record"
+                    f.write(line.encode("utf-8"))
+                    f.flush()
+                    doing = "sync it to disk"
+                    os.fsync(f.fileno())
+        except OSError as exc:
+            raise ExclusionWriteError(
+                exc.errno, f"cannot write the exclusion file {self.path}: could not {doing} "
+                f"({exc.strerror or exc})") from exc
         log.info("recorded exclusion of host %s in %s: %s", record.host, self.path, record.reason)
 
     def records(self) -> list[ExclusionRecord]:

@@ -91,11 +91,12 @@ def _umask() -> int:
 
 def attempt(
     what: str, write: Callable[[], Path], *, rank: int, step: int,
-    failed: Callable[[str], None] | None = None,
+    failed: Callable[[str], None] | None = None, where: Path | None = None,
 ) -> tuple[Path | None, str | None]:
-    """Run ``write()`` (which writes an incident file); a failure such as a full disk is one
-    error line naming the rank, step and file, a call of ``failed(what)`` (the metrics
-    counter), and ``(None, reason)`` — never an exception: the training goes on.
+    """Run ``write()`` (which writes an incident file, ``where`` when known); a failure such
+    as a full disk is one error line naming the rank, step and file, a call of
+    ``failed(what)`` (the metrics counter), and ``(None, reason)`` — never an exception: the
+    training goes on.
 
     Any ``Exception`` counts (a full disk's ``OSError``, torch.save's ``RuntimeError``, a
     value JSON cannot hold): what guards the job must not end it over a file. Only what is
@@ -104,10 +105,13 @@ def attempt(
     try:
         return write(), None
     except Exception as exc:
-        reason = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+        if isinstance(exc, OSError) and exc.strerror:  # the file is named below, once
+            reason = f"{type(exc).__name__}: [Errno {exc.errno}] {exc.strerror}"
+        else:
+            reason = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
         log.error(
-            "nansentinel: rank %d could not write the incident %s of step %d (%s); training "
-            "goes on without it", rank, what, step, reason,
+            "nansentinel: rank %d could not write the incident %s of step %d%s (%s); training "
+            "goes on without it", rank, what, step, f" to {where}" if where else "", reason,
         )
         if failed is not None:
             failed(what)

@@ -11,23 +11,38 @@ A verdict is a :class:`RankVerdict`; its JSON keys are its fields: ``rank, local
 hostname, step, outcome`` (``"aborted"`` | ``"excluded"`` | ``"exchange_timeout"`` |
 ``"closed"``: the rank's sentinel closed cleanly, training was over),
 ``message, bad_ranks, bad_hosts, kinds, excluded_host`` (or null), ``report_path`` (or null)
-and ``missing`` (the ranks an exchange timeout names).
+``missing`` (the ranks an exchange timeout names) and ``record_error`` (or null: why rank 0
+could not write the exclusion record of an ``excluded`` verdict).
 
 Files are written atomically (temporary file, fsync, ``os.replace``) because a rank may be
 killed a moment later; a reader sees the old file or the new one, never half of one. The
 launcher moves the verdicts of a failed attempt aside (:func:`archive_verdicts`) before the
 next rendezvous, so verdicts always describe the latest attempt and earlier ones are kept.
+
+A disk that fills or turns read-only must not cost the launcher its reasons, so each verdict
+also travels without a disk: the launcher opens the run directory's :class:`VerdictInbox`, a
+Unix datagram socket in Linux's abstract namespace named after the run directory (nothing on
+any filesystem; the workers share the launcher's network namespace), and a rank sends its
+verdict there as well (:func:`send_verdict`). While the inbox is open, :func:`read_verdicts`
+and :func:`archive_verdicts` of that run directory include what arrived by socket, so a rank
+whose file could not be written is still told apart from one that failed without a verdict.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import itertools
 import json
 import logging
 import os
 import re
+import select
+import socket
+import struct
+import sys
 import tempfile
+import threading
 from collections.abc import Collection, Mapping
 from pathlib import Path
 from typing import Any
@@ -83,6 +98,9 @@ class RankVerdict:
     """The incident report (on the rank that wrote it)."""
     missing: list[int] = dataclasses.field(default_factory=list)
     """Ranks that did not answer (outcome ``exchange_timeout``)."""
+    record_error: str | None = None
+    """Why rank 0 could not write the exclusion record (outcome ``excluded``): the launcher
+    then need not wait for it."""
 
     @property
     def excludes(self) -> str | None:
@@ -130,6 +148,7 @@ class RankVerdict:
             local_rank=local_rank if isinstance(local_rank, int) else None,
             excluded_host=_optional_str(data.get("excluded_host")),
             report_path=_optional_str(data.get("report_path")),
+            record_error=_optional_str(data.get("record_error")),
             **lists,
         )
 
@@ -163,18 +182,20 @@ def write_verdict(run_dir: str | Path, verdict: RankVerdict) -> Path:
 
 
 def read_verdicts(run_dir: str | Path) -> dict[int, RankVerdict]:
-    """All verdicts under ``run_dir``, by global rank; ``{}`` when there are none.
+    """All verdicts under ``run_dir``, by global rank; ``{}`` when there are none. With the
+    run directory's :class:`VerdictInbox` open in this process, the verdicts that arrived by
+    socket count too (a rank's latest one wins over its file: they are the same verdict, or
+    the file is one the disk kept from an attempt it would not let us move aside).
 
     An unreadable or malformed file is skipped with a warning naming it: the launcher must
     still print its summary when one rank died in an odd way.
     """
-    directory = Path(run_dir) / VERDICTS_SUBDIR
-    if not directory.is_dir():
-        return {}
+    inbox = _INBOXES.get(_key(run_dir))
     verdicts: dict[int, RankVerdict] = {}
-    for path in sorted(directory.iterdir()):
+    directory = Path(run_dir) / VERDICTS_SUBDIR
+    for path in sorted(directory.iterdir()) if directory.is_dir() else ():
         match = _RANK_FILE.match(path.name)
-        if not match:
+        if not match or (inbox is not None and inbox.is_stale(path)):
             continue
         rank = int(match.group(1))
         try:
@@ -182,6 +203,8 @@ def read_verdicts(run_dir: str | Path) -> dict[int, RankVerdict]:
                 untrusted.read_text(path, what="verdict file"), rank)
         except (OSError, ValueError) as exc:
             log.warning("skipping unreadable verdict file %s: %s", path, exc)
+    if inbox is not None:
+        verdicts.update(inbox.current())
     return verdicts
 
 
@@ -190,8 +213,13 @@ def archive_verdicts(run_dir: str | Path) -> Path | None:
 
     Called by the launcher before each new rendezvous so that a later summary never mixes
     ranks of two attempts (global ranks are reassigned when membership changes). Returns
-    None when there was nothing to move.
+    None when there was nothing to move. With the run directory's :class:`VerdictInbox` open,
+    the verdicts that arrived by socket are set aside too, and a folder the disk will not let
+    us move (read-only) is one warning: its files are then ignored from here on.
     """
+    inbox = _INBOXES.get(_key(run_dir))
+    if inbox is not None:
+        inbox.archive()
     directory = Path(run_dir) / VERDICTS_SUBDIR
     # Between attempts no worker writes here: a temporary file is a killed rank's, never read.
     sweep_orphans(directory, min_age=0)
@@ -203,12 +231,213 @@ def archive_verdicts(run_dir: str | Path) -> Path | None:
             continue
         try:
             os.rename(directory, target)
-        except OSError:
+        except OSError as exc:
             if target.exists():  # another process took this number first
                 continue
-            raise
+            if inbox is None:
+                raise
+            inbox.set_stale(directory)
+            log.warning("could not move the verdicts of the last attempt aside (%s: %s); "
+                        "their files are ignored from now on", directory, _reason(exc))
+            return None
         return target
     raise AssertionError("unreachable")
+
+
+# -- the verdict socket: verdicts that need no disk ------------------------------------------
+
+#: Largest verdict sent by socket (bytes of JSON); a longer message is cut to fit.
+MAX_DATAGRAM = 60_000
+#: Seconds a rank waits to hand its verdict over (a launcher that reads nothing).
+SEND_TIMEOUT_S = 2.0
+_UCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
+
+
+def _key(run_dir: str | Path) -> str:
+    return os.path.realpath(run_dir)
+
+
+def verdict_address(run_dir: str | Path) -> bytes | None:
+    """The abstract socket address of ``run_dir``'s inbox (None off Linux, where there is
+    no abstract namespace: verdicts then travel as files only)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    digest = hashlib.sha256(_key(run_dir).encode("utf-8", "surrogatepass")).hexdigest()[:32]
+    return b"\0nansentinel-verdicts-" + digest.encode()
+
+
+def send_verdict(run_dir: str | Path, verdict: RankVerdict) -> bool:
+    """Hand ``verdict`` to the launcher's inbox of ``run_dir``; True when it was taken. False,
+    silently, when nobody listens (not launched by ``nansentinel run``, or not on Linux)."""
+    address = verdict_address(run_dir)
+    if address is None:
+        return False
+    data = verdict.to_json().encode("utf-8")
+    if len(data) > MAX_DATAGRAM:
+        cut = dataclasses.replace(verdict, message=verdict.message[: MAX_DATAGRAM // 2])
+        data = cut.to_json().encode("utf-8")[:MAX_DATAGRAM]
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
+            sock.settimeout(SEND_TIMEOUT_S)
+            sock.sendto(data, address)
+    except OSError:
+        return False
+    return True
+
+
+class VerdictInbox:
+    """The launcher's end of the verdict socket of ``run_dir`` (see the module docstring).
+
+    Open it for the length of a launch (``with VerdictInbox(run_dir):``); while it is open
+    :func:`read_verdicts` and :func:`archive_verdicts` of ``run_dir`` include what it
+    received. Only datagrams from processes of this user count (the kernel's credentials,
+    ``SO_PASSCRED``): another user on the host cannot make this launcher exit 4. A thread
+    drains the socket as verdicts arrive (the kernel queues only a few datagrams); every
+    read drains it again under the same lock, so a verdict sent before its worker exited is
+    always counted in that worker's attempt.
+
+    Args:
+        run_dir: the run directory the workers were given (``NANSENTINEL_RUN_DIR``).
+    """
+
+    def __init__(self, run_dir: str | Path) -> None:
+        self.run_dir = Path(run_dir)
+        self.address = verdict_address(run_dir)
+        self.problem: str | None = None
+        """Why the inbox could not open (verdicts then travel as files only)."""
+        self._sock: socket.socket | None = None
+        self._lock = threading.Lock()
+        self._current: dict[int, RankVerdict] = {}
+        self._stale: set[tuple[str, int, int]] = set()
+        self._thread: threading.Thread | None = None
+        self._closing = threading.Event()
+
+    def __enter__(self) -> VerdictInbox:
+        self.open()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def open(self) -> None:
+        """Bind the socket and start draining; a failure is :attr:`problem`, not raised."""
+        if self.address is None:
+            self.problem = "no abstract Unix sockets on this platform"
+            return
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)
+            sock.bind(self.address)
+        except OSError as exc:  # another launcher with the same NANSENTINEL_RUN_DIR
+            sock.close()
+            self.problem = _reason(exc)
+            log.warning("verdicts of %s travel as files only: its socket could not be "
+                        "opened (%s)", self.run_dir, self.problem)
+            return
+        sock.setblocking(False)
+        self._sock = sock
+        _INBOXES[_key(self.run_dir)] = self
+        self._thread = threading.Thread(target=self._drain_loop, name="nansentinel-verdicts",
+                                        daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        """Stop draining and release the address."""
+        self._closing.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+        if _INBOXES.get(_key(self.run_dir)) is self:
+            del _INBOXES[_key(self.run_dir)]
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+
+    def current(self) -> dict[int, RankVerdict]:
+        """The verdicts of the current attempt received so far, by rank."""
+        with self._lock:
+            self._drain()
+            return dict(self._current)
+
+    def archive(self) -> dict[int, RankVerdict]:
+        """Set the current attempt's verdicts aside (returned); the next attempt starts empty."""
+        with self._lock:
+            self._drain()
+            done, self._current = self._current, {}
+            return done
+
+    def set_stale(self, directory: Path) -> None:
+        """The files now in ``directory`` belong to an attempt that is over."""
+        with self._lock:
+            for path in directory.iterdir():
+                with_stat = _identity(path)
+                if with_stat is not None:
+                    self._stale.add(with_stat)
+
+    def is_stale(self, path: Path) -> bool:
+        """``path`` was left by an attempt that is over (see :meth:`set_stale`)."""
+        with self._lock:
+            return bool(self._stale) and _identity(path) in self._stale
+
+    def _drain_loop(self) -> None:
+        while not self._closing.is_set():
+            sock = self._sock
+            if sock is None:
+                return
+            try:
+                ready, _, _ = select.select([sock], [], [], 0.2)
+            except (OSError, ValueError):
+                return
+            if ready:
+                with self._lock:
+                    self._drain()
+
+    def _drain(self) -> None:
+        """Take every queued datagram (the lock held)."""
+        if self._sock is None:
+            return
+        while True:
+            try:
+                data, ancillary, _flags, _addr = self._sock.recvmsg(
+                    MAX_DATAGRAM + 1024, socket.CMSG_SPACE(_UCRED.size))
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as exc:
+                log.warning("verdict socket of %s: %s", self.run_dir, _reason(exc))
+                return
+            if not self._ours(ancillary):
+                continue
+            try:
+                verdict = RankVerdict.from_json(data.decode("utf-8", "replace"))
+            except (ValueError, RecursionError) as exc:
+                log.warning("skipping an unreadable verdict received for %s: %s",
+                            self.run_dir, exc)
+                continue
+            self._current[verdict.rank] = verdict
+
+    @staticmethod
+    def _ours(ancillary: list[tuple[int, int, bytes]]) -> bool:
+        for level, kind, payload in ancillary:
+            if level == socket.SOL_SOCKET and kind == socket.SCM_CREDENTIALS:
+                _pid, uid, _gid = _UCRED.unpack(payload[: _UCRED.size])
+                return uid == os.getuid()
+        return False
+
+
+#: The inboxes open in this process, by run directory (see :func:`read_verdicts`).
+_INBOXES: dict[str, VerdictInbox] = {}
+
+
+def _identity(path: Path) -> tuple[str, int, int] | None:
+    try:
+        st = path.stat()
+    except OSError:
+        return None
+    return (path.name, st.st_ino, st.st_mtime_ns)
+
+
+def _reason(exc: OSError) -> str:
+    """An OSError as one short line: its message, without the file name it may repeat."""
+    return exc.strerror or str(exc) or type(exc).__name__
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

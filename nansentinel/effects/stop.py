@@ -18,7 +18,14 @@ from pathlib import Path
 from typing import Any
 
 from nansentinel.common import torch_insides as insides
-from nansentinel.common.verdicts import CLOSED, EXCHANGE_TIMEOUT, RankVerdict, write_verdict
+from nansentinel.common.verdicts import (
+    CLOSED,
+    EXCHANGE_TIMEOUT,
+    RankVerdict,
+    send_verdict,
+    verdict_path,
+    write_verdict,
+)
 from nansentinel.config import SentinelConfig
 from nansentinel.decide.policy import EXCLUDE, Decision
 from nansentinel.result import (
@@ -38,15 +45,32 @@ def leave_verdict(
     config: SentinelConfig, identity: RankIdentity, step: int, outcome: str, message: str,
     **details: Any,
 ) -> None:
-    """Leave this rank's verdict where ``nansentinel run`` looks for it (if launched so);
-    ``details``: the other fields of :class:`~nansentinel.common.verdicts.RankVerdict`."""
+    """Leave this rank's verdict where ``nansentinel run`` looks for it (if launched so):
+    its file in the run directory, and the launcher's verdict socket, which needs no disk.
+    ``details``: the other fields of :class:`~nansentinel.common.verdicts.RankVerdict`.
+
+    Never raises: a full or read-only disk costs one line naming the file, not the job (a
+    rank that trained every step still exits 0, and one that stops still raises its own
+    error, not an ``OSError``)."""
     if not config.run_dir:
         return
     verdict = RankVerdict(
         rank=identity.rank, outcome=str(outcome), step=step, message=message,
         hostname=identity.hostname, local_rank=identity.local_rank, **details,
     )
-    write_verdict(config.run_dir, verdict)
+    try:
+        write_verdict(config.run_dir, verdict)
+        problem = None
+    except OSError as exc:
+        problem = exc.strerror or str(exc) or type(exc).__name__
+    sent = send_verdict(config.run_dir, verdict)
+    if problem is not None:
+        log.error(
+            "nansentinel: rank %d could not write its %s verdict %s (%s); %s", identity.rank,
+            outcome, verdict_path(config.run_dir, identity.rank), problem,
+            "its launcher got it by socket" if sent
+            else "its launcher has only this rank's exit status",
+        )
 
 
 def stop(
@@ -55,32 +79,34 @@ def stop(
     """Raise :class:`NonFiniteError` (or :class:`HostExcludedError`) on this rank, after the
     exclusion record (rank 0), this rank's verdict and a barrier (armed by the watchdog), so
     that every rank raises with everything on disk. ``lingering`` keeps the exporter up
-    ``config.metrics_linger`` seconds first."""
-    config, identity = ctx.config, ctx.identity
-    if config.exclusion_file and decision.exclude_host and identity.rank == 0:
-        from nansentinel.common.exclusion import ExclusionRecord, ExclusionStore
+    ``config.metrics_linger`` seconds first.
 
-        ExclusionStore(config.exclusion_file).add(
-            ExclusionRecord(
-                host=decision.exclude_host,
-                reason=decision.reason,
-                step=result.step,
-                evidence={
-                    "bad_ranks": result.bad_ranks,
-                    "kinds": result.kinds,
-                    "strikes": decision.strikes,
-                    "report_path": result.report_path,
-                },
-                time=time.time(),
-                job_id=ctx.job_id,
-            )
-        )
+    An exclusion record that cannot be written (a read-only or full filesystem) changes no
+    rank's decision: rank 0 tells every rank what failed before anyone raises, every rank's
+    error and verdict name it, and the host still leaves (its launcher runs ``--on-exclude``
+    and exits 4); rank 0 logs the record as one JSON line to append once the file is
+    writable."""
+    config, identity = ctx.config, ctx.identity
+    problem = None
+    if decision.exclude_host:  # the decision, not a rank's config, says who joins this one
+        failed = (record_exclusion(ctx, decision, result)
+                  if identity.rank == 0 and config.exclusion_file else None)
+        # Rank 0's record (and report) is on disk, or every rank knows it is not.
+        with ctx.guarded():
+            problem = ctx.peers.gather_from([0], failed).get(0)
+        if isinstance(problem, str):
+            message = (f"{message.rstrip('.')}. The exclusion of host "
+                       f"{decision.exclude_host} could not be recorded: {problem}; it holds "
+                       "for this launch only (its launcher runs --on-exclude and exits 4), "
+                       "and rank 0 logged the record to append once the file is writable.")
     leave_verdict(
         config, identity, result.step, result.outcome, message, bad_ranks=result.bad_ranks,
         bad_hosts=result.bad_hosts, kinds=result.kinds, excluded_host=decision.exclude_host,
         report_path=result.report_path,
+        record_error=problem if isinstance(problem, str) else None,
     )
-    # Rank 0's report and the exclusion record are on disk before anyone raises.
+    # Every rank's verdict is left before anyone raises (torchrun stops a host's workers
+    # as soon as one of them exits).
     with ctx.guarded():
         ctx.peers.barrier()
     if lingering and config.metrics_linger > 0:
@@ -91,6 +117,35 @@ def stop(
         time.sleep(config.metrics_linger)
     error = HostExcludedError if decision.action == EXCLUDE else NonFiniteError
     raise error(message, result)
+
+
+def record_exclusion(ctx: Context, decision: Decision, result: StepResult) -> str | None:
+    """Rank 0: append the exclusion record; what failed (one line naming the file), or None.
+    A failure is logged with the record itself, as the JSON line the file would have held."""
+    from nansentinel.common.exclusion import ExclusionRecord, ExclusionStore
+
+    record = ExclusionRecord(
+        host=str(decision.exclude_host),
+        reason=decision.reason,
+        step=result.step,
+        evidence={
+            "bad_ranks": result.bad_ranks,
+            "kinds": result.kinds,
+            "strikes": decision.strikes,
+            "report_path": result.report_path,
+        },
+        time=time.time(),
+        job_id=ctx.job_id,
+    )
+    try:
+        ExclusionStore(str(ctx.config.exclusion_file)).add(record)
+    except Exception as exc:  # any failure: every rank must still hear of it and raise
+        problem = str(exc) if isinstance(exc, OSError) else f"{type(exc).__name__}: {exc}"
+        log.error("nansentinel: rank 0 could not record the exclusion of host %s (%s); the "
+                  "record, to append to %s once it is writable: %s", record.host, problem,
+                  ctx.config.exclusion_file, record.to_json())
+        return problem
+    return None
 
 
 def on_timeout(

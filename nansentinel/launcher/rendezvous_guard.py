@@ -91,9 +91,10 @@ class ExclusionGuard:
 
     def _record_from_verdict(self, verdict: RankVerdict) -> ExclusionRecord:
         """Prefer rank 0's record (it carries the cluster's evidence); if it does not show
-        up in the shared file within RECORD_WAIT_S, write one from this verdict, so a
-        launcher started later on this host still refuses to join."""
-        if self.store is not None:
+        up in the shared file within RECORD_WAIT_S (or the verdict says rank 0 could not
+        write it: no wait), write one from this verdict, so a launcher started later on this
+        host still refuses to join."""
+        if self.store is not None and verdict.record_error is None:
             deadline = time.monotonic() + RECORD_WAIT_S
             while True:
                 mine = self.store.records_for(self.hostname)

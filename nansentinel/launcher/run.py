@@ -96,7 +96,7 @@ from typing import Any
 from nansentinel import config as _config
 from nansentinel.common.exclusion import ExclusionStore
 from nansentinel.common.exitcodes import EXIT_CONFIG, EXIT_OK, NAMES
-from nansentinel.common.verdicts import archive_verdicts
+from nansentinel.common.verdicts import VerdictInbox, archive_verdicts
 from nansentinel.launcher.agent import launch, refuse_excluded
 from nansentinel.launcher.console import PROG, exit_status, say
 from nansentinel.launcher.on_exclude import check_hook
@@ -292,7 +292,10 @@ def main(argv: list[str] | None = None) -> int:
         if guarded and launch_config.max_nodes > launch_config.min_nodes:
             # Membership may change; see "Limits" in the module docstring.
             os.environ.setdefault(_SHARE_STORE_ENV, "1")
-        code = launch(launch_config, cmd, cmd_args, guard, opts.on_exclude)
+        # The workers' verdicts also come by socket: a full or read-only run directory
+        # must not turn an abort (3), an exclusion (4) or a timeout (5) into exit 1.
+        with VerdictInbox(run_dir):
+            code = launch(launch_config, cmd, cmd_args, guard, opts.on_exclude)
     if code == EXIT_OK and created:
         _remove_empty_tree(run_dir)
     return code

@@ -281,7 +281,7 @@ class IncidentWriter:
             path, _ = report.attempt(
                 "report", lambda: self._report(case, details, message, curves,
                                                base / f"{stem}.json"),
-                rank=rank, step=view.step, failed=self.failed,
+                rank=rank, step=view.step, failed=self.failed, where=base / f"{stem}.json",
             )
             if path is not None:
                 result = dataclasses.replace(result, report_path=str(path))
@@ -311,10 +311,10 @@ class IncidentWriter:
         replica divergence) as every report is written: atomically, never over a file, a
         failure one line and a count. Rank 0 calls it; returns the path, None on failure."""
         stem = report.incident_stem(self.ctx.job_id, step)
+        target = Path(self.config.report_dir) / f"{stem}{suffix}.json"
         path, _ = report.attempt(
-            "report", lambda: report.write_json(
-                Path(self.config.report_dir) / f"{stem}{suffix}.json", content),
-            rank=self.identity.rank, step=step, failed=self.failed,
+            "report", lambda: report.write_json(target, content),
+            rank=self.identity.rank, step=step, failed=self.failed, where=target,
         )
         return path
 
@@ -331,10 +331,10 @@ class IncidentWriter:
         if batch is not None and not self.config.save_batches:
             detail["batch_not_saved"] = "save_batches=False"
         elif batch is not None:
+            target = stem.with_name(f"{stem.name}-rank{rank}-batch.pt")
             path, error = report.attempt(
-                "batch", lambda: report.save_batch(
-                    stem.with_name(f"{stem.name}-rank{rank}-batch.pt"), batch),
-                rank=rank, step=case.view.step, failed=self.failed,
+                "batch", lambda: report.save_batch(target, batch),
+                rank=rank, step=case.view.step, failed=self.failed, where=target,
             )
             detail.update({"batch_path": str(path)} if path else {"batch_error": error})
         return stem.parent
@@ -363,7 +363,7 @@ class IncidentWriter:
             }
             written, error = report.attempt(
                 "skip_list", functools.partial(skip_list.append, path, entry),
-                rank=self.identity.rank, step=step, failed=self.failed,
+                rank=self.identity.rank, step=step, failed=self.failed, where=path,
             )
             if written is None:
                 return {"skip_list_error": error}

@@ -24,7 +24,7 @@ import time
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from nansentinel.common.exclusion import ExclusionRecord, ExclusionStore
+from nansentinel.common.exclusion import ExclusionRecord, ExclusionStore, ExclusionWriteError
 from nansentinel.config import ConfigError, SentinelConfig, resolve_hostname
 from nansentinel.decide.groups import Decided, group_result
 from nansentinel.decide.policy import max_dropped_ranks
@@ -240,13 +240,19 @@ class ReplicaGroups:
                    "this replica group leaves the quorum (Manager.shutdown); the others go on "
                    "at the next quorum without a restart")
         if config.exclusion_file:
-            ExclusionStore(config.exclusion_file).add(ExclusionRecord(
+            record = ExclusionRecord(
                 host=host, reason=f"host {host} blamed {strikes} times within "
                 f"{config.strike_window} steps", step=result.torchft_step,
                 evidence={"replica_group": self.group, "rank": self.group_rank,
                           "kinds": result.kinds, "strikes": strikes,
                           "report_path": result.report_path},
-                job_id=ctx.job_id))
+                job_id=ctx.job_id)
+            try:
+                ExclusionStore(config.exclusion_file).add(record)
+            except ExclusionWriteError as exc:  # the group leaves all the same
+                message += (f". Its exclusion could not be recorded ({exc}): it holds until "
+                            "this process ends; the record, to append once the file is "
+                            f"writable: {record.to_json()}")
         log.error("%s", message)
         excluded = dataclasses.replace(result, outcome=Outcome.EXCLUDED,
                                        excluded_hosts=sorted({*result.excluded_hosts, host}))

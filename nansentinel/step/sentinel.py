@@ -279,8 +279,10 @@ class Sentinel:
         """End the run on this rank; call it on every rank. Decides a step still pending,
         waits for every rank at one barrier (so that a finished job exits 0: torch 2.13's gloo
         aborts a process that tears its group down while a peer still uses it), leaves the
-        launcher a ``closed`` verdict, and stops the exporter and the watchdog. A second call
-        does nothing; after a loop that raised on this rank, :meth:`abandon` instead."""
+        launcher a ``closed`` verdict (a full or read-only disk costs one line naming its
+        file, never an exception: a rank that trained every step exits 0), and stops the
+        exporter and the watchdog. A second call does nothing; after a loop that raised on
+        this rank, :meth:`abandon` instead."""
         self._parts.end.close(self._resolve, self.step_index - 1)
 
     def abandon(self) -> None:
