@@ -18,6 +18,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -129,10 +130,12 @@ def test_the_next_jobs_keep_off_the_excluded_node(slurm: SlurmCluster, tmp_path:
     of the training by the batch script itself. Cleared and resumed, a 3-node control run
     without a fault trains on all three and drains nothing."""
     assert _excluded(slurm, "--hostlist").stdout == "node3\n"
-    pending = slurm.sbatch(["--nodes=3", "--wrap=true"])
-    hostlist = slurm.sbatch(["--nodes=2", f"--exclude={_excluded(slurm, '--hostlist').stdout}",
-                             "--wrap=true"])
+    skip = _excluded(slurm, "--hostlist").stdout.strip()
+    quiet = ["--output=/dev/null", "--wrap=true"]
+    hostlist = slurm.sbatch(["--nodes=2", f"--exclude={skip}", *quiet])
     assert slurm.wait_job(hostlist, 30)["NodeList"] == "node[1-2]"
+    pending = slurm.sbatch(["--nodes=3", *quiet])
+    time.sleep(2)  # a scheduling pass or two
     assert slurm.job(pending)["JobState"] == "PENDING"
     slurm.run(["scancel", pending])
 
