@@ -91,6 +91,7 @@ class SlurmCluster:
         self.conf = self.workdir / "slurm.conf"
         self.munge_socket = self.workdir / "munge" / "munge.socket"
         self._daemons: list[subprocess.Popen[bytes]] = []
+        self._slurmd: dict[str, subprocess.Popen[bytes]] = {}
         self._logs: list[Path] = []
         self.env: dict[str, str] = {}
         """What a Slurm client needs (``SLURM_CONF``): add it to a client's environment."""
@@ -141,8 +142,9 @@ class SlurmCluster:
         for host in self.net.hosts:
             log = self.workdir / "log" / f"slurmd-{host.name}-out.log"
             self._logs.append(log)
-            self.net.start(host, [_bin("slurmd"), "-D", "-N", host.name, "-f", str(self.conf)],
-                           env=self.env, log_name=f"slurmd-{host.name}", keep_sys=True)
+            self._slurmd[host.name] = self.net.start(
+                host, [_bin("slurmd"), "-D", "-N", host.name, "-f", str(self.conf)],
+                env=self.env, log_name=f"slurmd-{host.name}", keep_sys=True)
         self._wait(lambda: self.idle_nodes() == set(self.nodes), "every node to be idle",
                    "slurmd-node1")
 
@@ -223,11 +225,27 @@ class SlurmCluster:
                                          if len(line.split()) == 2) if state == "idle"}
 
     def resume(self, *nodes: str) -> None:
-        """Bring drained nodes back (``scontrol update ... state=resume``) and wait for idle."""
+        """Bring drained nodes back (``scontrol update ... state=resume``) and wait until
+        every node is idle (no job's processes left on it)."""
         for node in nodes:
             self.run(["scontrol", "update", f"nodename={node}", "state=resume"])
-        self._wait(lambda: set(nodes) <= self.idle_nodes(), f"{', '.join(nodes)} to be idle",
+        self._wait(lambda: self.idle_nodes() == set(self.nodes), "every node to be idle",
                    "slurmctld")
+
+    def strays(self) -> dict[str, list[str]]:
+        """Processes left in each node's namespace besides its slurmd: node -> command lines
+        (nothing of a finished job may be among them)."""
+        found: dict[str, list[str]] = {}
+        for host in self.net.hosts:
+            pids = subprocess.run(["ip", "netns", "pids", host.netns], capture_output=True,
+                                  text=True, timeout=10, check=False).stdout.split()
+            for pid in pids:
+                if int(pid) == self._slurmd[host.name].pid:
+                    continue
+                with contextlib.suppress(OSError):
+                    cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")
+                    found.setdefault(host.name, []).append(cmd.decode(errors="replace"))
+        return found
 
     def log(self, name: str) -> str:
         """A daemon's log (``slurmctld``, ``slurmd-node2``, ``munged``)."""

@@ -74,15 +74,21 @@ def _shared(slurm: SlurmCluster) -> Path:
     return slurm.workdir.parent / "shared" / "root"
 
 
-def _train(slurm: SlurmCluster, out: Path, nodes: int, full_world: int,
-           inject: str | None = None, steps: int = 12) -> tuple[dict[str, str], str]:
-    """Submit the shipped script on ``nodes`` nodes; returns the final job record and log."""
+def _submit(slurm: SlurmCluster, out: Path, nodes: int, full_world: int,
+            inject: str | None = None, steps: int = 9, options: tuple[str, ...] = ()) -> str:
+    """Submit the shipped script on ``nodes`` nodes; returns the job id."""
     out.mkdir(parents=True)
     extra = {"NANSENTINEL_INJECT": inject} if inject else {}
-    job = slurm.sbatch([*CPU_OVERRIDES, f"--nodes={nodes}", f"--output={out}/job.out",
-                        str(SBATCH), str(WORKER), str(out), f"--steps={steps}",
-                        f"--full-world={full_world}"],
-                       env=_job_env(slurm, **extra))
+    return slurm.sbatch([*CPU_OVERRIDES, f"--nodes={nodes}", f"--output={out}/job.out", *options,
+                         str(SBATCH), str(WORKER), str(out), f"--steps={steps}",
+                         f"--full-world={full_world}"],
+                        env=_job_env(slurm, **extra))
+
+
+def _train(slurm: SlurmCluster, out: Path, nodes: int, full_world: int,
+           inject: str | None = None, steps: int = 9) -> tuple[dict[str, str], str]:
+    """Run the shipped script to its end; returns the final job record and log."""
+    job = _submit(slurm, out, nodes, full_world, inject, steps)
     info = slurm.wait_job(job, JOB_TIMEOUT)
     log = (out / "job.out").read_text(errors="replace")
     return info, log
@@ -140,7 +146,7 @@ def test_the_next_jobs_keep_off_the_excluded_node(slurm: SlurmCluster, tmp_path:
     slurm.run(["scancel", pending])
 
     slurm.resume("node3")  # an operator forgot `nansentinel excluded --clear node3`
-    info, log = _train(slurm, tmp_path / "skip", 3, 4, steps=6)
+    info, log = _train(slurm, tmp_path / "skip", 3, 4, steps=3)
     assert (info["JobState"], info["ExitCode"], info["NodeList"]) == (
         "COMPLETED", "0:0", "node[1-3]"), log[-6000:]
     assert "node3 excluded by an earlier run" in log and "--exclude=node3" in log
@@ -148,7 +154,7 @@ def test_the_next_jobs_keep_off_the_excluded_node(slurm: SlurmCluster, tmp_path:
     assert slurm.drain_reasons() == {}
 
     assert _excluded(slurm, "--clear", "node3").stdout.startswith("cleared 1 exclusion record")
-    info, log = _train(slurm, tmp_path / "control", 3, 6, steps=6)
+    info, log = _train(slurm, tmp_path / "control", 3, 6, steps=3)
     assert (info["JobState"], info["ExitCode"]) == ("COMPLETED", "0:0"), log[-6000:]
     assert {d["hostname"] for d in _receipts(tmp_path / "control")} == {
         "node1", "node2", "node3"}
@@ -217,3 +223,42 @@ def test_the_epilog_drains_for_a_user_without_rights(slurm: SlurmCluster) -> Non
     assert slurm.node("node3")["State"] == "IDLE"
     slurm.resume("node2")
 
+
+
+@pytest.mark.parametrize("how", [
+    "scancel",
+    # A time limit is at least a minute, and slurmctld looks for it every 30 s: 60-90 s.
+    pytest.param("time-limit", marks=pytest.mark.skipif(
+        os.environ.get("NANSENTINEL_SLURM_TIME_LIMIT") != "1",
+        reason="60-90 s; set NANSENTINEL_SLURM_TIME_LIMIT=1 (run by hand, docs/launch.md)")),
+])
+def test_a_cancelled_or_timed_out_job_stops_whole(slurm: SlurmCluster, tmp_path: Path,
+                                                  how: str) -> None:
+    """SIGTERM to every process of the job (scancel, or the time limit), SIGKILL after
+    KillWait: every launcher exits 143 (128 + SIGTERM, the documented code), the batch script
+    says so, the checkpoint and the reports on disk are whole, and no process of the job is
+    left on any node."""
+    out = tmp_path / "out"
+    options = ("--time=1",) if how == "time-limit" else ()
+    job = _submit(slurm, out, 3, 6, "kind=loss,rank=1,step=2", steps=10**6, options=options)
+    deadline = time.monotonic() + JOB_TIMEOUT
+    while not (out / "ckpt.pt").exists():  # training is under way (and one report written)
+        assert time.monotonic() < deadline, slurm.job(job)
+        time.sleep(0.5)
+    if how == "scancel":
+        slurm.run(["scancel", job])
+    info = slurm.wait_job(job, JOB_TIMEOUT)
+    slurm.resume()  # waits for the nodes to be idle: the job's processes are gone
+    log = (out / "job.out").read_text(errors="replace")
+    assert info["JobState"] == ("TIMEOUT" if how == "time-limit" else "CANCELLED"), log[-4000:]
+    assert "received SIGTERM (time limit or scancel)" in log, log[-4000:]
+    exits = _shared(slurm) / info["JobId"] / "exit"
+    codes = {p.name: p.read_text().strip() for p in exits.iterdir() if not p.name.startswith(".")}
+    assert codes == dict.fromkeys(["node1", "node2", "node3"], "143"), log[-4000:]
+    assert slurm.strays() == {}
+    import torch
+
+    state = torch.load(out / "ckpt.pt")
+    assert state["step"] % 3 == 0 and state["step"] >= 3
+    reports = list((_shared(slurm) / info["JobId"] / "reports").glob("incident-*.json"))
+    assert reports and all(json.loads(p.read_text()) for p in reports)
