@@ -229,8 +229,8 @@ def test_the_epilog_drains_for_a_user_without_rights(slurm: SlurmCluster) -> Non
     "scancel",
     # A time limit is at least a minute, and slurmctld looks for it every 30 s: 60-90 s.
     pytest.param("time-limit", marks=pytest.mark.skipif(
-        os.environ.get("NANSENTINEL_SLURM_TIME_LIMIT") != "1",
-        reason="60-90 s; set NANSENTINEL_SLURM_TIME_LIMIT=1 (run by hand, docs/launch.md)")),
+        os.environ.get("SLURM_TIME_LIMIT_TEST") != "1",
+        reason="60-90 s; set SLURM_TIME_LIMIT_TEST=1 (run by hand, docs/launch.md)")),
 ])
 def test_a_cancelled_or_timed_out_job_stops_whole(slurm: SlurmCluster, tmp_path: Path,
                                                   how: str) -> None:
