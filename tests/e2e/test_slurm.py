@@ -1,8 +1,10 @@
 """launch/slurm/ on a real Slurm 22.05: three namespace hosts, slurmctld, munge (e2e/slurm.py).
 
 The shipped batch script is submitted as a user would, with the overrides a CPU cluster needs
-(``--gpus-per-node=0 --cpus-per-task=1``, ``NPROC_PER_NODE=2``) and nothing else that changes
-what it does; the training script is the real Sentinel under DDP (workers/sentinel_worker.py).
+(``--gpus-per-node=0 --cpus-per-task=1``, ``NPROC_PER_NODE=2``), and settings that only make it
+quicker (``RDZV_CONF=join_timeout=60,last_call_timeout=2``, ``METRICS_PORT=0``, a 0.5 s
+monitor interval); the training script is the real Sentinel under DDP
+(workers/sentinel_worker.py).
 One cluster serves the whole module, and the tests run in order on it: a poisoned node3 is
 drained while the job completes on the other two, the next jobs keep off it until it is
 cleared and resumed, then the first node leaves, then the Epilog drains for a job user who
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import pwd
 import shlex
 import shutil
 import subprocess
@@ -200,7 +203,8 @@ def test_the_epilog_drains_for_a_user_without_rights(slurm: SlurmCluster) -> Non
     and nothing in the reason runs."""
     shared = slurm.workdir.parent / "shared" / "nobody"
     shared.mkdir()
-    os.chown(shared, 65534, 65534)
+    nobody = pwd.getpwnam("nobody")
+    os.chown(shared, nobody.pw_uid, nobody.pw_gid)
     pwn = shared / "pwn"
     script = shared / "job.py"
     script.write_text(_NOBODY_JOB)
