@@ -269,3 +269,96 @@ def test_the_store_names_a_bad_port(capsys: pytest.CaptureFixture[str]) -> None:
 
     assert store_main(["--port", "70000"]) == 2
     assert "--port 70000 is not a TCP port" in capsys.readouterr().err
+
+
+# -- the batch script's exit code ------------------------------------------------------------
+
+SBATCH = REPO / "launch" / "slurm" / "nansentinel.sbatch"
+#: Stand-ins for the tools the script calls: `srun` leaves each node's launcher code as the
+#: real per-node wrapper does (FAKE_CODES, one per node; "-" leaves none, as a killed one).
+_FAKES = {
+    "nansentinel": """#!/bin/bash
+case $1 in
+  excluded) echo "${FAKE_SKIP:-}" ;;
+  store) for a in "$@"; do case $a in --port-file=*) echo 29400 > "${a#--port-file=}";; esac
+         done; exec sleep 60 ;;
+esac
+""",
+    "scontrol": """#!/bin/bash
+case "$1 $2" in
+  "show job") echo "JobId=$3 Command=$FAKE_DIR/nansentinel.sbatch" ;;
+  "show hostnames") echo "$3" | tr ',' '\\n' ;;
+esac
+""",
+    "srun": """#!/bin/bash
+i=0; worst=0
+for code in $FAKE_CODES; do
+  i=$((i + 1))
+  [ "$code" = - ] && continue
+  echo "$code" > "$LAUNCHER_EXIT_DIR/node$i"
+  ((code > worst)) && worst=$code
+done
+echo "srun $*" > "$FAKE_DIR/srun-args"
+exit $worst
+""",
+}
+
+
+def _fake_tools(tmp_path: Path) -> Path:
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name, text in _FAKES.items():
+        (bin_dir / name).write_text(text)
+        (bin_dir / name).chmod(0o755)
+    return bin_dir
+
+
+@pytest.mark.parametrize(("codes", "job_exit", "says"), [
+    ("0 0 0", 0, ""),
+    ("0 0 4", 0, "node3 excluded by the sentinel and left the job (exit 4); the job completed "
+                 "on node1 node2: exit 0"),
+    ("4 4 4", 4, "every node was excluded"),
+    ("0 3 4", 3, "launcher(s) failed: node2 (exit 3); job exit 3"),
+    ("0 1 5", 5, "node2 (exit 1) node3 (exit 5)"),
+    ("143 143 143", 143, "job exit 143"),
+    ("0 0 -", 1, "1 of 3 launcher(s) left no exit code (killed?); srun exited 0"),
+], ids=["ok", "excluded", "all-excluded", "abort", "worst", "sigterm", "killed"])
+def test_the_job_exit_code_is_derived_from_each_launcher(
+    tmp_path: Path, codes: str, job_exit: int, says: str
+) -> None:
+    bin_dir = _fake_tools(tmp_path)
+    env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "FAKE_DIR": str(tmp_path), "FAKE_CODES": codes,
+           "SLURM_JOB_ID": "7", "SLURM_JOB_NODELIST": "node1,node2,node3", "SLURM_NNODES": "3",
+           "NPROC_PER_NODE": "1", "SHARED": str(tmp_path / "shared"), "USER": "u"}
+    done = subprocess.run(["bash", str(SBATCH), "train.py"], env=env, capture_output=True,
+                          text=True, timeout=60, check=False)
+    assert done.returncode == job_exit, done.stderr
+    assert says in done.stderr
+    assert "--rdzv-conf=is_host=0" in (tmp_path / "srun-args").read_text()
+
+
+def test_the_batch_script_leaves_out_nodes_already_excluded(tmp_path: Path) -> None:
+    """An operator resumed node2 without clearing it: the script trains on two nodes."""
+    bin_dir = _fake_tools(tmp_path)
+    env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "FAKE_DIR": str(tmp_path), "FAKE_CODES": "0 0",
+           "FAKE_SKIP": "node2", "SLURM_JOB_ID": "7", "SLURM_JOB_NODELIST": "node[1-3]",
+           "SLURM_NNODES": "3", "NPROC_PER_NODE": "1", "SHARED": str(tmp_path / "s"),
+           "USER": "u"}
+    done = subprocess.run(["bash", str(SBATCH), "train.py"], env=env, capture_output=True,
+                          text=True, timeout=60, check=False)
+    assert done.returncode == 0, done.stderr
+    assert "node2 excluded by an earlier run" in done.stderr
+    args = (tmp_path / "srun-args").read_text()
+    assert "--nodes=2" in args and "--exclude=node2" in args and "--nnodes=1:2" in args
+
+
+def test_the_batch_script_without_gpus_or_workers_per_node_says_what_to_set(
+    tmp_path: Path,
+) -> None:
+    bin_dir = _fake_tools(tmp_path)
+    env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "SLURM_JOB_ID": "7", "SLURM_JOB_NODELIST": "n1",
+           "SLURM_NNODES": "1", "SLURM_GPUS_PER_NODE": "0", "SHARED": str(tmp_path / "s"),
+           "USER": "u"}
+    done = subprocess.run(["bash", str(SBATCH), "train.py"], env=env, capture_output=True,
+                          text=True, timeout=60, check=False)
+    assert done.returncode == 2 and "set NPROC_PER_NODE" in done.stderr, done.stderr
