@@ -17,7 +17,7 @@ from typing import Any
 
 from nansentinel.config import DEFAULT_REPORT_DIR, ConfigError, SentinelConfig, env_var
 
-USAGE = """usage: nansentinel {run,demo,excluded,incidents} ...
+USAGE = """usage: nansentinel {run,demo,excluded,incidents,store} ...
 
   run        launch a training script like torchrun does, with the sentinel's options
              (nansentinel run --help)
@@ -25,6 +25,8 @@ USAGE = """usage: nansentinel {run,demo,excluded,incidents} ...
   excluded   list the hosts excluded from runs (and --clear HOST to lift one)
   incidents  list the incident reports, newest first; `incidents show ID` explains one
              (--html OUT: a page with its loss and gradient-norm curves)
+  store      serve the c10d rendezvous store in a process of its own, so that any
+             training host may leave the job (launch/slurm/nansentinel.sbatch)
   --version  print the version
 """
 
@@ -73,6 +75,10 @@ def _dispatch(argv: list[str]) -> int:
         from nansentinel.launcher.excluded_command import excluded_main
 
         return excluded_main(rest)
+    if command == "store":
+        from nansentinel.launcher.store_server import store_main
+
+        return store_main(rest)
     try:  # argparse's usage errors and --help return their code: main(argv) never exits
         if command == "demo":
             return demo(rest)

@@ -7,10 +7,12 @@ cd "$(dirname "$0")/.."
 
 # Debian packages for the end-to-end tests: real Prometheus and Alertmanager (promtool, amtool),
 # iproute2 for the network-namespace hosts, openssl for the exporter's TLS test, chromium to
-# render the incident page in a real (headless) browser.
+# render the incident page in a real (headless) browser, slurm-wlm and munge for a real Slurm
+# on those hosts (tests/e2e/slurm.py; the services are not started by the install).
 need=()
 for pair in prometheus:prometheus promtool:prometheus prometheus-alertmanager:prometheus-alertmanager \
-            amtool:prometheus-alertmanager ip:iproute2 openssl:openssl chromium:chromium; do
+            amtool:prometheus-alertmanager ip:iproute2 openssl:openssl chromium:chromium \
+            slurmctld:slurm-wlm slurmd:slurm-wlm sbatch:slurm-wlm munged:munge nsenter:util-linux; do
     command -v "${pair%%:*}" >/dev/null 2>&1 || need+=("${pair##*:}")
 done
 if ((${#need[@]})); then

@@ -117,19 +117,22 @@ class NetnsCluster:
         return next(h for h in self.hosts if h.name == name)
 
     def start(self, host: Host, argv: Sequence[str], env: Mapping[str, str] | None = None,
-              log_name: str | None = None) -> subprocess.Popen[bytes]:
+              log_name: str | None = None, *, keep_sys: bool = False) -> subprocess.Popen[bytes]:
         """Start ``argv`` on ``host`` (stdout and stderr to ``workdir/<log_name>.log``).
 
         The process inherits this process's environment plus ``env``; it runs in its own
-        process group so that :meth:`close` can stop it and all its children.
+        process group so that :meth:`close` can stop it and all its children. ``keep_sys``
+        enters the namespace with ``nsenter`` instead of ``ip netns exec``, which mounts a
+        fresh /sys without the cgroup hierarchy (slurmd will not start there).
         """
+        enter = (["nsenter", f"--net=/run/netns/{host.netns}"] if keep_sys
+                 else ["ip", "netns", "exec", host.netns])
         full_env = {**os.environ, **(env or {}),
                     "HOSTS_FILE": str(self.hosts_file), "HOST_NAME": host.name}
         log = open(self.workdir / f"{log_name or host.name}.log", "wb")  # noqa: SIM115
         self._logs.append(log)
         proc = subprocess.Popen(
-            ["ip", "netns", "exec", host.netns, "unshare", "--uts", "--mount",
-             "sh", "-c", _ENTER, "sh", *argv],
+            [*enter, "unshare", "--uts", "--mount", "sh", "-c", _ENTER, "sh", *argv],
             env=full_env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
             start_new_session=True,
         )

@@ -44,8 +44,8 @@ def test_help_prints_usage_and_exits_0(flag: str, capsys: pytest.CaptureFixture[
     assert cli.main([flag]) == exitcodes.EXIT_OK
     out = capsys.readouterr().out
     assert out == cli.USAGE
-    assert out.startswith("usage: nansentinel {run,demo,excluded,incidents} ...\n")
-    for command in ("run", "demo", "excluded", "incidents"):
+    assert out.startswith("usage: nansentinel {run,demo,excluded,incidents,store} ...\n")
+    for command in ("run", "demo", "excluded", "incidents", "store"):
         assert f"\n  {command}  " in out
 
 
