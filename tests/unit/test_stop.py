@@ -100,3 +100,50 @@ def test_on_timeout_dumps_before_it_exits(
                         exchange=exchange)  # type: ignore[arg-type]
     assert events == ["verdict", "dump", "exit 5"]
     assert (tmp_path / "trace_1").exists()  # not initialised: this rank's own number
+
+
+def test_an_uncaught_collective_failure_exits_5_after_its_traceback(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The hook behind ``sys.excepthook``: a diagnosed failure, or a transport error it
+    diagnoses now, prints through the previous hook, then ends the process (exit 5 in the
+    real run); the loop's own errors, and anything after close(), only print."""
+    import sys
+
+    from nansentinel.result import ExchangeTimeoutError
+
+    printed: list[str] = []
+    monkeypatch.setattr(sys, "excepthook", lambda kind, value, tb: printed.append(str(value)))
+    diagnosed: list[int] = []
+    error = ExchangeTimeoutError("no answer from rank 1 (node3)", [1])
+
+    class Exchange:
+        world_size = 2
+        diagnosis: ExchangeTimeoutError | None = None
+
+        def diagnose(self, step: int, cause: BaseException | None) -> ExchangeTimeoutError:
+            diagnosed.append(step)
+            self.diagnosis = error
+            return error
+
+    exchange = Exchange()
+    ended: list[tuple[int, str]] = []
+    closed = [False]
+    stop.exit_on_failure(exchange, lambda: 6, lambda step, e: ended.append((step, str(e))),
+                         lambda: closed[0])  # type: ignore[arg-type]
+    first = sys.excepthook
+    sys.excepthook(ValueError, ValueError("the loop's own bug"), None)
+    assert printed == ["the loop's own bug"] and not ended and not diagnosed
+    gloo = RuntimeError("[gloo/transport/tcp/pair.cc:553] Connection closed by peer")
+    sys.excepthook(RuntimeError, gloo, None)
+    assert printed[-1] == str(gloo) and diagnosed == [6] and ended == [(6, str(error))]
+    # DDP's hook future: torch re-raises the diagnosis as a new RuntimeError; already made.
+    wrapped = RuntimeError(f"Got the following error when running the callback: {error}")
+    sys.excepthook(RuntimeError, wrapped, None)
+    assert diagnosed == [6] and ended[-1] == (6, str(error))
+    closed[0] = True
+    sys.excepthook(RuntimeError, gloo, None)
+    assert len(ended) == 2  # after close(): the loop's business
+    # A second Sentinel replaces the hook, it does not stack on it.
+    stop.exit_on_failure(exchange, lambda: 7, lambda step, e: None, lambda: True)  # type: ignore[arg-type]
+    assert sys.excepthook.nansentinel_previous is first.nansentinel_previous  # type: ignore[attr-defined]
