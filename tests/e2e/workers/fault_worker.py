@@ -2,7 +2,9 @@
 loop under the real Sentinel (DDP, gloo), with the fault a test asks for on one host.
 
 Each step starts by touching ``OUTDIR/at-<host>-<step>`` so the test can time its fault
-(a link cut, a signal) against the run. Faults, all on ``--host`` only:
+(a link cut, a signal) against the run. ``--fsdp`` shards the model with FSDP2 instead
+(its all-gathers and reduce-scatters are collectives the sentinel does not wait on).
+Faults, all on ``--host`` (or on rank ``--rank``) only:
 ``--die-at STEP`` SIGKILLs this worker in the middle of that step (after the forward, before
 the backward: its peers are then blocked in the gradient all-reduce); ``--pause SECONDS``
 sleeps before the backward of every step in ``--pause-steps`` (a slow healthy step).
@@ -30,6 +32,8 @@ p = argparse.ArgumentParser()
 p.add_argument("outdir", type=Path)
 p.add_argument("--steps", type=int, required=True)
 p.add_argument("--host", default="")
+p.add_argument("--rank", type=int, default=-1)
+p.add_argument("--fsdp", action="store_true")
 p.add_argument("--die-at", type=int, default=-1)
 p.add_argument("--pause", type=float, default=0.0)
 p.add_argument("--pause-steps", default="")
@@ -37,11 +41,19 @@ p.add_argument("--step-sleep", type=float, default=0.0)
 args = p.parse_args()
 
 host = socket.gethostname()
-mine = host == args.host
 paused = {int(s) for s in args.pause_steps.split(",") if s}
 dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+mine = host == args.host or dist.get_rank() == args.rank
 torch.manual_seed(0)
-model = DDP(torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Linear(16, 1)))
+model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Linear(16, 1))
+if args.fsdp:
+    from torch.distributed.fsdp import fully_shard
+
+    for layer in model:
+        fully_shard(layer)
+    fully_shard(model)
+else:
+    model = DDP(model)
 optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
 sentinel = nansentinel.Sentinel(model, optimizer)
 g = torch.Generator().manual_seed(dist.get_rank())
