@@ -31,7 +31,7 @@ from nansentinel.common.exitcodes import (
 )
 from nansentinel.launcher.signals import EXIT_MARGIN_S, WORKER_GRACE_S
 from nansentinel.wire.exchange import diagnosis_grace, store_bound
-from nansentinel.wire.watchdog import naming_seconds
+from nansentinel.wire.watchdog import naming_seconds, watchdog_deadline
 
 from .netns import Host, NetnsCluster, unavailable_reason
 
@@ -46,8 +46,9 @@ SLACK = 10.0
 #: A live rank that saw a peer die names it and exits: its wait for the check-ins, the
 #: answer, and rank 0's linger for the others' diagnosis.
 NAMED_WITHIN = naming_seconds(TIMEOUT) + diagnosis_grace(TIMEOUT) + SLACK
-#: A rank cut off from everyone: the watchdog's deadline, then a store that never answers.
-CUT_OFF_WITHIN = naming_seconds(TIMEOUT) + store_bound(TIMEOUT) + SLACK
+#: A rank cut off from everyone (rank 1: no linger): the watchdog's deadline, then a store
+#: that never answers, given up after its bound.
+CUT_OFF_WITHIN = watchdog_deadline(TIMEOUT) + store_bound(TIMEOUT) + SLACK
 _STORE_SERVER = (
     "import datetime, sys, time, torch.distributed as d; "
     "s = d.TCPStore('0.0.0.0', int(sys.argv[1]), is_master=True, wait_for_workers=False, "
