@@ -171,17 +171,18 @@ def exit_on_failure(
     uncaught error goes through the previous ``sys.excepthook`` (the traceback, as ever), and
     then, when this rank diagnosed a failed collective or the error is a transport failure
     (diagnosed now: the missing ranks named, the verdict left), ``end(step, error)`` exits 5.
-    ``closed()``: the run is over; errors after it are the loop's own.
+    ``closed()``: the run closed cleanly (every rank met at its last barrier); a transport
+    error after it is not the run's. A diagnosis made before stays one, even when the loop's
+    ``finally`` closed the sentinel on its way out.
     """
     # A later Sentinel in the same process replaces an earlier one's hook, never stacks on it.
     previous = getattr(sys.excepthook, "nansentinel_previous", sys.excepthook)
 
     def hook(kind: type[BaseException], value: BaseException, tb: Any) -> None:
-        error = None
-        if not closed():
-            error = exchange.diagnosis
-            if error is None and exchange.world_size > 1 and is_transport_failure(value):
-                error = exchange.diagnose(step(), value)
+        error = exchange.diagnosis
+        if (error is None and not closed() and exchange.world_size > 1
+                and is_transport_failure(value)):
+            error = exchange.diagnose(step(), value)
         previous(kind, value, tb)
         if error is not None:
             log.error("%s", error)
@@ -258,6 +259,8 @@ class RunEnd:
         self.closed = False
         self.stopped = False
         """The run was stopped here: this rank's verdict is left already."""
+        self.clean = False
+        """Every rank met at the closing barrier: the run ended well."""
 
     def stop_if(self, decision: Decision, result: StepResult, *, serve: bool = True) -> None:
         """Raise the decision's abort (or exclusion) on this rank, everything on disk first.
@@ -286,6 +289,7 @@ class RunEnd:
             if not self.ctx.exchange.failed:
                 with self.ctx.guarded():
                     self.ctx.peers.barrier()
+                self.clean = True
                 if not self.stopped:
                     leave_verdict(self.ctx.config, self.ctx.identity, last_step, CLOSED,
                                   "the sentinel closed cleanly: training finished")

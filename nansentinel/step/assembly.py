@@ -193,7 +193,7 @@ def assemble(model: torch.nn.Module | list[torch.nn.Module], asked: Asked,
         failed = functools.partial(stop.end_failed, config=ctx.config, identity=ctx.identity,
                                    exchange=ctx.exchange)
         stop.exit_on_failure(ctx.exchange, lambda: ctx.deadline.step, failed,
-                             lambda: end.closed)
+                             lambda: end.clean)
     gate = choose_gate(cfg, ctx.device, optimizer, scaler=scaler, caps=gradients.caps)
     device_gate = gated_steps(ctx, judge, gate, rearm=rearm, stop_if=end.stop_if)
     if device_gate is not None:  # decided later: name from norms, hold no gradient

@@ -141,9 +141,14 @@ def test_an_uncaught_collective_failure_exits_5_after_its_traceback(
     wrapped = RuntimeError(f"Got the following error when running the callback: {error}")
     sys.excepthook(RuntimeError, wrapped, None)
     assert diagnosed == [6] and ended[-1] == (6, str(error))
+    # A diagnosis stays one after close() (a loop's ``finally`` closed the sentinel)...
     closed[0] = True
+    sys.excepthook(RuntimeError, RuntimeError("raised by close()"), None)
+    assert len(ended) == 3
+    # ...but after a clean close a transport error is no longer the run's.
+    exchange.diagnosis = None
     sys.excepthook(RuntimeError, gloo, None)
-    assert len(ended) == 2  # after close(): the loop's business
+    assert len(ended) == 3 and diagnosed == [6]
     # A second Sentinel replaces the hook, it does not stack on it.
     stop.exit_on_failure(exchange, lambda: 7, lambda step, e: None, lambda: True)  # type: ignore[arg-type]
     assert sys.excepthook.nansentinel_previous is first.nansentinel_previous  # type: ignore[attr-defined]
