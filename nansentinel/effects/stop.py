@@ -179,11 +179,11 @@ def exit_on_failure(
     previous = getattr(sys.excepthook, "nansentinel_previous", sys.excepthook)
 
     def hook(kind: type[BaseException], value: BaseException, tb: Any) -> None:
+        previous(kind, value, tb)  # the traceback first: the naming may take the timeout
         error = exchange.diagnosis
         if (error is None and not closed() and exchange.world_size > 1
                 and is_transport_failure(value)):
             error = exchange.diagnose(step(), value)
-        previous(kind, value, tb)
         if error is not None:
             log.error("%s", error)
             end(step(), error)

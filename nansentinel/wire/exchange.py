@@ -54,10 +54,9 @@ _STORE_MARGIN_S = 3.0
 #: communicators), for an error that reached the training thread outside the sentinel's own
 #: waits (FSDP's all-gather or reduce-scatter, the user's own collective): ``DistError``
 #: and its kinds say so by type; gloo raises a plain ``RuntimeError`` naming its source file.
+#: Only the backends' own words: a data loader's "Connection reset by peer" is not one.
 _TRANSPORT_FAILURE = re.compile(
-    r"gloo/transport|Connection (closed|reset) by peer|NCCL (error|communicator)|ncclRemoteError"
-    r"|ncclSystemError"
-)
+    r"gloo/transport|NCCL (error|communicator)|ncclRemoteError|ncclSystemError")
 
 
 class HealthExchange:

@@ -392,5 +392,8 @@ def test_transport_failures_are_told_from_the_loops_own_errors() -> None:
     except ValueError as exc:
         assert is_transport_failure(exc)
     assert not is_transport_failure(RuntimeError("mat1 and mat2 shapes cannot be multiplied"))
+    # A data loader's re-raised network error is the loop's, not a collective's.
+    assert not is_transport_failure(RuntimeError("Caught ConnectionResetError in DataLoader "
+                                                 "worker process 0: Connection reset by peer"))
     assert not is_transport_failure(torch.OutOfMemoryError("CUDA out of memory"))
     assert not is_transport_failure(None)
