@@ -132,7 +132,11 @@ def end_failed(
     """End this process with exit code 5 after a diagnosed collective failure: the verdict
     (again: it is cheap and the diagnosis may have had no run directory to write to yet),
     NCCL's flight recorder, the logs, and on rank 0 a grace for the others' diagnosis."""
-    leave_timeout_verdict(step, error, config=config, identity=identity)
+    try:
+        leave_timeout_verdict(step, error, config=config, identity=identity)
+    except Exception as exc:  # a full or read-only disk: the exit must still come
+        log.error("nansentinel: rank %d could not leave its verdict in %s: %s", identity.rank,
+                  config.run_dir, exc)
     # os._exit skips NCCL's own dump of its flight recorder (the last collectives of every
     # group, which tell a hang from a desync): write it first, where torch would.
     dumped = dump_flight_recorder(exchange.backend, job_rank(identity.rank))

@@ -152,3 +152,29 @@ def test_an_uncaught_collective_failure_exits_5_after_its_traceback(
     # A second Sentinel replaces the hook, it does not stack on it.
     stop.exit_on_failure(exchange, lambda: 7, lambda step, e: None, lambda: True)  # type: ignore[arg-type]
     assert sys.excepthook.nansentinel_previous is first.nansentinel_previous  # type: ignore[attr-defined]
+
+
+def test_the_exit_comes_even_when_the_verdict_cannot_be_written(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A full or read-only run directory must not keep the watchdog's thread from ending
+    the process (it would raise there, and the rank would hang on)."""
+    from nansentinel.config import SentinelConfig
+    from nansentinel.result import ExchangeTimeoutError, RankIdentity
+
+    def full(*args: object, **kwargs: object) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(stop, "leave_verdict", full)
+
+    def exit_(code: int) -> None:
+        raise SystemExit(code)
+
+    monkeypatch.setattr(stop.os, "_exit", exit_)
+    exchange = SimpleNamespace(backend="gloo", timeout=30.0)
+    identity = RankIdentity(1, 1, 2, "node-b", "cpu", "1", "")
+    with pytest.raises(SystemExit) as info:
+        stop.end_failed(4, ExchangeTimeoutError("no answer from rank 0", [0]),
+                        config=SentinelConfig(run_dir=str(tmp_path)), identity=identity,
+                        exchange=exchange)  # type: ignore[arg-type]
+    assert info.value.code == 5
