@@ -14,13 +14,12 @@ its limits.
 
 from __future__ import annotations
 
-import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from nansentinel.common import torch_insides as insides
+from nansentinel.common.bounded import OneAtATime
 from nansentinel.common.exclusion import ExclusionRecord, ExclusionStore
 from nansentinel.common.verdicts import RankVerdict, archive_verdicts, read_verdicts
 from nansentinel.launcher.console import say
@@ -144,7 +143,7 @@ class GuardedRendezvousHandler:
         self._guard = guard
         #: This agent serves the c10d rendezvous store (``--rdzv-endpoint`` is this host).
         self.store_host = store_host
-        self._poll = _OneAtATime(inner.num_nodes_waiting)
+        self._poll = OneAtATime(inner.num_nodes_waiting, "nansentinel-rdzv-poll")
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._inner, name)
@@ -171,7 +170,7 @@ class GuardedRendezvousHandler:
         :data:`POLL_BOUND_S` (a host cut off from it): the agent then goes on watching its
         workers instead of waiting minutes on the store."""
         answered, value = self._poll(POLL_BOUND_S)
-        return int(value) if answered else 0
+        return int(value) if answered and value is not None else 0
 
     def get_run_id(self) -> str:
         return str(self._inner.get_run_id())
@@ -205,48 +204,12 @@ class GuardedRendezvousHandler:
         close = getattr(getattr(getattr(self._inner, "settings", None), "timeout", None),
                         "close", None)
         bound = (close.total_seconds() if close is not None else 30.0) + SHUTDOWN_MARGIN_S
-        answered, value = _OneAtATime(self._inner.shutdown)(bound)
+        answered, value = OneAtATime(self._inner.shutdown, "nansentinel-rdzv-close")(bound)
         if not answered:
             say(f"could not close the rendezvous: its store did not answer within {bound:g} s "
                 f"(is host {self._guard.hostname} cut off from it?); leaving without")
             return False
         return bool(value)
-
-
-class _OneAtATime:
-    """Calls ``fn`` in a daemon thread and waits for it at most a bound; a call still
-    running when the next is asked for is waited on again rather than started twice, so a
-    store that never answers costs one blocked thread, not one per poll."""
-
-    def __init__(self, fn: Callable[[], Any]) -> None:
-        self.fn = fn
-        self._done = threading.Event()
-        self._result: list[Any] = []
-        self._error: list[BaseException] = []
-        self._thread: threading.Thread | None = None
-
-    def __call__(self, bound: float) -> tuple[bool, Any]:
-        if self._thread is None:
-            self._done.clear()
-            self._result.clear()
-            self._error.clear()
-            self._thread = threading.Thread(target=self._run, name="nansentinel-rdzv",
-                                            daemon=True)
-            self._thread.start()
-        if not self._done.wait(bound):
-            return False, None
-        self._thread = None
-        if self._error:
-            raise self._error[0]
-        return True, self._result[0]
-
-    def _run(self) -> None:
-        try:
-            self._result.append(self.fn())
-        except BaseException as exc:  # raised in the caller's thread
-            self._error.append(exc)
-        finally:
-            self._done.set()
 
 
 def _leave_rendezvous(handler: Any) -> None:

@@ -30,18 +30,17 @@ import os
 import re
 import threading
 from collections.abc import Callable
-from typing import TypeVar
 
 import torch
 import torch.distributed as dist
 
 from nansentinel.common import torch_insides as insides
+from nansentinel.common.bounded import OneAtATime
 from nansentinel.result import NAMED, ExchangeTimeoutError, RankIdentity
 from nansentinel.wire.collectives import Peers
 from nansentinel.wire.schema import T
 
 log = logging.getLogger("nansentinel")
-_T = TypeVar("_T")
 
 _STORE_PREFIX = "nansentinel/arrived"
 _IDENTITY_PREFIX = "nansentinel/identity"
@@ -259,7 +258,9 @@ class HealthExchange:
 
     def _diagnose(self, step: int, cause: BaseException | None) -> ExchangeTimeoutError:
         bound = self._look_in(step) + store_bound(self.timeout)
-        answered, found = _bounded(lambda: self._missing_ranks(step), bound)
+        # The store across a partition blocks each request for its own timeout: bounded.
+        answered, found = OneAtATime(lambda: self._missing_ranks(step),
+                                     "nansentinel-diagnosis")(bound)
         me = self.identity
         where = f"rank {self.rank}" + (f" on host {me.hostname}" if me else "")
         missing: list[int] = []
@@ -380,32 +381,6 @@ class HealthExchange:
                 host = json.loads(store.get(key)).get("hostname", "")
             out.append([r, host])
         return out
-
-
-def _bounded(fn: Callable[[], _T], seconds: float) -> tuple[bool, _T | None]:
-    """``(True, fn())`` when ``fn`` returns within ``seconds``, else ``(False, None)``.
-
-    The store requests of a diagnosis block in C++ for the store's own timeout (minutes)
-    when the store is across a partition, where no Python timeout reaches; run there they
-    would hold the rank past every deadline it promises. So they run in a thread of their
-    own, which is abandoned when it does not answer in time: the rank ends (or raises)
-    with what it knows, and the process exit takes the thread along.
-    """
-    box: list[_T] = []
-    failed: list[BaseException] = []
-
-    def run() -> None:
-        try:
-            box.append(fn())
-        except BaseException as exc:  # handed to the caller's thread
-            failed.append(exc)
-
-    thread = threading.Thread(target=run, name="nansentinel-diagnosis", daemon=True)
-    thread.start()
-    thread.join(seconds)
-    if failed:
-        raise failed[0]
-    return (True, box[0]) if box else (False, None)
 
 
 def store_bound(timeout: float) -> float:
