@@ -199,6 +199,7 @@ def test_a_partition_ends_both_sides_within_their_bounds(job: Job) -> None:
     cut = time.monotonic()
     ends = job.ends(CUT_OFF_WITHIN + LAUNCHER_AFTER)
     logs = job.logs()
+    print({n: (c, round(t - cut, 1)) for n, (c, t) in ends.items()})  # seconds after the cut
     assert {n: c for n, (c, _) in ends.items()} == {
         "node2": EXIT_EXCHANGE_TIMEOUT, "node3": EXIT_EXCHANGE_TIMEOUT}, logs
     assert ends["node2"][1] - cut < NAMED_WITHIN + TIMEOUT
