@@ -143,7 +143,8 @@ class GuardedRendezvousHandler:
         self._guard = guard
         #: This agent serves the c10d rendezvous store (``--rdzv-endpoint`` is this host).
         self.store_host = store_host
-        self._poll = OneAtATime(inner.num_nodes_waiting, "nansentinel-rdzv-poll")
+        self._poll = OneAtATime(lambda: self._inner.num_nodes_waiting(),
+                                "nansentinel-rdzv-poll")
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._inner, name)
