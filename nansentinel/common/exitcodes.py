@@ -13,7 +13,12 @@ code  name                       meaning
 3     ``EXIT_NONFINITE_ABORT``   the sentinel stopped the run on non-finite values
 4     ``EXIT_HOST_EXCLUDED``     this host was excluded; its launcher left the job
 5     ``EXIT_EXCHANGE_TIMEOUT``  a rank did not answer the sentinel's health exchange
+130   ``EXIT_SIGINT``            stopped by SIGINT (Ctrl-C); the workers were stopped
+143   ``EXIT_SIGTERM``           stopped by SIGTERM (a scheduler's time limit, ``scancel``)
 ====  =========================  ===========================================================
+
+A launcher stopped by any other signal it handles exits 128 + its number, as a shell reports
+a process killed by it (SIGHUP 129, SIGQUIT 131).
 
 The values are part of the user-facing contract (alerts and job scripts test them); never
 renumber them. 2 matches argparse's own usage-error code, so ``--bogus`` and a bad
@@ -47,6 +52,15 @@ EXIT_EXCHANGE_TIMEOUT = 5
 """A rank did not answer the sentinel's health exchange within the exchange timeout: a
 dead, frozen or partitioned rank. The summary names the ranks that did not answer."""
 
+EXIT_SIGINT = 130
+"""SIGINT stopped the launcher (128 + 2): the workers got it too, and SIGKILL after a grace
+(nansentinel.launcher.signals). Not a failure of the job: a person or a wrapper stopped it."""
+
+EXIT_SIGTERM = 143
+"""SIGTERM stopped the launcher (128 + 15): a scheduler's time limit or cancellation, a
+pod's termination. The workers got it too (a checkpoint on SIGTERM has its grace), and the
+launcher exits within a bound (see docs/launch.md, "Never hang"). Usually worth a requeue."""
+
 #: Name of each code, for messages and documentation.
 NAMES: dict[int, str] = {
     EXIT_OK: "EXIT_OK",
@@ -55,4 +69,6 @@ NAMES: dict[int, str] = {
     EXIT_NONFINITE_ABORT: "EXIT_NONFINITE_ABORT",
     EXIT_HOST_EXCLUDED: "EXIT_HOST_EXCLUDED",
     EXIT_EXCHANGE_TIMEOUT: "EXIT_EXCHANGE_TIMEOUT",
+    EXIT_SIGINT: "EXIT_SIGINT",
+    EXIT_SIGTERM: "EXIT_SIGTERM",
 }

@@ -9,13 +9,15 @@ disk before any rank raises, and torchrun tears the job down only after that.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import sys
 import tempfile
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from nansentinel.common import torch_insides as insides
 from nansentinel.common.verdicts import (
@@ -29,6 +31,7 @@ from nansentinel.common.verdicts import (
 from nansentinel.config import SentinelConfig
 from nansentinel.decide.policy import EXCLUDE, Decision
 from nansentinel.result import (
+    ExchangeTimeoutError,
     HostExcludedError,
     NonFiniteError,
     RankIdentity,
@@ -36,7 +39,7 @@ from nansentinel.result import (
 )
 from nansentinel.wire.collectives import job_rank
 from nansentinel.wire.context import Context
-from nansentinel.wire.exchange import HealthExchange, diagnosis_grace
+from nansentinel.wire.exchange import HealthExchange, diagnosis_grace, is_transport_failure
 
 log = logging.getLogger("nansentinel")
 
@@ -156,11 +159,39 @@ def on_timeout(
     exchange: HealthExchange,
 ) -> None:
     """Watchdog thread: the step's collectives are stuck (a rank froze or died where no
-    Python timeout reaches). Name the missing ranks, leave a verdict for the launcher and
-    end the process, as NCCL's watchdog does; torchrun restarts or ends the job."""
+    Python timeout reaches, or this host is cut off). Name the missing ranks, leave a
+    verdict for the launcher and end the process, as NCCL's watchdog does; torchrun restarts
+    or ends the job. The training thread may be blocked in C++ for good (gloo waits out
+    the group's timeout, a cut-off link never resets): this thread ends the process from
+    outside it."""
     error = exchange.diagnose(step, None)
     log.error("%s", error)
+    end_failed(step, error, config=config, identity=identity, exchange=exchange)
+
+
+def leave_timeout_verdict(
+    step: int, error: ExchangeTimeoutError, *, config: SentinelConfig, identity: RankIdentity,
+) -> None:
+    """This rank's verdict for a failed or stuck collective of ``step``: the diagnosis."""
     leave_verdict(config, identity, step, EXCHANGE_TIMEOUT, str(error), missing=error.missing)
+
+
+def end_failed(
+    step: int,
+    error: ExchangeTimeoutError,
+    *,
+    config: SentinelConfig,
+    identity: RankIdentity,
+    exchange: HealthExchange,
+) -> NoReturn:
+    """End this process with exit code 5 after a diagnosed collective failure: the verdict
+    (again: it is cheap and the diagnosis may have had no run directory to write to yet),
+    NCCL's flight recorder, the logs, and on rank 0 a grace for the others' diagnosis."""
+    try:
+        leave_timeout_verdict(step, error, config=config, identity=identity)
+    except Exception as exc:  # a full or read-only disk: the exit must still come
+        log.error("nansentinel: rank %d could not leave its verdict in %s: %s", identity.rank,
+                  config.run_dir, exc)
     # os._exit skips NCCL's own dump of its flight recorder (the last collectives of every
     # group, which tell a hang from a desync): write it first, where torch would.
     dumped = dump_flight_recorder(exchange.backend, job_rank(identity.rank))
@@ -169,6 +200,9 @@ def on_timeout(
                   identity.rank, dumped)
     for handler in logging.getLogger().handlers + log.handlers:
         handler.flush()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
     if identity.rank == 0:
         # Without torchrun's agent store, rank 0 hosts the rendezvous store: linger so the
         # other live ranks can finish their own diagnosis before it goes away.
@@ -176,6 +210,45 @@ def on_timeout(
     from nansentinel.common.exitcodes import EXIT_EXCHANGE_TIMEOUT
 
     os._exit(EXIT_EXCHANGE_TIMEOUT)
+
+
+def exit_on_failure(
+    exchange: HealthExchange,
+    step: Callable[[], int],
+    end: Callable[[int, ExchangeTimeoutError], None],
+    closed: Callable[[], bool],
+) -> None:
+    """Make a failed collective end the process with exit code 5 whichever path saw it first.
+
+    A dead peer reaches the training thread in many shapes: the exchange's
+    :class:`ExchangeTimeoutError` from ``step()``, the same error wrapped by torch as
+    ``RuntimeError: Got the following error when running the callback`` when DDP's hook
+    future raised it inside ``backward()``, or gloo's own ``Connection closed by peer`` from a
+    collective the sentinel does not wait on (FSDP2's all-gather and reduce-scatter, the
+    user's own). A loop that catches it decides for itself; one that lets it escape would
+    exit 1, which says "a worker failed" where the truth is "a rank stopped answering". So an
+    uncaught error goes through the previous ``sys.excepthook`` (the traceback, as ever), and
+    then, when this rank diagnosed a failed collective or the error is a transport failure
+    (diagnosed now: the missing ranks named, the verdict left), ``end(step, error)`` exits 5.
+    ``closed()``: the run closed cleanly (every rank met at its last barrier); a transport
+    error after it is not the run's. A diagnosis made before stays one, even when the loop's
+    ``finally`` closed the sentinel on its way out.
+    """
+    # A later Sentinel in the same process replaces an earlier one's hook, never stacks on it.
+    previous = getattr(sys.excepthook, "nansentinel_previous", sys.excepthook)
+
+    def hook(kind: type[BaseException], value: BaseException, tb: Any) -> None:
+        previous(kind, value, tb)  # the traceback first: the naming may take the timeout
+        error = exchange.diagnosis
+        if (error is None and not closed() and exchange.world_size > 1
+                and is_transport_failure(value)):
+            error = exchange.diagnose(step(), value)
+        if error is not None:
+            log.error("%s", error)
+            end(step(), error)
+
+    hook.nansentinel_previous = previous  # type: ignore[attr-defined]
+    sys.excepthook = hook
 
 
 def dump_flight_recorder(
@@ -245,6 +318,8 @@ class RunEnd:
         self.closed = False
         self.stopped = False
         """The run was stopped here: this rank's verdict is left already."""
+        self.clean = False
+        """Every rank met at the closing barrier: the run ended well."""
 
     def stop_if(self, decision: Decision, result: StepResult, *, serve: bool = True) -> None:
         """Raise the decision's abort (or exclusion) on this rank, everything on disk first.
@@ -273,6 +348,7 @@ class RunEnd:
             if not self.ctx.exchange.failed:
                 with self.ctx.guarded():
                     self.ctx.peers.barrier()
+                self.clean = True
                 if not self.stopped:
                     leave_verdict(self.ctx.config, self.ctx.identity, last_step, CLOSED,
                                   "the sentinel closed cleanly: training finished")

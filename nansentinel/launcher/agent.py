@@ -29,6 +29,7 @@ from nansentinel.common.verdicts import CLOSED, RankVerdict, outcome_from_verdic
 from nansentinel.launcher.console import PROG, format_time, say
 from nansentinel.launcher.on_exclude import run_hook
 from nansentinel.launcher.rendezvous_guard import ExclusionGuard, HostExcludedExit
+from nansentinel.launcher.signals import signal_exit_code
 
 
 def launch(
@@ -60,7 +61,7 @@ def launch(
         return outcome.exit_code
     except SignalException as exc:
         say(f"received {signal.Signals(exc.sigval).name}; the workers were stopped")
-        return 128 + int(exc.sigval)
+        return signal_exit_code(exc.sigval)
     except Exception as exc:  # rendezvous, agent: say it, no dump
         if guard.others_excluded:
             # Typically: the excluded host ran the rendezvous store, which left with it.

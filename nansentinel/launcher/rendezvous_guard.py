@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from nansentinel.common import torch_insides as insides
+from nansentinel.common.bounded import OneAtATime
 from nansentinel.common.exclusion import ExclusionRecord, ExclusionStore
 from nansentinel.common.verdicts import RankVerdict, archive_verdicts, read_verdicts
 from nansentinel.launcher.console import say
@@ -29,6 +30,13 @@ _INNER_BACKEND_KEY = "nansentinel_inner_backend"
 _GUARD_KEY = "nansentinel_guard"
 #: Seconds the excluded host waits for rank 0's exclusion record before writing its own.
 RECORD_WAIT_S = 5.0
+#: Seconds the agent's poll of the rendezvous (``num_nodes_waiting``, every monitor
+#: interval) may take before it counts as "nobody waiting": a store across a partition
+#: answers after its read timeout (60 s), then again, and the agent would not see its own
+#: workers end for as long.
+POLL_BOUND_S = 5.0
+#: Seconds beyond the rendezvous's close timeout that ``shutdown()`` may take.
+SHUTDOWN_MARGIN_S = 5.0
 
 
 class HostExcludedExit(Exception):
@@ -136,6 +144,8 @@ class GuardedRendezvousHandler:
         self._guard = guard
         #: This agent serves the c10d rendezvous store (``--rdzv-endpoint`` is this host).
         self.store_host = store_host
+        self._poll = OneAtATime(lambda: self._inner.num_nodes_waiting(),
+                                "nansentinel-rdzv-poll")
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._inner, name)
@@ -158,7 +168,11 @@ class GuardedRendezvousHandler:
         self._inner.set_closed()
 
     def num_nodes_waiting(self) -> int:
-        return int(self._inner.num_nodes_waiting())
+        """The inner handler's answer, or 0 when the store has not answered within
+        :data:`POLL_BOUND_S` (a host cut off from it): the agent then goes on watching its
+        workers instead of waiting minutes on the store."""
+        answered, value = self._poll(POLL_BOUND_S)
+        return int(value) if answered and value is not None else 0
 
     def get_run_id(self) -> str:
         return str(self._inner.get_run_id())
@@ -171,7 +185,7 @@ class GuardedRendezvousHandler:
         every other agent would then fail its next round with ``RendezvousClosedError``.
         """
         if self._guard.excluded is None:
-            return bool(self._inner.shutdown())
+            return self._bounded_shutdown()
         if self.store_host:
             # The store leaves with this process: the others cannot go on. Close the
             # rendezvous so that they end now, with a clear cause, instead of timing out.
@@ -181,9 +195,23 @@ class GuardedRendezvousHandler:
                 "host. Run the store on a host that trains nothing (see the README, "
                 "'Where to run the rendezvous store')."
             )
-            return bool(self._inner.shutdown())
+            return self._bounded_shutdown()
         _leave_rendezvous(self._inner)
         return True
+
+    def _bounded_shutdown(self) -> bool:
+        """The inner ``shutdown()``, given up after the rendezvous's close timeout and a
+        margin: on a host cut off from the store it would block on each store request for
+        the store's read timeout, again and again, and the launcher would never exit."""
+        close = getattr(getattr(getattr(self._inner, "settings", None), "timeout", None),
+                        "close", None)
+        bound = (close.total_seconds() if close is not None else 30.0) + SHUTDOWN_MARGIN_S
+        answered, value = OneAtATime(self._inner.shutdown, "nansentinel-rdzv-close")(bound)
+        if not answered:
+            say(f"could not close the rendezvous: its store did not answer within {bound:g} s "
+                f"(is host {self._guard.hostname} cut off from it?); leaving without")
+            return False
+        return bool(value)
 
 
 def _leave_rendezvous(handler: Any) -> None:

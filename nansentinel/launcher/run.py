@@ -44,7 +44,14 @@ What happens when workers fail. torchrun's agent restarts the worker group up to
 (host, rank, exit code, time, and the sentinel's verdict when the rank left one) and exits
 with a code from :mod:`nansentinel.common.exitcodes`: 3 when the sentinel aborted on non-finite
 values, 4 on the host the sentinel excluded, 5 when a rank missed the health exchange, 1 for
-any other failure, 2 for a usage or configuration error (nothing is started then).
+any other failure, 2 for a usage or configuration error (nothing is started then), 128 + the
+signal when one stopped it (143 for SIGTERM, 130 for SIGINT).
+
+Signals. On SIGTERM, SIGINT, SIGHUP or SIGQUIT the workers get the same signal at once and
+SIGKILL 30 s later, and the launcher exits 128 + the signal within 33 s, even when its agent
+is blocked on an unreachable rendezvous store (:mod:`nansentinel.launcher.signals`). Each
+worker is started so that the kernel kills it when its launcher dies, however it dies
+(:mod:`nansentinel.launcher.orphan_guard`): no worker outlives its launcher.
 
 Host exclusion across restarts. The sentinel on global rank 0 appends a record for the bad
 host to the exclusion file, every rank writes its verdict and raises, and torchrun's agents
@@ -104,6 +111,7 @@ from nansentinel.launcher.rendezvous_guard import (
     ExclusionGuard,
     install_guard,
 )
+from nansentinel.launcher.signals import SignalBound, guarded_command
 
 _SHARE_STORE_ENV = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
 
@@ -294,7 +302,8 @@ def main(argv: list[str] | None = None) -> int:
             os.environ.setdefault(_SHARE_STORE_ENV, "1")
         # The workers' verdicts also come by socket: a full or read-only run directory
         # must not turn an abort (3), an exclusion (4) or a timeout (5) into exit 1.
-        with VerdictInbox(run_dir):
+        cmd, cmd_args = guarded_command(cmd, cmd_args)  # dies with this launcher
+        with VerdictInbox(run_dir), SignalBound():
             code = launch(launch_config, cmd, cmd_args, guard, opts.on_exclude)
     if code == EXIT_OK and created:
         _remove_empty_tree(run_dir)

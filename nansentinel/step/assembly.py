@@ -189,6 +189,11 @@ def assemble(model: torch.nn.Module | list[torch.nn.Module], asked: Asked,
     use = usage.Usage(watched.module, gradients.caps.label, lambda: end.closed)
     end = stop.RunEnd(ctx, judge, usage.chained(getattr(gradients, "release", None),
                                                 use.release))
+    if ctx.exchange.world_size > 1:
+        failed = functools.partial(stop.end_failed, config=ctx.config, identity=ctx.identity,
+                                   exchange=ctx.exchange)
+        stop.exit_on_failure(ctx.exchange, lambda: ctx.deadline.step, failed,
+                             lambda: end.clean)
     gate = choose_gate(cfg, ctx.device, optimizer, scaler=scaler, caps=gradients.caps)
     device_gate = gated_steps(ctx, judge, gate, rearm=rearm, stop_if=end.stop_if)
     if device_gate is not None:  # decided later: name from norms, hold no gradient
@@ -212,6 +217,9 @@ def context(cfg: SentinelConfig, watched: Watched, group: Any, pipelined: list[A
                         resolve_hostname(cfg.hostname, environ),
                         int(environ.get("LOCAL_RANK", "0") or 0), device)
     exchange.publish(identity)
+    # Whichever path raises a diagnosis, the launcher finds this rank's verdict first.
+    exchange.on_diagnosed = functools.partial(stop.leave_timeout_verdict, config=cfg,
+                                              identity=identity)
     deadline = watchdog.StepDeadline(
         exchange, cfg.exchange_timeout, speak=identity.rank == 0,
         on_expire=functools.partial(stop.on_timeout, config=cfg, identity=identity,

@@ -27,6 +27,7 @@ import datetime
 import json
 import logging
 import os
+import re
 import threading
 from collections.abc import Callable
 
@@ -34,6 +35,7 @@ import torch
 import torch.distributed as dist
 
 from nansentinel.common import torch_insides as insides
+from nansentinel.common.bounded import OneAtATime
 from nansentinel.result import NAMED, ExchangeTimeoutError, RankIdentity
 from nansentinel.wire.collectives import Peers
 from nansentinel.wire.schema import T
@@ -44,6 +46,16 @@ _STORE_PREFIX = "nansentinel/arrived"
 _IDENTITY_PREFIX = "nansentinel/identity"
 #: Keys asked at once when the diagnosing rank looks for the ranks that did not check in.
 _CHUNK = 1024
+#: Seconds a diagnosis gives the store beyond its own waits (a few requests, a slow answer)
+#: before it takes the store for unreachable (see :func:`store_bound`).
+_STORE_MARGIN_S = 3.0
+#: What a collective that failed in its transport says (gloo's TCP pairs, NCCL's
+#: communicators), for an error that reached the training thread outside the sentinel's own
+#: waits (FSDP's all-gather or reduce-scatter, the user's own collective): ``DistError``
+#: and its kinds say so by type; gloo raises a plain ``RuntimeError`` naming its source file.
+#: Only the backends' own words: a data loader's "Connection reset by peer" is not one.
+_TRANSPORT_FAILURE = re.compile(
+    r"gloo/transport|NCCL (error|communicator)|ncclRemoteError|ncclSystemError")
 
 
 class HealthExchange:
@@ -84,6 +96,10 @@ class HealthExchange:
         #: Seconds ``step`` has been armed on this rank (``Watchdog.armed_for``), None when it
         #: is not: a diagnosis waits for the live ranks' late check-ins from that point on.
         self.armed_for: Callable[[int], float | None] | None = None
+        #: Called once per diagnosis, with the step and the error, before the error is
+        #: raised anywhere: the run leaves its verdict there, so the launcher learns why
+        #: whichever path raised it and whatever the user's loop does with the error.
+        self.on_diagnosed: Callable[[int, ExchangeTimeoutError], None] | None = None
         # Check-in keys must not collide with an earlier attempt of the same job.
         self._attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
 
@@ -195,7 +211,19 @@ class HealthExchange:
         with self._lock:
             if self._diagnosed is None or self._diagnosed[0] != step:
                 self._diagnosed = (step, self._diagnose(step, cause))
+                if self.on_diagnosed is not None:
+                    try:
+                        self.on_diagnosed(step, self._diagnosed[1])
+                    except Exception as exc:  # the error itself must still be raised
+                        log.error("nansentinel: rank %d could not record its diagnosis of "
+                                  "step %d: %s", self.rank, step, exc)
             return self._diagnosed[1]
+
+    @property
+    def diagnosis(self) -> ExchangeTimeoutError | None:
+        """The last diagnosis this rank made (None: no collective of it failed)."""
+        diagnosed = self._diagnosed
+        return diagnosed[1] if diagnosed is not None else None
 
     def diagnosed(
         self, future: torch.futures.Future, step: int, reduced_in_place: torch.Tensor
@@ -229,11 +257,18 @@ class HealthExchange:
         return future.then(reduced)
 
     def _diagnose(self, step: int, cause: BaseException | None) -> ExchangeTimeoutError:
-        found = self._missing_ranks(step)
+        bound = self._look_in(step) + store_bound(self.timeout)
+        # The store across a partition blocks each request for its own timeout: bounded.
+        answered, found = OneAtATime(lambda: self._missing_ranks(step),
+                                     "nansentinel-diagnosis")(bound)
         me = self.identity
         where = f"rank {self.rank}" + (f" on host {me.hostname}" if me else "")
         missing: list[int] = []
-        if found is None:
+        if not answered:
+            who = (f"could not reach the rendezvous store at {store_address()} (no answer "
+                   f"in {bound:.0f} s: this host may be cut off from the others), so could not "
+                   f"tell which of the other {self.world_size - 1} rank(s) are missing")
+        elif found is None:
             who = "could not tell which ranks are missing (the rendezvous store is unreachable)"
         elif found[0]:
             missing, hosts = found
@@ -346,6 +381,37 @@ class HealthExchange:
                 host = json.loads(store.get(key)).get("hostname", "")
             out.append([r, host])
         return out
+
+
+def store_bound(timeout: float) -> float:
+    """Seconds a diagnosis waits for the rendezvous store beyond the point where it may look
+    for the missing ranks (:meth:`HealthExchange._look_in`): the other ranks' grace for the
+    answer, and a margin for the requests themselves. Past it the store counts as
+    unreachable, and the rank ends anyway, saying so (the cut-off side of a partition)."""
+    return diagnosis_grace(timeout) + _STORE_MARGIN_S
+
+
+def store_address() -> str:
+    """``host:port`` of the default group's store, for a message; "?" where it has none
+    (a file or hash store)."""
+    store = _default_store()
+    while store is not None and hasattr(store, "underlying_store"):
+        store = store.underlying_store
+    host, port = getattr(store, "host", None), getattr(store, "port", None)
+    return f"{host}:{port}" if host is not None and port is not None else "?"
+
+
+def is_transport_failure(exc: BaseException | None) -> bool:
+    """Whether ``exc``, or an error it was raised from, is a collective that failed in its
+    transport (a peer died or is cut off), as opposed to an error of the training loop."""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, ExchangeTimeoutError | dist.DistError) or (
+                isinstance(exc, RuntimeError) and _TRANSPORT_FAILURE.search(str(exc))):
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
 
 
 def nccl_failed(work: dist.Work) -> bool:

@@ -151,6 +151,19 @@ class NetnsCluster:
                 codes.append(None)
         return codes
 
+    def pids(self, host: Host) -> list[int]:
+        """Every process still living in ``host``'s network namespace."""
+        return [int(p) for p in _ip("netns", "pids", host.netns, check=False).stdout.split()]
+
+    def cut(self, host: Host) -> None:
+        """Take ``host``'s link to the bridge down: a partition. Its sockets stay open and
+        nothing is reset; packets just stop, as when a switch port dies."""
+        _ip("link", "set", self.veth(host), "down")
+
+    def veth(self, host: Host) -> str:
+        """The bridge-side end of ``host``'s link."""
+        return f"nsv{self.suffix}{self.hosts.index(host) + 1}"
+
     def log(self, name: str) -> str:
         """The output of the process started with ``log_name`` (or on host) ``name``."""
         for log in self._logs:
@@ -195,8 +208,8 @@ class NetnsCluster:
         _ip("link", "add", self.bridge, "type", "bridge")
         self._made_bridge = True
         _ip("link", "set", self.bridge, "up")
-        for i, host in enumerate(self.hosts, start=1):
-            veth = f"nsv{self.suffix}{i}"
+        for host in self.hosts:
+            veth = self.veth(host)
             _ip("netns", "add", host.netns)
             self._made_netns.append(host.netns)
             _ip("link", "add", veth, "type", "veth", "peer", "name", "eth0", "netns", host.netns)

@@ -325,3 +325,75 @@ def test_the_health_row_is_the_rows_schema() -> None:
     assert decoded == Row(4.0, 2.0, 3.0, injected=1.0, has_loss=1.0, has_grad=1.0,
                           bwd_origin=1.0, loss_origin=1.0)  # type: ignore[arg-type]
     assert BOUNDARY == ("fwd_origin", "bwd_origin", "recv_act", "recv_grad", "loss_origin")
+
+
+class _DeafStore:
+    """A store across a partition: every request blocks (as a TCPStore whose peer's link is
+    down blocks for the store's own timeout, minutes)."""
+
+    host, port = "10.0.0.1", 29400
+
+    def __init__(self) -> None:
+        import threading
+
+        self.released = threading.Event()
+
+    def _block(self, *args: object, **kwargs: object) -> None:
+        self.released.wait(60)
+        raise RuntimeError("store gone")
+
+    set = add = wait = get = check = delete_key = _block
+
+
+def test_a_store_that_never_answers_bounds_the_diagnosis_and_is_named(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The cut-off side of a partition: the diagnosis gives up on the store after its bound
+    and says what it could not reach, and every diagnosis is recorded once, first."""
+    import time
+
+    from nansentinel.wire import exchange as module
+
+    store = _DeafStore()
+    monkeypatch.setattr(module, "_default_store", lambda: store)
+    monkeypatch.setattr(module, "_STORE_MARGIN_S", 0.0)
+    monkeypatch.setattr(module, "diagnosis_grace", lambda timeout: 0.5)
+    exchange = HealthExchange(None, CPU, 0.2)
+    exchange.world_size = 4
+    exchange.armed_for = lambda step: 10.0  # the watchdog's expiry: look at once
+    recorded: list[tuple[int, str]] = []
+    exchange.on_diagnosed = lambda step, error: recorded.append((step, str(error)))
+    started = time.monotonic()
+    try:
+        error = exchange.diagnose(7, None)
+    finally:
+        store.released.set()
+    assert time.monotonic() - started < 0.1 + 0.5 + 1.0  # look_in + the store's bound + slack
+    assert "could not reach the rendezvous store at 10.0.0.1:29400 (no answer in 1 s" in str(
+        error)
+    assert "which of the other 3 rank(s) are missing" in str(error) and error.missing == []
+    assert recorded == [(7, str(error))] and exchange.diagnosis is error
+    assert exchange.diagnose(7, None) is error and len(recorded) == 1  # once per step
+
+
+def test_transport_failures_are_told_from_the_loops_own_errors() -> None:
+    import torch.distributed as dist
+
+    from nansentinel.result import ExchangeTimeoutError
+    from nansentinel.wire.exchange import is_transport_failure
+
+    gloo = RuntimeError("[third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed "
+                        "by peer [10.0.0.2]:1165")
+    assert is_transport_failure(gloo)
+    assert is_transport_failure(dist.DistBackendError("NCCL communicator was aborted"))
+    assert is_transport_failure(ExchangeTimeoutError("no answer from rank 1", [1]))
+    try:  # raised from one: DDP's wrapped callback error keeps the cause's text, others chain
+        raise ValueError("while reducing") from gloo
+    except ValueError as exc:
+        assert is_transport_failure(exc)
+    assert not is_transport_failure(RuntimeError("mat1 and mat2 shapes cannot be multiplied"))
+    # A data loader's re-raised network error is the loop's, not a collective's.
+    assert not is_transport_failure(RuntimeError("Caught ConnectionResetError in DataLoader "
+                                                 "worker process 0: Connection reset by peer"))
+    assert not is_transport_failure(torch.OutOfMemoryError("CUDA out of memory"))
+    assert not is_transport_failure(None)

@@ -246,3 +246,45 @@ def test_excluded_reads_the_file_from_the_environment_or_says_it_is_missing(
     monkeypatch.setenv("NANSENTINEL_EXCLUSION_FILE", str(path))
     assert excluded_main([]) == EXIT_OK
     assert "node9" in capsys.readouterr().out
+
+
+def test_a_store_that_never_answers_costs_the_agent_bounded_waits(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A host cut off from the rendezvous store (issue 58): the agent's poll counts as
+    "nobody waiting" after its bound, with one blocked request however often it polls, and
+    the close of the rendezvous is given up after its timeout, so the launcher can exit."""
+    import threading
+    import time
+    from datetime import timedelta
+    from types import SimpleNamespace
+
+    from nansentinel.launcher import rendezvous_guard as module
+
+    release = threading.Event()
+
+    class Deaf(_FakeDynamicHandler):
+        def num_nodes_waiting(self) -> int:
+            self.calls.append("num_nodes_waiting")
+            release.wait(30)
+            return 3
+
+        def shutdown(self) -> bool:
+            self.calls.append("shutdown")
+            release.wait(30)
+            return True
+
+    monkeypatch.setattr(module, "POLL_BOUND_S", 0.2)
+    monkeypatch.setattr(module, "SHUTDOWN_MARGIN_S", 0.3)
+    inner = Deaf()
+    inner.settings = SimpleNamespace(timeout=SimpleNamespace(close=timedelta(seconds=0.2)))
+    handler = GuardedRendezvousHandler(inner, ExclusionGuard("node3", tmp_path, None, "job-1"))
+    started = time.monotonic()
+    try:
+        assert [handler.num_nodes_waiting() for _ in range(3)] == [0, 0, 0]
+        assert inner.calls == ["num_nodes_waiting"]  # one request in flight, not three
+        assert handler.shutdown() is False  # the close timeout and the margin, then given up
+    finally:
+        release.set()
+    assert time.monotonic() - started < 3 * 0.2 + 0.5 + 2
+    assert handler.num_nodes_waiting() == 3  # the store answered at last: its answer is used

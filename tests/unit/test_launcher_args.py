@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -263,8 +264,13 @@ def test_verdict_files_are_atomic_readable_and_archived(tmp_path: Path) -> None:
 def test_exit_codes_are_the_documented_contract() -> None:
     assert (exitcodes.EXIT_OK, exitcodes.EXIT_WORKER_FAILED, exitcodes.EXIT_CONFIG,
             exitcodes.EXIT_NONFINITE_ABORT, exitcodes.EXIT_HOST_EXCLUDED,
-            exitcodes.EXIT_EXCHANGE_TIMEOUT) == (0, 1, 2, 3, 4, 5)
-    assert set(exitcodes.NAMES) == {0, 1, 2, 3, 4, 5}
+            exitcodes.EXIT_EXCHANGE_TIMEOUT, exitcodes.EXIT_SIGINT,
+            exitcodes.EXIT_SIGTERM) == (0, 1, 2, 3, 4, 5, 130, 143)
+    assert set(exitcodes.NAMES) == {0, 1, 2, 3, 4, 5, 130, 143}
+    from nansentinel.launcher.signals import signal_exit_code
+
+    assert signal_exit_code(signal.SIGTERM) == exitcodes.EXIT_SIGTERM
+    assert signal_exit_code(signal.SIGINT) == exitcodes.EXIT_SIGINT
 
 
 def test_torchrun_wrapper_script_forwards_arguments(tmp_path: Path) -> None:

@@ -100,3 +100,81 @@ def test_on_timeout_dumps_before_it_exits(
                         exchange=exchange)  # type: ignore[arg-type]
     assert events == ["verdict", "dump", "exit 5"]
     assert (tmp_path / "trace_1").exists()  # not initialised: this rank's own number
+
+
+def test_an_uncaught_collective_failure_exits_5_after_its_traceback(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The hook behind ``sys.excepthook``: a diagnosed failure, or a transport error it
+    diagnoses now, prints through the previous hook, then ends the process (exit 5 in the
+    real run); the loop's own errors, and anything after close(), only print."""
+    import sys
+
+    from nansentinel.result import ExchangeTimeoutError
+
+    printed: list[str] = []
+    monkeypatch.setattr(sys, "excepthook", lambda kind, value, tb: printed.append(str(value)))
+    diagnosed: list[int] = []
+    error = ExchangeTimeoutError("no answer from rank 1 (node3)", [1])
+
+    class Exchange:
+        world_size = 2
+        diagnosis: ExchangeTimeoutError | None = None
+
+        def diagnose(self, step: int, cause: BaseException | None) -> ExchangeTimeoutError:
+            diagnosed.append(step)
+            self.diagnosis = error
+            return error
+
+    exchange = Exchange()
+    ended: list[tuple[int, str]] = []
+    closed = [False]
+    stop.exit_on_failure(exchange, lambda: 6, lambda step, e: ended.append((step, str(e))),
+                         lambda: closed[0])  # type: ignore[arg-type]
+    first = sys.excepthook
+    sys.excepthook(ValueError, ValueError("the loop's own bug"), None)
+    assert printed == ["the loop's own bug"] and not ended and not diagnosed
+    gloo = RuntimeError("[gloo/transport/tcp/pair.cc:553] Connection closed by peer")
+    sys.excepthook(RuntimeError, gloo, None)
+    assert printed[-1] == str(gloo) and diagnosed == [6] and ended == [(6, str(error))]
+    # DDP's hook future: torch re-raises the diagnosis as a new RuntimeError; already made.
+    wrapped = RuntimeError(f"Got the following error when running the callback: {error}")
+    sys.excepthook(RuntimeError, wrapped, None)
+    assert diagnosed == [6] and ended[-1] == (6, str(error))
+    # A diagnosis stays one after close() (a loop's ``finally`` closed the sentinel)...
+    closed[0] = True
+    sys.excepthook(RuntimeError, RuntimeError("raised by close()"), None)
+    assert len(ended) == 3
+    # ...but after a clean close a transport error is no longer the run's.
+    exchange.diagnosis = None
+    sys.excepthook(RuntimeError, gloo, None)
+    assert len(ended) == 3 and diagnosed == [6]
+    # A second Sentinel replaces the hook, it does not stack on it.
+    stop.exit_on_failure(exchange, lambda: 7, lambda step, e: None, lambda: True)  # type: ignore[arg-type]
+    assert sys.excepthook.nansentinel_previous is first.nansentinel_previous  # type: ignore[attr-defined]
+
+
+def test_the_exit_comes_even_when_the_verdict_cannot_be_written(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A full or read-only run directory must not keep the watchdog's thread from ending
+    the process (it would raise there, and the rank would hang on)."""
+    from nansentinel.config import SentinelConfig
+    from nansentinel.result import ExchangeTimeoutError, RankIdentity
+
+    def full(*args: object, **kwargs: object) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(stop, "leave_verdict", full)
+
+    def exit_(code: int) -> None:
+        raise SystemExit(code)
+
+    monkeypatch.setattr(stop.os, "_exit", exit_)
+    exchange = SimpleNamespace(backend="gloo", timeout=30.0)
+    identity = RankIdentity(1, 1, 2, "node-b", "cpu", "1", "")
+    with pytest.raises(SystemExit) as info:
+        stop.end_failed(4, ExchangeTimeoutError("no answer from rank 0", [0]),
+                        config=SentinelConfig(run_dir=str(tmp_path)), identity=identity,
+                        exchange=exchange)  # type: ignore[arg-type]
+    assert info.value.code == 5
