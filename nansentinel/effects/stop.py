@@ -12,8 +12,10 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import signal
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -23,6 +25,7 @@ from nansentinel.common import torch_insides as insides
 from nansentinel.common.verdicts import (
     CLOSED,
     EXCHANGE_TIMEOUT,
+    STOPPED,
     RankVerdict,
     send_verdict,
     verdict_path,
@@ -36,12 +39,70 @@ from nansentinel.result import (
     NonFiniteError,
     RankIdentity,
     StepResult,
+    StopRequested,
 )
 from nansentinel.wire.collectives import job_rank
 from nansentinel.wire.context import Context
 from nansentinel.wire.exchange import HealthExchange, diagnosis_grace, is_transport_failure
 
 log = logging.getLogger("nansentinel")
+
+#: The signals a rank turns into a stop at the next step boundary (where it may).
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+#: The signals received, in order (the handler's only write: a list append is atomic and
+#: allocates nothing the interrupted code could hold).
+_received: list[int] = []
+
+
+def _on_stop_signal(signum: int, frame: Any) -> None:
+    """The handler: note the signal; a second one ends the process at once, by the signal
+    itself (its default action), as if nothing had been installed."""
+    if _received:
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
+        return
+    _received.append(signum)
+
+
+def _untouched(signum: int) -> bool:
+    """The process still has Python's default for ``signum`` (SIGINT's is
+    ``default_int_handler``, which raises KeyboardInterrupt), or our own handler."""
+    current = signal.getsignal(signum)
+    default = signal.default_int_handler if signum == signal.SIGINT else signal.SIG_DFL
+    return current is default or current is _on_stop_signal
+
+
+def take_stop_signals() -> tuple[int, ...]:
+    """Turn SIGTERM and SIGINT into a stop at the next step boundary on this rank: installed
+    only from the main thread and only where the process still has the default handler (a
+    framework's or the user's own handler is never replaced: that signal then does what its
+    handler does). Returns the signals taken. SIG_IGN (a process started with the signal
+    ignored) is left ignored."""
+    if threading.current_thread() is not threading.main_thread():
+        return ()
+    taken = []
+    for signum in STOP_SIGNALS:
+        if _untouched(signum):
+            signal.signal(signum, _on_stop_signal)
+            taken.append(int(signum))
+    return tuple(taken)
+
+
+def give_back_stop_signals(taken: tuple[int, ...]) -> None:
+    """The defaults back where this rank took them and nobody replaced ours since; any
+    request not yet acted on is forgotten (a later Sentinel in this process starts clean)."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    for signum in taken:
+        if signal.getsignal(signum) is _on_stop_signal:
+            signal.signal(signum, signal.default_int_handler if signum == signal.SIGINT
+                          else signal.SIG_DFL)
+    _received.clear()
+
+
+def stop_requested() -> int:
+    """The first stop signal this rank received (0: none): read when its row is packed."""
+    return _received[0] if _received else 0
 
 
 def leave_verdict(
@@ -320,12 +381,18 @@ class RunEnd:
         """The run was stopped here: this rank's verdict is left already."""
         self.clean = False
         """Every rank met at the closing barrier: the run ended well."""
+        self.stopping: tuple[int, int] | None = None
+        """``(signal, step)``: a step decided with a stop request; the next call ends here."""
+        self.signals: tuple[int, ...] = ()
+        """The stop signals this rank took (:func:`take_stop_signals`), given back at the end."""
 
     def stop_if(self, decision: Decision, result: StepResult, *, serve: bool = True) -> None:
         """Raise the decision's abort (or exclusion) on this rank, everything on disk first.
         ``serve``: flush the exporter and linger for a last scrape first; False where a wider
         scope still decides the step (it leaves, and serves the end, once it has agreed)."""
         if not decision.stops:
+            if result.stop_signal and self.stopping is None:
+                self.stopping = (result.stop_signal, result.step)
             return
         self.stopped = True
         metrics = self.judge.metrics if serve else None
@@ -336,10 +403,29 @@ class RunEnd:
         stop(self.ctx, decision, result, describe_abort(decision, result),
              lingering=metrics is not None)
 
+    def end_if_stopping(self) -> None:
+        """At a sentinel call after a step decided with a stop request (the same step on
+        every rank): leave the ``stopped`` verdict, shut, and raise :class:`StopRequested`
+        (exit 128 + the signal). No collective: every rank decided the same from the same
+        sums, and the loop had that step's result to checkpoint."""
+        if self.stopping is None:
+            return
+        signum, step = self.stopping
+        self.stopped = True
+        name = signal.Signals(signum).name
+        leave_verdict(self.ctx.config, self.ctx.identity, step, STOPPED,
+                      f"{name} asked the run to stop; every rank stopped after step {step}",
+                      signal=signum)
+        log.warning("nansentinel: rank %d stops after step %d: %s asked the run to stop",
+                    self.ctx.identity.rank, step, name)
+        self.shut()
+        raise StopRequested(signum, step)
+
     def close(self, resolve: Callable[[], None], last_step: int) -> None:
         """``resolve()`` the pending step, meet every rank at one barrier (unless a collective
         failed: the group cannot be trusted with another), leave a ``closed`` verdict, shut.
-        Once only."""
+        Once only. After a step decided with a stop request: the ``stopped`` verdict, and
+        :class:`StopRequested` raised (exit 128 + the signal)."""
         if self.closed:
             return
         self.closed = True
@@ -349,11 +435,12 @@ class RunEnd:
                 with self.ctx.guarded():
                     self.ctx.peers.barrier()
                 self.clean = True
-                if not self.stopped:
+                if not self.stopped and self.stopping is None:
                     leave_verdict(self.ctx.config, self.ctx.identity, last_step, CLOSED,
                                   "the sentinel closed cleanly: training finished")
         finally:
             self.shut()
+        self.end_if_stopping()
 
     def shut(self) -> None:
         """Stop the exporter and the watchdog (no collective)."""
@@ -362,6 +449,8 @@ class RunEnd:
         if metrics is not None:
             metrics.close()
         self.ctx.deadline.close()
+        signals, self.signals = self.signals, ()
+        give_back_stop_signals(signals)
         release, self.release = self.release, None
         if release is not None:
             release()

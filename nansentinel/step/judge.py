@@ -32,6 +32,7 @@ from nansentinel.decide.policy import (
     History,
     blamed,
     decide,
+    requested_stop,
 )
 from nansentinel.decide.spikes import SpikeDetector, Spikes
 from nansentinel.effects import drop, scaling
@@ -271,6 +272,7 @@ class StepJudge:
             rolled_back_to=rolled_back_to, lr_factor=self.cooldown.lr_factor,
             lr_held=self.lr.held_at(view.step),
             reason=decision.reason, reached=view.reached, buffers_restored=buffers_restored,
+            stop_signal=requested_stop(view.totals),
         )
 
     # --- what the checkpoint keeps -----------------------------------------------------------

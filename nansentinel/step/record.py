@@ -205,7 +205,9 @@ class PendingResult:
     reason = _Decided[str]()
     reached = _Decided[list[int]]()
     buffers_restored = _Decided[int]()
+    stop_signal = _Decided[int]()
     healthy = _Decided[bool]()
+    stop_requested = _Decided[bool]()
 
     def __init__(self, resolve: Callable[[], None], early: Callable[[str], Any]) -> None:
         self._resolve: Callable[[], None] | None = resolve
