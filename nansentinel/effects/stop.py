@@ -49,19 +49,26 @@ log = logging.getLogger("nansentinel")
 
 #: The signals a rank turns into a stop at the next step boundary (where it may).
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
-#: The signals received, in order (the handler's only write: a list append is atomic and
-#: allocates nothing the interrupted code could hold).
-_received: list[int] = []
+#: Seconds after the first stop signal within which another is a copy of it, not a second
+#: request: one scheduler's SIGTERM reaches a worker up to three times within moments (Slurm
+#: signals every process of the step, ``nansentinel run`` forwards it at once, torchrun's agent
+#: once its main thread runs Python). Later, a second signal ends the process at once.
+REPEAT_WINDOW_S = 5.0
+#: ``(signal, monotonic time)`` of the first stop signal received (the handler's only write:
+#: a list append, which allocates nothing the interrupted code could hold).
+_received: list[tuple[int, float]] = []
 
 
 def _on_stop_signal(signum: int, frame: Any) -> None:
-    """The handler: note the signal; a second one ends the process at once, by the signal
-    itself (its default action), as if nothing had been installed."""
-    if _received:
+    """The handler: note the signal; a second one past :data:`REPEAT_WINDOW_S` ends the
+    process at once, by the signal itself (its default action), as if nothing had been
+    installed."""
+    now = time.monotonic()
+    if not _received:
+        _received.append((signum, now))
+    elif now - _received[0][1] > REPEAT_WINDOW_S:
         signal.signal(signum, signal.SIG_DFL)
         os.kill(os.getpid(), signum)
-        return
-    _received.append(signum)
 
 
 def _untouched(signum: int) -> bool:
@@ -100,9 +107,38 @@ def give_back_stop_signals(taken: tuple[int, ...]) -> None:
     _received.clear()
 
 
+def end_if_asked(step: int, *, config: SentinelConfig, identity: RankIdentity) -> None:
+    """Before a failed collective is diagnosed: a rank a signal already asked to stop ends at
+    once with 128 + the signal and a ``stopped`` verdict, not at a common step (its peers never
+    reached one: a dead peer, or torchrun stopping the survivors for a restart, which must not
+    wait for the naming). Otherwise nothing."""
+    signum = stop_requested()
+    if not signum:
+        return
+    name = signal.Signals(signum).name
+    message = (f"{name} asked the run to stop and step {step}'s collectives failed (a peer "
+               "is gone): this rank stopped at once, not at a step every rank agreed on; "
+               "resume from the last checkpoint")
+    log.error("nansentinel: rank %d: %s", identity.rank, message)
+    try:
+        leave_verdict(config, identity, step, STOPPED, message, signal=signum)
+    finally:
+        _flush()
+        os._exit(128 + signum)
+
+
+def _flush() -> None:
+    """The logs and the standard streams out before an ``os._exit``."""
+    for handler in logging.getLogger().handlers + log.handlers:
+        handler.flush()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+
+
 def stop_requested() -> int:
     """The first stop signal this rank received (0: none): read when its row is packed."""
-    return _received[0] if _received else 0
+    return _received[0][0] if _received else 0
 
 
 def leave_verdict(
@@ -259,11 +295,7 @@ def end_failed(
     if dumped is not None:
         log.error("nansentinel: rank %d left NCCL's flight recorder in %s",
                   identity.rank, dumped)
-    for handler in logging.getLogger().handlers + log.handlers:
-        handler.flush()
-    for stream in (sys.stdout, sys.stderr):
-        with contextlib.suppress(Exception):
-            stream.flush()
+    _flush()
     if identity.rank == 0:
         # Without torchrun's agent store, rank 0 hosts the rendezvous store: linger so the
         # other live ranks can finish their own diagnosis before it goes away.
