@@ -54,21 +54,41 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 #: signals every process of the step, ``nansentinel run`` forwards it at once, torchrun's agent
 #: once its main thread runs Python). Later, a second signal ends the process at once.
 REPEAT_WINDOW_S = 5.0
-#: ``(signal, monotonic time)`` of the first stop signal received (the handler's only write:
-#: a list append, which allocates nothing the interrupted code could hold).
+#: ``(signal, monotonic time)`` of the first stop signal received.
 _received: list[tuple[int, float]] = []
+#: The wakeup pipe's ``(read end, write end)`` while this module holds Python's wakeup fd.
+_wakeup: list[tuple[int, int]] = []
 
 
-def _on_stop_signal(signum: int, frame: Any) -> None:
-    """The handler: note the signal; a second one past :data:`REPEAT_WINDOW_S` ends the
-    process at once, by the signal itself (its default action), as if nothing had been
-    installed."""
+def _note(signum: int) -> None:
+    """A stop signal arrived: the first is the request; a copy within
+    :data:`REPEAT_WINDOW_S` is the same one; a later one ends the process at once."""
     now = time.monotonic()
     if not _received:
         _received.append((signum, now))
     elif now - _received[0][1] > REPEAT_WINDOW_S:
-        signal.signal(signum, signal.SIG_DFL)
-        os.kill(os.getpid(), signum)
+        _flush()
+        os._exit(128 + signum)
+
+
+def _on_stop_signal(signum: int, frame: Any) -> None:
+    """The Python-level handler: only a note (none at all while the wakeup thread notes: it
+    sees each signal at once, even while the main thread is blocked in a C++ collective,
+    where this handler cannot run)."""
+    if not _wakeup:
+        _note(signum)
+
+
+def _listen(read_end: int, taken: frozenset[int]) -> None:
+    """The wakeup thread: Python's C-level handler writes each signal's number to the pipe
+    at once, whatever the main thread is blocked in; note the stop signals."""
+    with contextlib.suppress(OSError):
+        while data := os.read(read_end, 64):
+            for signum in data:
+                if signum in taken:
+                    _note(signum)
+    with contextlib.suppress(OSError):
+        os.close(read_end)
 
 
 def _untouched(signum: int) -> bool:
@@ -84,7 +104,8 @@ def take_stop_signals() -> tuple[int, ...]:
     only from the main thread and only where the process still has the default handler (a
     framework's or the user's own handler is never replaced: that signal then does what its
     handler does). Returns the signals taken. SIG_IGN (a process started with the signal
-    ignored) is left ignored."""
+    ignored) is left ignored. Where nobody holds Python's wakeup fd (``signal.set_wakeup_fd``:
+    asyncio's loop would), a thread of its own hears the signals through it."""
     if threading.current_thread() is not threading.main_thread():
         return ()
     taken = []
@@ -92,18 +113,37 @@ def take_stop_signals() -> tuple[int, ...]:
         if _untouched(signum):
             signal.signal(signum, _on_stop_signal)
             taken.append(int(signum))
+    if taken and not _wakeup:
+        read_end, write_end = os.pipe()
+        os.set_blocking(write_end, False)
+        theirs = signal.set_wakeup_fd(write_end, warn_on_full_buffer=False)
+        if theirs == -1:
+            _wakeup.append((read_end, write_end))
+            threading.Thread(target=_listen, args=(read_end, frozenset(taken)),
+                             name="nansentinel-signals", daemon=True).start()
+        else:  # someone else's: theirs back, and the handler notes alone
+            signal.set_wakeup_fd(theirs)
+            os.close(read_end)
+            os.close(write_end)
     return tuple(taken)
 
 
 def give_back_stop_signals(taken: tuple[int, ...]) -> None:
-    """The defaults back where this rank took them and nobody replaced ours since; any
-    request not yet acted on is forgotten (a later Sentinel in this process starts clean)."""
+    """The defaults back where this rank took them and nobody replaced ours since, the wakeup
+    fd released; any request not yet acted on is forgotten (a later Sentinel in this process
+    starts clean)."""
     if threading.current_thread() is not threading.main_thread():
         return
     for signum in taken:
         if signal.getsignal(signum) is _on_stop_signal:
             signal.signal(signum, signal.default_int_handler if signum == signal.SIGINT
                           else signal.SIG_DFL)
+    if _wakeup and taken:
+        _, write_end = _wakeup.pop()
+        now = signal.set_wakeup_fd(-1)
+        if now not in (-1, write_end):  # replaced since: keep theirs
+            signal.set_wakeup_fd(now)
+        os.close(write_end)  # the thread reads its end of file and ends
     _received.clear()
 
 

@@ -29,6 +29,7 @@ import logging
 import os
 import re
 import threading
+import time
 from collections.abc import Callable
 
 import torch
@@ -265,8 +266,14 @@ class HealthExchange:
     def _diagnose(self, step: int, cause: BaseException | None) -> ExchangeTimeoutError:
         bound = self._look_in(step) + store_bound(self.timeout)
         # The store across a partition blocks each request for its own timeout: bounded.
-        answered, found = OneAtATime(lambda: self._missing_ranks(step),
-                                     "nansentinel-diagnosis")(bound)
+        call = OneAtATime(lambda: self._missing_ranks(step), "nansentinel-diagnosis")
+        until = time.monotonic() + bound
+        while True:  # in slices: a stop a signal asks meanwhile ends it (before_diagnosis)
+            answered, found = call(max(0.0, min(0.5, until - time.monotonic())))
+            if answered or time.monotonic() >= until:
+                break
+            if self.before_diagnosis is not None:
+                self.before_diagnosis(step)
         me = self.identity
         where = f"rank {self.rank}" + (f" on host {me.hostname}" if me else "")
         missing: list[int] = []
