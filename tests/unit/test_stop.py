@@ -232,7 +232,6 @@ def test_sigterm_becomes_a_stop_only_where_the_default_handler_was(mode: str) ->
     REPEAT_WINDOW_S (the launcher chain's) changes nothing; a second SIGTERM after it ends the
     process at once, with 143."""
     import os
-    import signal
     import subprocess
     import sys
 
