@@ -91,6 +91,31 @@ def _listen(read_end: int, taken: frozenset[int]) -> None:
         os.close(read_end)
 
 
+def _forget_in_child() -> None:
+    """After a fork (a DataLoader's workers): the child is not the rank. It must not write its
+    own signals into the rank's wakeup pipe nor take them as stop requests: Python's wakeup fd
+    and the defaults back, the pipe's ends closed, nothing noted."""
+    if _wakeup:
+        read_end, write_end = _wakeup.pop()
+        with contextlib.suppress(ValueError, OSError):
+            now = signal.set_wakeup_fd(-1)
+            if now not in (-1, write_end):  # not ours any more: leave it as it was
+                signal.set_wakeup_fd(now)
+        for fd in (read_end, write_end):
+            with contextlib.suppress(OSError):
+                os.close(fd)
+    for signum in STOP_SIGNALS:
+        with contextlib.suppress(ValueError, OSError):  # ValueError: forked off another thread
+            if signal.getsignal(signum) is _on_stop_signal:
+                signal.signal(signum, signal.default_int_handler if signum == signal.SIGINT
+                              else signal.SIG_DFL)
+    _received.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_in_child)
+
+
 def _untouched(signum: int) -> bool:
     """The process still has Python's default for ``signum`` (SIGINT's is
     ``default_int_handler``, which raises KeyboardInterrupt), or our own handler."""

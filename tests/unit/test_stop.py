@@ -197,9 +197,22 @@ def step():
     loss.backward()
     return s.step()
 step()
-os.kill(os.getpid(), signal.SIGTERM)
+if mode != "fork":
+    os.kill(os.getpid(), signal.SIGTERM)
 if mode == "user":  # the user's handler kept: it ran, and no stop is asked
     print("user", seen == [signal.SIGTERM], step().stop_requested, flush=True)
+    s.close()
+    sys.exit(0)
+if mode == "fork":  # a DataLoader worker's SIGTERM is the worker's, not the rank's
+    pid = os.fork()
+    if pid == 0:
+        os.kill(os.getpid(), signal.SIGTERM)
+        os._exit(0)
+    _, status = os.waitpid(pid, 0)
+    import time
+    time.sleep(0.3)  # the rank's signal thread would have noted a byte by now
+    print("fork", os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGTERM,
+          step().stop_requested, flush=True)
     s.close()
     sys.exit(0)
 if mode == "twice":
@@ -210,6 +223,7 @@ if mode == "twice":
     print("copy kept", s.check_batch(torch.ones(1, 2)) is not None, flush=True)
     time.sleep(0.5)
     os.kill(os.getpid(), signal.SIGTERM)  # a second request ends the process at once
+    time.sleep(2)  # (the signal thread's exit takes milliseconds)
     print("still alive", flush=True)
     sys.exit(0)
 result = step()
@@ -224,7 +238,7 @@ except nansentinel.StopRequested as exc:
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("mode", ["default", "user", "twice"])
+@pytest.mark.parametrize("mode", ["default", "user", "twice", "fork"])
 def test_sigterm_becomes_a_stop_only_where_the_default_handler_was(mode: str) -> None:
     """With the default handler, SIGTERM becomes a stop after the step that carries it: the
     result says so, the next sentinel call raises StopRequested (exit 143, the default handler
@@ -247,6 +261,8 @@ def test_sigterm_becomes_a_stop_only_where_the_default_handler_was(mode: str) ->
         assert "Traceback" not in proc.stderr
     elif mode == "user":
         assert proc.returncode == 0 and lines[0] == "user True False", proc.stderr[-3000:]
+    elif mode == "fork":  # the forked child died by its SIGTERM; the rank was not asked
+        assert proc.returncode == 0 and lines[0] == "fork True False", proc.stderr[-3000:]
     else:
         assert proc.returncode == 143, proc.stderr[-3000:]
         assert lines[0] == "copy kept True" and "still alive" not in proc.stdout
