@@ -199,6 +199,8 @@ def step():
 step()
 if mode != "fork":
     os.kill(os.getpid(), signal.SIGTERM)
+    import time
+    time.sleep(0.2)  # the signal thread notes it within milliseconds; then the row carries it
 if mode == "user":  # the user's handler kept: it ran, and no stop is asked
     print("user", seen == [signal.SIGTERM], step().stop_requested, flush=True)
     s.close()

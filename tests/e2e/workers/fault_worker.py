@@ -76,6 +76,7 @@ for step in range(args.steps):
         time.sleep(args.pause)
     if mine and step == args.term_at:
         os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.2)  # noted (by the signal thread) before this step's row is packed
     loss.backward()
     result = sentinel.step()
     optimizer.zero_grad()
