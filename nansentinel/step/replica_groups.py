@@ -67,8 +67,10 @@ class ReplicaGroups:
         self.drop = False
         #: torchft's step when the step in progress began (the count reports are named by).
         self.began = 0
-        #: torchft steps at which this group's host was struck (within ``strike_window``).
-        self.strikes: list[int] = []
+        #: torchft steps at which each of this group's hosts was struck (within
+        #: ``strike_window``); every rank of the group counts the same strikes (the group's
+        #: blame is agreed inside it), and only the struck host's ranks act on them.
+        self.strikes: dict[str, list[int]] = {}
         self._grads: list[Any] = []
         self._parts: Parts | None = None
 
@@ -135,13 +137,18 @@ class ReplicaGroups:
         names: list[dict[str, Any]] | None = []
         strikes = 0
         kept = self._kept(health, config)
+        culprits = self._culprits(local, parts.ctx.world_size)
         if health is not None and health.bad:
             # A strike only while some group is healthy: when every group is poisoned the
             # cause is global (learning rate, data), and striking hosts would shrink the job.
-            if here and local.bad_ranks and health.bad < manager.num_participants():
-                strikes = self._strike(began, local.verdict, config)
-            leaving = stopping is not None or strikes >= config.host_strikes
-            mine = self._name(local, leaving, strikes) if here else None
+            if here and culprits and health.bad < manager.num_participants():
+                struck = self._strike(began, {h for _, h in culprits}, local.verdict, config)
+                strikes = struck.get(parts.ctx.identity.hostname, 0)
+                out = max(struck.values(), default=0) >= config.host_strikes
+            else:
+                out = False
+            leaving = stopping is not None or out
+            mine = self._name(local, culprits, leaving, strikes) if here else None
             names = gather_names(manager, mine, device)
             if kept is None:
                 manager.report_error(RuntimeError(
@@ -161,8 +168,10 @@ class ReplicaGroups:
         result: FTStepResult = group_result(local, names or [], Decided(
             began, committed, committed and optimizer_step, regrouped, kept))
         self._say(result)
-        if strikes >= config.host_strikes:
-            stopping = self._struck_out(result, strikes)
+        if strikes >= config.host_strikes:  # only the culprit host's ranks leave with it
+            recorded = isinstance(stopping, HostExcludedError) and (
+                parts.ctx.identity.hostname in stopping.result.excluded_hosts)
+            stopping = self._struck_out(result, strikes, recorded)
             result = stopping.result  # type: ignore[assignment]  # built as an FTStepResult
         if stopping is None and config.policy == "abort" and result.poisoned:
             result = dataclasses.replace(result, outcome=Outcome.ABORTED)
@@ -220,18 +229,40 @@ class ReplicaGroups:
             return None
         return total - health.bad
 
-    def _strike(self, step: int, verdict: str | None, config: SentinelConfig) -> int:
-        """One strike against this group's host at torchft's ``step`` (not when a replay
-        blamed the data or a divergence); the strikes within ``strike_window``."""
+    def _strike(self, step: int, hosts: set[str], verdict: str | None,
+                config: SentinelConfig) -> dict[str, int]:
+        """One strike against each culprit host of this group at torchft's ``step`` (not when
+        a replay blamed the data or a divergence); each host's strikes within
+        ``strike_window``."""
         if verdict in ("data", "divergence"):
-            return 0
+            return {}
         horizon = step - config.strike_window
-        self.strikes = [s for s in self.strikes if s > horizon] + [step]
-        return len(self.strikes)
+        for host in hosts:
+            self.strikes[host] = [s for s in self.strikes.get(host, []) if s > horizon] + [step]
+        return {host: len(self.strikes[host]) for host in hosts}
 
-    def _struck_out(self, result: FTStepResult, strikes: int) -> HostExcludedError:
+    def _culprits(self, local: StepResult, world_size: int) -> list[tuple[int, str]]:
+        """The ranks (inside the replica group) and hosts this group blames, as its ranks
+        agreed them: the same on every rank of the group, so every group rank tells the
+        other groups the group's own blame, not its own position. A sentinel alone in its
+        process group (a rank of a group whose ranks share no exchange) blames itself. With
+        several culprit hosts whose ranks cannot be paired (the result keeps them apart),
+        each host is named with rank -1."""
+        if not local.bad_ranks:
+            return []
+        if world_size == 1:
+            return [(self.group_rank, self._bound().ctx.identity.hostname)]
+        if len(local.bad_hosts) == 1:
+            return [(rank, local.bad_hosts[0]) for rank in local.bad_ranks]
+        if len(local.bad_ranks) == 1 == len(local.bad_hosts):
+            return [(local.bad_ranks[0], local.bad_hosts[0])]
+        return [(-1, host) for host in local.bad_hosts]
+
+    def _struck_out(self, result: FTStepResult, strikes: int, recorded: bool
+                    ) -> HostExcludedError:
         """This group's host was struck ``host_strikes`` times: its record for the launcher
-        (``exclusion_file``), and the error this group raises once it has left."""
+        (``exclusion_file``; not again where the group's own ranks already excluded it,
+        ``recorded``), and the error this group raises once it has left."""
         ctx = self._bound().ctx
         config, host = ctx.config, ctx.identity.hostname
         message = (f"nansentinel: host {host} (replica group {self.group}, rank "
@@ -239,7 +270,7 @@ class ReplicaGroups:
                    f"{config.strike_window} steps, at torchft step {result.torchft_step}: "
                    "this replica group leaves the quorum (Manager.shutdown); the others go on "
                    "at the next quorum without a restart")
-        if config.exclusion_file:
+        if config.exclusion_file and not recorded:
             ExclusionStore(config.exclusion_file).add(ExclusionRecord(
                 host=host, reason=f"host {host} blamed {strikes} times within "
                 f"{config.strike_window} steps", step=result.torchft_step,
@@ -252,13 +283,15 @@ class ReplicaGroups:
                                        excluded_hosts=sorted({*result.excluded_hosts, host}))
         return HostExcludedError(message, excluded)
 
-    def _name(self, local: StepResult, leaving: bool, strikes: int) -> dict[str, Any]:
-        """What this poisoned group tells every group (bounded: it travels in
-        :data:`~nansentinel.wire.replica_groups.NAME_BYTES`)."""
-        return {"group": self.group[:100], "rank": self.group_rank,
-                "host": self._bound().ctx.identity.hostname[:100], "step": self.began,
-                "kinds": local.kinds, "reason": local.reason[:120], "leaving": leaving,
-                "strikes": strikes}
+    def _name(self, local: StepResult, culprits: list[tuple[int, str]], leaving: bool,
+              strikes: int) -> dict[str, Any]:
+        """What this poisoned group tells every group: the culprits (rank inside the group,
+        host) its ranks agreed on, or none when it skipped without one (a spike, a
+        quarantined batch). Bounded: it travels in
+        :data:`~nansentinel.wire.replica_groups.NAME_BYTES`."""
+        return {"group": self.group[:100], "step": self.began, "kinds": local.kinds,
+                "reason": local.reason[:80], "leaving": leaving, "strikes": strikes,
+                "culprits": [[rank, host[:100]] for rank, host in culprits[:3]]}
 
     def _say(self, result: FTStepResult) -> None:
         """One line on every group naming the poisoned groups, and what happens next."""
