@@ -77,6 +77,9 @@ class TorchFTPath:
         self.drop_flag: Callable[[], torch.Tensor] | None = None
         #: The flag this step's buckets were withheld by (None: not dropping).
         self.withheld: torch.Tensor | None = None
+        #: The replica groups' scope whose health row leaves with the last bucket (its
+        #: ``row()``, and ``carried`` where the summed row comes back); None: it does not.
+        self.rider: Any = None
         self._norms = BucketNorms(model)
         model._hook_state.path = self
 
@@ -154,15 +157,25 @@ def _comm_hook(state, bucket):
     path: TorchFTPath | None = state.path
     buffer = bucket.buffer()
     started = time.perf_counter()
+    sent = buffer
     if path is not None:
         path.before_reduction(bucket)
+        if path.rider is not None and bucket.is_last():  # the health row rides along
+            sent = torch.cat([buffer.reshape(-1), path.rider.row().to(buffer.dtype)])
     spent = time.perf_counter() - started
-    work = state.manager.allreduce(buffer)
+    work = state.manager.allreduce(sent)
     work.wait()  # torchft's hook waits too; a failure is reported to the manager here
     future = work.get_future()
     inner = getattr(future, "_fut", future)  # _ManagedFuture: the torch future inside
-    if inner is None:  # the all-reduce failed before torchft chained it: a regroup
-        inner = torch.futures.Future()
+    if sent is not buffer:
+        path.rider.carried = None  # type: ignore[union-attr]
+        if inner is not None:
+            summed = inner.wait()  # averaged over the participants
+            buffer.copy_(summed[:buffer.numel()].view_as(buffer))
+            path.rider.carried = summed[buffer.numel():]  # type: ignore[union-attr]
+        inner = None
+    if inner is None:  # the all-reduce failed before torchft chained it (a regroup), or the
+        inner = torch.futures.Future()  # row was split off the bucket
         inner.set_result(buffer)
     if path is not None:
         started = time.perf_counter()

@@ -36,7 +36,14 @@ from nansentinel.result import (
     Outcome,
     StepResult,
 )
-from nansentinel.wire.replica_groups import agree, gather_names, health_row
+from nansentinel.wire.replica_groups import (
+    agree,
+    carried,
+    device_row,
+    gather_names,
+    health_row,
+    shared_in_group,
+)
 from nansentinel.wire.schema import GroupTotals
 
 if TYPE_CHECKING:
@@ -73,6 +80,12 @@ class ReplicaGroups:
         self.strikes: dict[str, list[int]] = {}
         self._grads: list[Any] = []
         self._parts: Parts | None = None
+        #: The health rows leave with the gradients' last all-reduce (no round trip of their
+        #: own), where the gradient path carries them and the groups' decision is the
+        #: non-finite rule alone (not under ``policy="drop"`` or a spike action ``skip``).
+        self.riding = False
+        #: This step's rows as they came back with the gradients (set by the gradient path).
+        self.carried: Any = None
 
     # --- the Scope's calls -------------------------------------------------------------------
 
@@ -114,6 +127,17 @@ class ReplicaGroups:
             current = parts.current
             parts.gradients.drop_flag = lambda: current.local.poisoned()  # type: ignore[attr-defined]
         parts.detector.incidents.step_of = lambda _: self.began
+        config = parts.ctx.config
+        spikes_skip = "skip" in (config.loss_spike_action, config.grad_spike_action)
+        if hasattr(parts.gradients, "rider") and not self.drop and not spikes_skip:
+            self.riding = True
+            parts.gradients.rider = self
+
+    def row(self) -> Any:
+        """This rank's row for the gradients' last all-reduce, on the device (no host sync),
+        once the step's last gradients were checked."""
+        local = self._bound().current.local
+        return device_row(local.row(), self.manager.participating_rank())
 
     def begin(self) -> None:
         parts = self._bound()
@@ -131,30 +155,37 @@ class ReplicaGroups:
         parts, manager = self._bound(), self.manager
         config, began, device = parts.ctx.config, self.began, parts.ctx.device
         here = not local.applied
-        withheld = self.drop and parts.gradients.take_withheld()  # type: ignore[attr-defined]
-        health = agree(manager, health_row(here, local.kinds, manager.participating_rank(),
-                                           withheld), device)
+        participants = int(manager.num_participants())
+        if self.riding:  # the rows came back with the last gradients
+            summed, self.carried = self.carried, None
+            health = None if manager.errored() is not None else carried(summed, participants)
+        else:
+            withheld = self.drop and parts.gradients.take_withheld()  # type: ignore[attr-defined]
+            health = agree(manager, health_row(here, local.kinds, manager.participating_rank(),
+                                               withheld), device)
         names: list[dict[str, Any]] | None = []
-        strikes = 0
+        strikes, out, mine = 0, False, None
         kept = self._kept(health, config)
         culprits = self._culprits(local, parts.ctx.world_size)
-        if health is not None and health.bad:
+        if here and health is not None:
             # A strike only while some group is healthy: when every group is poisoned the
             # cause is global (learning rate, data), and striking hosts would shrink the job.
-            if here and culprits and health.bad < manager.num_participants():
+            if culprits and health.bad < participants:
                 struck = self._strike(began, {h for _, h in culprits}, local.verdict, config)
                 strikes = struck.get(parts.ctx.identity.hostname, 0)
                 out = max(struck.values(), default=0) >= config.host_strikes
-            else:
-                out = False
-            leaving = stopping is not None or out
-            mine = self._name(local, culprits, leaving, strikes) if here else None
+            mine = self._name(local, culprits, stopping is not None or out, strikes)
+        if health is not None and health.bad:  # the same count on every group of this ring
             names = gather_names(manager, mine, device)
-            if kept is None:
-                manager.report_error(RuntimeError(
-                    f"nansentinel: {health.bad} replica group(s) did not apply step {began}"))
+        if health is not None and (health.bad or here) and kept is None:
+            manager.report_error(RuntimeError(
+                f"nansentinel: replica group {self.group} or a peer did not apply step {began}"))
         regrouped = health is None or names is None
         committed = bool(manager.should_commit())
+        if self.riding and not committed and parts.ctx.world_size > 1:
+            # Agreed inside the group: every rank learns what any ring of it was told.
+            names = shared_in_group(parts.ctx.peers.group, [*(names or []),
+                                                            *([mine] if mine else [])])
         optimizer = parts.judge.optimizer
         if committed and kept is not None:  # dropped: the others' mean, on every group
             for p, g in zip(parts.watched.module.parameters(), self._grads, strict=True):

@@ -7,7 +7,6 @@ and names g1's rank 1 and its host, and only that host is struck."""
 from __future__ import annotations
 
 import json
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +16,7 @@ torchft = pytest.importorskip("torchft")
 
 from tests.distributed import torchft_hsdp  # noqa: E402
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = pytest.mark.timeout(420)
 
 CULPRIT = [("g1", 1, "node1r1", True)]
 
@@ -28,7 +27,7 @@ def _check_sentinel_run(records: dict[tuple[int, int], dict[str, Any]], excluded
         assert rec["finite"], (gid, grank, rec)
         vetoed = [(step, names) for step, committed, names in rec["steps"] if not committed]
         # Every rank of every group: step 3 vetoed, g1's rank 1 on node1r1 named, leaving.
-        assert vetoed == [(3, CULPRIT)], ((gid, grank), rec["steps"])
+        assert vetoed == [(3, CULPRIT)], ((gid, grank), rec["steps"], rec["error"])
     for grank in (0, 1):  # g0 trains on without a restart after g1 left
         rec = records[(0, grank)]
         assert rec["error"] is None, rec
@@ -58,10 +57,10 @@ def test_fsdp2_and_ddp_groups_of_two_ranks_blame_the_culprit_on_every_group(
                                 "exclusion_file": str(tmp_path / "ddp.jsonl")}}),
         "bare": ("fsdp2", None),
     }
-    with ThreadPoolExecutor(len(arms)) as pool:
-        futures = {name: pool.submit(torchft_hsdp.run, tmp_path / name, layout, sentinel)
-                   for name, (layout, sentinel) in arms.items()}
-        runs = {name: f.result() for name, f in futures.items()}
+    # One arm at a time: twelve ranks at once on a loaded 2-core machine miss torchft's
+    # quorum and gloo timeouts.
+    runs = {name: torchft_hsdp.run(tmp_path / name, layout, sentinel)
+            for name, (layout, sentinel) in arms.items()}
     _check_sentinel_run(runs["fsdp2"], tmp_path / "fsdp2.jsonl")
     _check_sentinel_run(runs["ddp"], tmp_path / "ddp.jsonl")
     bare = runs["bare"]

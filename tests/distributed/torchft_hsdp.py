@@ -171,7 +171,12 @@ def run(tmp: Path, layout: str, sentinel: dict[Any, Any] | None, timeout: float 
             except queue_module.Empty:
                 dead = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
                 assert not dead, f"a rank died without a record (exit codes {dead})"
-                assert time.monotonic() < deadline, "a replica group hung"
+                missing = sorted({(g, r) for g in (0, 1) for r in (0, 1)}
+                                 - {(o["gid"], o["rank"]) for o in records})
+                ended = [(o["gid"], o["rank"], o["error"], o["steps"][-1:]) for o in records]
+                assert time.monotonic() < deadline, (
+                    f"{layout}, sentinel {sentinel is not None}: ranks (group, rank) {missing} "
+                    f"hung; the others ended with {ended}")
         for p in procs:
             p.join(timeout=30)
     finally:
