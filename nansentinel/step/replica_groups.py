@@ -66,8 +66,11 @@ class ReplicaGroups:
     """
 
     def __init__(self, manager: Any, *, group: str, group_rank: int, rollback: str,
-                 by_hand: bool) -> None:
+                 by_hand: bool, carrier: Any = None) -> None:
         self.manager, self.group, self.group_rank = manager, group, group_rank
+        #: What carries the health row with the gradients where the gradient path does not
+        #: (torchft's FSDP2 all-reduce hooks: engines/torchft.AllReduceHookRider).
+        self.carrier = carrier
         self.rollback, self.by_hand = rollback, by_hand
         #: ``policy="drop"`` is carried out across the groups here; each group decides its
         #: own step as ``skip`` (a group of one cannot leave itself out).
@@ -129,9 +132,10 @@ class ReplicaGroups:
         parts.detector.incidents.step_of = lambda _: self.began
         config = parts.ctx.config
         spikes_skip = "skip" in (config.loss_spike_action, config.grad_spike_action)
-        if hasattr(parts.gradients, "rider") and not self.drop and not spikes_skip:
+        carrier = self.carrier if self.carrier is not None else parts.gradients
+        if hasattr(carrier, "rider") and not self.drop and not spikes_skip:
             self.riding = True
-            parts.gradients.rider = self
+            carrier.rider = self
 
     def row(self) -> Any:
         """This rank's row for the gradients' last all-reduce, on the device (no host sync),
@@ -158,7 +162,12 @@ class ReplicaGroups:
         participants = int(manager.num_participants())
         if self.riding:  # the rows came back with the last gradients
             summed, self.carried = self.carried, None
+            if self.carrier is not None:
+                self.carrier.reset()
             health = None if manager.errored() is not None else carried(summed, participants)
+            if health is None:  # the row did not come back: nothing is known of the others
+                manager.report_error(RuntimeError(
+                    f"nansentinel: step {began}'s health row did not come back"))
         else:
             withheld = self.drop and parts.gradients.take_withheld()  # type: ignore[attr-defined]
             health = agree(manager, health_row(here, local.kinds, manager.participating_rank(),

@@ -25,6 +25,7 @@ def _check_sentinel_run(records: dict[tuple[int, int], dict[str, Any]], excluded
     """The veto, the blame and the strike as the issue's contract says."""
     for (gid, grank), rec in records.items():
         assert rec["finite"], (gid, grank, rec)
+        assert rec["riding"], "the health row took a round trip of its own"
         vetoed = [(step, names) for step, committed, names in rec["steps"] if not committed]
         # Every rank of every group: step 3 vetoed, g1's rank 1 on node1r1 named, leaving.
         assert vetoed == [(3, CULPRIT)], ((gid, grank), rec["steps"], rec["error"])
@@ -46,7 +47,8 @@ def _check_sentinel_run(records: dict[tuple[int, int], dict[str, Any]], excluded
 def test_fsdp2_and_ddp_groups_of_two_ranks_blame_the_culprit_on_every_group(
         tmp_path: Path) -> None:
     """FSDP2 (shard degree 2) inside each of two replica groups and, beside it, nansentinel's
-    torchft DDP with two ranks a group; host_strikes=1. On both layouts every rank of both
+    torchft DDP with two ranks a group; host_strikes=1; the health rows ride with the last
+    FSDP all-reduce hook call / the last DDP bucket. On both layouts every rank of both
     groups vetoes step 3 and names (g1, rank 1, node1r1); only node1r1 is excluded; g0 trains
     on alone. Without the sentinel (FSDP2, the same NaN batch), the NaN reaches the weights
     of every rank of every group."""

@@ -99,6 +99,8 @@ def rank_main(address: str, ports: list[int], gid: int, grank: int, tmp: str, la
                               **sentinel.get(gid, {}), **sentinel.get("all", {}))
                  if sentinel is not None else None)
         nan_at = (sentinel or {}).get("nan_at", NAN_AT)
+        # Whether the health row leaves with the gradients (no round trip of its own).
+        out["riding"] = guard is not None and nft.groups_of(guard).riding
         generator = torch.Generator().manual_seed(100 * gid + grank)
         for _ in range(STEPS):
             opt.zero_grad()
