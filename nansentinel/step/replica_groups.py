@@ -1,13 +1,18 @@
 """torchft's replica groups as an agreement scope of the Sentinel (step/assembly.Scope): one
 veto on every replica group, and a poisoned group leaves live (docs/torchft.md).
 
-torchft's ``Manager.should_commit()`` agrees within one replica group only. After the ranks
-of a group decided their own step (the optimizer not stepped), every group sums one small
-health row through ``Manager.allreduce`` (wire/replica_groups.py), so every group sees the
-same count of groups that did not apply; a step that some group did not apply is reported to
-every manager (``report_error``), so that ``should_commit()`` is False on every group at the
-same step and nothing non-finite is ever committed, or served to a healing peer. The poisoned
-groups are named (group, rank, host) on every group. A host struck ``host_strikes`` times
+torchft's ``Manager.should_commit()`` agrees within one replica group only. Each rank's small
+health row (its non-finite flags) leaves with its last gradients, appended to the last DDP
+bucket or FSDP all-reduce hook call, through ``Manager.allreduce`` (wire/replica_groups.py),
+and comes back summed over the same rank of every group; where a group cannot carry it
+(``policy="drop"``, a spike action ``skip``, gradients reduced by hand) every group sums one
+row of its own decision through ``Manager.allreduce`` at ``step()`` instead. A step that some
+rank of some group flagged (or that this group did not apply) is reported to the manager
+(``report_error``), so that ``should_commit()`` is False on every group at the same step and
+nothing non-finite is ever committed, or served to a healing peer. The culprits are named
+(group, the culprit's rank inside it, its host) on every rank of every group: each group rank
+tells the other groups its group's agreed blame, and a group that did not commit shares what
+its ranks were told inside the group. A host struck ``host_strikes`` times
 raises :class:`HostExcludedError` in its group after it shut its manager down: the lighthouse
 drops it at the next quorum and the others train on. Under ``policy="drop"`` a group whose
 batch or loss was non-finite sends zeros instead, and every group commits the others' mean.

@@ -1,13 +1,15 @@
 """What torchft's replica groups tell each other about a step, through torchft's own managed
 all-reduce (``Manager.allreduce``).
 
-Every step, every group sums one small row (:func:`agree`, laid out by
-:class:`~nansentinel.wire.schema.GroupTotals`, the wire schema's): how many groups did not
-apply the step, which kinds, how many of them sent zeros (``policy="drop"``). Only when that
-count is not zero, the groups' identities travel (:func:`gather_names`): one row of bytes per
-participating group, where only the poisoned ones write. Both go through the manager, at the
-same point of every step on every group, so a dead peer errors the manager (a regroup at the
-next quorum) instead of raising; a group that heals contributes zeros.
+Each rank's row (:func:`device_row`, laid out by :class:`~nansentinel.wire.schema.GroupTotals`)
+is built on the device before its last gradients leave and travels appended to them; it comes
+back summed over the same rank of every group (:func:`carried`). Where it cannot ride, every
+group sums one row of its own decision at ``step()`` (:func:`agree`). Only when a count is
+not zero, the groups' identities travel (:func:`gather_names`): one row of bytes per
+participating group, where only the poisoned ones write, then, in a group of several ranks,
+are shared inside it (:func:`shared_in_group`). All go through the manager at the same point
+of every step on every group, so a dead peer errors the manager (a regroup at the next
+quorum) instead of raising; a group that heals contributes zeros.
 """
 
 from __future__ import annotations
