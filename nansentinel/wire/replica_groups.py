@@ -46,7 +46,7 @@ def device_row(row: torch.Tensor, replica_rank: int | None) -> torch.Tensor:
     from its health row (``checks.health.Row``, fp32) without a host sync: flagged where its
     batch, loss or gradients are non-finite or its batch is quarantined (the rule
     ``wire.schema.skip_count`` applies), which kinds, and its replica rank + 1 when flagged."""
-    nonfinite = (~torch.isfinite(row[[R.batch_norm, R.loss_value, R.grad_norm_value]])).float()
+    nonfinite = (~torch.isfinite(row[R.batch_norm:R.grad_norm_value + 1])).float()
     bad = ((nonfinite.sum() + row[R.quarantined]) > 0).float()
     index = bad * float((replica_rank or 0) + 1)
     return torch.cat([bad.reshape(1), nonfinite, index.reshape(1), torch.zeros_like(bad)
