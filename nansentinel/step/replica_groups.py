@@ -169,10 +169,14 @@ class ReplicaGroups:
             summed, self.carried = self.carried, None
             if self.carrier is not None:
                 self.carrier.reset()
-            health = None if manager.errored() is not None else carried(summed, participants)
-            if health is None:  # the row did not come back: nothing is known of the others
-                manager.report_error(RuntimeError(
-                    f"nansentinel: step {began}'s health row did not come back"))
+            if manager.errored() is not None:
+                health = None
+            elif summed is None:  # no last hook call this step (every group runs the same
+                # model, so none had one): the row goes on its own, on every group alike
+                health = agree(manager, health_row(here, local.kinds,
+                                                   manager.participating_rank()), device)
+            else:
+                health = carried(summed, participants)
         else:
             withheld = self.drop and parts.gradients.take_withheld()  # type: ignore[attr-defined]
             health = agree(manager, health_row(here, local.kinds, manager.participating_rank(),

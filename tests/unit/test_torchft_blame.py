@@ -89,3 +89,32 @@ def test_the_ride_along_row_flags_a_non_finite_or_quarantined_rank() -> None:
     totals = carried(averaged, 3)
     assert totals is not None and totals.bad == 1 and totals.loss == 1 and totals.single == 2
     assert carried(None, 3) is None
+
+
+def test_the_row_rides_in_the_last_fsdp_all_reduce_hook_call() -> None:
+    """Two FSDP parameter groups with torchft's hook: the first call goes to the user's hook
+    as it is; the second (the step's last) goes with the row appended and comes back split:
+    the shard averaged, the row in ``carried``."""
+    import pytest
+
+    pytest.importorskip("torchft")
+    from nansentinel.engines.torchft import AllReduceHookRider
+
+    seen: list[int] = []
+
+    def average_over_two(out: torch.Tensor) -> None:  # as if a peer sent zeros
+        seen.append(out.numel())
+        out.div_(2)
+
+    groups = [SimpleNamespace(_all_reduce_hook=average_over_two) for _ in range(2)]
+    rider = AllReduceHookRider(groups)
+    rider.rider = SimpleNamespace(row=lambda: torch.tensor([1.0, 0.0, 0.0, 1.0, 2.0, 0.0]),
+                                  carried=None)
+    first, last = torch.full((2, 2), 4.0), torch.full((3,), 8.0)
+    groups[0]._all_reduce_hook(first)
+    groups[1]._all_reduce_hook(last)
+    assert seen == [4, 3 + 6]
+    assert first.tolist() == [[2.0, 2.0], [2.0, 2.0]] and last.tolist() == [4.0, 4.0, 4.0]
+    assert rider.rider.carried.tolist() == [0.5, 0.0, 0.0, 0.5, 1.0, 0.0]
+    totals = carried(rider.rider.carried, 2)
+    assert totals is not None and totals.bad == 1 and totals.single == 1
