@@ -153,13 +153,17 @@ class StepResult:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class PoisonedGroup:
-    """A replica group (one of its ranks) that did not apply a step, as it named itself."""
+    """A replica group that did not apply a step, and one culprit in it, as the group named
+    itself (a group with two culprit ranks is two of these)."""
 
     group: str
     """The replica group's id (``Manager(replica_id=...)``)."""
     rank: int
-    """The rank inside the replica group."""
+    """The culprit's rank inside the replica group, as the group's ranks agreed it (-1: the
+    group skipped without a culprit rank, or its culprits' ranks and hosts could not be
+    paired)."""
     host: str
+    """The culprit's host ("" where the group skipped without a culprit)."""
     step: int
     """torchft's step (``Manager.current_step()``), the same on every group."""
     kinds: list[str]
