@@ -35,6 +35,8 @@ arms
   recover   the sentinel with spikes="recover" (config.SPIKE_PRESETS["recover"]).
   recover_nojump  recover without the jump rule (lr_jump_ratio=0): what the rollback's own
             learning-rate rules (the known-good cap, the quiet window, clean snapshots) do.
+  recover_skip_collapse  recover with collapse_action="skip": the collapsed steps skipped
+            rather than only marked (issue 60 chose marking from this arm's figures).
   olmo      OLMo-core's SkipStepOptimizer: skip when the loss or the grad norm is 6 sigma above
             the mean of the last 128 steps (after 20).
   zclip     ZClip: clip the grad norm at its EMA mean + 2.5 EMA std (alpha 0.97, 25 warm-up).
@@ -90,8 +92,8 @@ DEGENERATE = {
 RAMP = 16  # steps until a degenerate shard fills whole batches
 CASES = ("stable", "lr_spike", "lr_long", "bad_shard", "fp16", "slow_climb", "lr_typo",
          *DEGENERATE)
-ARMS = ("none", "clip", "skip", "rollback", "recover", "recover_nojump", "olmo", "zclip", "spam",
-        "palm")
+ARMS = ("none", "clip", "skip", "rollback", "recover", "recover_nojump", "recover_skip_collapse",
+        "olmo", "zclip", "spam", "palm")
 
 
 # --- the corpus --------------------------------------------------------------------------------
@@ -321,6 +323,8 @@ def sentinel_kwargs(arm: str) -> dict[str, Any] | None:
         return {"spikes": "recover"}
     if arm == "recover_nojump":
         return {"spikes": "recover", "lr_jump_ratio": 0}
+    if arm == "recover_skip_collapse":
+        return {"spikes": "recover", "collapse_action": "skip"}
     return None
 
 
