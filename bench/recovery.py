@@ -25,6 +25,15 @@ cases
               by a rule past the edge of stability).
   lr_typo     the peak learning rate 30x from the first step, and no warm-up (a typo in the
               config, a recipe copied from a smaller model): no good state ever existed.
+  degenerate data (issue 60): a shard whose rows take a growing share of each batch (one more
+              sixteenth a step, RAMP) and are easy to fit, so the loss collapses towards 0,
+              then real data returns and the loss jumps against weights that learned it:
+  constant    every label the same token, 24 steps from step 150 (a label column filled by
+              a bug).
+  constant_early  the same, 20 steps from step 60 (while the loss still descends).
+  padding     a shard of padding (inputs and labels all the pad token), 28 steps from 150.
+  padding_late  the same, 30 steps from step 220 (little time left to recover).
+  copied      the inputs copied into the labels (a shift forgotten), 24 steps from 150.
 
 arms
   none      the loop as it is (the fp16 case keeps its GradScaler).

@@ -275,11 +275,17 @@ class SpikeDetector:
             for s in SIGNALS
         )
 
-    def near(self, totals: Totals) -> bool:
+    def near(self, totals: Totals, level: float | None = None) -> bool:
         """The cluster mean's loss is in its normal band, neither half-way up to a spike nor
-        down to a collapse: after a rollback, the restored state does what it was known to."""
+        down to a collapse, and (given the ``level`` saved with the snapshot restored) not
+        half-way (geometrically) up to a spike over that level either: after a rollback, the
+        restored state does what it was known to."""
         series, mean = self.cluster["loss"], totals.mean("loss")
-        return mean is None or (series.quiet(mean) and series.in_band(mean))
+        if mean is None:
+            return True
+        if level is not None and level > 0 and mean >= math.sqrt(series.ratio) * level:
+            return False
+        return series.quiet(mean) and series.in_band(mean)
 
     def ratios(self, own: OwnRow) -> dict[str, float]:
         """Signal -> this rank's value over its running median, for the signals it spiked on."""

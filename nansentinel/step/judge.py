@@ -100,6 +100,8 @@ class StepJudge:
         #: The spike references as they were when the snapshot was kept: a rollback puts them
         #: back, so the steps after it are judged against what that state was known to do.
         self._anchors: dict[int, dict[str, Any]] = {}
+        #: The cluster's loss at the snapshot last restored (its level, for the check).
+        self._level: float | None = None
 
     @property
     def amp(self) -> bool:
@@ -133,7 +135,7 @@ class StepJudge:
         ) if bad or spikes else (None, {})
         snapshot_step = self._snapshot_choice()
         evidence = Evidence(self.amp, spikes, verdict, snapshot_step,
-                            near=self.spikes.near(totals))
+                            near=self.spikes.near(totals, self._level))
         decision = decide(view, self.history, self.config, evidence)
         self.history.record(view, decision, self.config, evidence)
         rolled_back_to, restored, not_ours = self._act(decision, view, own, record,
@@ -216,7 +218,8 @@ class StepJudge:
             self.lr.rolled_back()
             anchor = self._anchors.get(rolled_back_to)
             if anchor is not None:  # re-anchored: judged against what that state did
-                self.spikes.load_state_dict(anchor, self.rank)
+                self.spikes.load_state_dict(anchor["spikes"], self.rank)
+                self._level = anchor["level"]
         return rolled_back_to, restored, 0.0
 
     def _leave_out(self, decision: Decision, view: ClusterView, own: OwnRow) -> int:
@@ -284,7 +287,8 @@ class StepJudge:
             snaps.save(view.step)
             self.lr.snapshot_taken()
             self.history.snapshot_kept(view.step, applied_after, self.config.snapshot_keep)
-            self._anchors[view.step] = self.spikes.state_dict()
+            self._anchors[view.step] = {"spikes": self.spikes.state_dict(),
+                                        "level": view.totals.mean("loss")}
             kept = set(snaps.steps if isinstance(snaps, SnapshotRing) else [view.step])
             self._anchors = {s: a for s, a in self._anchors.items() if s in kept}
 
