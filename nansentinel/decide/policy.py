@@ -350,7 +350,14 @@ def decide(view: ClusterView, history: History, config: SentinelConfig,
             return _rollback(history, config, Decision(SKIP, (), reason, SPIKE, overflow),
                              snapshot_step)
         if action == "skip":
-            return Decision(SKIP, (), reason, SPIKE, overflow)
+            skip = Decision(SKIP, (), reason, SPIKE, overflow)
+            if history.consecutive_skips >= config.max_consecutive_skips and not spikes.in_data:
+                # Every step spiking against a level the run has left: skipping cannot end
+                # it, as a skipped step changes nothing (issue 60: nothing skips forever).
+                return _over(skip, config, f"{reason}; {history.consecutive_skips} steps "
+                             f"skipped in a row (max_consecutive_skips="
+                             f"{config.max_consecutive_skips})")
+            return skip
     if history.skip_batches > 0:
         return _bounded(history, config, Decision(
             SKIP, (), f"discarding batches after a rollback ({history.skip_batches} left)",

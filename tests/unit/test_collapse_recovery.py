@@ -126,3 +126,27 @@ def test_max_lost_steps_ends_a_recovery_at_its_bound(tmp_path: Path, bound: int)
     assert 0 < len(unapplied) <= bound, unapplied
     over = [r for r in results if "max_lost_steps=" in r.reason]
     assert over and over[0].applied
+
+
+def test_skip_spike_action_stops_skipping_after_max_consecutive_skips(tmp_path: Path) -> None:
+    """A ``skip`` spike action against a level the run has left (every step spiking) skips
+    ``max_consecutive_skips`` steps, then the next applies, says why and restarts the
+    references: it does not skip to the end of the run."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-4)
+    results = []
+    with nansentinel.Sentinel(model, opt, report_dir=str(tmp_path), env={}, metrics_port=0,
+                              loss_spike_action="skip", spike_warmup=5, spike_window=20,
+                              max_consecutive_skips=4) as sentinel:
+        for step in range(60):
+            x = torch.randn(64, 8)
+            loss = torch.nn.functional.mse_loss(model(x), x.sum(1, keepdim=True))
+            loss = loss * (30.0 if step >= 30 else 1.0)
+            sentinel.check_loss(loss)
+            loss.backward()
+            results.append(sentinel.step())
+            opt.zero_grad(set_to_none=True)
+    skipped = [r.step for r in results if not r.applied]
+    assert skipped == [30, 31, 32, 33], skipped
+    assert "max_consecutive_skips=4" in results[34].reason and results[34].applied
