@@ -107,7 +107,10 @@ class SentinelConfig:
 
     max_consecutive_skips: int = 5
     """After this many skipped steps in a row the skip policy escalates to abort: a run that
-    skips every step is not training, and the operator should know."""
+    skips every step is not training, and the operator should know. A ``skip`` spike action
+    stops after this many spiking steps in a row instead (the next applies and the spike
+    references restart; ``policy="abort"``: abort): a skipped step changes nothing, so a
+    level the run has left would be skipped to the end (issue 60)."""
 
     hostname: str | None = None
     """Host identity used in blame, reports and metrics. ``None`` means: ``NODE_NAME``
