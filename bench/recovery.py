@@ -25,6 +25,15 @@ cases
               by a rule past the edge of stability).
   lr_typo     the peak learning rate 30x from the first step, and no warm-up (a typo in the
               config, a recipe copied from a smaller model): no good state ever existed.
+  degenerate data (issue 60): a shard whose rows take a growing share of each batch (one more
+              sixteenth a step, RAMP) and are easy to fit, so the loss collapses towards 0,
+              then real data returns and the loss jumps against weights that learned it:
+  constant    every label the same token, 24 steps from step 150 (a label column filled by
+              a bug).
+  constant_early  the same, 20 steps from step 60 (while the loss still descends).
+  padding     a shard of padding (inputs and labels all the pad token), 28 steps from 150.
+  padding_late  the same, 30 steps from step 220 (little time left to recover).
+  copied      the inputs copied into the labels (a shift forgotten), 24 steps from 150.
 
 arms
   none      the loop as it is (the fp16 case keeps its GradScaler).
@@ -35,6 +44,8 @@ arms
   recover   the sentinel with spikes="recover" (config.SPIKE_PRESETS["recover"]).
   recover_nojump  recover without the jump rule (lr_jump_ratio=0): what the rollback's own
             learning-rate rules (the known-good cap, the quiet window, clean snapshots) do.
+  recover_skip_collapse  recover with collapse_action="skip": the collapsed steps skipped
+            rather than only marked (issue 60 chose marking from this arm's figures).
   olmo      OLMo-core's SkipStepOptimizer: skip when the loss or the grad norm is 6 sigma above
             the mean of the last 128 steps (after 20).
   zclip     ZClip: clip the grad norm at its EMA mean + 2.5 EMA std (alpha 0.97, 25 warm-up).
@@ -78,9 +89,20 @@ import nansentinel
 V, SEQ, BATCH, D_MODEL, LAYERS, HEADS = 32, 32, 16, 48, 2, 4
 STEPS, WARMUP, LR = 300, 20, 3e-3
 FAULT_AT = 150
-CASES = ("stable", "lr_spike", "lr_long", "bad_shard", "fp16", "slow_climb", "lr_typo")
-ARMS = ("none", "clip", "skip", "rollback", "recover", "recover_nojump", "olmo", "zclip", "spam",
-        "palm")
+#: The degenerate-data family (issue 60): case -> (what the batches hold, first step, steps).
+#: The loss collapses on them (an easy target), then jumps when real data returns.
+DEGENERATE = {
+    "constant": ("constant", FAULT_AT, 24),
+    "constant_early": ("constant", 60, 20),
+    "padding": ("padding", FAULT_AT, 28),
+    "padding_late": ("padding", 220, 30),
+    "copied": ("copied", FAULT_AT, 24),
+}
+RAMP = 16  # steps until a degenerate shard fills whole batches
+CASES = ("stable", "lr_spike", "lr_long", "bad_shard", "fp16", "slow_climb", "lr_typo",
+         *DEGENERATE)
+ARMS = ("none", "clip", "skip", "rollback", "recover", "recover_nojump", "recover_skip_collapse",
+        "olmo", "zclip", "spam", "palm")
 
 
 # --- the corpus --------------------------------------------------------------------------------
@@ -104,6 +126,21 @@ def corpus(seed: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
     return tokens, column
 
 
+def degenerate(kind: str, x: torch.Tensor, col: torch.Tensor, y: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A batch of degenerate data, as pipelines make it: every label the same token
+    (``constant``: a label column filled by a bug), a shard of padding (``padding``: inputs and
+    labels all the pad token, its column zero), or the inputs copied into the labels
+    (``copied``: a shift forgotten). Each is easy to fit: the loss falls far below its level."""
+    if kind == "constant":
+        return x, col, torch.full_like(y, 3)
+    if kind == "padding":
+        return torch.zeros_like(x), torch.zeros_like(col), torch.zeros_like(y)
+    if kind == "copied":
+        return x, col, x.clone()
+    raise ValueError(f"unknown degenerate data {kind!r}")
+
+
 class Data:
     """Train batches by step (the same for every arm), and a fixed held-out set."""
 
@@ -124,7 +161,16 @@ class Data:
             col *= 1000.0  # the column of a shard preprocessed without its scaler
         if case == "fp16" and FAULT_AT <= step < FAULT_AT + 5:
             col *= 1e5  # enough to overflow a float16 residual stream
-        return {"x": x, "col": col, "y": tokens[idx[:, 1:]]}
+        y = tokens[idx[:, 1:]]
+        if case in DEGENERATE:
+            kind, start, length = DEGENERATE[case]
+            if start <= step < start + length:
+                # the shard's rows take a growing share of the batch as the others run out
+                rows = min(BATCH, BATCH * (step - start + 1) // RAMP)
+                bx, bcol, by = degenerate(kind, x, col, y)
+                x, col, y = x.clone(), col.clone(), y.clone()
+                x[:rows], col[:rows], y[:rows] = bx[:rows], bcol[:rows], by[:rows]
+        return {"x": x, "col": col, "y": y}
 
     def val_batches(self) -> Iterator[dict[str, torch.Tensor]]:
         tokens, column = self.val
@@ -286,6 +332,8 @@ def sentinel_kwargs(arm: str) -> dict[str, Any] | None:
         return {"spikes": "recover"}
     if arm == "recover_nojump":
         return {"spikes": "recover", "lr_jump_ratio": 0}
+    if arm == "recover_skip_collapse":
+        return {"spikes": "recover", "collapse_action": "skip"}
     return None
 
 
@@ -339,7 +387,7 @@ def run(case: str, arm: str, seed: int, steps: int = STEPS) -> dict[str, Any]:
                     applied.append(step)
                 if result.rolled_back_to is not None:  # the state before that step's update
                     applied = [s for s in applied if s < result.rolled_back_to]
-                if result.outcome != "applied" or result.spikes:
+                if result.outcome != "applied" or result.spikes or result.collapsed:
                     actions += 1
                 held += bool(getattr(result, "lr_held", False))  # a jump held (issue 52)
                 opt.zero_grad(set_to_none=True)

@@ -12,6 +12,7 @@ sentinel adds to a healthy step.
 
     python bench/torchft_processes.py                      # 3 groups, 2 rounds of 60 steps
     python bench/torchft_processes.py --groups 2 --rounds 1 --steps 20
+    python bench/torchft_processes.py --layout fsdp2       # FSDP2 + torchft's all-reduce hook
 """
 
 from __future__ import annotations
@@ -27,7 +28,31 @@ from typing import Any
 ARMS = ("torchft", "sentinel")
 
 
-def _group(address: str, gid: int, groups: int, arm: str, steps: int, queue: Any) -> None:
+def _fsdp2(module: Any, manager: Any, store: Any) -> Any:
+    """torchft's FSDP2 recipe on a group of one rank: ``fully_shard`` over the group's own gloo
+    group, each FSDP module's all-reduce hook averaging across the groups through a
+    ``ManagedProcessGroup`` (torchtitan's fault-tolerant layout)."""
+    import torch.distributed as dist
+    from torch.distributed import PrefixStore
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+    from torchft.process_group import ManagedProcessGroup
+
+    dist.init_process_group("gloo", store=PrefixStore("group", store), rank=0, world_size=1)
+    mesh = DeviceMesh("cpu", [0])
+    for layer in module:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(module, mesh=mesh)
+    replicate = ManagedProcessGroup(manager)
+    for m in module.modules():
+        if isinstance(m, FSDPModule):
+            m.set_all_reduce_hook(
+                lambda out: dist.all_reduce(out, group=replicate, op=dist.ReduceOp.AVG))
+    return module
+
+
+def _group(address: str, gid: int, groups: int, arm: str, steps: int, layout: str,
+           queue: Any) -> None:
     """One replica group (one rank): its step times after a warm-up, and the health row's."""
     import torch
     from torch.distributed import TCPStore
@@ -63,8 +88,11 @@ def _group(address: str, gid: int, groups: int, arm: str, steps: int, queue: Any
         world_size=1, lighthouse_addr=address, timeout=timedelta(seconds=60))
     times: list[float] = []
     try:
+        if layout == "fsdp2":
+            model: Any = _fsdp2(module, manager, store)
+            opt = torch.optim.SGD(model.parameters(), lr=0.01)
         if arm == "torchft":
-            model: Any = TorchFTDDP(manager, module)
+            model = TorchFTDDP(manager, module) if layout == "ddp" else model
             wrapper = OptimizerWrapper(manager, opt)
             for _ in range(steps):
                 started = time.perf_counter()
@@ -73,8 +101,10 @@ def _group(address: str, gid: int, groups: int, arm: str, steps: int, queue: Any
                 wrapper.step()
                 times.append(time.perf_counter() - started)
         else:
-            model = nft.DistributedDataParallel(manager, module)
-            sentinel = nft.Sentinel(model, opt, metrics_port=0, env={})
+            if layout == "ddp":
+                model = nft.DistributedDataParallel(manager, module)
+            own = {"manager": manager} if layout == "fsdp2" else {}
+            sentinel = nft.Sentinel(model, opt, metrics_port=0, env={}, **own)
             for _ in range(steps):
                 started = time.perf_counter()
                 opt.zero_grad()
@@ -92,7 +122,8 @@ def _group(address: str, gid: int, groups: int, arm: str, steps: int, queue: Any
     queue.put((gid, times[warmup:], rows[warmup:]))
 
 
-def round_of(arm: str, groups: int, steps: int) -> tuple[list[float], list[float]]:
+def round_of(arm: str, groups: int, steps: int, layout: str
+             ) -> tuple[list[float], list[float]]:
     """One round: ``groups`` processes; their step times and health-row times after warm-up."""
     from torchft._torchft import LighthouseServer
 
@@ -100,7 +131,8 @@ def round_of(arm: str, groups: int, steps: int) -> tuple[list[float], list[float
                              heartbeat_timeout_ms=5000)
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    procs = [ctx.Process(target=_group, args=(house.address(), g, groups, arm, steps, queue))
+    procs = [ctx.Process(target=_group, args=(house.address(), g, groups, arm, steps, layout,
+                                                   queue))
              for g in range(groups)]
     try:
         for p in procs:
@@ -123,21 +155,27 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--groups", type=int, default=3)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--layout", choices=("ddp", "fsdp2"), default="ddp",
+                        help="nansentinel's torchft DDP, or FSDP2 with torchft's all-reduce hook")
     args = parser.parse_args(argv)
     samples: dict[str, list[float]] = {arm: [] for arm in ARMS}
     rows: list[float] = []
     for _ in range(args.rounds):
         for arm in ARMS:
-            times, row = round_of(arm, args.groups, args.steps)
+            times, row = round_of(arm, args.groups, args.steps, args.layout)
             samples[arm] += times
             rows += row
+    print(f"layout {args.layout}, {args.groups} groups")
     base = statistics.median(samples["torchft"])
     for arm in ARMS:
         median = statistics.median(samples[arm])
         print(f"{arm:9s} median step {median * 1e3:7.2f} ms  ({median / base:.3f}x torchft, "
               f"{len(samples[arm])} steps)")
-    print(f"health row all-reduce median {statistics.median(rows) * 1e3:.2f} ms "
-          f"({len(rows)} steps)")
+    if rows:  # a round trip of its own: only where the row cannot ride with the gradients
+        print(f"health row all-reduce median {statistics.median(rows) * 1e3:.2f} ms "
+              f"({len(rows)} steps)")
+    else:
+        print("health row: no round trip of its own (it left with the gradients)")
     return 0
 
 

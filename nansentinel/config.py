@@ -39,6 +39,7 @@ SPIKE_ACTIONS: tuple[SpikeAction, ...] = get_args(SpikeAction)
 GATES: tuple[Gate, ...] = get_args(Gate)
 DIVERGENCE_ACTIONS: tuple[DivergenceAction, ...] = get_args(DivergenceAction)
 SpikePreset = Literal["warn", "recover"]
+CollapseAction = Literal["warn", "skip"]
 SPIKE_PRESETS: dict[str, dict[str, Any]] = {
     # Today's behaviour: spikes are reported (incident, metrics) and the step applied.
     "warn": {},
@@ -56,6 +57,9 @@ SPIKE_PRESETS: dict[str, dict[str, Any]] = {
         # a rollback, a jump held, the backoff over after 20 clean steps, clean snapshots).
         "rollback_lr_cap": True, "lr_jump_ratio": 4.0, "rollback_lr_quiet_steps": 20,
         "rollback_clean_snapshots": True,
+        # issue 60: a rollback that does not bring the loss back within 5 steps is not
+        # repeated to the same snapshot, and a recovery leaves at most 60 steps unapplied.
+        "rollback_check_steps": 5, "max_lost_steps": 60, "snapshot_keep": 2,
     },
 }
 DEFAULT_METRICS_PORT = 9410
@@ -105,7 +109,10 @@ class SentinelConfig:
 
     max_consecutive_skips: int = 5
     """After this many skipped steps in a row the skip policy escalates to abort: a run that
-    skips every step is not training, and the operator should know."""
+    skips every step is not training, and the operator should know. A ``skip`` spike action
+    stops after this many spiking steps in a row instead (the next applies and the spike
+    references restart; ``policy="abort"``: abort): a skipped step changes nothing, so a
+    level the run has left would be skipped to the end (issue 60)."""
 
     hostname: str | None = None
     """Host identity used in blame, reports and metrics. ``None`` means: ``NODE_NAME``
@@ -225,6 +232,29 @@ class SentinelConfig:
     """During the backoff, a snapshot is kept only after a clean step (quiet, the schedule under
     the known-good rate, no group held, a normal update): a state damaged just after a rollback
     is never kept as good. ``spikes="recover"``: True."""
+
+    # --- collapses and the bounds of a recovery (issue 60, docs/recovery.md) ----------------
+    collapse_action: CollapseAction = "warn"
+    """What a collapse (the cluster mean's loss or gradient norm far below its running level:
+    degenerate data) does besides being reported: ``warn`` (the step applies; no snapshot is
+    kept while it lasts) or ``skip``."""
+
+    rollback_check_steps: int = 0
+    """After a rollback, the cluster's loss must come back into its normal band (the level
+    saved with the snapshot) within this many steps; if it does not, that snapshot is not
+    restored again, and the next spike that would roll back to it ends the recovery instead
+    (the steps apply, the references restart; ``policy="abort"``: abort). 0: not checked.
+    ``spikes="recover"``: 5."""
+
+    snapshot_keep: int = 1
+    """Snapshots kept in host memory (each a full one): a rollback whose snapshot did not
+    bring the loss back (``rollback_check_steps``) goes on to the older one.
+    ``spikes="recover"``: 2."""
+
+    max_lost_steps: int = 0
+    """The most steps one recovery may leave unapplied (skipped, rolled back over, discarded
+    after a rollback) before it ends the same way; a recovery ends when a new snapshot is
+    kept. 0: no bound. ``spikes="recover"``: 60."""
 
     replay: bool = True
     """After a detection, replay the batch to tell data, host and transient faults apart
@@ -350,6 +380,7 @@ class SentinelConfig:
         _require_int("rollback_skip_batches", self.rollback_skip_batches, minimum=0)
         _require_int("max_rollbacks", self.max_rollbacks, minimum=1)
         _check_lr_rules(self)
+        _check_recovery_bounds(self)
         _require_int("quarantine_size", self.quarantine_size, minimum=1)
         _require_int("quarantine_steps", self.quarantine_steps, minimum=1)
         for name in ("replay", "replay_anomaly", "save_batches"):
@@ -618,6 +649,16 @@ def _check_lr_rules(config: SentinelConfig) -> None:
             ratio == 0 or 1 < ratio < float("inf")):
         raise ConfigError(f"lr_jump_ratio={shown(ratio)} must be 0 (off) or a finite number > 1")
     _require_int("rollback_lr_quiet_steps", config.rollback_lr_quiet_steps, minimum=0)
+
+
+def _check_recovery_bounds(config: SentinelConfig) -> None:
+    """The collapse and recovery-bound fields (issue 60)."""
+    if config.collapse_action not in get_args(CollapseAction):
+        raise ConfigError(f"collapse_action={config.collapse_action!r} is not a collapse "
+                          f"action; expected one of {', '.join(get_args(CollapseAction))}")
+    _require_int("rollback_check_steps", config.rollback_check_steps, minimum=0)
+    _require_int("max_lost_steps", config.max_lost_steps, minimum=0)
+    _require_int("snapshot_keep", config.snapshot_keep, minimum=1)
 
 
 def _require_int(field: str, value: object, *, minimum: int) -> None:

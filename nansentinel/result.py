@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+from typing import Any
 
 #: The kinds of local check, in the order of the health vector.
 KINDS = ("batch", "loss", "grad")
@@ -133,6 +134,13 @@ class StepResult:
     had applied and this step ran at its last applied rate instead (docs/recovery.md)."""
     reason: str = ""
     """Why the step was not applied as is (empty when it was)."""
+    collapsed: dict[str, float] = dataclasses.field(default_factory=dict)
+    """Signal (``loss``, ``grad_norm``) -> the cluster mean over its running median, where it
+    collapsed far below its level (degenerate data: docs/recovery.md)."""
+    recovery: dict[str, Any] = dataclasses.field(default_factory=dict)
+    """Where a recovery is in progress or this step is part of one: ``lost_steps`` (left
+    unapplied so far) against ``max_lost_steps``, ``failed_snapshots`` (rolled back to without
+    the loss coming back: never restored again), ``checking_snapshot``."""
     reached: list[int] = dataclasses.field(default_factory=list)
     """Ranks whose values went non-finite only downstream of a ``bad_ranks`` rank within the
     step (a pipeline stage's received activations or gradients, or a collective in the
@@ -163,13 +171,17 @@ class StepResult:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class PoisonedGroup:
-    """A replica group (one of its ranks) that did not apply a step, as it named itself."""
+    """A replica group that did not apply a step, and one culprit in it, as the group named
+    itself (a group with two culprit ranks is two of these)."""
 
     group: str
     """The replica group's id (``Manager(replica_id=...)``)."""
     rank: int
-    """The rank inside the replica group."""
+    """The culprit's rank inside the replica group, as the group's ranks agreed it (-1: the
+    group skipped without a culprit rank, or its culprits' ranks and hosts could not be
+    paired)."""
     host: str
+    """The culprit's host ("" where the group skipped without a culprit)."""
     step: int
     """torchft's step (``Manager.current_step()``), the same on every group."""
     kinds: list[str]

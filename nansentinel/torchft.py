@@ -76,7 +76,9 @@ def Sentinel(model: torch.nn.Module, optimizer: Any, *, manager: Any = None,
     groups = ReplicaGroups(manager, group=_ft.replica_id(manager),
                            group_rank=_ft.group_rank(manager),
                            rollback=str(_ft.TorchFTPath.CAPS.rollback),
-                           by_hand=not isinstance(model, DistributedDataParallel))
+                           by_hand=not isinstance(model, DistributedDataParallel),
+                           carrier=None if isinstance(model, DistributedDataParallel)
+                           else _ft.AllReduceHookRider.of(model))
     scopes = (*kwargs.pop("scopes", ()), groups)
     return _Sentinel(model, _ft.stepped(optimizer), scopes=scopes, **kwargs)
 

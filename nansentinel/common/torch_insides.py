@@ -541,6 +541,14 @@ def leave_rendezvous(handler: Any, seconds: float) -> None:
     handler._op_executor.run(_RendezvousExitOp(), time.monotonic() + seconds)
 
 
+def elastic_terminate_handler() -> Callable[[int, Any], None]:
+    """The signal handler torchrun's agent installs for its workers' life (it raises
+    ``SignalException``, which the agent turns into stopping the workers)."""
+    from torch.distributed.elastic.multiprocessing.api import _terminate_process_handler
+
+    return _terminate_process_handler
+
+
 def names_this_machine(host: str) -> bool:
     """Whether a rendezvous endpoint's ``host`` is this machine, by torch's own rule (the one
     the c10d rendezvous uses to decide which node serves its store)."""

@@ -28,17 +28,20 @@ class Decided:
 def group_result(local: StepResult, names: list[dict[str, Any]], decided: Decided
                  ) -> FTStepResult:
     """The step as every group decided it, from this group's own ``local`` result and the
-    poisoned groups' ``names`` (:func:`gather_names`)."""
+    poisoned groups' ``names`` (:func:`gather_names`): one :class:`PoisonedGroup` for each
+    culprit a group named (its rank inside the group and its host), or one for the group
+    (rank -1, no host) where it skipped without a culprit."""
     began, committed, regrouped, kept = (decided.began, decided.committed, decided.regrouped,
                                          decided.kept)
-    poisoned = [PoisonedGroup(str(n.get("group", "?")), int(n.get("rank", -1)),
-                              str(n.get("host", "?")), int(n.get("step", began)),
-                              list(n.get("kinds", [])), str(n.get("reason", "")),
-                              bool(n.get("leaving", False))) for n in names]
+    poisoned = [PoisonedGroup(str(n.get("group", "?")), int(rank), str(host),
+                              int(n.get("step", began)), list(n.get("kinds", [])),
+                              str(n.get("reason", "")), bool(n.get("leaving", False)))
+                for n in names for rank, host in (n.get("culprits") or [(-1, "")])]
     fields = {f.name: getattr(local, f.name) for f in dataclasses.fields(StepResult)}
     reason = local.reason
     if poisoned:
-        who = "; ".join(f"replica group {p.group} (rank {p.rank}, host {p.host})"
+        who = "; ".join(f"replica group {p.group} "
+                        f"({f'rank {p.rank}, host {p.host}' if p.host else 'no culprit rank'})"
                         f"{': ' + ', '.join(p.kinds) if p.kinds else ''}"
                         f"{', struck out: leaves the quorum' if p.leaving else ''}"
                         for p in poisoned)
@@ -54,8 +57,9 @@ def group_result(local: StepResult, names: list[dict[str, Any]], decided: Decide
     else:
         fields.update(applied=decided.stepped,
                       outcome=Outcome.DROPPED if kept else Outcome.APPLIED)
-    leaving = {p.host for p in poisoned if p.leaving}
-    fields.update(bad_hosts=sorted({p.host for p in poisoned} | set(local.bad_hosts)),
+    leaving = {p.host for p in poisoned if p.leaving and p.host}
+    fields.update(bad_hosts=sorted({p.host for p in poisoned if p.host}
+                                 | set(local.bad_hosts)),
                   excluded_hosts=sorted(leaving | set(local.excluded_hosts)),
                   kinds=sorted({k for p in poisoned for k in p.kinds} | set(local.kinds)),
                   reason=reason)

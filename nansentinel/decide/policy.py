@@ -24,6 +24,8 @@ APPLY, SKIP, OVERFLOW, ABORT, EXCLUDE, ROLLBACK, DROP = (
 )
 # Why a step was not applied as is; planned skips do not count towards escalation.
 NONFINITE, SPIKE, QUARANTINE, AFTER_ROLLBACK = "nonfinite", "spike", "quarantine", "after_rollback"
+# issue 60: a collapse skipped (collapse_action="skip"); a recovery that ended (the step applies).
+COLLAPSE, RECOVERY_OVER = "collapse", "recovery_over"
 _SEVERITY = {"warn": 0, "skip": 1, "rollback": 2}
 _OUTCOME = {
     APPLY: Outcome.APPLIED, SKIP: Outcome.SKIPPED, OVERFLOW: Outcome.OVERFLOW,
@@ -41,7 +43,8 @@ class Decision:
     """Blamed ranks (for AMP runs: ranks whose batch or loss was non-finite)."""
     reason: str = ""
     cause: str = ""
-    """``nonfinite``, ``spike``, ``quarantine``, ``after_rollback`` or empty (applied)."""
+    """``nonfinite``, ``spike``, ``quarantine``, ``after_rollback``, ``collapse``,
+    ``recovery_over`` (applied: a recovery that did not help ended) or empty (applied)."""
     overflow: bool = False
     """Gradients overflowed under GradScaler on some rank: counted, not blamed."""
     exclude_host: str | None = None
@@ -94,6 +97,21 @@ class History:
     """Batches still to discard after a rollback."""
     spike_streak: int = 0
     """Spiking steps in a row since the last rollback (``spike_patience``)."""
+    lost: int = 0
+    """Steps the recovery in progress left unapplied (skipped, rolled back over, discarded);
+    back to 0 when a snapshot is kept or the recovery ends (``max_lost_steps``)."""
+    applied: int = 0
+    """Applied steps whose updates the weights hold (a rollback takes back what it undoes)."""
+    snapshot_applied: dict[int, int] = dataclasses.field(default_factory=dict)
+    """Snapshot step -> ``applied`` when it was kept: a rollback to it undoes the rest."""
+    failed: list[int] = dataclasses.field(default_factory=list)
+    """Snapshots a rollback to which did not bring the loss back (``rollback_check_steps``):
+    never restored again."""
+    watch: list[int] | None = None
+    """``[snapshot step, steps left]`` while a rollback's effect is checked."""
+    retry: bool = False
+    """The last rollback's check just failed: the next step rolls back to an older snapshot
+    (if one is kept that did not fail)."""
 
     def state_dict(self) -> dict[str, Any]:
         """What a checkpoint keeps of the history (JSON-able; keys as saved since 0.1)."""
@@ -104,6 +122,12 @@ class History:
             "rollbacks": dict(self.rollbacks),
             "skip_batches": self.skip_batches,
             "spike_streak": self.spike_streak,
+            "lost": self.lost,
+            "applied": self.applied,
+            "snapshot_applied": dict(self.snapshot_applied),
+            "failed_snapshots": list(self.failed),
+            "watch": list(self.watch) if self.watch else None,
+            "retry": self.retry,
         }
 
     @classmethod
@@ -116,7 +140,34 @@ class History:
             rollbacks={int(k): int(v) for k, v in state.get("rollbacks", {}).items()},
             skip_batches=int(state.get("skip_batches", 0)),
             spike_streak=int(state.get("spike_streak", 0)),
+            lost=int(state.get("lost", 0)),
+            applied=int(state.get("applied", 0)),
+            snapshot_applied={int(k): int(v)
+                              for k, v in state.get("snapshot_applied", {}).items()},
+            failed=[int(s) for s in state.get("failed_snapshots", [])],
+            watch=[int(x) for x in state["watch"]] if state.get("watch") else None,
+            retry=bool(state.get("retry", False)),
         )
+
+    def snapshot_kept(self, step: int, applied_after: int, kept: int = 4) -> None:
+        """A snapshot of ``step`` was kept: the recovery in progress (if any) is over, and a
+        rollback to it would undo ``applied_after`` steps so far (1: this step's update
+        follows it). The last ``kept`` snapshots' counts are remembered."""
+        self.lost = 0
+        self.snapshot_applied[step] = self.applied - applied_after
+        for old in sorted(self.snapshot_applied)[:-kept]:
+            del self.snapshot_applied[old]
+
+    def undone(self, snapshot_step: int) -> int:
+        """Applied steps a rollback to the snapshot of ``snapshot_step`` would undo."""
+        return max(0, self.applied - self.snapshot_applied.get(snapshot_step, self.applied))
+
+    def recovery(self, config: SentinelConfig) -> dict[str, Any]:
+        """What the report shows of the recovery in progress: steps left unapplied against the
+        bound, the snapshots that did not help, the rollback being checked."""
+        return {"lost_steps": self.lost, "max_lost_steps": config.max_lost_steps,
+                "failed_snapshots": list(self.failed),
+                "checking_snapshot": self.watch[0] if self.watch else None}
 
     def strikes_within(self, host: str, step: int, config: SentinelConfig) -> int:
         """Strikes against ``host`` within the strike window that ends at ``step``."""
@@ -170,11 +221,41 @@ class History:
             self.exclude(decision.exclude_host)
         if decision.cause == AFTER_ROLLBACK:
             self.skip_batches -= 1
+        self._account(decision, config, evidence)
         if decision.action == ROLLBACK and snapshot_step is not None:
             n = self.rollbacks[snapshot_step] = self.rollbacks.get(snapshot_step, 0) + 1
             # The window widens on a repeat: the data (or the schedule) that led in lasted
             # longer than the batches skipped (PaLM skipped 200-500 at once).
             self.skip_batches = config.rollback_skip_batches * 2 ** min(n - 1, 10)
+
+    def _account(self, decision: Decision, config: SentinelConfig, evidence: Evidence) -> None:
+        """Count the steps a recovery leaves unapplied, and check what a rollback did: the
+        loss back in its normal band (``evidence.near``) within ``rollback_check_steps``, or
+        the snapshot is marked failed."""
+        self.retry = False
+        if decision.cause == RECOVERY_OVER:
+            self.lost, self.skip_batches, self.watch = 0, 0, None
+            self.spike_streak = 0
+        if self.watch is not None and decision.action != ROLLBACK:
+            if evidence.near:
+                self.watch = None
+            else:
+                self.watch[1] -= 1
+                if self.watch[1] <= 0:
+                    if self.watch[0] not in self.failed:
+                        self.failed.append(self.watch[0])
+                    self.watch, self.retry = None, True
+        target = evidence.snapshot_step
+        if decision.applies:
+            self.applied += 1
+        elif decision.action == ROLLBACK and target is not None:
+            undone = self.undone(target)
+            self.lost += undone + 1
+            self.applied -= undone
+            if config.rollback_check_steps:
+                self.watch = [target, config.rollback_check_steps]
+        elif not decision.stops:
+            self.lost += 1
 
 
 def blamed_hosts(view: ClusterView, decision: Decision, verdict: str | None = None) -> list[str]:
@@ -221,12 +302,14 @@ class Evidence:
         spikes: loss / gradient-norm spikes of this step.
         verdict: the replay verdict, when a replay ran.
         snapshot_step: the step of the snapshot a rollback would restore (None: none yet).
+        near: the cluster's loss is in its normal band (a rollback's check, issue 60).
     """
 
     amp: bool = False
     spikes: Spikes | None = None
     verdict: str | None = None
     snapshot_step: int | None = None
+    near: bool = True
 
 
 def requested_stop(totals: Totals) -> int:
@@ -257,30 +340,70 @@ def decide(view: ClusterView, history: History, config: SentinelConfig,
     if view.totals.dropped:  # withheld gradients are never applied as they are
         return Decision(SKIP, (), "gradients left out of the reduction on a rank not blamed",
                         NONFINITE, overflow)
+    if history.retry and snapshot_step is not None and snapshot_step not in history.failed:
+        return _rollback(history, config, Decision(
+            SKIP, (), f"the rollback to step {history.failed[-1]} did not bring the loss back "
+            f"into its band within {config.rollback_check_steps} steps", SPIKE, overflow),
+            snapshot_step)
     if spikes:
         reason = "spike in " + ", ".join(spikes.signals())
         if history.skip_batches > 0:  # discarded anyway: no rollback over a rollback
-            return Decision(SKIP, (), f"{reason}, in a batch discarded after a rollback "
-                            f"({history.skip_batches} left)", AFTER_ROLLBACK, overflow)
+            return _bounded(history, config, Decision(
+                SKIP, (), f"{reason}, in a batch discarded after a rollback "
+                f"({history.skip_batches} left)", AFTER_ROLLBACK, overflow))
         action = _most_severe(spikes, config)
         if action == "rollback" and spikes.in_data:  # the batch changed: nothing to repair
-            return Decision(SKIP, (), f"{reason}, with a batch far from its running norm: the "
-                            "data's, not the weights'; skipped, not rolled back", SPIKE, overflow)
+            return _bounded(history, config, Decision(
+                SKIP, (), f"{reason}, with a batch far from its running norm: the data's, not "
+                "the weights'; skipped, not rolled back", SPIKE, overflow))
         streak = history.spike_streak + 1
         if action == "rollback" and streak < config.spike_patience:
-            return Decision(SKIP, (), f"{reason}: {streak} of {config.spike_patience} in a row "
-                            "before a rollback (spike_patience)", SPIKE, overflow)
+            return _bounded(history, config, Decision(
+                SKIP, (), f"{reason}: {streak} of {config.spike_patience} in a row before a "
+                "rollback (spike_patience)", SPIKE, overflow))
         if action == "rollback":
             return _rollback(history, config, Decision(SKIP, (), reason, SPIKE, overflow),
                              snapshot_step)
         if action == "skip":
-            return Decision(SKIP, (), reason, SPIKE, overflow)
+            skip = Decision(SKIP, (), reason, SPIKE, overflow)
+            if history.consecutive_skips >= config.max_consecutive_skips and not spikes.in_data:
+                # Every step spiking against a level the run has left: skipping cannot end
+                # it, as a skipped step changes nothing (issue 60: nothing skips forever).
+                return _over(skip, config, f"{reason}; {history.consecutive_skips} steps "
+                             f"skipped in a row (max_consecutive_skips="
+                             f"{config.max_consecutive_skips})")
+            return skip
     if history.skip_batches > 0:
-        return Decision(
+        return _bounded(history, config, Decision(
             SKIP, (), f"discarding batches after a rollback ({history.skip_batches} left)",
             AFTER_ROLLBACK, overflow,
-        )
+        ))
+    if spikes is not None and spikes.collapsed and config.collapse_action == "skip":
+        return _bounded(history, config, Decision(
+            SKIP, (), "collapse in " + ", ".join(spikes.collapsed), COLLAPSE, overflow))
     return Decision(OVERFLOW if overflow else APPLY, (), overflow=overflow)
+
+
+def _over(skip: Decision, config: SentinelConfig, why: str) -> Decision:
+    """The recovery ends at this step: it applies (the steps go on from here, the references
+    restart), or every rank aborts under ``policy="abort"``."""
+    if config.policy == "abort":
+        return dataclasses.replace(skip, action=ABORT, reason=f"{why}: aborting (policy is abort)")
+    return dataclasses.replace(
+        skip, action=OVERFLOW if skip.overflow else APPLY, cause=RECOVERY_OVER,
+        reason=f"{why}: the recovery ends, this step and the next apply and the spike "
+               "references restart from here")
+
+
+def _bounded(history: History, config: SentinelConfig, skip: Decision, cost: int = 1
+             ) -> Decision:
+    """``skip`` (a step the recovery leaves unapplied, costing ``cost`` steps), unless that
+    takes the recovery past ``max_lost_steps``: then it ends."""
+    bound = config.max_lost_steps
+    if bound and history.lost + cost > bound:
+        return _over(skip, config, f"{skip.reason}; the recovery has left {history.lost} steps "
+                     f"unapplied, and this would take it past max_lost_steps={bound}")
+    return skip
 
 
 def _most_severe(spikes: Spikes, config: SentinelConfig) -> str:
@@ -375,11 +498,25 @@ def _rollback(history: History, config: SentinelConfig, skip: Decision,
     skip: its blamed ranks, reason, cause and overflow)."""
     if snapshot_step is None:
         return dataclasses.replace(skip, reason=f"{skip.reason}, but no snapshot yet: skipped")
+    if snapshot_step in history.failed and skip.cause != SPIKE:
+        return dataclasses.replace(skip, reason=f"{skip.reason}; the snapshot of step "
+                                   f"{snapshot_step} did not help before: skipped")
+    if snapshot_step in history.failed:
+        return _over(skip, config, f"{skip.reason}; the last rollback to the snapshot of step "
+                     f"{snapshot_step} did not bring the loss back within "
+                     f"{config.rollback_check_steps} steps, and no older snapshot is kept")
+    if skip.cause == SPIKE:
+        bounded = _bounded(history, config, skip, history.undone(snapshot_step) + 1)
+        if bounded is not skip:
+            return bounded
     done = history.rollbacks.get(snapshot_step, 0)
     if done >= config.max_rollbacks:
         return dataclasses.replace(
             skip, action=ABORT,
             reason=f"{done} rollbacks to the snapshot of step {snapshot_step} did not help "
                    f"(max_rollbacks={config.max_rollbacks})")
-    return dataclasses.replace(skip, action=ROLLBACK,
-                               reason=f"{skip.reason}: restoring step {snapshot_step}")
+    return dataclasses.replace(
+        skip, action=ROLLBACK,
+        reason=f"{skip.reason}: restoring step {snapshot_step} (the newest snapshot kept"
+               + (f"; not restored: {', '.join(map(str, history.failed))}" if history.failed
+                  else "") + ")")

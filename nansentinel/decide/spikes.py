@@ -27,6 +27,20 @@ rather than rolling back: a rollback cannot tell twenty bad batches in a row fro
 weights, and it would discard good steps for them. A batch of integer tokens alone has no norm
 (0): its steps are never the data's by this rule.
 
+A value can also fall far below its level: a *collapse* (issue 60). Degenerate data (every
+label the same token, a shard of padding, the inputs copied into the labels) is easy to fit,
+and the loss drops from its level to near zero within a few steps; the weights learn the
+degenerate target, and a snapshot taken then is not a good state. The cluster mean's loss and
+gradient norm are judged for it from the totals (the same on every rank): at most
+``1 / ratio`` times the median *and* half ``zscore`` robust deviations below it (a loss
+falls towards 0, and while it still descends its spread is wide). A collapsed value
+does not enter the references (neither the cluster's nor the rank's own), so the level the
+data returns to is judged against the level before the collapse; :meth:`SpikeDetector.quiet`
+is false while the cluster mean is below its normal band (``1 / sqrt(ratio)`` and a quarter of
+the z-score), so no snapshot is kept then. A collapse that lasts ``window // 2`` steps in a row is
+the run's new level (a phase change, a new curriculum stage): the references restart from the
+collapsed values, and the collapse ends.
+
 The reference (median and MAD) is recomputed every tenth of a window, not every step.
 """
 
@@ -62,6 +76,9 @@ class Spikes:
     in_data: bool = False
     """Every rank that spiked had a batch that spiked too (``Totals.data_spike``): the data
     changed, not the weights."""
+    collapsed: dict[str, float] = dataclasses.field(default_factory=dict)
+    """Signal -> the cluster mean over its running median, for the signals whose cluster mean
+    collapsed (far below its level). Not a rise: ``bool(spikes)`` ignores it."""
 
     def __bool__(self) -> bool:
         return any(self.ranks.values())
@@ -73,11 +90,14 @@ class Spikes:
         return [s for s in SIGNALS if rank in self.ranks.get(s, ())]
 
     def to_json(self) -> dict[str, object]:
-        return {
+        out: dict[str, object] = {
             s: {str(r): round(self.ratios[s][r], 3) for r in self.ranks[s]}
             for s in SIGNALS
             if self.ranks.get(s)
         }
+        if self.collapsed:
+            out["collapse"] = {s: round(x, 4) for s, x in self.collapsed.items()}
+        return out
 
 
 class Series:
@@ -88,8 +108,9 @@ class Series:
     def __init__(self, *, window: int, warmup: int, ratio: float, zscore: float) -> None:
         self._values: deque[float] = deque(maxlen=window)
         self.warmup, self.ratio, self.zscore = warmup, ratio, zscore
-        #: (median, spike threshold, quiet threshold), or None while warming up.
-        self.ref: tuple[float, float, float] | None = None
+        #: (median, spike threshold, quiet threshold, collapse threshold, low end of the
+        #: normal band), or None while warming up.
+        self.ref: tuple[float, float, float, float, float] | None = None
 
     def spikes(self, x: float | None) -> bool:
         ref = self.ref
@@ -103,6 +124,18 @@ class Series:
         if not math.isfinite(x):
             return False
         return self.ref is None or x < self.ref[2]
+
+    def collapses(self, x: float | None) -> bool:
+        """Far below the median: at most ``1 / ratio`` times it (a positive median) and
+        half ``zscore`` robust deviations under it."""
+        ref = self.ref
+        return ref is not None and x is not None and math.isfinite(x) and x <= ref[3]
+
+    def in_band(self, x: float | None) -> bool:
+        """Not even half-way (geometrically) down to a collapse: above the normal band's low
+        end (``1 / sqrt(ratio)`` x the median and a quarter of the z-score under it)."""
+        ref = self.ref
+        return ref is None or x is None or not math.isfinite(x) or x > ref[4]
 
     def ratio_of(self, x: float) -> float:
         """``x`` over the running median (inf for a non-positive median)."""
@@ -123,10 +156,15 @@ class Series:
         scale = 1.4826 * mad + 1e-12 + 1e-6 * abs(median)
         threshold = median + self.zscore * scale
         quiet = median + self.zscore / 2 * scale
+        # A loss falls towards 0, not symmetrically: half the z-score below (and 1/ratio).
+        collapse = median - self.zscore / 2 * scale
+        low = median - self.zscore / 4 * scale
         if median > 0:  # a non-positive median (a log-likelihood): z-score alone
             threshold = max(threshold, self.ratio * median)
             quiet = max(quiet, math.sqrt(self.ratio) * median)
-        self.ref = (median, threshold, quiet)
+            collapse = min(collapse, median / self.ratio)
+            low = min(low, median / math.sqrt(self.ratio))
+        self.ref = (median, threshold, quiet, collapse, low)
 
     @property
     def values(self) -> list[float]:
@@ -135,6 +173,11 @@ class Series:
     def load(self, values: list[float]) -> None:
         self._values.clear()
         self._values.extend(float(v) for v in values)
+
+    def rebase(self, values: list[float]) -> None:
+        """Start again from ``values`` (a collapse that became the level), judged at once."""
+        self.load(values)
+        self.recompute()
 
 
 class SpikeDetector:
@@ -164,6 +207,10 @@ class SpikeDetector:
         self._recorded = 0
         #: Bumped whenever the references change, so the device thresholds are re-sent.
         self.version = 0
+        #: Signal -> the cluster means of the collapse in progress (kept out of the
+        #: references; they become the references when it lasts ``window // 2`` steps).
+        self._collapse: dict[str, list[float]] = {}
+        self._window = window
 
     def thresholds(self) -> list[float]:
         """``[spike loss, spike grad, quiet loss, quiet grad, spike batch]`` of this rank's own
@@ -198,7 +245,22 @@ class SpikeDetector:
                 wide = rest is not None and series.ref is not None and not series.quiet(rest)
         in_data = 0 < totals.spike_any <= totals.data_spike
         return Spikes(ranks, ratios, cluster_wide=bool(ranks) and wide,
-                      in_data=bool(ranks) and in_data)
+                      in_data=bool(ranks) and in_data, collapsed=self.collapses(totals))
+
+    def collapses(self, totals: Totals) -> dict[str, float]:
+        """Signal -> the cluster mean over its median, for the signals that collapsed."""
+        out = {}
+        for signal in SIGNALS:
+            series, mean = self.cluster[signal], totals.mean(signal)
+            if series.collapses(mean):
+                assert mean is not None and series.ref is not None
+                out[signal] = mean / series.ref[0] if series.ref[0] > 0 else -math.inf
+        return out
+
+    @property
+    def collapsing(self) -> list[str]:
+        """The signals whose collapse is in progress (the last step recorded collapsed)."""
+        return [s for s in SIGNALS if self._collapse.get(s)]
 
     def cluster_spikes(self, totals: Totals) -> bool:
         """The cluster mean spiked on some signal (a detection even if no rank did)."""
@@ -209,8 +271,21 @@ class SpikeDetector:
         rollback target must be quiet, or restoring it brings the spike straight back (the
         gradient norm rises for steps before it crosses the threshold)."""
         return totals.not_quiet == 0 and all(
-            self.cluster[s].quiet(totals.mean(s)) for s in SIGNALS
+            self.cluster[s].quiet(totals.mean(s)) and self.cluster[s].in_band(totals.mean(s))
+            for s in SIGNALS
         )
+
+    def near(self, totals: Totals, level: float | None = None) -> bool:
+        """The cluster mean's loss is in its normal band, neither half-way up to a spike nor
+        down to a collapse, and (given the ``level`` saved with the snapshot restored) not
+        half-way (geometrically) up to a spike over that level either: after a rollback, the
+        restored state does what it was known to."""
+        series, mean = self.cluster["loss"], totals.mean("loss")
+        if mean is None:
+            return True
+        if level is not None and level > 0 and mean >= math.sqrt(series.ratio) * level:
+            return False
+        return series.quiet(mean) and series.in_band(mean)
 
     def ratios(self, own: OwnRow) -> dict[str, float]:
         """Signal -> this rank's value over its running median, for the signals it spiked on."""
@@ -222,9 +297,19 @@ class SpikeDetector:
         return out
 
     def record(self, own: OwnRow, totals: Totals, spikes: Spikes) -> None:
-        """Add this step's finite, non-spiking values to the references."""
+        """Add this step's finite, non-spiking, non-collapsed values to the references."""
         mine = set(own.spiked())
         for signal in SIGNALS:
+            if signal in spikes.collapsed:  # kept out, unless it lasts (the new level)
+                held = self._collapse.setdefault(signal, [])
+                held.append(totals.mean(signal))  # type: ignore[arg-type]
+                if len(held) >= max(1, self._window // 2):
+                    self.cluster[signal].rebase(held)
+                    self.own[signal].rebase([])  # this rank's own: warms up again
+                    self._collapse.pop(signal)
+                    self.version += 1
+                continue
+            self._collapse.pop(signal, None)
             if signal not in mine:
                 self.own[signal].add(own.value(signal))
             if CLUSTER not in spikes.ranks.get(signal, ()):
@@ -246,7 +331,16 @@ class SpikeDetector:
             "cluster": {s: self.cluster[s].values for s in SIGNALS},
             "batch": self.batch.values,
             "recorded": self._recorded,
+            "collapse": {s: list(v) for s, v in self._collapse.items()},
         }
+
+    def reset(self) -> None:
+        """Forget every reference (each warms up again from the values that come): the run
+        goes on from a level no snapshot knew, after a recovery that did not help."""
+        for series in (*self.own.values(), *self.cluster.values(), self.batch):
+            series.rebase([])
+        self._collapse.clear()
+        self.version += 1
 
     def load_state_dict(self, state: dict[str, object], rank: int = 0) -> None:
         """Restore :meth:`state_dict`; a checkpoint from before 0.2 (one window per rank and
@@ -265,4 +359,7 @@ class SpikeDetector:
         if isinstance(batch, list):  # absent in older checkpoints: it starts afresh
             self.batch.load(batch)
         self._recorded = int(state.get("recorded", 0))  # type: ignore[call-overload]
+        collapse = state.get("collapse")
+        self._collapse = ({s: [float(x) for x in v] for s, v in collapse.items()}
+                          if isinstance(collapse, dict) else {})
         self._recompute()

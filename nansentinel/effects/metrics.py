@@ -261,6 +261,14 @@ class SentinelMetrics:
             registry=r,
         )
         self._spikes = spikes
+        collapses = Counter(
+            f"{PREFIX}_collapses",
+            "Steps on which the cluster mean of the loss or the gradient norm collapsed far "
+            "below its running median (1/spike_ratio and spike_zscore): degenerate data.",
+            ["signal"],
+            registry=r,
+        )
+        self._collapses = {s: collapses.labels(signal=s) for s in ("loss", "grad_norm")}
         self._lr_factor = Gauge(
             f"{PREFIX}_lr_factor",
             "Learning-rate factor in force (below 1 during a cooldown after a rollback).",
@@ -362,6 +370,8 @@ class SentinelMetrics:
         self._timestamp.set(self._clock())
         for signal in result.local_spikes:
             self._spikes[signal].inc()
+        for signal in result.collapsed:
+            self._collapses[signal].inc()
         self._lr_factor.set(result.lr_factor)
         if result.lr_held:
             self._lr_held.inc()

@@ -556,6 +556,64 @@ class UserSnapshots:
         return int(self._load())
 
 
+class _AllCopies:
+    """The side copies of every snapshot of a :class:`SnapshotRing`, held or finished as one."""
+
+    def __init__(self, stores: list[MemorySnapshots]) -> None:
+        self._stores = stores
+
+    def hold(self, *_: Any) -> None:
+        for store in self._stores:
+            store.copies.hold()
+
+    def finish(self) -> None:
+        for store in self._stores:
+            store.copies.finish()
+
+
+class SnapshotRing:
+    """The last ``len(stores)`` snapshots (``snapshot_keep``, issue 60), each a
+    :class:`MemorySnapshots` of its own buffers: a save replaces the oldest, a rollback
+    restores the one asked for. When a rollback to the newest did not bring the loss back
+    (degenerate data learned before the loss left its band), the older one still holds a
+    state from before it. Host memory: ``len(stores)`` times one snapshot's."""
+
+    def __init__(self, stores: list[MemorySnapshots]) -> None:
+        self.stores = stores
+        self.copies = _AllCopies(stores)
+
+    @property
+    def steps(self) -> list[int]:
+        """The steps kept, newest first."""
+        return sorted((s.step for s in self.stores if s.step is not None), reverse=True)
+
+    @property
+    def step(self) -> int | None:
+        steps = self.steps
+        return steps[0] if steps else None
+
+    @property
+    def bytes(self) -> int:
+        return sum(s.bytes for s in self.stores)
+
+    @property
+    def unsharded_bytes(self) -> int:
+        return sum(s.unsharded_bytes for s in self.stores)
+
+    def save(self, step: int) -> None:
+        empty = [s for s in self.stores if s.step is None]
+        target = empty[0] if empty else min(self.stores, key=lambda s: s.step or 0)
+        target.save(step)
+
+    def load(self, step: int | None = None) -> int:
+        """Restore the snapshot of ``step`` (None: the newest); return its step."""
+        want = self.step if step is None else step
+        for store in self.stores:
+            if store.step == want and want is not None:
+                return store.load()
+        raise RuntimeError(f"no snapshot of step {step} to roll back to (kept: {self.steps})")
+
+
 @dataclasses.dataclass(slots=True)
 class Cooldown:
     """A learning-rate factor in force for a number of steps after a rollback.
@@ -650,5 +708,7 @@ def snapshot_store(snapshots: tuple[Any, Any] | SnapshotStore | None, ctx: Conte
     replicas = None
     if caps.wraps and group is not None and group is not EXCHANGE:
         replicas = peers if group is peers.group else Peers(group, ctx.device)
-    return MemorySnapshots(watched, peers=peers, replicas=replicas,
-                           hostname=ctx.identity.hostname)
+    stores = [MemorySnapshots(watched, peers=peers, replicas=replicas,
+                              hostname=ctx.identity.hostname)
+              for _ in range(config.snapshot_keep)]
+    return stores[0] if len(stores) == 1 else SnapshotRing(stores)

@@ -77,6 +77,9 @@ class TorchFTPath:
         self.drop_flag: Callable[[], torch.Tensor] | None = None
         #: The flag this step's buckets were withheld by (None: not dropping).
         self.withheld: torch.Tensor | None = None
+        #: The replica groups' scope whose health row leaves with the last bucket (its
+        #: ``row()``, and ``carried`` where the summed row comes back); None: it does not.
+        self.rider: Any = None
         self._norms = BucketNorms(model)
         model._hook_state.path = self
 
@@ -154,15 +157,25 @@ def _comm_hook(state, bucket):
     path: TorchFTPath | None = state.path
     buffer = bucket.buffer()
     started = time.perf_counter()
+    sent = buffer
     if path is not None:
         path.before_reduction(bucket)
+        if path.rider is not None and bucket.is_last():  # the health row rides along
+            sent = torch.cat([buffer.reshape(-1), path.rider.row().to(buffer.dtype)])
     spent = time.perf_counter() - started
-    work = state.manager.allreduce(buffer)
+    work = state.manager.allreduce(sent)
     work.wait()  # torchft's hook waits too; a failure is reported to the manager here
     future = work.get_future()
     inner = getattr(future, "_fut", future)  # _ManagedFuture: the torch future inside
-    if inner is None:  # the all-reduce failed before torchft chained it: a regroup
-        inner = torch.futures.Future()
+    if sent is not buffer:
+        path.rider.carried = None  # type: ignore[union-attr]
+        if inner is not None:
+            summed = inner.wait()  # averaged over the participants
+            buffer.copy_(summed[:buffer.numel()].view_as(buffer))
+            path.rider.carried = summed[buffer.numel():]  # type: ignore[union-attr]
+        inner = None
+    if inner is None:  # the all-reduce failed before torchft chained it (a regroup), or the
+        inner = torch.futures.Future()  # row was split off the bucket
         inner.set_result(buffer)
     if path is not None:
         started = time.perf_counter()
@@ -197,3 +210,55 @@ def stepped(optimizer: Any) -> Any:
     """What the sentinel steps: the optimizer inside torchft's ``OptimizerWrapper`` (whose own
     ``step()`` would ask ``should_commit()`` a second time), else the optimizer itself."""
     return optimizer.optim if isinstance(optimizer, OptimizerWrapper) else optimizer
+
+
+class AllReduceHookRider:
+    """torchft's FSDP2 recipe (torchtitan's fault-tolerant mode): inside a replica group FSDP2
+    reduce-scatters, and each FSDP module's all-reduce hook (``set_all_reduce_hook``) averages
+    its reduced shard across the groups through a ``ManagedProcessGroup``. The health row
+    rides in the step's last hook call: that call's shard goes to the user's hook with the
+    row appended (the hook must all-reduce the tensor it is given in place with ``AVG``, as
+    torchft's recipe and torchtitan's hook do), and comes back split.
+
+    The last call is the one that completes the count of FSDP parameter groups with a hook:
+    every group runs the same model, so every group's rows leave in the same collective.
+    """
+
+    def __init__(self, groups: list[Any]) -> None:
+        self.groups = groups
+        self.calls = 0
+        #: As :attr:`TorchFTPath.rider`: the scope whose row rides along, once bound.
+        self.rider: Any = None
+        for group in groups:
+            group._all_reduce_hook = self._wrapped(group._all_reduce_hook)
+
+    @classmethod
+    def of(cls, model: torch.nn.Module) -> AllReduceHookRider | None:
+        """The rider of a ``fully_shard``-ed model whose FSDP modules have all-reduce hooks;
+        None where none has one (the gradients are reduced across the groups by hand)."""
+        from torch.distributed.fsdp import FSDPModule
+
+        from nansentinel.common.torch_insides import fsdp_param_groups
+
+        groups = [g for m in model.modules() if isinstance(m, FSDPModule)
+                  for g in fsdp_param_groups(m)
+                  if getattr(g, "_all_reduce_hook", None) is not None]
+        return cls(groups) if groups else None
+
+    def _wrapped(self, hook: Callable[[torch.Tensor], None]) -> Callable[[torch.Tensor], None]:
+        def ride(output: torch.Tensor) -> None:
+            self.calls += 1
+            if self.rider is None or self.calls < len(self.groups):
+                hook(output)
+                return
+            self.calls = 0
+            row = self.rider.row().to(device=output.device, dtype=output.dtype)
+            sent = torch.cat([output.reshape(-1), row])
+            hook(sent)
+            output.copy_(sent[:output.numel()].view_as(output))
+            self.rider.carried = sent[output.numel():]
+        return ride
+
+    def reset(self) -> None:
+        """A step ended: the next backward's calls are counted from zero."""
+        self.calls = 0

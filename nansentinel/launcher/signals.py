@@ -85,8 +85,9 @@ class SignalBound:
     def __enter__(self) -> SignalBound:
         if threading.current_thread() is not threading.main_thread():
             return self
-        from torch.distributed.elastic.multiprocessing.api import _terminate_process_handler
+        from nansentinel.common import torch_insides
 
+        _terminate_process_handler = torch_insides.elastic_terminate_handler()
         read, write = os.pipe()
         os.set_blocking(write, False)
         self._pipe = (read, write)

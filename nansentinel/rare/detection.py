@@ -275,7 +275,7 @@ class Detector:
         return result
 
     def _worth_a_report(self, step: int, decision: Decision, spikes: Spikes) -> bool:
-        if decision.bad or decision.action != APPLY or not spikes:
+        if decision.bad or decision.action != APPLY or not (spikes or spikes.collapsed):
             return True
         last = self._last_spike_report
         if last is not None and step - last < self.spike_report_every:

@@ -78,13 +78,17 @@ def describe(view: ClusterView, decision: Decision, result: StepResult, spikes: 
             parts.append(f"{signal} spike on {where}: {ratio:.1f}x its running median")
         if len(ranks) > _LOGGED:
             parts.append(f"… and {len(ranks) - _LOGGED} more {signal} spike(s)")
+    for signal, ratio in spikes.collapsed.items():
+        parts.append(f"{signal} collapse on cluster mean: {ratio:.2f}x its running median "
+                     "(no snapshot kept while it lasts)")
     if decision.exclude_host:
         nxt = f"excluding host {decision.exclude_host}"
     else:
         nxt = _NEXT[result.outcome]
     if result.rolled_back_to is not None:
         nxt += f" to step {result.rolled_back_to}, learning rate x{result.lr_factor:g}"
-    what = "non-finite values" if decision.bad else "spike"
+    what = "non-finite values" if decision.bad else "spike" if spikes else (
+        "collapse" if spikes.collapsed else "recovery")
     injected = " (injected by NANSENTINEL_INJECT)" if view.injected else ""
     verdict = f"; verdict: {result.verdict}" if result.verdict else ""
     return (
@@ -186,6 +190,7 @@ def payload(
         "verdict": result.verdict,
         "spikes": case.spikes.to_json(),
         "rolled_back_to": result.rolled_back_to,
+        "recovery": result.recovery,
         "lr_factor": result.lr_factor,
         "buffers_restored": result.buffers_restored,
         "first_nonfinite_module": replay.get("first_module") if replay else None,

@@ -29,7 +29,12 @@ from nansentinel.common.inject import Injector, parse_inject
 from nansentinel.config import SentinelConfig, resolve_hostname
 from nansentinel.decide.spikes import SpikeDetector
 from nansentinel.effects import stop
-from nansentinel.effects.recovery import MemorySnapshots, SnapshotStore, snapshot_store
+from nansentinel.effects.recovery import (
+    MemorySnapshots,
+    SnapshotRing,
+    SnapshotStore,
+    snapshot_store,
+)
 from nansentinel.rare.detection import Detector
 from nansentinel.rare.incident import IncidentWriter
 from nansentinel.rare.replay import ReplayFn
@@ -181,7 +186,7 @@ def assemble(model: torch.nn.Module | list[torch.nn.Module], asked: Asked,
     replicas = replica_check(ctx, watched, gradients.caps,
                              inject=functools.partial(injector.due, "bitflip"),
                              incidents=incidents)
-    if replicas is not None and isinstance(snaps, MemorySnapshots):
+    if replicas is not None and isinstance(snaps, MemorySnapshots | SnapshotRing):
         replicas.before_write = snaps.copies.hold  # a repair waits for the copies
     stepping = Stepping(optimizer, scaler, current.buffers, snaps, replicas)
     judge = StepJudge(ctx, stepping, detector, spikes)

@@ -26,6 +26,7 @@ import torch
 from nansentinel.checks.buffers import FloatingBuffers
 from nansentinel.decide.policy import (
     DROP,
+    RECOVERY_OVER,
     ROLLBACK,
     Decision,
     Evidence,
@@ -37,7 +38,7 @@ from nansentinel.decide.policy import (
 from nansentinel.decide.spikes import SpikeDetector, Spikes
 from nansentinel.effects import drop, scaling
 from nansentinel.effects.learning_rate import LearningRates, Saved
-from nansentinel.effects.recovery import SnapshotStore
+from nansentinel.effects.recovery import SnapshotRing, SnapshotStore
 from nansentinel.rare.detection import Detector
 from nansentinel.rare.incident import Case
 from nansentinel.rare.replicas import ReplicaCheck
@@ -97,6 +98,11 @@ class StepJudge:
         self.metrics: Any = None
         self._after_step: tuple[Saved | None, ClusterView] | None = None
         self._post_hook: Any = None
+        #: The spike references as they were when the snapshot was kept: a rollback puts them
+        #: back, so the steps after it are judged against what that state was known to do.
+        self._anchors: dict[int, dict[str, Any]] = {}
+        #: The cluster's loss at the snapshot last restored (its level, for the check).
+        self._level: float | None = None
 
     @property
     def amp(self) -> bool:
@@ -128,14 +134,16 @@ class StepJudge:
             view, bad, spikes, batch=local.batch, kept=record.kept,
             discard=None if record.gated else self._discard_before_replay,
         ) if bad or spikes else (None, {})
-        snapshot_step = self.snapshots.step if self.snapshots is not None else None
-        evidence = Evidence(self.amp, spikes, verdict, snapshot_step)
+        snapshot_step = self._snapshot_choice()
+        evidence = Evidence(self.amp, spikes, verdict, snapshot_step,
+                            near=self.spikes.near(totals, self._level))
         decision = decide(view, self.history, self.config, evidence)
         self.history.record(view, decision, self.config, evidence)
         rolled_back_to, restored, not_ours = self._act(decision, view, own, record,
-                                                       optimizer_step)
+                                                       optimizer_step, snapshot_step)
         result = self._result(view, own, decision, evidence, (rolled_back_to, restored))
-        if decision.bad or spikes or decision.action == ROLLBACK:
+        if (decision.bad or spikes or spikes.collapsed or decision.action == ROLLBACK
+                or decision.cause == RECOVERY_OVER):
             result = self.detector.record(Case(view, decision, result, spikes, detail,
                                                local.batch, local.ids))
         record.view, record.decision, record.result = view, decision, result
@@ -153,7 +161,7 @@ class StepJudge:
         view, result, decision = record.view, record.result, record.decision
         assert view is not None and result is not None and decision is not None
         if record.snapshot:
-            self.maybe_snapshot(view)
+            self.maybe_snapshot(view, applied_after=0)
         if self.replicas is not None and not decision.stops:  # after the optimizer step
             result, decision = self.replicas.check(view.step, result, decision, self.history)
         if observe and self.metrics is not None:
@@ -161,10 +169,26 @@ class StepJudge:
         record.result, record.decision = result, decision
         record.to(Stage.DONE)
 
+    def _snapshot_choice(self) -> int | None:
+        """The snapshot a rollback would restore: the newest kept that a rollback has not
+        already failed to bring the loss back from (``History.failed``); when every one has,
+        the newest (the policy then ends the recovery)."""
+        snaps = self.snapshots
+        if snaps is None:
+            return None
+        kept = snaps.steps if isinstance(snaps, SnapshotRing) else (
+            [snaps.step] if snaps.step is not None else [])
+        fresh = [s for s in kept if s not in self.history.failed]
+        return fresh[0] if fresh else (kept[0] if kept else None)
+
     def _act(self, decision: Decision, view: ClusterView, own: OwnRow, record: StepRecord,
-             optimizer_step: bool) -> tuple[int | None, int, float]:
-        """The decision's acts: ``(rolled back to, buffers restored, optimizer seconds)``."""
+             optimizer_step: bool, target: int | None = None
+             ) -> tuple[int | None, int, float]:
+        """The decision's acts: ``(rolled back to, buffers restored, optimizer seconds)``;
+        ``target``: the snapshot a rollback restores."""
         left_out = self._leave_out(decision, view, own)
+        if decision.cause == RECOVERY_OVER:  # the run goes on from a level no snapshot knew
+            self.spikes.reset()
         if decision.applies and not optimizer_step:
             # The caller steps the optimizer right after: the snapshot is taken now, before
             # its update, and the cooldown undone from the optimizer's post-hook.
@@ -189,8 +213,14 @@ class StepJudge:
         restored = record.buffers if record.gated else self._discard(optimizer_step)
         rolled_back_to = None
         if decision.action == ROLLBACK and self.snapshots is not None:
-            rolled_back_to = self.snapshots.load()
+            snaps = self.snapshots
+            rolled_back_to = (snaps.load(target) if isinstance(snaps, SnapshotRing)
+                              else snaps.load())
             self.lr.rolled_back()
+            anchor = self._anchors.get(rolled_back_to)
+            if anchor is not None:  # re-anchored: judged against what that state did
+                self.spikes.load_state_dict(anchor["spikes"], self.rank)
+                self._level = anchor["level"]
         return rolled_back_to, restored, 0.0
 
     def _leave_out(self, decision: Decision, view: ClusterView, own: OwnRow) -> int:
@@ -238,20 +268,30 @@ class StepJudge:
         if pending is not None:
             self.lr.undo(pending[0], pending[1])
 
-    def maybe_snapshot(self, view: ClusterView) -> None:
+    def maybe_snapshot(self, view: ClusterView, applied_after: int = 1) -> None:
         """Keep the state a healthy, quiet step was computed from as the last good one, every
         N steps: taken before the step's update (on the device gate, which steps before the
         decision, after it). A quiet step's own update can be the one that ruins the weights
         (a learning rate 100x too high from this step on: its loss and gradient norm were
-        computed before it), so a snapshot after it would bring the spike straight back."""
+        computed before it), so a snapshot after it would bring the spike straight back.
+        Nor while a collapse lasts (degenerate data: the weights learn an easy target): a
+        snapshot is kept only with the cluster mean in its normal band (``quiet``), and the
+        spike references go with it, for a rollback to put back."""
         snaps = self.snapshots
         if snaps is None or self.history.skip_batches > 0 or not self.spikes.quiet(view.totals):
+            return
+        if self.spikes.collapsing:
             return
         if not self.lr.may_snapshot():  # just after a rollback: only a clean step's state
             return
         if snaps.step is None or view.step - snaps.step >= self.config.snapshot_every:
             snaps.save(view.step)
             self.lr.snapshot_taken()
+            self.history.snapshot_kept(view.step, applied_after, self.config.snapshot_keep)
+            self._anchors[view.step] = {"spikes": self.spikes.state_dict(),
+                                        "level": view.totals.mean("loss")}
+            kept = set(snaps.steps if isinstance(snaps, SnapshotRing) else [view.step])
+            self._anchors = {s: a for s, a in self._anchors.items() if s in kept}
 
     def _result(
         self, view: ClusterView, mine: OwnRow, decision: Decision, evidence: Evidence,
@@ -272,6 +312,10 @@ class StepJudge:
             rolled_back_to=rolled_back_to, lr_factor=self.cooldown.lr_factor,
             lr_held=self.lr.held_at(view.step),
             reason=decision.reason, reached=view.reached, buffers_restored=buffers_restored,
+            collapsed=dict(spikes.collapsed),
+            recovery=(self.history.recovery(self.config) if self.history.lost
+                      or self.history.failed or not decision.applies
+                      or decision.cause == RECOVERY_OVER else {}),
             stop_signal=requested_stop(view.totals),
         )
 

@@ -203,6 +203,8 @@ class PendingResult:
     lr_factor = _Decided[float]()
     lr_held = _Decided[bool]()
     reason = _Decided[str]()
+    collapsed = _Decided[dict[str, float]]()
+    recovery = _Decided[dict[str, Any]]()
     reached = _Decided[list[int]]()
     buffers_restored = _Decided[int]()
     stop_signal = _Decided[int]()

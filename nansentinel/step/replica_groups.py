@@ -1,13 +1,18 @@
 """torchft's replica groups as an agreement scope of the Sentinel (step/assembly.Scope): one
 veto on every replica group, and a poisoned group leaves live (docs/torchft.md).
 
-torchft's ``Manager.should_commit()`` agrees within one replica group only. After the ranks
-of a group decided their own step (the optimizer not stepped), every group sums one small
-health row through ``Manager.allreduce`` (wire/replica_groups.py), so every group sees the
-same count of groups that did not apply; a step that some group did not apply is reported to
-every manager (``report_error``), so that ``should_commit()`` is False on every group at the
-same step and nothing non-finite is ever committed, or served to a healing peer. The poisoned
-groups are named (group, rank, host) on every group. A host struck ``host_strikes`` times
+torchft's ``Manager.should_commit()`` agrees within one replica group only. Each rank's small
+health row (its non-finite flags) leaves with its last gradients, appended to the last DDP
+bucket or FSDP all-reduce hook call, through ``Manager.allreduce`` (wire/replica_groups.py),
+and comes back summed over the same rank of every group; where a group cannot carry it
+(``policy="drop"``, a spike action ``skip``, gradients reduced by hand) every group sums one
+row of its own decision through ``Manager.allreduce`` at ``step()`` instead. A step that some
+rank of some group flagged (or that this group did not apply) is reported to the manager
+(``report_error``), so that ``should_commit()`` is False on every group at the same step and
+nothing non-finite is ever committed, or served to a healing peer. The culprits are named
+(group, the culprit's rank inside it, its host) on every rank of every group: each group rank
+tells the other groups its group's agreed blame, and a group that did not commit shares what
+its ranks were told inside the group. A host struck ``host_strikes`` times
 raises :class:`HostExcludedError` in its group after it shut its manager down: the lighthouse
 drops it at the next quorum and the others train on. Under ``policy="drop"`` a group whose
 batch or loss was non-finite sends zeros instead, and every group commits the others' mean.
@@ -36,7 +41,14 @@ from nansentinel.result import (
     Outcome,
     StepResult,
 )
-from nansentinel.wire.replica_groups import agree, gather_names, health_row
+from nansentinel.wire.replica_groups import (
+    agree,
+    carried,
+    device_row,
+    gather_names,
+    health_row,
+    shared_in_group,
+)
 from nansentinel.wire.schema import GroupTotals
 
 if TYPE_CHECKING:
@@ -59,18 +71,29 @@ class ReplicaGroups:
     """
 
     def __init__(self, manager: Any, *, group: str, group_rank: int, rollback: str,
-                 by_hand: bool) -> None:
+                 by_hand: bool, carrier: Any = None) -> None:
         self.manager, self.group, self.group_rank = manager, group, group_rank
+        #: What carries the health row with the gradients where the gradient path does not
+        #: (torchft's FSDP2 all-reduce hooks: engines/torchft.AllReduceHookRider).
+        self.carrier = carrier
         self.rollback, self.by_hand = rollback, by_hand
         #: ``policy="drop"`` is carried out across the groups here; each group decides its
         #: own step as ``skip`` (a group of one cannot leave itself out).
         self.drop = False
         #: torchft's step when the step in progress began (the count reports are named by).
         self.began = 0
-        #: torchft steps at which this group's host was struck (within ``strike_window``).
-        self.strikes: list[int] = []
+        #: torchft steps at which each of this group's hosts was struck (within
+        #: ``strike_window``); every rank of the group counts the same strikes (the group's
+        #: blame is agreed inside it), and only the struck host's ranks act on them.
+        self.strikes: dict[str, list[int]] = {}
         self._grads: list[Any] = []
         self._parts: Parts | None = None
+        #: The health rows leave with the gradients' last all-reduce (no round trip of their
+        #: own), where the gradient path carries them and the groups' decision is the
+        #: non-finite rule alone (not under ``policy="drop"`` or a spike action ``skip``).
+        self.riding = False
+        #: This step's rows as they came back with the gradients (set by the gradient path).
+        self.carried: Any = None
 
     # --- the Scope's calls -------------------------------------------------------------------
 
@@ -112,6 +135,18 @@ class ReplicaGroups:
             current = parts.current
             parts.gradients.drop_flag = lambda: current.local.poisoned()  # type: ignore[attr-defined]
         parts.detector.incidents.step_of = lambda _: self.began
+        config = parts.ctx.config
+        spikes_skip = "skip" in (config.loss_spike_action, config.grad_spike_action)
+        carrier = self.carrier if self.carrier is not None else parts.gradients
+        if hasattr(carrier, "rider") and not self.drop and not spikes_skip:
+            self.riding = True
+            carrier.rider = self
+
+    def row(self) -> Any:
+        """This rank's row for the gradients' last all-reduce, on the device (no host sync),
+        once the step's last gradients were checked."""
+        local = self._bound().current.local
+        return device_row(local.row(), self.manager.participating_rank())
 
     def begin(self) -> None:
         parts = self._bound()
@@ -129,25 +164,46 @@ class ReplicaGroups:
         parts, manager = self._bound(), self.manager
         config, began, device = parts.ctx.config, self.began, parts.ctx.device
         here = not local.applied
-        withheld = self.drop and parts.gradients.take_withheld()  # type: ignore[attr-defined]
-        health = agree(manager, health_row(here, local.kinds, manager.participating_rank(),
-                                           withheld), device)
+        participants = int(manager.num_participants())
+        if self.riding:  # the rows came back with the last gradients
+            summed, self.carried = self.carried, None
+            if self.carrier is not None:
+                self.carrier.reset()
+            if manager.errored() is not None:
+                health = None
+            elif summed is None:  # no last hook call this step (every group runs the same
+                # model, so none had one): the row goes on its own, on every group alike
+                health = agree(manager, health_row(here, local.kinds,
+                                                   manager.participating_rank()), device)
+            else:
+                health = carried(summed, participants)
+        else:
+            withheld = self.drop and parts.gradients.take_withheld()  # type: ignore[attr-defined]
+            health = agree(manager, health_row(here, local.kinds, manager.participating_rank(),
+                                               withheld), device)
         names: list[dict[str, Any]] | None = []
-        strikes = 0
+        strikes, out, mine = 0, False, None
         kept = self._kept(health, config)
-        if health is not None and health.bad:
+        culprits = self._culprits(local, parts.ctx.world_size)
+        if here and health is not None:
             # A strike only while some group is healthy: when every group is poisoned the
             # cause is global (learning rate, data), and striking hosts would shrink the job.
-            if here and local.bad_ranks and health.bad < manager.num_participants():
-                strikes = self._strike(began, local.verdict, config)
-            leaving = stopping is not None or strikes >= config.host_strikes
-            mine = self._name(local, leaving, strikes) if here else None
+            if culprits and health.bad < participants:
+                struck = self._strike(began, {h for _, h in culprits}, local.verdict, config)
+                strikes = struck.get(parts.ctx.identity.hostname, 0)
+                out = max(struck.values(), default=0) >= config.host_strikes
+            mine = self._name(local, culprits, stopping is not None or out, strikes)
+        if health is not None and health.bad:  # the same count on every group of this ring
             names = gather_names(manager, mine, device)
-            if kept is None:
-                manager.report_error(RuntimeError(
-                    f"nansentinel: {health.bad} replica group(s) did not apply step {began}"))
+        if health is not None and (health.bad or here) and kept is None:
+            manager.report_error(RuntimeError(
+                f"nansentinel: replica group {self.group} or a peer did not apply step {began}"))
         regrouped = health is None or names is None
         committed = bool(manager.should_commit())
+        if self.riding and not committed and parts.ctx.world_size > 1:
+            # Agreed inside the group: every rank learns what any ring of it was told.
+            names = shared_in_group(parts.ctx.peers.group, [*(names or []),
+                                                            *([mine] if mine else [])])
         optimizer = parts.judge.optimizer
         if committed and kept is not None:  # dropped: the others' mean, on every group
             for p, g in zip(parts.watched.module.parameters(), self._grads, strict=True):
@@ -161,8 +217,10 @@ class ReplicaGroups:
         result: FTStepResult = group_result(local, names or [], Decided(
             began, committed, committed and optimizer_step, regrouped, kept))
         self._say(result)
-        if strikes >= config.host_strikes:
-            stopping = self._struck_out(result, strikes)
+        if strikes >= config.host_strikes:  # only the culprit host's ranks leave with it
+            recorded = isinstance(stopping, HostExcludedError) and (
+                parts.ctx.identity.hostname in stopping.result.excluded_hosts)
+            stopping = self._struck_out(result, strikes, recorded)
             result = stopping.result  # type: ignore[assignment]  # built as an FTStepResult
         if stopping is None and config.policy == "abort" and result.poisoned:
             result = dataclasses.replace(result, outcome=Outcome.ABORTED)
@@ -220,18 +278,40 @@ class ReplicaGroups:
             return None
         return total - health.bad
 
-    def _strike(self, step: int, verdict: str | None, config: SentinelConfig) -> int:
-        """One strike against this group's host at torchft's ``step`` (not when a replay
-        blamed the data or a divergence); the strikes within ``strike_window``."""
+    def _strike(self, step: int, hosts: set[str], verdict: str | None,
+                config: SentinelConfig) -> dict[str, int]:
+        """One strike against each culprit host of this group at torchft's ``step`` (not when
+        a replay blamed the data or a divergence); each host's strikes within
+        ``strike_window``."""
         if verdict in ("data", "divergence"):
-            return 0
+            return {}
         horizon = step - config.strike_window
-        self.strikes = [s for s in self.strikes if s > horizon] + [step]
-        return len(self.strikes)
+        for host in hosts:
+            self.strikes[host] = [s for s in self.strikes.get(host, []) if s > horizon] + [step]
+        return {host: len(self.strikes[host]) for host in hosts}
 
-    def _struck_out(self, result: FTStepResult, strikes: int) -> HostExcludedError:
+    def _culprits(self, local: StepResult, world_size: int) -> list[tuple[int, str]]:
+        """The ranks (inside the replica group) and hosts this group blames, as its ranks
+        agreed them: the same on every rank of the group, so every group rank tells the
+        other groups the group's own blame, not its own position. A sentinel alone in its
+        process group (a rank of a group whose ranks share no exchange) blames itself. With
+        several culprit hosts whose ranks cannot be paired (the result keeps them apart),
+        each host is named with rank -1."""
+        if not local.bad_ranks:
+            return []
+        if world_size == 1:
+            return [(self.group_rank, self._bound().ctx.identity.hostname)]
+        if len(local.bad_hosts) == 1:
+            return [(rank, local.bad_hosts[0]) for rank in local.bad_ranks]
+        if len(local.bad_ranks) == 1 == len(local.bad_hosts):
+            return [(local.bad_ranks[0], local.bad_hosts[0])]
+        return [(-1, host) for host in local.bad_hosts]
+
+    def _struck_out(self, result: FTStepResult, strikes: int, recorded: bool
+                    ) -> HostExcludedError:
         """This group's host was struck ``host_strikes`` times: its record for the launcher
-        (``exclusion_file``), and the error this group raises once it has left."""
+        (``exclusion_file``; not again where the group's own ranks already excluded it,
+        ``recorded``), and the error this group raises once it has left."""
         ctx = self._bound().ctx
         config, host = ctx.config, ctx.identity.hostname
         message = (f"nansentinel: host {host} (replica group {self.group}, rank "
@@ -239,7 +319,7 @@ class ReplicaGroups:
                    f"{config.strike_window} steps, at torchft step {result.torchft_step}: "
                    "this replica group leaves the quorum (Manager.shutdown); the others go on "
                    "at the next quorum without a restart")
-        if config.exclusion_file:
+        if config.exclusion_file and not recorded:
             record = ExclusionRecord(
                 host=host, reason=f"host {host} blamed {strikes} times within "
                 f"{config.strike_window} steps", step=result.torchft_step,
@@ -258,13 +338,15 @@ class ReplicaGroups:
                                        excluded_hosts=sorted({*result.excluded_hosts, host}))
         return HostExcludedError(message, excluded)
 
-    def _name(self, local: StepResult, leaving: bool, strikes: int) -> dict[str, Any]:
-        """What this poisoned group tells every group (bounded: it travels in
-        :data:`~nansentinel.wire.replica_groups.NAME_BYTES`)."""
-        return {"group": self.group[:100], "rank": self.group_rank,
-                "host": self._bound().ctx.identity.hostname[:100], "step": self.began,
-                "kinds": local.kinds, "reason": local.reason[:120], "leaving": leaving,
-                "strikes": strikes}
+    def _name(self, local: StepResult, culprits: list[tuple[int, str]], leaving: bool,
+              strikes: int) -> dict[str, Any]:
+        """What this poisoned group tells every group: the culprits (rank inside the group,
+        host) its ranks agreed on, or none when it skipped without one (a spike, a
+        quarantined batch). Bounded: it travels in
+        :data:`~nansentinel.wire.replica_groups.NAME_BYTES`."""
+        return {"group": self.group[:100], "step": self.began, "kinds": local.kinds,
+                "reason": local.reason[:80], "leaving": leaving, "strikes": strikes,
+                "culprits": [[rank, host[:100]] for rank, host in culprits[:3]]}
 
     def _say(self, result: FTStepResult) -> None:
         """One line on every group naming the poisoned groups, and what happens next."""

@@ -1,13 +1,15 @@
 """What torchft's replica groups tell each other about a step, through torchft's own managed
 all-reduce (``Manager.allreduce``).
 
-Every step, every group sums one small row (:func:`agree`, laid out by
-:class:`~nansentinel.wire.schema.GroupTotals`, the wire schema's): how many groups did not
-apply the step, which kinds, how many of them sent zeros (``policy="drop"``). Only when that
-count is not zero, the groups' identities travel (:func:`gather_names`): one row of bytes per
-participating group, where only the poisoned ones write. Both go through the manager, at the
-same point of every step on every group, so a dead peer errors the manager (a regroup at the
-next quorum) instead of raising; a group that heals contributes zeros.
+Each rank's row (:func:`device_row`, laid out by :class:`~nansentinel.wire.schema.GroupTotals`)
+is built on the device before its last gradients leave and travels appended to them; it comes
+back summed over the same rank of every group (:func:`carried`). Where it cannot ride, every
+group sums one row of its own decision at ``step()`` (:func:`agree`). Only when a count is
+not zero, the groups' identities travel (:func:`gather_names`): one row of bytes per
+participating group, where only the poisoned ones write, then, in a group of several ranks,
+are shared inside it (:func:`shared_in_group`). All go through the manager at the same point
+of every step on every group, so a dead peer errors the manager (a regroup at the next
+quorum) instead of raising; a group that heals contributes zeros.
 """
 
 from __future__ import annotations
@@ -16,10 +18,11 @@ import json
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch.distributed import ReduceOp
 
 from nansentinel.result import KINDS
-from nansentinel.wire.schema import G, GroupTotals
+from nansentinel.wire.schema import G, GroupTotals, R
 
 #: Bytes of one group's identity on a detection (JSON: group, rank, host, step, kinds).
 NAME_BYTES = 512
@@ -36,6 +39,27 @@ def health_row(bad: bool, kinds: list[str], replica_rank: int | None,
             row[getattr(G, kind)] = float(kind in kinds)
         row[G.dropped] = float(dropped)
     return row
+
+
+def device_row(row: torch.Tensor, replica_rank: int | None) -> torch.Tensor:
+    """This rank's row for the gradients' own all-reduce (:func:`carried`), built on the device
+    from its health row (``checks.health.Row``, fp32) without a host sync: flagged where its
+    batch, loss or gradients are non-finite or its batch is quarantined (the rule
+    ``wire.schema.skip_count`` applies), which kinds, and its replica rank + 1 when flagged."""
+    nonfinite = (~torch.isfinite(row[R.batch_norm:R.grad_norm_value + 1])).float()
+    bad = ((nonfinite.sum() + row[R.quarantined]) > 0).float()
+    index = bad * float((replica_rank or 0) + 1)
+    return torch.cat([bad.reshape(1), nonfinite, index.reshape(1), torch.zeros_like(bad)
+                      .reshape(1)])
+
+
+def carried(summed: torch.Tensor | None, participants: int) -> GroupTotals | None:
+    """The ranks' rows as they came back averaged with the last gradients (torchft's
+    ``Manager.allreduce`` divides by the participants): the counts over this group rank's
+    ring of replica groups. None: the all-reduce failed (a regroup)."""
+    if summed is None:
+        return None
+    return GroupTotals.from_values([v * participants for v in summed.float().tolist()])
 
 
 def agree(manager: Any, row: list[float], device: torch.device) -> GroupTotals | None:
@@ -76,3 +100,18 @@ def gather_names(manager: Any, mine: dict[str, Any] | None, device: torch.device
             except ValueError:
                 names.append({"group": "?", "detail": data.decode(errors="replace")})
     return names
+
+
+def shared_in_group(group: Any, names: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """On a step the group did not commit: the names each rank of this replica group was told
+    on its own ring of groups, shared inside the group (one small all-gather over the group's
+    own process group), so that every rank of every group names every culprit. Without
+    repeats, a group's entry saying it leaves kept over one that does not."""
+    gathered: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, names, group=group)
+    merged: dict[str, dict[str, Any]] = {}
+    for name in (n for part in gathered for n in part or []):
+        key = json.dumps([name.get("group"), name.get("culprits")])
+        if key not in merged or name.get("leaving"):
+            merged[key] = name
+    return sorted(merged.values(), key=lambda n: str(n.get("group")))

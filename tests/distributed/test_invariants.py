@@ -53,15 +53,18 @@ from nansentinel.engines import Capabilities
 from tests.distributed.harness import run_ranks, values
 from tests.distributed.workers_invariants import (
     BUILDERS,
+    COLLAPSE,
     FAULT_STEPS,
     JUMP_STEP,
     PLAIN,
+    SPIKE,
     STEPS,
     drops,
     every_combo,
     faults_of,
     finite,
     run_combos,
+    run_recovery_states,
     same,
     sample_id,
 )
@@ -390,3 +393,62 @@ def test_every_invariant_in_every_combination(tmp_path: Path, capsys: Any) -> No
     with capsys.disabled():
         print(f"invariant matrix: {len(combos)} combination(s) in "
               f"{time.monotonic() - started:.1f} s")
+
+
+def _recovery_runs() -> list[tuple[str, str]]:
+    """Every engine that can roll back and runs here, under ``policy="skip"`` (the recovery
+    ends by applying), and the first of them once more under ``policy="abort"``."""
+    names = [name for name, run in BUILDERS.items()
+             if run.engine.CAPS.rollback is None and run.available() is None]
+    return [(name, "skip") for name in names] + [(names[0], "abort")]
+
+
+@pytest.mark.timeout(600)
+def test_the_recovery_states_on_every_engine(tmp_path: Path) -> None:
+    """Issue 60's states on every engine that rolls back, 3 gloo ranks: a collapse (every rank
+    reports it, applies the step, keeps no snapshot), a rollback re-anchored to the snapshot's
+    references, a rollback that did not help followed by one to the older snapshot, and the
+    recovery's end (the steps apply from there, or every rank aborts under policy abort);
+    every rank decides alike and the replicas' weights stay identical."""
+    runs = _recovery_runs()
+    outs = values(run_ranks(run_recovery_states, WORLD, tmp_path, runs=runs,
+                            report_dir=str(tmp_path / "reports"),
+                            env={"DS_ACCELERATOR": "cpu"}, timeout=120 + 40 * len(runs)))
+    for i, (engine, policy) in enumerate(runs):
+        where = f"{engine}, policy {policy}"
+        ranks = [outs[r][i] for r in range(WORLD)]
+        first = ranks[0]
+        for out in ranks[1:]:  # the same decisions, account and references on every rank
+            assert out["steps"] == first["steps"], where
+            assert out["error"] == first["error"], where
+            assert same(out["params"], first["params"]), f"{where}: replicas differ"
+        steps = {s["step"]: s for s in first["steps"]}
+        trail = [(s["step"], s["outcome"], s["reason"]) for s in first["steps"][SPIKE - 1:]]
+        for s in COLLAPSE:  # reported, applied
+            assert steps[s]["collapsed"] == ["loss"] or "loss" in steps[s]["collapsed"], (
+                where, steps[s])
+            assert steps[s]["applied"], (where, steps[s])
+        rolled = [s for s in first["steps"] if s["outcome"] == "rolled_back"]
+        assert len(rolled) == 2, (where, trail)
+        one, two = rolled
+        assert one["rolled_back_to"] < COLLAPSE[0], (where, one)  # no snapshot in the collapse
+        assert one["reference"] == steps[one["rolled_back_to"]]["reference"], (
+            f"{where}: not re-anchored")
+        assert two["rolled_back_to"] < one["rolled_back_to"], (where, trail)
+        assert f"rollback to step {one['rolled_back_to']} did not bring the loss back" in (
+            two["reason"]), where
+        assert two["recovery"]["failed_snapshots"] == [one["rolled_back_to"]], where
+        if policy == "abort":
+            assert first["error"] is not None and "aborting (policy is abort)" in (
+                first["error"]["reason"]), (where, trail)
+            continue
+        assert first["error"] is None, where
+        end = next(s for s in first["steps"] if "the recovery ends" in s["reason"])
+        assert end["applied"], where
+        assert all(s["applied"] for s in first["steps"] if s["step"] > end["step"]), (
+            where, trail)
+        unapplied = [s for s in first["steps"] if not s["applied"]]
+        assert len(unapplied) <= 60, where
+        reports = [r["content"] for r in first["reports"]]
+        assert any("collapse" in (c or {}).get("spikes", {}) for c in reports), where
+        assert any((c or {}).get("recovery", {}).get("failed_snapshots") for c in reports), where

@@ -719,3 +719,61 @@ def same(a: torch.Tensor, b: torch.Tensor) -> bool:
 def close(a: float | None, b: float | None) -> bool:
     return (a is None and b is None) or (a is not None and b is not None and math.isclose(a, b))
 
+
+
+# --- the recovery's states (issue 60) ------------------------------------------------------
+
+#: The loss the loop hands the sentinel, scaled per step: a collapse (degenerate data) from
+#: COLLAPSE, then a spike on every step from SPIKE on (no snapshot brings it back).
+COLLAPSE, SPIKE, RECOVERY_STEPS = range(20, 25), 25, 50
+
+
+def run_recovery_states(rank: int, world: int, *, runs: list[tuple[str, str]], report_dir: str
+                        ) -> list[dict[str, Any]]:
+    """:func:`recovery_states` for each ``(engine, policy)`` of ``runs``, in one process group."""
+    outs = []
+    for i, (engine, policy) in enumerate(runs):
+        outs.append(recovery_states(rank, world, engine=engine, policy=policy,
+                                    report_dir=str(Path(report_dir) / f"r{i}")))
+        dist.barrier()
+    return outs
+
+
+def recovery_states(rank: int, world: int, *, engine: str, policy: str, report_dir: str
+                    ) -> dict[str, Any]:
+    """One engine under ``spikes="recover"`` through the states of issue 60: a collapse
+    (reported, no snapshot), a rollback (re-anchored to the snapshot's references), a
+    rollback that does not help (the older snapshot), and the recovery's end (applied, or
+    aborted under ``policy="abort"``). The learning rate is tiny, so the loss's level is the
+    loop's scale alone. Per step: the decision, the recovery's account, and the cluster's loss
+    reference after it (the same on every rank)."""
+    run = BUILDERS[engine](dict(PLAIN, engine=engine), rank, world)
+    for group in (run.optimizer.param_groups if run.optimizer is not None else ()):
+        group["lr"] = 1e-5
+    sentinel = run.sentinel(report_dir=report_dir, env={}, hostname=f"host{rank}",
+                            metrics_port=0, spikes="recover", policy=policy, spike_window=20,
+                            spike_warmup=6, snapshot_every=2, lr_jump_ratio=0)
+    judge = sentinel._parts.judge
+    steps: list[dict[str, Any]] = []
+    error = None
+    try:
+        for step in range(RECOVERY_STEPS):
+            scale = 1e-3 if step in COLLAPSE else 20.0 if step >= SPIKE else 1.0
+            batch = sentinel.check_batch(batch_for(rank, step, 0))
+            loss = run.loss(batch) * scale
+            sentinel.check_loss(loss)
+            run.backward(loss)
+            run.reduce(sentinel)
+            result = sentinel.step()
+            steps.append({"step": step, "outcome": str(result.outcome),
+                          "applied": result.applied, "collapsed": sorted(result.collapsed),
+                          "rolled_back_to": result.rolled_back_to, "reason": result.reason,
+                          "recovery": result.recovery,
+                          "reference": judge.spikes.state_dict()["cluster"]["loss"]})
+            run.zero_grad()
+        sentinel.close()
+    except nansentinel.NonFiniteError as exc:
+        error = {"step": exc.result.step, "reason": exc.result.reason}
+        sentinel.close()
+    return {"steps": steps, "error": error, "params": run.state()["params"],
+            "reports": _reports(Path(report_dir)) if rank == 0 else None}

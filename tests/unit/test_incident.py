@@ -201,7 +201,7 @@ def test_payload_is_strict_json_with_every_rank_and_the_poisoned_one() -> None:
     }
     assert back["reached"] == [] and back["reached_not_listed"] == 0
     assert set(back) == {*expected_head, "time", "poisoned", "ranks", "ranks_not_listed",
-                         "cluster", "reached", "reached_not_listed"}
+                         "cluster", "reached", "reached_not_listed", "recovery"}
 
 
 def test_payload_without_replay_has_no_first_nonfinite_names() -> None:

@@ -301,15 +301,23 @@ LAUNCH = Path(__file__).parents[2] / "launch"
 
 
 def test_slurm_script_runs_one_launcher_per_node_with_the_right_options(tmp_path: Path) -> None:
-    """Run the sbatch script with stand-ins for srun, scontrol and nansentinel."""
+    """Run the sbatch script with stand-ins for srun, scontrol and nansentinel: the one
+    launcher per node gets the sentinel's options first, the store apart (is_host=0) and the
+    job's rendezvous id."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     stubs = {
-        # srun: drop its own options, run the task as one node would (SLURMD_NODENAME set).
+        # srun: drop its own options, run the task as each of the 4 nodes would.
         "srun": 'while [ "${1#--}" != "$1" ]; do shift; done\n'
-                'SLURMD_NODENAME=gpu-node-7 exec "$@"\n',
+                'for n in 7 8 9 10; do SLURMD_NODENAME=gpu-node-$n "$@" || exit; done\n',
         "scontrol": 'printf "gpu-head\\ngpu-node-7\\n"\n',
-        "nansentinel": 'echo "host=$NANSENTINEL_HOSTNAME"\n'
+        # excluded: nothing excluded; store: listen on 29400; run: print what it was given.
+        "nansentinel": 'case $1 in\n'
+                       '  excluded) exit 0 ;;\n'
+                       '  store) for a in "$@"; do case $a in --port-file=*)'
+                       ' echo 29400 > "${a#--port-file=}";; esac; done; exec sleep 30 ;;\n'
+                       'esac\n'
+                       'echo "host=$NANSENTINEL_HOSTNAME"\n'
                        'for a in "$@"; do printf "<%s>\\n" "$a"; done\n',
     }
     for name, body in stubs.items():
@@ -317,17 +325,20 @@ def test_slurm_script_runs_one_launcher_per_node_with_the_right_options(tmp_path
         (bin_dir / name).chmod(0o755)
     env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_NNODES": "4",
            "SLURM_JOB_ID": "77", "SLURM_JOB_NODELIST": "gpu-[head,node-7]",
+           "SLURM_GPUS_PER_NODE": "8", "RDZV_HOST": "gpu-head",
            "SHARED": str(tmp_path / "shared")}
     done = subprocess.run(["bash", str(LAUNCH / "slurm" / "nansentinel.sbatch"), "train.py",
-                           "--lr", "0.1"], env=env, capture_output=True, text=True, timeout=20)
+                           "--lr", "0.1"], env=env, capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     lines = done.stdout.splitlines()
-    assert lines[0] == "host=gpu-node-7"
-    args = [line[1:-1] for line in lines[1:]]
-    assert args[:2] == ["run", f"--exclusion-file={tmp_path}/shared/excluded.jsonl"]
-    assert "--on-exclude=scontrol update nodename={host} state=drain reason={reason}" in args
+    assert [x for x in lines if x.startswith("host=")] == [
+        f"host=gpu-node-{n}" for n in (7, 8, 9, 10)]
+    args = [line[1:-1] for line in lines[1:lines.index("host=gpu-node-8")]]
+    assert args[0] == "run"
+    assert f"--exclusion-file={tmp_path}/shared/excluded.jsonl" in args
+    assert any(a.startswith("--on-exclude=") and "{host}" in a for a in args)
     assert {"--nnodes=3:4", "--rdzv-backend=c10d", "--rdzv-endpoint=gpu-head:29400",
-            "--rdzv-id=77", "--nproc-per-node=8"} <= set(args)
+            "--rdzv-conf=is_host=0", "--rdzv-id=77", "--nproc-per-node=8"} <= set(args)
     assert args[-3:] == ["train.py", "--lr", "0.1"]
     # Sentinel options come before torchrun's, as `nansentinel run` requires.
     ours, theirs = split_argv(args[1:])

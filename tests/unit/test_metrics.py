@@ -129,6 +129,15 @@ def test_spikes_count_per_signal_with_the_batchs_own() -> None:
     assert value(m, "nansentinel_batch_spikes_total") == 2
 
 
+def test_collapses_count_per_signal_from_zero() -> None:
+    m = SentinelMetrics(identity())
+    assert value(m, "nansentinel_collapses_total", signal="loss") == 0
+    m.observe_step(result(5, collapsed={"loss": 0.01, "grad_norm": 0.05}), 0.001)
+    m.observe_step(result(6, collapsed={"loss": 0.02}), 0.001)
+    assert value(m, "nansentinel_collapses_total", signal="loss") == 2
+    assert value(m, "nansentinel_collapses_total", signal="grad_norm") == 1
+
+
 def test_non_finite_step_counts_each_local_kind_and_one_blamed_step() -> None:
     m = SentinelMetrics(identity(rank=1))
     m.observe_step(

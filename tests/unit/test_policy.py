@@ -89,7 +89,8 @@ def test_history_saves_its_own_state_under_the_checkpoint_keys() -> None:
                 rollbacks={10: 1}, skip_batches=3, spike_streak=1)
     state = h.state_dict()
     assert set(state) == {"consecutive_skips", "strikes", "excluded", "rollbacks",
-                          "skip_batches", "spike_streak"}
+                          "skip_batches", "spike_streak", "lost", "applied",
+                          "snapshot_applied", "failed_snapshots", "watch", "retry"}
     # JSON-style keys (a checkpoint written as JSON turns int keys into strings) load too.
     state["rollbacks"] = {"10": 1}
     assert History.from_state_dict(state) == h
