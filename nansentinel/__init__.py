@@ -27,6 +27,7 @@ from nansentinel.result import (
     ResultPending,
     SentinelUsageError,
     StepResult,
+    StopRequested,
 )
 
 if TYPE_CHECKING:
@@ -72,6 +73,7 @@ __all__ = [
     "SentinelUsageError",
     "SnapshotMemoryError",
     "StepResult",
+    "StopRequested",
     "__version__",
     "parse_inject",
 ]

@@ -3,7 +3,8 @@
 ``nansentinel demo`` starts it under torchrun (4 ranks by default) with one injected fault, and
 rank 0 prints a line per step and the incident. It is also a readable template of the three
 calls a training loop needs, and of checkpoint/resume as torchrun scripts do it, which is how
-the job goes on after a faulty host is excluded (``nansentinel run`` restarts the workers).
+the job goes on after a faulty host is excluded (``nansentinel run`` restarts the workers),
+and of the checkpoint-and-stop on SIGTERM at a step every rank agrees on.
 
 Run one worker directly under torchrun::
 
@@ -154,8 +155,17 @@ def _train(args: argparse.Namespace) -> int:
                     f"grad_norm {result.local_grad_norm:.4f}" + (bad if result.bad_ranks else ""),
                     flush=True,
                 )
-            if args.checkpoint_dir and (step + 1) % args.checkpoint_every == 0:
+            # SIGTERM (a time limit, scancel) or Ctrl-C reached some rank: every rank's result
+            # says so after the same step. Checkpoint it, then close(), which ends the process
+            # with 128 + the signal (143, 130) on every rank (docs/training-loop.md).
+            stopping = result.stop_requested
+            if args.checkpoint_dir and ((step + 1) % args.checkpoint_every == 0 or stopping):
                 _save(args, model, optimizer, sentinel, rank)
+            if stopping:
+                if rank == 0:
+                    print(f"stopping after step {result.step}: signal {result.stop_signal} "
+                          "asked the run to stop", flush=True)
+                sentinel.close()  # raises nansentinel.StopRequested
             if args.sleep:
                 time.sleep(args.sleep)
         # Whole tensors (FSDP2 shards are gathered: a collective every rank makes).

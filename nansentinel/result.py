@@ -149,6 +149,16 @@ class StepResult:
     """Floating buffers (BatchNorm running statistics, EMA buffers) put back as they were
     before this step's forward, because the step was not applied (0 when it was), or, on a
     ``dropped`` step, on this rank because its own forward took the poisoned batch."""
+    stop_signal: int = 0
+    """A signal asked some rank to stop (15 SIGTERM: a scheduler's time limit or ``scancel``;
+    2 SIGINT), the same on every rank: this is the last step. Save a checkpoint now; the next
+    sentinel call (or ``close()``) raises :class:`StopRequested` (exit 128 + the signal).
+    0: no stop was asked."""
+
+    @property
+    def stop_requested(self) -> bool:
+        """Every rank stops after this step (see :attr:`stop_signal`): checkpoint now."""
+        return self.stop_signal != 0
 
     @property
     def healthy(self) -> bool:
@@ -222,6 +232,19 @@ class ExchangeTimeoutError(RuntimeError):
     def __init__(self, message: str, missing: list[int] | None = None) -> None:
         super().__init__(message)
         self.missing = list(missing or [])
+
+
+class StopRequested(SystemExit):
+    """Raised by the sentinel call after a step whose result had ``stop_requested``, on every
+    rank alike: a ``SystemExit`` whose code is 128 + the signal (143 for SIGTERM, 130 for
+    SIGINT), so an uncaught one ends the process with the code a shell would report for the
+    signal, without a traceback, after the loop's ``finally`` blocks ran. The launcher reads
+    this rank's ``stopped`` verdict (docs/launch.md). ``step``: the last step decided;
+    ``signal``: the signal's number."""
+
+    def __init__(self, signum: int, step: int) -> None:
+        super().__init__(128 + signum)
+        self.signal, self.step = signum, step
 
 
 class SentinelUsageError(RuntimeError):

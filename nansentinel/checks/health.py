@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import signal
 import time
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -28,8 +29,9 @@ from nansentinel.result import RankIdentity
 @dataclasses.dataclass(frozen=True, slots=True)
 class Row:
     """This rank's health row as the checks fill it (checks/health.py): three values whose
-    finiteness is the check, four flags the host knows, then five flags of the boundaries where
-    values arrive from other ranks (checks/pipeline.py; 0 without pipeline stages)."""
+    finiteness is the check, four flags the host knows, five flags of the boundaries where
+    values arrive from other ranks (checks/pipeline.py; 0 without pipeline stages), then the
+    stop a signal asked for (summed like the rest: no extra collective, nothing O(world))."""
 
     batch_norm: float = 0.0
     loss_value: float = 0.0
@@ -51,6 +53,11 @@ class Row:
     """A non-finite gradient arrived from the next stage."""
     loss_origin: bool = False
     """The last stage's loss went non-finite from finite activations and targets here."""
+    stop_term: bool = False
+    """SIGTERM reached this rank before its row was packed (effects/stop.py): a scheduler's
+    time limit or ``scancel``; every rank stops after the step that carries it."""
+    stop_int: bool = False
+    """SIGINT reached this rank before its row was packed (Ctrl-C)."""
 
 
 #: Fields of a :class:`Row`, in wire order, and its pipeline boundary flags among them
@@ -95,6 +102,9 @@ class LocalHealth:
         """Process groups that ran a collective in this rank's forward (origins.py)."""
         self.seconds = 0.0
         """The sentinel's own time spent on this step so far (``nansentinel_check_seconds``)."""
+        self.stop_signal = 0
+        """A stop signal this rank received (15 SIGTERM, 2 SIGINT; 0: none), set just before
+        the row is packed (step/current.py)."""
         self.dropped: torch.Tensor | None = None
         """``policy="drop"``: a 0-d bool on the device, fixed at the step's first reduction
         (drop.py): this rank's gradients are replaced by zeros in every reduction of the step.
@@ -159,10 +169,14 @@ class LocalHealth:
             flags = torch.cat([flags[:3], self.quarantined.reshape(1).to(torch.float32)])
         boundary = (_constant((0.0,) * len(BOUNDARY), self.device) if self.boundary is None
                     else moved(self.boundary, self.device, torch.float32))
+        stops = _constant((float(self.stop_signal == signal.SIGTERM),
+                           float(self.stop_signal == signal.SIGINT)),
+                          self.device)  # two cached constants: no host-to-device copy
         return assembled((
             (("batch_norm", "loss_value", "grad_norm_value"), values),
             (("injected", "has_loss", "has_grad", "quarantined"), flags),
             (BOUNDARY, boundary),
+            (("stop_term", "stop_int"), stops),
         ), ROW)
 
 

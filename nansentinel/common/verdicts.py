@@ -64,10 +64,13 @@ EXCHANGE_TIMEOUT = "exchange_timeout"
 #: A verdict's outcome when the rank's sentinel closed cleanly (``Sentinel.close()``): the
 #: rank finished training; a failure after it is a failure at exit, not mid-run.
 CLOSED = "closed"
-#: The values of a verdict's ``outcome``: the two ways the cluster stops, a timeout, and the
-#: clean end.
+#: A verdict's outcome when a signal (``signal``: SIGTERM, SIGINT) asked the run to stop and
+#: every rank stopped after the same step (effects/stop.py): the launcher exits 128 + it.
+STOPPED = "stopped"
+#: The values of a verdict's ``outcome``: the two ways the cluster stops, a timeout, a stop a
+#: signal asked for, and the clean end.
 VERDICT_OUTCOMES = (
-    Outcome.ABORTED.value, Outcome.EXCLUDED.value, EXCHANGE_TIMEOUT, CLOSED,
+    Outcome.ABORTED.value, Outcome.EXCLUDED.value, EXCHANGE_TIMEOUT, STOPPED, CLOSED,
 )
 
 VERDICTS_SUBDIR = "verdicts"
@@ -101,6 +104,8 @@ class RankVerdict:
     record_error: str | None = None
     """Why rank 0 could not write the exclusion record (outcome ``excluded``): the launcher
     then need not wait for it."""
+    signal: int | None = None
+    """The signal's number (outcome ``stopped``)."""
 
     @property
     def excludes(self) -> str | None:
@@ -132,7 +137,7 @@ class RankVerdict:
         for key, value in ints.items():
             if not isinstance(value, int) or isinstance(value, bool):
                 raise ValueError(f"{key}={value!r} is not an integer")
-        local_rank = data.get("local_rank")
+        local_rank, signum = data.get("local_rank"), data.get("signal")
         lists: dict[str, list[Any]] = {}
         for key in ("bad_ranks", "bad_hosts", "kinds", "missing"):
             value = data.get(key) or []
@@ -149,6 +154,8 @@ class RankVerdict:
             excluded_host=_optional_str(data.get("excluded_host")),
             report_path=_optional_str(data.get("report_path")),
             record_error=_optional_str(data.get("record_error")),
+            signal=(signum if isinstance(signum, int) and not isinstance(signum, bool)
+                    and 0 < signum < 65 else None),
             **lists,
         )
 
@@ -460,8 +467,9 @@ def outcome_from_verdicts(
     """Map the verdicts of a failed attempt to this host's exit code.
 
     Precedence, strongest first: this host excluded (4) > the sentinel stopped the run,
-    by abort or by excluding another host (3) > a rank missed the health exchange (5) >
-    no verdict at all, an ordinary worker failure (1). An abort outranks a timeout because
+    by abort or by excluding another host (3) > a rank missed the health exchange (5) > a
+    signal asked every rank to stop after the same step (128 + the signal: 143, 130) > no
+    verdict at all, an ordinary worker failure (1). An abort outranks a timeout because
     the sentinel aborts on every rank at the same step, so a timeout next to an abort is a
     consequence of it, not the cause. ``failed``: the ranks that failed; when every one of
     them had closed its sentinel cleanly, the failure came at exit, after training: still
@@ -503,6 +511,14 @@ def outcome_from_verdicts(
         return VerdictOutcome(
             EXIT_EXCHANGE_TIMEOUT,
             f"the sentinel's health exchange timed out: {v.message}".rstrip(": "),
+            verdict=v,
+        )
+    stopped = [v for v in by_outcome.get(STOPPED, []) if v.signal]
+    if stopped:
+        v = stopped[0]
+        return VerdictOutcome(
+            128 + int(v.signal or 0),
+            f"a signal asked the run to stop: {v.message}".rstrip(": "),
             verdict=v,
         )
     closed = {v.rank for v in by_outcome.get(CLOSED, [])}

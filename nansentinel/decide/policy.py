@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import signal
 from typing import Any
 
 from nansentinel.config import SentinelConfig
 from nansentinel.decide.spikes import Spikes
 from nansentinel.result import ACTIVATION, ALL_KINDS, Outcome
+from nansentinel.wire.schema import Totals
 from nansentinel.wire.view import ClusterView, RankHealth
 
 APPLY, SKIP, OVERFLOW, ABORT, EXCLUDE, ROLLBACK, DROP = (
@@ -308,6 +310,19 @@ class Evidence:
     verdict: str | None = None
     snapshot_step: int | None = None
     near: bool = True
+
+
+def requested_stop(totals: Totals) -> int:
+    """The signal every rank stops for after this step, from the summed stop requests (the
+    same sums on every rank, so the same answer): SIGTERM (a scheduler's time limit or
+    ``scancel``) before SIGINT; 0 when no rank was asked to stop. The step itself is decided
+    as ever (a stop request is not a fault): the loop gets to checkpoint its result, and the
+    next sentinel call ends the process (effects/stop.py)."""
+    if totals.stop_term > 0:
+        return int(signal.SIGTERM)
+    if totals.stop_int > 0:
+        return int(signal.SIGINT)
+    return 0
 
 
 def decide(view: ClusterView, history: History, config: SentinelConfig,

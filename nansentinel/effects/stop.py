@@ -12,8 +12,10 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import signal
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -23,6 +25,7 @@ from nansentinel.common import torch_insides as insides
 from nansentinel.common.verdicts import (
     CLOSED,
     EXCHANGE_TIMEOUT,
+    STOPPED,
     RankVerdict,
     send_verdict,
     verdict_path,
@@ -36,12 +39,171 @@ from nansentinel.result import (
     NonFiniteError,
     RankIdentity,
     StepResult,
+    StopRequested,
 )
 from nansentinel.wire.collectives import job_rank
 from nansentinel.wire.context import Context
 from nansentinel.wire.exchange import HealthExchange, diagnosis_grace, is_transport_failure
 
 log = logging.getLogger("nansentinel")
+
+#: The signals a rank turns into a stop at the next step boundary (where it may).
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+#: Seconds after the first stop signal within which another is a copy of it, not a second
+#: request: one scheduler's SIGTERM reaches a worker up to three times within moments (Slurm
+#: signals every process of the step, ``nansentinel run`` forwards it at once, torchrun's agent
+#: once its main thread runs Python). Later, a second signal ends the process at once.
+REPEAT_WINDOW_S = 5.0
+#: ``(signal, monotonic time)`` of the first stop signal received.
+_received: list[tuple[int, float]] = []
+#: The wakeup pipe's ``(read end, write end)`` while this module holds Python's wakeup fd.
+_wakeup: list[tuple[int, int]] = []
+
+
+def _note(signum: int) -> None:
+    """A stop signal arrived: the first is the request; a copy within
+    :data:`REPEAT_WINDOW_S` is the same one; a later one ends the process at once."""
+    now = time.monotonic()
+    if not _received:
+        _received.append((signum, now))
+    elif now - _received[0][1] > REPEAT_WINDOW_S:
+        _flush()
+        os._exit(128 + signum)
+
+
+def _on_stop_signal(signum: int, frame: Any) -> None:
+    """The Python-level handler: only a note (none at all while the wakeup thread notes: it
+    sees each signal at once, even while the main thread is blocked in a C++ collective,
+    where this handler cannot run)."""
+    if not _wakeup:
+        _note(signum)
+
+
+def _listen(read_end: int, taken: frozenset[int]) -> None:
+    """The wakeup thread: Python's C-level handler writes each signal's number to the pipe
+    at once, whatever the main thread is blocked in; note the stop signals."""
+    with contextlib.suppress(OSError):
+        while data := os.read(read_end, 64):
+            for signum in data:
+                if signum in taken:
+                    _note(signum)
+    with contextlib.suppress(OSError):
+        os.close(read_end)
+
+
+def _forget_in_child() -> None:
+    """After a fork (a DataLoader's workers): the child is not the rank. It must not write its
+    own signals into the rank's wakeup pipe nor take them as stop requests: Python's wakeup fd
+    and the defaults back, the pipe's ends closed, nothing noted."""
+    if _wakeup:
+        read_end, write_end = _wakeup.pop()
+        with contextlib.suppress(ValueError, OSError):
+            now = signal.set_wakeup_fd(-1)
+            if now not in (-1, write_end):  # not ours any more: leave it as it was
+                signal.set_wakeup_fd(now)
+        for fd in (read_end, write_end):
+            with contextlib.suppress(OSError):
+                os.close(fd)
+    for signum in STOP_SIGNALS:
+        with contextlib.suppress(ValueError, OSError):  # ValueError: forked off another thread
+            if signal.getsignal(signum) is _on_stop_signal:
+                signal.signal(signum, signal.default_int_handler if signum == signal.SIGINT
+                              else signal.SIG_DFL)
+    _received.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_in_child)
+
+
+def _untouched(signum: int) -> bool:
+    """The process still has Python's default for ``signum`` (SIGINT's is
+    ``default_int_handler``, which raises KeyboardInterrupt), or our own handler."""
+    current = signal.getsignal(signum)
+    default = signal.default_int_handler if signum == signal.SIGINT else signal.SIG_DFL
+    return current is default or current is _on_stop_signal
+
+
+def take_stop_signals() -> tuple[int, ...]:
+    """Turn SIGTERM and SIGINT into a stop at the next step boundary on this rank: installed
+    only from the main thread and only where the process still has the default handler (a
+    framework's or the user's own handler is never replaced: that signal then does what its
+    handler does). Returns the signals taken. SIG_IGN (a process started with the signal
+    ignored) is left ignored. Where nobody holds Python's wakeup fd (``signal.set_wakeup_fd``:
+    asyncio's loop would), a thread of its own hears the signals through it."""
+    if threading.current_thread() is not threading.main_thread():
+        return ()
+    taken = []
+    for signum in STOP_SIGNALS:
+        if _untouched(signum):
+            signal.signal(signum, _on_stop_signal)
+            taken.append(int(signum))
+    if taken and not _wakeup:
+        read_end, write_end = os.pipe()
+        os.set_blocking(write_end, False)
+        theirs = signal.set_wakeup_fd(write_end, warn_on_full_buffer=False)
+        if theirs == -1:
+            _wakeup.append((read_end, write_end))
+            threading.Thread(target=_listen, args=(read_end, frozenset(taken)),
+                             name="nansentinel-signals", daemon=True).start()
+        else:  # someone else's: theirs back, and the handler notes alone
+            signal.set_wakeup_fd(theirs)
+            os.close(read_end)
+            os.close(write_end)
+    return tuple(taken)
+
+
+def give_back_stop_signals(taken: tuple[int, ...]) -> None:
+    """The defaults back where this rank took them and nobody replaced ours since, the wakeup
+    fd released; any request not yet acted on is forgotten (a later Sentinel in this process
+    starts clean)."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    for signum in taken:
+        if signal.getsignal(signum) is _on_stop_signal:
+            signal.signal(signum, signal.default_int_handler if signum == signal.SIGINT
+                          else signal.SIG_DFL)
+    if _wakeup and taken:
+        _, write_end = _wakeup.pop()
+        now = signal.set_wakeup_fd(-1)
+        if now not in (-1, write_end):  # replaced since: keep theirs
+            signal.set_wakeup_fd(now)
+        os.close(write_end)  # the thread reads its end of file and ends
+    _received.clear()
+
+
+def end_if_asked(step: int, *, config: SentinelConfig, identity: RankIdentity) -> None:
+    """Before a failed collective is diagnosed: a rank a signal already asked to stop ends at
+    once with 128 + the signal and a ``stopped`` verdict, not at a common step (its peers never
+    reached one: a dead peer, or torchrun stopping the survivors for a restart, which must not
+    wait for the naming). Otherwise nothing."""
+    signum = stop_requested()
+    if not signum:
+        return
+    name = signal.Signals(signum).name
+    message = (f"{name} asked the run to stop and step {step}'s collectives failed (a peer "
+               "is gone): this rank stopped at once, not at a step every rank agreed on; "
+               "resume from the last checkpoint")
+    log.error("nansentinel: rank %d: %s", identity.rank, message)
+    try:
+        leave_verdict(config, identity, step, STOPPED, message, signal=signum)
+    finally:
+        _flush()
+        os._exit(128 + signum)
+
+
+def _flush() -> None:
+    """The logs and the standard streams out before an ``os._exit``."""
+    for handler in logging.getLogger().handlers + log.handlers:
+        handler.flush()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+
+
+def stop_requested() -> int:
+    """The first stop signal this rank received (0: none): read when its row is packed."""
+    return _received[0][0] if _received else 0
 
 
 def leave_verdict(
@@ -198,11 +360,7 @@ def end_failed(
     if dumped is not None:
         log.error("nansentinel: rank %d left NCCL's flight recorder in %s",
                   identity.rank, dumped)
-    for handler in logging.getLogger().handlers + log.handlers:
-        handler.flush()
-    for stream in (sys.stdout, sys.stderr):
-        with contextlib.suppress(Exception):
-            stream.flush()
+    _flush()
     if identity.rank == 0:
         # Without torchrun's agent store, rank 0 hosts the rendezvous store: linger so the
         # other live ranks can finish their own diagnosis before it goes away.
@@ -320,12 +478,18 @@ class RunEnd:
         """The run was stopped here: this rank's verdict is left already."""
         self.clean = False
         """Every rank met at the closing barrier: the run ended well."""
+        self.stopping: tuple[int, int] | None = None
+        """``(signal, step)``: a step decided with a stop request; the next call ends here."""
+        self.signals: tuple[int, ...] = ()
+        """The stop signals this rank took (:func:`take_stop_signals`), given back at the end."""
 
     def stop_if(self, decision: Decision, result: StepResult, *, serve: bool = True) -> None:
         """Raise the decision's abort (or exclusion) on this rank, everything on disk first.
         ``serve``: flush the exporter and linger for a last scrape first; False where a wider
         scope still decides the step (it leaves, and serves the end, once it has agreed)."""
         if not decision.stops:
+            if result.stop_signal and self.stopping is None:
+                self.stopping = (result.stop_signal, result.step)
             return
         self.stopped = True
         metrics = self.judge.metrics if serve else None
@@ -336,10 +500,29 @@ class RunEnd:
         stop(self.ctx, decision, result, describe_abort(decision, result),
              lingering=metrics is not None)
 
+    def end_if_stopping(self) -> None:
+        """At a sentinel call after a step decided with a stop request (the same step on
+        every rank): leave the ``stopped`` verdict, shut, and raise :class:`StopRequested`
+        (exit 128 + the signal). No collective: every rank decided the same from the same
+        sums, and the loop had that step's result to checkpoint."""
+        if self.stopping is None:
+            return
+        signum, step = self.stopping
+        self.stopped = True
+        name = signal.Signals(signum).name
+        leave_verdict(self.ctx.config, self.ctx.identity, step, STOPPED,
+                      f"{name} asked the run to stop; every rank stopped after step {step}",
+                      signal=signum)
+        log.warning("nansentinel: rank %d stops after step %d: %s asked the run to stop",
+                    self.ctx.identity.rank, step, name)
+        self.shut()
+        raise StopRequested(signum, step)
+
     def close(self, resolve: Callable[[], None], last_step: int) -> None:
         """``resolve()`` the pending step, meet every rank at one barrier (unless a collective
         failed: the group cannot be trusted with another), leave a ``closed`` verdict, shut.
-        Once only."""
+        Once only. After a step decided with a stop request: the ``stopped`` verdict, and
+        :class:`StopRequested` raised (exit 128 + the signal)."""
         if self.closed:
             return
         self.closed = True
@@ -349,11 +532,12 @@ class RunEnd:
                 with self.ctx.guarded():
                     self.ctx.peers.barrier()
                 self.clean = True
-                if not self.stopped:
+                if not self.stopped and self.stopping is None:
                     leave_verdict(self.ctx.config, self.ctx.identity, last_step, CLOSED,
                                   "the sentinel closed cleanly: training finished")
         finally:
             self.shut()
+        self.end_if_stopping()
 
     def shut(self) -> None:
         """Stop the exporter and the watchdog (no collective)."""
@@ -362,6 +546,8 @@ class RunEnd:
         if metrics is not None:
             metrics.close()
         self.ctx.deadline.close()
+        signals, self.signals = self.signals, ()
+        give_back_stop_signals(signals)
         release, self.release = self.release, None
         if release is not None:
             release()

@@ -225,6 +225,9 @@ def context(cfg: SentinelConfig, watched: Watched, group: Any, pipelined: list[A
     # Whichever path raises a diagnosis, the launcher finds this rank's verdict first.
     exchange.on_diagnosed = functools.partial(stop.leave_timeout_verdict, config=cfg,
                                               identity=identity)
+    # A rank a signal asked to stop does not wait for the naming of peers that are gone.
+    exchange.before_diagnosis = functools.partial(stop.end_if_asked, config=cfg,
+                                                  identity=identity)
     deadline = watchdog.StepDeadline(
         exchange, cfg.exchange_timeout, speak=identity.rank == 0,
         on_expire=functools.partial(stop.on_timeout, config=cfg, identity=identity,

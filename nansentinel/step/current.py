@@ -21,6 +21,7 @@ from nansentinel.checks.quarantine import Quarantine
 from nansentinel.common.inject import Injector
 from nansentinel.decide.spikes import SpikeDetector
 from nansentinel.effects import drop
+from nansentinel.effects.stop import stop_requested
 from nansentinel.rare import samples as skip_list
 from nansentinel.result import SentinelUsageError
 from nansentinel.step.record import Stage, StepRecord
@@ -188,6 +189,7 @@ class CurrentStep:
         self.reducing()
         for watch in self.stages:  # the pipeline boundaries' norms become the row's flags
             watch.fold(self.local)
+        self.local.stop_signal = stop_requested()  # a signal so far travels with this row
         self.exchange.launch(self.index, pack(self.local.row(), self.thresholds(), self.rank,
                                               amp=self.amp, dropped=self.local.dropped))
         self.record.to(Stage.LAUNCHED)

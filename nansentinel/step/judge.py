@@ -33,6 +33,7 @@ from nansentinel.decide.policy import (
     History,
     blamed,
     decide,
+    requested_stop,
 )
 from nansentinel.decide.spikes import SpikeDetector, Spikes
 from nansentinel.effects import drop, scaling
@@ -315,6 +316,7 @@ class StepJudge:
             recovery=(self.history.recovery(self.config) if self.history.lost
                       or self.history.failed or not decision.applies
                       or decision.cause == RECOVERY_OVER else {}),
+            stop_signal=requested_stop(view.totals),
         )
 
     # --- what the checkpoint keeps -----------------------------------------------------------

@@ -207,7 +207,9 @@ class PendingResult:
     recovery = _Decided[dict[str, Any]]()
     reached = _Decided[list[int]]()
     buffers_restored = _Decided[int]()
+    stop_signal = _Decided[int]()
     healthy = _Decided[bool]()
+    stop_requested = _Decided[bool]()
 
     def __init__(self, resolve: Callable[[], None], early: Callable[[str], Any]) -> None:
         self._resolve: Callable[[], None] | None = resolve

@@ -31,6 +31,7 @@ import torch
 from nansentinel.checks import pipeline
 from nansentinel.common import doors
 from nansentinel.effects.recovery import SnapshotStore
+from nansentinel.effects.stop import take_stop_signals
 from nansentinel.rare.replay import ReplayFn
 from nansentinel.result import ArgumentTypeError, NonFiniteError, ResultPending, StepResult
 from nansentinel.step import assembly, usage
@@ -108,6 +109,8 @@ class Sentinel:
         for scope in parts.wider:
             scope.bind(parts)
         assembly.serve(parts, registry)
+        # SIGTERM/SIGINT become a stop after a step every rank agrees on (effects/stop.py).
+        parts.end.signals = take_stop_signals()
 
     # --- the calls of a training loop --------------------------------------------------------
 
@@ -340,9 +343,12 @@ class Sentinel:
     # --- internals ---------------------------------------------------------------------------
 
     def _resolve(self) -> None:
-        """Decide a step pending on the device gate (at a call every rank makes)."""
+        """Decide a step pending on the device gate (at a call every rank makes); after a
+        step decided with a stop request, end here (:class:`StopRequested`, every rank at
+        the same call)."""
         if self._parts.device_gate is not None:
             self._parts.device_gate.resolve()
+        self._parts.end.end_if_stopping()
 
     def _rearm(self) -> None:
         """A step decided inside the next step's armed collectives re-arms the watchdog."""

@@ -29,6 +29,7 @@ import logging
 import os
 import re
 import threading
+import time
 from collections.abc import Callable
 
 import torch
@@ -100,6 +101,10 @@ class HealthExchange:
         #: raised anywhere: the run leaves its verdict there, so the launcher learns why
         #: whichever path raised it and whatever the user's loop does with the error.
         self.on_diagnosed: Callable[[int, ExchangeTimeoutError], None] | None = None
+        #: Called with the step before a diagnosis begins: a rank already asked to stop by a
+        #: signal ends there at once (effects/stop.py ``end_if_asked``) instead of spending the
+        #: naming's seconds on peers that are gone (a torchrun restart's SIGTERM).
+        self.before_diagnosis: Callable[[int], None] | None = None
         # Check-in keys must not collide with an earlier attempt of the same job.
         self._attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
 
@@ -208,6 +213,8 @@ class HealthExchange:
         """The error for a collective of ``step`` that failed or timed out, naming the ranks
         (and hosts) that did not answer. Diagnosed once per step: DDP may report the same
         failure once per gradient bucket."""
+        if self.before_diagnosis is not None:
+            self.before_diagnosis(step)
         with self._lock:
             if self._diagnosed is None or self._diagnosed[0] != step:
                 self._diagnosed = (step, self._diagnose(step, cause))
@@ -259,8 +266,14 @@ class HealthExchange:
     def _diagnose(self, step: int, cause: BaseException | None) -> ExchangeTimeoutError:
         bound = self._look_in(step) + store_bound(self.timeout)
         # The store across a partition blocks each request for its own timeout: bounded.
-        answered, found = OneAtATime(lambda: self._missing_ranks(step),
-                                     "nansentinel-diagnosis")(bound)
+        call = OneAtATime(lambda: self._missing_ranks(step), "nansentinel-diagnosis")
+        until = time.monotonic() + bound
+        while True:  # in slices: a stop a signal asks meanwhile ends it (before_diagnosis)
+            answered, found = call(max(0.0, min(0.5, until - time.monotonic())))
+            if answered or time.monotonic() >= until:
+                break
+            if self.before_diagnosis is not None:
+                self.before_diagnosis(step)
         me = self.identity
         where = f"rank {self.rank}" + (f" on host {me.hostname}" if me else "")
         missing: list[int] = []

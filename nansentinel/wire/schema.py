@@ -5,9 +5,10 @@ two sections:
 
 - **totals** (:class:`Totals`): summed across ranks, the same on every rank afterwards: counts
   of ranks with a non-finite batch, loss or gradient norm, of ranks blamed, spiking,
-  quarantined, fired on by a drill or left out of the reduction (``policy="drop"``), the sums
-  the cluster-mean signals need, and the sum of the flagged ranks' indices, which names the
-  flagged rank exactly when there is one. Only this section travels.
+  quarantined, fired on by a drill, left out of the reduction (``policy="drop"``) or asked to
+  stop by a signal (SIGTERM, SIGINT: effects/stop.py), the sums the cluster-mean signals
+  need, and the sum of the flagged ranks' indices, which names the flagged rank exactly when
+  there is one. Only this section travels.
 - **own** (:class:`OwnRow`): this rank's own row (``checks.health.Row``, as the checks fill
   it) and its device-side verdicts, read back in the same host copy as the totals.
 
@@ -125,6 +126,11 @@ class Totals:
     """Ranks whose only non-finite values arrived from another rank (a pipeline boundary)."""
     dropped: int = 0
     """Ranks whose gradients were replaced by zeros before their reduction (effects/drop.py)."""
+    stop_term: int = 0
+    stop_int: int = 0
+    """Ranks that a SIGTERM (SIGINT) reached before they packed this step's row: every rank
+    reads the same sums, so every rank stops after this same step (decide/policy.py
+    ``requested_stop``)."""
 
     @classmethod
     def from_values(cls, values: Sequence[float]) -> Totals:
@@ -301,6 +307,7 @@ def pack(
                       data_spike, not_quiet, row[R.injected], row[R.quarantined]])),
         (("loss_n", "loss_sum", "loss_sq", "grad_n", "grad_sum", "grad_sq"), sums),
         (("reached", "dropped"), torch.cat([reached.reshape(1), left_out])),
+        (("stop_term", "stop_int"), row[R.stop_term:R.stop_int + 1]),
         (tuple(f"own.{n}" for n in R.names), row),
         (("own.spike_loss", "own.spike_grad", "own.spike_batch", "own.not_quiet", "own.flagged",
           "own.reached", "own.dropped"),

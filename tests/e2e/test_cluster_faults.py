@@ -236,8 +236,10 @@ def test_slow_healthy_steps_raise_no_alarm(job: Job) -> None:
 @pytest.mark.timeout(150)
 def test_sigterm_stops_every_host_with_143_and_leaves_nothing(job: Job) -> None:
     """A scheduler's time limit: SIGTERM to both launchers mid-run. Each passes it on to its
-    worker, exits 143 within its bound (here at once: the workers die on SIGTERM), and no
-    process is left on any host."""
+    worker at once; the workers' stop requests meet in the health exchange, so both stop
+    after the same step, each with a whole checkpoint of that step and a ``stopped`` verdict;
+    each launcher exits 143 within its bound (here at once: the workers stop at the next step
+    boundary, well inside WORKER_GRACE_S), and no process is left on any host."""
     job.start("--steps=400", "--step-sleep=0.05")
     job.wait_for("at-node2-3")
     job.wait_for("at-node3-3")
@@ -250,3 +252,14 @@ def test_sigterm_stops_every_host_with_143_and_leaves_nothing(job: Job) -> None:
         "node2": EXIT_SIGTERM, "node3": EXIT_SIGTERM}, logs
     assert all(when - sent < WORKER_GRACE_S + EXIT_MARGIN_S for _, when in ends.values())
     assert not job.leftovers()
+    stopped = [json.loads(p.read_text()) for p in sorted(job.out.glob("stopped-*.json"))]
+    assert len(stopped) == 2 and len({s["step"] for s in stopped}) == 1, (stopped, logs)
+    assert {s["signal"] for s in stopped} == {signal.SIGTERM}
+    import torch
+
+    assert not list(job.out.glob(".ckpt-*"))  # nothing torn beside the whole checkpoints
+    states = [torch.load(p) for p in sorted(job.out.glob("ckpt-*.pt"))]
+    assert [s["step"] for s in states] == [stopped[0]["step"]] * 2
+    verdicts = [json.loads(v.read_text()) for v in job.out.glob("reports-*/runs/*/verdicts/*")]
+    assert [(v["outcome"], v["step"]) for v in verdicts] == [
+        ("stopped", stopped[0]["step"])] * 2, verdicts

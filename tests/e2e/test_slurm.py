@@ -250,9 +250,10 @@ def test_the_epilog_drains_for_a_user_without_rights(slurm: SlurmCluster) -> Non
 def test_a_cancelled_or_timed_out_job_stops_whole(slurm: SlurmCluster, tmp_path: Path,
                                                   how: str) -> None:
     """SIGTERM to every process of the job (scancel, or the time limit), SIGKILL after
-    KillWait: every launcher exits 143 (128 + SIGTERM, the documented code), the batch script
-    says so, the checkpoint and the reports on disk are whole, and no process of the job is
-    left on any node."""
+    KillWait: every rank stops after the same step (the stop request travels in the health
+    exchange) and rank 0 checkpoints that step, every launcher exits 143 (128 + SIGTERM, the
+    documented code), the batch script says so, the checkpoint and the reports on disk are
+    whole, and no process of the job is left on any node."""
     out = tmp_path / "out"
     options = ("--time=1",) if how == "time-limit" else ()
     job = _submit(slurm, out, 3, 6, "kind=loss,rank=1,step=2", steps=10**6, options=options)
@@ -273,8 +274,17 @@ def test_a_cancelled_or_timed_out_job_stops_whole(slurm: SlurmCluster, tmp_path:
     assert slurm.strays() == {}
     import torch
 
+    # Every rank stopped after the same step (the stop request met in the health exchange),
+    # and rank 0's checkpoint is of that step, whole.
+    stopped = [json.loads(p.read_text()) for p in sorted(out.glob("stopped-*.json"))]
+    assert len(stopped) == 6 and len({s["step"] for s in stopped}) == 1, (stopped, log[-4000:])
+    assert {s["signal"] for s in stopped} == {15}
     state = torch.load(out / "ckpt.pt")
-    assert state["step"] % 3 == 0 and state["step"] >= 3
+    assert state["step"] == stopped[0]["step"] + 1 and state["step"] >= 3
+    verdicts = [json.loads(p.read_text())
+                for p in (_shared(slurm) / info["JobId"] / "reports").glob("**/verdicts/*.json")]
+    assert sorted((v["outcome"], v["step"]) for v in verdicts) == [
+        ("stopped", stopped[0]["step"])] * 6, verdicts
     reports = list((_shared(slurm) / info["JobId"] / "reports").glob("incident-*.json"))
     assert reports and all(json.loads(p.read_text()) for p in reports)
 

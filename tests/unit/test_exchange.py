@@ -19,9 +19,11 @@ NO_REF = torch.full((5,), math.inf)  # spike references still warming up
 
 
 def row(batch: float, loss: float, grad: float, *, injected: float = 0.0,
-        quarantined: float = 0.0, boundary: tuple[float, ...] = (0.0,) * 5) -> torch.Tensor:
-    """A health row; ``boundary``: fwd_origin, bwd_origin, recv_act, recv_grad, loss_origin."""
-    return torch.tensor([batch, loss, grad, injected, 1.0, 1.0, quarantined, *boundary])
+        quarantined: float = 0.0, boundary: tuple[float, ...] = (0.0,) * 5,
+        stop: tuple[float, float] = (0.0, 0.0)) -> torch.Tensor:
+    """A health row; ``boundary``: fwd_origin, bwd_origin, recv_act, recv_grad, loss_origin;
+    ``stop``: SIGTERM, SIGINT received."""
+    return torch.tensor([batch, loss, grad, injected, 1.0, 1.0, quarantined, *boundary, *stop])
 
 
 def test_vector_flags_each_kind_from_its_value_and_sums_to_counts() -> None:
@@ -132,7 +134,7 @@ def test_an_absent_value_is_neither_a_spike_nor_unquiet() -> None:
     # A log-likelihood's thresholds are negative; an absent loss (0.0 in the row) is above
     # them, and must still count for nothing.
     thresholds = torch.tensor([-4.0, math.inf, -4.5, math.inf, math.inf])
-    no_loss = torch.tensor([1.0, 0.0, 1.0, 0.0, 0.0, 1.0, 0.0, *[0.0] * 5])
+    no_loss = torch.tensor([1.0, 0.0, 1.0, 0.0, 0.0, 1.0, 0.0, *[0.0] * 7])
     own = OwnRow.from_values(pack(no_loss, thresholds, 0, amp=False).tolist())
     assert not own.spiked() and not own.not_quiet and not own.flagged and own.loss is None
 
@@ -397,3 +399,18 @@ def test_transport_failures_are_told_from_the_loops_own_errors() -> None:
                                                  "worker process 0: Connection reset by peer"))
     assert not is_transport_failure(torch.OutOfMemoryError("CUDA out of memory"))
     assert not is_transport_failure(None)
+
+
+def test_a_stop_request_travels_in_the_summed_slots() -> None:
+    """One rank's SIGTERM is in the sum every rank reads back; the vector's size is the same."""
+    import signal
+
+    from nansentinel.decide.policy import requested_stop
+
+    asked = pack(row(1.0, 2.0, 0.5, stop=(1.0, 0.0)), NO_REF, 0, amp=False)
+    quiet = pack(row(1.0, 2.0, 0.5), NO_REF, 1, amp=False)
+    assert asked.shape == quiet.shape == (SIZE,)
+    summed = Totals.from_values((asked[:T.size] + quiet[:T.size]).tolist())
+    assert (summed.stop_term, summed.stop_int, summed.flagged) == (1, 0, 0)
+    assert requested_stop(summed) == signal.SIGTERM and not summed.device_skips
+    assert OwnRow.from_values(asked.tolist()).stop_term

@@ -257,7 +257,7 @@ def test_a_pending_result_declares_every_field_of_a_step_result_with_its_type() 
     declared = {name: value for name, value in vars(PendingResult).items()
                 if isinstance(value, _Early | _Decided)}
     fields = {f.name for f in dataclasses.fields(nansentinel.StepResult)}
-    assert set(declared) == fields | {"healthy"}
+    assert set(declared) == fields | {"healthy", "stop_requested"}
     for name, descriptor in declared.items():
         if name in hints:
             (arg,) = typing.get_args(descriptor.__orig_class__)  # type: ignore[attr-defined]

@@ -480,3 +480,17 @@ def test_the_run_directory_under_the_report_dir_is_private(
     assert created and made.parent == reports / "runs"
     for d in (tmp_path / "fresh", reports, reports / "runs", made):
         assert d.stat().st_mode & 0o077 == 0, (d, oct(d.stat().st_mode))
+
+
+def test_a_stop_a_signal_asked_for_is_128_plus_the_signal(tmp_path: Path) -> None:
+    """Every rank stopped after the same step for a SIGTERM (SIGINT): the launcher's code is
+    the signal's (143, 130), read back from the verdict files; a timeout beside it wins."""
+    for rank in (0, 1):
+        write_verdict(tmp_path, dataclasses.replace(_verdict(rank, "stopped"),
+                                                    signal=int(signal.SIGTERM)))
+    assert outcome_from_verdicts(read_verdicts(tmp_path), "node0").exit_code == 143
+    write_verdict(tmp_path, dataclasses.replace(_verdict(0, "stopped"), signal=2))
+    write_verdict(tmp_path, dataclasses.replace(_verdict(1, "stopped"), signal=2))
+    assert outcome_from_verdicts(read_verdicts(tmp_path), "node0").exit_code == 130
+    write_verdict(tmp_path, _verdict(1, "exchange_timeout"))
+    assert outcome_from_verdicts(read_verdicts(tmp_path), "node0").exit_code == 5

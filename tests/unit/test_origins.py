@@ -27,7 +27,7 @@ NAN = math.nan
 
 def judged(batch: float, loss: float, grad: float, boundary: tuple[float, ...],
            *, amp: bool = False) -> tuple[OwnRow, Totals]:
-    row = torch.tensor([batch, loss, grad, 0.0, 1.0, 1.0, 0.0, *boundary])
+    row = torch.tensor([batch, loss, grad, 0.0, 1.0, 1.0, 0.0, *boundary, 0.0, 0.0])
     vector = pack(row, NO_REF, 0, amp=amp)
     return OwnRow.from_values(vector.tolist()), Totals.from_values(vector.tolist())
 

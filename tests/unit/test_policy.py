@@ -169,3 +169,19 @@ def test_after_a_rollback_its_discarded_batches_never_roll_back_again_and_the_wi
     assert d.action == SKIP and d.bad_ranks == [1] and "discarded after a rollback" in d.reason
     h.record(v, d, cfg, Evidence(snapshot_step=0))
     assert h.skip_batches == 2 and h.consecutive_skips == skips and h.rollbacks == {0: 2}
+
+
+def test_a_stop_request_in_the_sums_names_one_signal_on_every_rank() -> None:
+    """The decision to stop is a pure function of the summed slots: every rank reads the same
+    sums, so every rank stops after the same step, for the same signal (SIGTERM first)."""
+    import signal
+
+    from nansentinel.decide.policy import requested_stop
+
+    assert requested_stop(Totals()) == 0
+    assert requested_stop(Totals(stop_term=1)) == signal.SIGTERM
+    assert requested_stop(Totals(stop_int=2)) == signal.SIGINT
+    assert requested_stop(Totals(stop_term=1, stop_int=3)) == signal.SIGTERM  # the scheduler's
+    # A stop is not a fault: the step is decided as ever (applied here), the stop beside it.
+    view = ClusterView(4, 3, Totals(stop_term=1))
+    assert decide(view, History(), SentinelConfig()).action == "apply"

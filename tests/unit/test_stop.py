@@ -178,3 +178,93 @@ def test_the_exit_comes_even_when_the_verdict_cannot_be_written(
                         config=SentinelConfig(run_dir=str(tmp_path)), identity=identity,
                         exchange=exchange)  # type: ignore[arg-type]
     assert info.value.code == 5
+
+
+_SIGNAL_SCRIPT = r'''
+import os, signal, sys, torch, nansentinel
+mode = sys.argv[1]
+seen = []
+if mode == "user":
+    signal.signal(signal.SIGTERM, lambda n, f: seen.append(n))
+model = torch.nn.Linear(2, 1)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+s = nansentinel.Sentinel(model, opt, metrics_port=0)
+ours = signal.getsignal(signal.SIGTERM)
+def step():
+    s.check_batch(torch.ones(1, 2))
+    loss = model(torch.ones(1, 2)).sum()
+    s.check_loss(loss)
+    loss.backward()
+    return s.step()
+step()
+if mode != "fork":
+    os.kill(os.getpid(), signal.SIGTERM)
+    import time
+    time.sleep(0.2)  # the signal thread notes it within milliseconds; then the row carries it
+if mode == "user":  # the user's handler kept: it ran, and no stop is asked
+    print("user", seen == [signal.SIGTERM], step().stop_requested, flush=True)
+    s.close()
+    sys.exit(0)
+if mode == "fork":  # a DataLoader worker's SIGTERM is the worker's, not the rank's
+    pid = os.fork()
+    if pid == 0:
+        os.kill(os.getpid(), signal.SIGTERM)
+        os._exit(0)
+    _, status = os.waitpid(pid, 0)
+    import time
+    time.sleep(0.3)  # the rank's signal thread would have noted a byte by now
+    print("fork", os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGTERM,
+          step().stop_requested, flush=True)
+    s.close()
+    sys.exit(0)
+if mode == "twice":
+    import time
+    import nansentinel.effects.stop as stop
+    stop.REPEAT_WINDOW_S = 0.3  # a test's window (5 s in a run)
+    os.kill(os.getpid(), signal.SIGTERM)  # a copy of the first (the launcher's forward)
+    print("copy kept", s.check_batch(torch.ones(1, 2)) is not None, flush=True)
+    time.sleep(0.5)
+    os.kill(os.getpid(), signal.SIGTERM)  # a second request ends the process at once
+    time.sleep(2)  # (the signal thread's exit takes milliseconds)
+    print("still alive", flush=True)
+    sys.exit(0)
+result = step()
+print("asked", result.stop_requested, result.stop_signal, result.applied, flush=True)
+try:
+    s.check_batch(torch.ones(1, 2))
+except nansentinel.StopRequested as exc:
+    print("stop", exc.code, exc.step, signal.getsignal(signal.SIGTERM) is signal.SIG_DFL,
+          flush=True)
+    raise
+'''
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("mode", ["default", "user", "twice", "fork"])
+def test_sigterm_becomes_a_stop_only_where_the_default_handler_was(mode: str) -> None:
+    """With the default handler, SIGTERM becomes a stop after the step that carries it: the
+    result says so, the next sentinel call raises StopRequested (exit 143, the default handler
+    given back). A handler of the user's own is never replaced. A copy of the signal within
+    REPEAT_WINDOW_S (the launcher chain's) changes nothing; a second SIGTERM after it ends the
+    process at once, with 143."""
+    import os
+    import subprocess
+    import sys
+
+    repo = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": str(repo), "OMP_NUM_THREADS": "1"}
+    env.pop("NANSENTINEL_RUN_DIR", None)
+    proc = subprocess.run([sys.executable, "-c", _SIGNAL_SCRIPT, mode], env=env, text=True,
+                          capture_output=True, timeout=100)
+    lines = proc.stdout.split("\n")
+    if mode == "default":
+        assert proc.returncode == 143, proc.stderr[-3000:]
+        assert lines[:2] == ["asked True 15 True", "stop 143 1 True"], proc.stdout
+        assert "Traceback" not in proc.stderr
+    elif mode == "user":
+        assert proc.returncode == 0 and lines[0] == "user True False", proc.stderr[-3000:]
+    elif mode == "fork":  # the forked child died by its SIGTERM; the rank was not asked
+        assert proc.returncode == 0 and lines[0] == "fork True False", proc.stderr[-3000:]
+    else:
+        assert proc.returncode == 143, proc.stderr[-3000:]
+        assert lines[0] == "copy kept True" and "still alive" not in proc.stdout

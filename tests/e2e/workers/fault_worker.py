@@ -8,8 +8,14 @@ Faults, all on ``--host`` (or on rank ``--rank``) only:
 ``--die-at STEP`` SIGKILLs this worker in the middle of that step (after the forward, before
 the backward: its peers are then blocked in the gradient all-reduce); ``--pause SECONDS``
 sleeps before the backward of every step in ``--pause-steps`` (a slow healthy step).
-``--step-sleep`` keeps a long run going between steps. At the end every rank writes
-``OUTDIR/done-<host>.json``.
+``--term-at STEP`` sends this worker SIGTERM in the middle of that step (as a scheduler would,
+to one process). ``--step-sleep`` keeps a long run going between steps. At the end every rank
+writes ``OUTDIR/done-<host>.json``.
+
+The loop checkpoints as docs/training-loop.md shows: when a step's result says a stop was
+requested (a SIGTERM or SIGINT reached some rank), every rank saves ``OUTDIR/ckpt-<rank>.pt``
+(atomically: temporary file, then rename) and ``OUTDIR/stopped-<rank>.json`` with the step,
+then calls ``sentinel.close()``, which ends the process with 128 + the signal (143).
 """
 
 import argparse
@@ -38,6 +44,7 @@ p.add_argument("--die-at", type=int, default=-1)
 p.add_argument("--pause", type=float, default=0.0)
 p.add_argument("--pause-steps", default="")
 p.add_argument("--step-sleep", type=float, default=0.0)
+p.add_argument("--term-at", type=int, default=-1)
 args = p.parse_args()
 
 host = socket.gethostname()
@@ -67,9 +74,22 @@ for step in range(args.steps):
         os.kill(os.getpid(), signal.SIGKILL)
     if mine and step in paused:
         time.sleep(args.pause)
+    if mine and step == args.term_at:
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.2)  # noted (by the signal thread) before this step's row is packed
     loss.backward()
-    sentinel.step()
+    result = sentinel.step()
     optimizer.zero_grad()
+    if result.stop_requested:  # every rank, after the same step: checkpoint, then stop
+        rank = dist.get_rank()
+        tmp = args.outdir / f".ckpt-{rank}.pt.tmp"
+        torch.save({"step": result.step, "model": model.state_dict(),
+                    "sentinel": sentinel.state_dict()}, tmp)
+        os.replace(tmp, args.outdir / f"ckpt-{rank}.pt")
+        (args.outdir / f"stopped-{rank}.json").write_text(json.dumps(
+            {"step": result.step, "signal": result.stop_signal, "host": host}))
+        sys.stdout.flush()
+        sentinel.close()  # raises StopRequested: exit 128 + the signal
     time.sleep(args.step_sleep)
 (args.outdir / f"done-{host}.json").write_text(json.dumps({"steps": args.steps}))
 sentinel.close()

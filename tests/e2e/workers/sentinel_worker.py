@@ -9,6 +9,11 @@ sentinel state to ``OUTDIR/ckpt.pt`` every ``--ckpt-every`` steps; a restarted w
 from it. A worker that finds fewer than ``--full-world`` ranks while the exclusion file
 (``NANSENTINEL_EXCLUSION_FILE``) names no host waits: a late host's agent is about to join and
 torchrun will restart it. At the end every rank writes ``OUTDIR/done-<host>-rank<R>.json``.
+
+A SIGTERM (``scancel``, a time limit) is answered as docs/training-loop.md shows: the step whose
+result says ``stop_requested`` is the last on every rank; rank 0 checkpoints it, every rank
+writes ``OUTDIR/stopped-<host>-rank<R>.json`` with the step, and ``sentinel.close()`` ends the
+process with 143.
 """
 
 import argparse
@@ -69,13 +74,19 @@ for step in range(start, args.steps):
     loss = torch.nn.functional.mse_loss(model(x), y)
     sentinel.check_loss(loss)
     loss.backward()
-    sentinel.step()  # raises HostExcludedError on every rank when a host is excluded
+    result = sentinel.step()  # raises HostExcludedError on every rank at an exclusion
     optimizer.zero_grad()
-    if rank == 0 and (step + 1) % args.ckpt_every == 0:
+    stopping = result.stop_requested  # a SIGTERM reached some rank: the same step on all
+    if rank == 0 and ((step + 1) % args.ckpt_every == 0 or stopping):
         state = {"step": step + 1, "model": model.module.state_dict(),
                  "optimizer": optimizer.state_dict(), "sentinel": sentinel.state_dict()}
         torch.save(state, ckpt.with_suffix(".tmp"))
         os.replace(ckpt.with_suffix(".tmp"), ckpt)
+    if stopping:
+        (args.outdir / f"stopped-{host}-rank{rank}.json").write_text(json.dumps(
+            {"step": result.step, "signal": result.stop_signal}))
+        sys.stdout.flush()
+        sentinel.close()  # raises StopRequested on every rank: exit 143
     dist.barrier()  # nobody runs ahead of rank 0's checkpoint
 
 assert all(torch.isfinite(q).all() for q in model.parameters()), "weights took a NaN"
