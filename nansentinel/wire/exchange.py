@@ -56,7 +56,10 @@ _STORE_MARGIN_S = 3.0
 #: and its kinds say so by type; gloo raises a plain ``RuntimeError`` naming its source file.
 #: Only the backends' own words: a data loader's "Connection reset by peer" is not one.
 _TRANSPORT_FAILURE = re.compile(
-    r"gloo/transport|NCCL (error|communicator)|ncclRemoteError|ncclSystemError")
+    r"gloo/transport|NCCL (error|communicator)|ncclRemoteError|ncclSystemError"
+    # TORCH_DISTRIBUTED_DEBUG=DETAIL wraps every collective in a monitored barrier first: a
+    # dead or cut-off peer fails there, with this wording, before the transport is reached.
+    r"|failed to pass monitoredBarrier")
 
 
 class HealthExchange:

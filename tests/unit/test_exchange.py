@@ -388,6 +388,9 @@ def test_transport_failures_are_told_from_the_loops_own_errors() -> None:
                         "by peer [10.0.0.2]:1165")
     assert is_transport_failure(gloo)
     assert is_transport_failure(dist.DistBackendError("NCCL communicator was aborted"))
+    # Under TORCH_DISTRIBUTED_DEBUG=DETAIL the dead peer is met at the wrapper's barrier.
+    assert is_transport_failure(RuntimeError(
+        "[Rank 0]: Ranks 1 failed to pass monitoredBarrier in 60000 ms"))
     assert is_transport_failure(ExchangeTimeoutError("no answer from rank 1", [1]))
     try:  # raised from one: DDP's wrapped callback error keeps the cause's text, others chain
         raise ValueError("while reducing") from gloo
