@@ -245,12 +245,12 @@ def test_three_hosts_six_ranks(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) 
 @pytest.mark.parametrize(
     ("names", "bad"),
     [
-        (("node1", "node2", "node3"), "node3"),
         # node0 sorts first, so it is the agents' group rank 0, which (with torch's shared
-        # TCP store) hosted the workers' store: the survivors must move it.
+        # TCP store) hosted the workers' store: the survivors must move it. (The last agent
+        # excluded, with the same resume checked, is the hostile host name's test below.)
         (("node1", "node2", "node0"), "node0"),
     ],
-    ids=["last-agent", "agent-rank-0"],
+    ids=["agent-rank-0"],
 )
 def test_excluded_host_leaves_and_the_others_resume(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
@@ -308,9 +308,10 @@ HOSTILE = ("evil$(touch${IFS}pwned)`touch pwned2`'\"; touch pwned3\n"
 def test_a_hostile_host_name_reaches_the_hook_as_text(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Three agents; the third calls itself HOSTILE (NANSENTINEL_HOSTNAME) and its ranks get
-    non-finite gradients at steps 5-7, so the sentinel excludes it and its launcher runs the
-    hook with the name (and a reason that contains it) in the operator's usual quoting."""
+    """Three agents; the third (the last agent) calls itself HOSTILE (NANSENTINEL_HOSTNAME)
+    and its ranks get non-finite gradients at steps 5-7, so the sentinel excludes it and its
+    launcher runs the hook with the name (and a reason that contains it) in the operator's
+    usual quoting; the other two resume from the checkpoint and train to the end."""
     _netns_or_skip(monkeypatch)
     monkeypatch.chdir(tmp_path)  # the agents and the hook run here
     out = tmp_path / "out"
@@ -338,6 +339,13 @@ def test_a_hostile_host_name_reaches_the_hook_as_text(
     assert ExclusionStore(shared / "excluded.jsonl").excluded_hosts() == {HOSTILE}
     leftovers = {p.name for root in (tmp_path, REPO) for p in root.glob("pwned*")}
     assert not leftovers  # nothing from the name ran, wherever the hook's cwd was
+    # The survivors: two hosts x two ranks, resumed from the checkpoint taken after step 5
+    # (steps 5 and 6 were skipped, step 7 excluded the host); see the test above.
+    done = [json.loads(p.read_text()) for p in out.glob("done-*.json")]
+    assert sorted(d["rank"] for d in done) == [0, 1, 2, 3]
+    assert {d["hostname"] for d in done} == {h.name for h in cluster.hosts[:2]}
+    assert all(d["world_size"] == 4 and d["restart_count"] in (0, 1) and d["start"] == 6
+               for d in done), done
 
 
 _STORE_SERVER = (

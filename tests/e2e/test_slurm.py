@@ -5,10 +5,10 @@ The shipped batch script is submitted as a user would, with the overrides a CPU 
 quicker (``RDZV_CONF=join_timeout=60,last_call_timeout=2``, ``METRICS_PORT=0``, a 0.5 s
 monitor interval); the training script is the real Sentinel under DDP
 (workers/sentinel_worker.py).
-One cluster serves the whole module, and the tests run in order on it: a poisoned node3 is
-drained while the job completes on the other two, the next jobs keep off it until it is
-cleared and resumed, then the first node leaves, then the Epilog drains for a job user who
-cannot.
+One cluster serves the whole module, and the tests run in order on it: the poisoned first
+node (the batch host, which runs the store) is drained and leaves while the job completes on
+the other two; with node3 excluded, the next jobs keep off it until it is cleared and resumed;
+then the Epilog drains for a job user who cannot.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from pathlib import Path
 
 import pytest
 
-from nansentinel.common.exclusion import ExclusionStore
+from nansentinel.common.exclusion import ExclusionRecord, ExclusionStore
 
 from .slurm import SlurmCluster, unavailable_reason
 
@@ -112,35 +112,45 @@ def _excluded(slurm: SlurmCluster, *args: str) -> subprocess.CompletedProcess[st
         timeout=60, check=True)
 
 
-def test_a_poisoned_node_is_drained_and_the_job_completes(slurm: SlurmCluster,
-                                                          tmp_path: Path) -> None:
-    """node3's ranks get non-finite gradients at steps 5-7: three strikes exclude it at step
-    7; its launcher drains it (the job runs as root, an operator) and exits 4; node1 and node2
-    resume from the checkpoint and train all 12 steps; the job ends COMPLETED, exit 0."""
-    info, log = _train(slurm, tmp_path / "out", 3, 6, "kind=grad,host=node3,steps=5-7")
+def test_a_poisoned_first_node_is_drained_and_the_job_completes(slurm: SlurmCluster,
+                                                                tmp_path: Path) -> None:
+    """node1 runs the batch script and the rendezvous store (its own process). Its ranks get
+    non-finite gradients at steps 5-7: three strikes exclude it at step 7; its launcher
+    drains it (the job runs as root, an operator) and exits 4, and leaves; node2 and node3
+    resume from the checkpoint and train all 9 steps; the job ends COMPLETED, exit 0."""
+    info, log = _train(slurm, tmp_path / "out", 3, 6, "kind=grad,host=node1,steps=5-7")
     assert (info["JobState"], info["ExitCode"]) == ("COMPLETED", "0:0"), log[-6000:]
-    assert "node3 excluded by the sentinel and left the job (exit 4); the job completed on " \
-           "node1 node2: exit 0" in log, log[-4000:]
+    assert "node1 excluded by the sentinel and left the job (exit 4); the job completed on " \
+           "node2 node3: exit 0" in log, log[-4000:]
     done = _receipts(tmp_path / "out")
     assert sorted((d["hostname"], d["rank"]) for d in done) == [
-        ("node1", 0), ("node1", 1), ("node2", 2), ("node2", 3)], log[-4000:]
+        ("node2", 0), ("node2", 1), ("node3", 2), ("node3", 3)], log[-4000:]
     assert all(d["world_size"] == 4 and d["start"] == 6 for d in done), done  # finite weights
-    assert "nansentinel-drain: drained node3" in log  # the job's own hook, not the epilog
+    assert "nansentinel-drain: drained node1" in log  # the job's own hook, not the epilog
     reason = slurm.drain_reasons()
-    assert set(reason) == {"node3"}
+    assert set(reason) == {"node1"}
     excl = _shared(slurm) / "excluded.jsonl"
-    assert reason["node3"] == (
-        f"nansentinel excluded node3 at step 7 (job {info['JobId']}, ranks 4,5, kind grad): "
-        "host node3 blamed 3 times within 100 steps; to return it: nansentinel excluded "
-        f"--exclusion-file {excl} --clear node3, then scontrol update nodename=node3 "
+    assert reason["node1"] == (
+        f"nansentinel excluded node1 at step 7 (job {info['JobId']}, ranks 0,1, kind grad): "
+        "host node1 blamed 3 times within 100 steps; to return it: nansentinel excluded "
+        f"--exclusion-file {excl} --clear node1, then scontrol update nodename=node1 "
         "state=resume")
+    assert _excluded(slurm, "--clear", "node1").stdout.startswith("cleared 1 exclusion record")
+    slurm.resume("node1")
 
 
 def test_the_next_jobs_keep_off_the_excluded_node(slurm: SlurmCluster, tmp_path: Path) -> None:
-    """While node3 is drained a 3-node job pends and an ``--exclude=$(nansentinel excluded
-    --hostlist)`` job runs on node1 and node2. Resumed without ``--clear``, node3 is left out
-    of the training by the batch script itself. Cleared and resumed, a 3-node control run
-    without a fault trains on all three and drains nothing."""
+    """node3 excluded and drained as the test above leaves a node (its record written and the
+    node drained here, not by a second training job): a 3-node job pends and an
+    ``--exclude=$(nansentinel excluded --hostlist)`` job runs on node1 and node2. Resumed
+    without ``--clear``, node3 is left out of the training by the batch script itself.
+    Cleared and resumed, a 3-node control run without a fault trains on all three and drains
+    nothing."""
+    ExclusionStore(_shared(slurm) / "excluded.jsonl").add(ExclusionRecord(
+        host="node3", reason="host node3 blamed 3 times within 100 steps", step=7,
+        evidence={"bad_ranks": [4, 5], "kinds": ["grad"]}, job_id="1"))
+    slurm.run(["scontrol", "update", "nodename=node3", "state=drain",
+               "reason=nansentinel excluded node3 at step 7"])
     assert _excluded(slurm, "--hostlist").stdout == "node3\n"
     skip = _excluded(slurm, "--hostlist").stdout.strip()
     quiet = ["--output=/dev/null", "--wrap=true"]
@@ -171,18 +181,6 @@ def test_the_next_jobs_keep_off_the_excluded_node(slurm: SlurmCluster, tmp_path:
         "node1", "node2", "node3"}
     assert slurm.drain_reasons() == {}
     assert ExclusionStore(_shared(slurm) / "excluded.jsonl").records() == []
-
-
-def test_the_first_node_can_leave(slurm: SlurmCluster, tmp_path: Path) -> None:
-    """node1 runs the batch script and the rendezvous store (its own process): poisoned, its
-    launcher leaves and the job completes on node2 and node3."""
-    info, log = _train(slurm, tmp_path / "out", 3, 6, "kind=grad,host=node1,steps=5-7")
-    assert (info["JobState"], info["ExitCode"]) == ("COMPLETED", "0:0"), log[-6000:]
-    assert sorted((d["hostname"], d["rank"]) for d in _receipts(tmp_path / "out")) == [
-        ("node2", 0), ("node2", 1), ("node3", 2), ("node3", 3)], log[-4000:]
-    assert set(slurm.drain_reasons()) == {"node1"}
-    _excluded(slurm, "--clear", "node1")
-    slurm.resume("node1")
 
 
 #: A reason as hostile as a job's user can write: command substitution, backticks, quotes,
