@@ -22,6 +22,7 @@ worker side never imports them. Only ``wire/`` and ``engines/`` import ``torch.d
 from __future__ import annotations
 
 import ast
+import functools
 from pathlib import Path
 
 import pytest
@@ -45,6 +46,12 @@ DISTRIBUTED_OK = {"wire", "engines", "launcher", "demo"}
 #: (the checks' foreach norms) reaches no collective through it.
 ROOM = "nansentinel.common.torch_insides"
 MAX_TOP_LEVEL = 20
+
+
+@functools.cache
+def _tree(path: Path) -> ast.Module:
+    """The module's syntax tree, parsed once for all the tests (read-only)."""
+    return ast.parse(path.read_text(encoding="utf-8"))
 
 
 def _modules() -> dict[str, Path]:
@@ -83,7 +90,7 @@ def _imports(name: str, *, typing: bool = True, functions: bool = True) -> set[s
     """Modules ``name`` imports, at module level or in a function, as written (``from
     nansentinel.x import y`` is ``nansentinel.x.y`` where that is a module); ``typing``:
     with those under ``if TYPE_CHECKING:``; ``functions``: with those inside functions."""
-    tree = ast.parse(MODULES[name].read_text(encoding="utf-8"))
+    tree = _tree(MODULES[name])
     skip: set[int] = set()
     if not functions:
         for node in ast.walk(tree):
@@ -176,7 +183,7 @@ def test_the_room_issues_no_collective() -> None:
     collectives = {"all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter",
                    "reduce_scatter_tensor", "broadcast", "barrier", "send", "recv",
                    "all_to_all", "gather", "scatter", "monitored_barrier"}
-    tree = ast.parse(MODULES[ROOM].read_text(encoding="utf-8"))
+    tree = _tree(MODULES[ROOM])
     called = {node.func.attr for node in ast.walk(tree)
               if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)}
     assert not called & collectives
@@ -196,7 +203,7 @@ ENGINE_NAMES = {"ddp", "fsdp", "fsdp2", "hsdp", "deepspeed", "local", "local_gra
 def _functions() -> list[tuple[str, ast.FunctionDef | ast.AsyncFunctionDef]]:
     found = []
     for name, path in MODULES.items():
-        tree = ast.parse(path.read_text())
+        tree = _tree(path)
 
         def visit(node: ast.AST, where: str) -> None:
             for child in ast.iter_child_nodes(node):
@@ -248,7 +255,7 @@ def test_no_module_outside_the_engines_compares_an_engine_name() -> None:
     """Behaviour comes from an engine's declared capabilities (engines.Capabilities), so that
     adding an engine is one module: a `path == "fsdp"` elsewhere would need editing for it."""
     found = {name: lines for name, path in MODULES.items() if _unit(name) != "engines"
-             if (lines := _engine_names_compared(ast.parse(path.read_text())))}
+             if (lines := _engine_names_compared(_tree(path)))}
     assert not found, found
     assert _engine_names_compared(ast.parse('if path.name in ("ddp", "x"): pass'))  # it can fail
 
