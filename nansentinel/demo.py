@@ -28,6 +28,11 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import nansentinel
+from nansentinel.common.exitcodes import (
+    EXIT_EXCHANGE_TIMEOUT,
+    EXIT_HOST_EXCLUDED,
+    EXIT_NONFINITE_ABORT,
+)
 from nansentinel.common.report import write_new
 
 _SUMMARY = "The nansentinel demo job (one worker; run it under torchrun)."
@@ -104,7 +109,13 @@ def main(argv: list[str] | None = None) -> int:
         # One write: the ranks share the terminal, and print's two writes interleave.
         sys.stderr.write(f"rank {rank}: stopped: {str(exc).removeprefix('nansentinel: ')}\n")
         sys.stderr.flush()
-        return 1
+        # The code the launcher gives for the same stop (common/exitcodes.py), so that the
+        # demo under plain torchrun says which stop it was too.
+        if isinstance(exc, nansentinel.HostExcludedError):
+            return EXIT_HOST_EXCLUDED
+        if isinstance(exc, nansentinel.ExchangeTimeoutError):
+            return EXIT_EXCHANGE_TIMEOUT
+        return EXIT_NONFINITE_ABORT
 
 
 def _train(args: argparse.Namespace) -> int:

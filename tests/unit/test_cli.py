@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+import nansentinel
 from nansentinel import cli
 from nansentinel.common import exitcodes
 from nansentinel.common.exclusion import ExclusionRecord, ExclusionStore
@@ -93,6 +94,37 @@ def test_demo_bad_policy_from_the_environment_names_the_variable(
 def test_demo_bad_number_is_argparses_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
     assert cli.main(["demo", "--nproc", "four"]) == 2  # returned: main(argv) never exits
     assert "argument --nproc: invalid int value: 'four'" in capsys.readouterr().err
+
+
+#: A stop the sentinel decided, as the demo's loop meets it, and the code its worker exits with.
+_STOPS = [
+    (nansentinel.NonFiniteError("nansentinel: aborted at step 5", None),  # type: ignore[arg-type]
+     exitcodes.EXIT_NONFINITE_ABORT),
+    (nansentinel.HostExcludedError("nansentinel: node-b excluded", None),  # type: ignore[arg-type]
+     exitcodes.EXIT_HOST_EXCLUDED),
+    (nansentinel.ExchangeTimeoutError("nansentinel: no answer from rank 1", [1]),
+     exitcodes.EXIT_EXCHANGE_TIMEOUT),
+]
+
+
+@pytest.mark.parametrize(("error", "code"), _STOPS)
+def test_a_demo_worker_stopped_by_the_sentinel_exits_with_the_launchers_code(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+    error: Exception, code: int,
+) -> None:
+    """Under plain torchrun the worker's own code says which stop it was (abort 3, exclusion
+    4, a missing rank 5), as ``nansentinel run`` says from the verdicts; one line, no
+    traceback."""
+    from nansentinel import demo
+
+    def stopped(args: object) -> int:
+        raise error
+
+    monkeypatch.setattr(demo, "_train", stopped)
+    monkeypatch.setenv("RANK", "1")
+    assert demo.main(["--steps", "1"]) == code
+    said = str(error).removeprefix("nansentinel: ")
+    assert capsys.readouterr().err == f"rank 1: stopped: {said}\n"
 
 
 def _store(tmp_path: Path) -> ExclusionStore:
