@@ -1,0 +1,146 @@
+"""torchtitan 0.3.0's own fault-tolerant trainer (``torchtitan/experiments/torchft``) under the
+sentinel, run as its users run it: a torchft lighthouse, one ``torchrun`` per replica group
+(``--fault_tolerance.enable --fault_tolerance.replica_id G --fault_tolerance.group_size 2``),
+FSDP2 over the group's two ranks (``--parallelism.data_parallel_shard_degree 2``), llama3's
+debug model, gloo CPU ranks; the harness and CPU patches of test_torchtitan.py.
+
+The registry (workers/torchtitan_registry.py) is ``with_sentinel(llama3_torchft_debugmodel())``
+made synchronous and CPU-friendly; replica group 1's rank 1 makes its first block's output NaN
+at torchtitan's step 2. With the sentinel: both groups veto that step, every rank of both
+names group 1, its rank 1 and that rank's host, only that host is excluded
+(``host_strikes=1``), group 1 leaves, and group 0 trains on to the last step without a
+restart. Without the sentinel, the NaN reaches the weights of every rank of both groups.
+Both arms run at once (a lighthouse each), so their start-up and waits overlap.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from tests.e2e.test_torchtitan import train
+from tests.e2e.torchtitan_cpu import write_assets
+
+pytestmark = pytest.mark.e2e
+pytest.importorskip("torchtitan")
+pytest.importorskip("torchft")
+
+#: torchtitan steps: 1 healthy, 2 the fault (vetoed), 3 group 0 alone.
+STEPS = 3
+GROUP = "torchtitan_ft_{}"  # torchtitan's replica id for the lighthouse
+CULPRIT = "replica group torchtitan_ft_1 (rank 1, host node1r1)"
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    return write_assets(tmp_path_factory.mktemp("torchtitan-ft-assets"))
+
+
+def _groups(tmp: Path, assets: tuple[Path, Path], config: str, steps: int,
+            pool: ThreadPoolExecutor, env: dict[str, str]) -> list[object]:
+    """Start a lighthouse and both replica groups' torchruns (futures of ``train``); the
+    lighthouse is returned last, to be shut down once both finished."""
+    from torchft._torchft import LighthouseServer
+
+    house = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=2000,
+                             heartbeat_timeout_ms=500)
+    start = tmp / "start"
+    start.mkdir(parents=True)
+    common = {"TORCHFT_LIGHTHOUSE": house.address(), "FT_START": str(start), "FT_RANKS": "4",
+              # torchft's own waits, bounded well inside the test's timeout
+              "TORCHFT_TIMEOUT_SEC": "30", "TORCHFT_QUORUM_TIMEOUT_SEC": "30",
+              "TORCHFT_CONNECT_TIMEOUT_SEC": "30", **env}
+    runs: list[object] = [pool.submit(
+        train, tmp / f"g{g}", assets, 2, config, "--fault_tolerance.enable",
+        "--fault_tolerance.replica_id", str(g), "--fault_tolerance.group_size", "2",
+        "--parallelism.data_parallel_shard_degree", "2", timeout=170, steps=steps,
+        env={**common, "REPLICA_GROUP_ID": str(g)}) for g in (0, 1)]
+    return [*runs, house]
+
+
+def _weights(out: str) -> dict[tuple[int, int, int], tuple[bool, float]]:
+    """``(group, rank, step) -> (finite, sum)`` from the registry's WEIGHTS lines."""
+    found = re.findall(r"WEIGHTS group (\d) rank (\d) step (\d+) finite (\w+) "
+                       r"sum (nan|-?inf|-?\d+\.\d+(?:e[-+]?\d+)?)", out)
+    return {(int(g), int(r), int(s)): (f == "True", float(v)) for g, r, s, f, v in found}
+
+
+@pytest.mark.timeout(240)
+def test_torchft_trainer_vetoes_on_every_group_names_the_rank_and_the_group_leaves(
+    tmp_path: Path, assets: tuple[Path, Path]
+) -> None:
+    excluded = tmp_path / "excluded.jsonl"
+    with ThreadPoolExecutor(4) as pool:
+        guarded = _groups(tmp_path / "sentinel", assets, "ft_fault", STEPS, pool, {
+            "NANSENTINEL_HOST_STRIKES": "1", "NANSENTINEL_EXCLUSION_FILE": str(excluded)})
+        bare = _groups(tmp_path / "bare", assets, "ft_bare", 2, pool, {})
+        try:
+            (g0, _), (g1, reports) = guarded[0].result(), guarded[1].result()  # type: ignore[attr-defined]
+            (b0, _), (b1, _) = bare[0].result(), bare[1].result()  # type: ignore[attr-defined]
+        finally:
+            for house in (guarded[2], bare[2]):
+                house.shutdown()  # type: ignore[attr-defined]
+    for name, proc in (("sentinel-g0", g0), ("sentinel-g1", g1), ("bare-g0", b0),
+                       ("bare-g1", b1)):  # kept for a failure's post-mortem
+        (tmp_path / f"{name}.log").write_text(proc.stdout)
+    _check_sentinel(g0, g1, reports, excluded)
+    _check_bare(b0, b1)
+
+
+def _check_sentinel(g0: subprocess.CompletedProcess[str], g1: subprocess.CompletedProcess[str],
+                    reports: Path, excluded: Path) -> None:
+    out0, out1 = g0.stdout, g1.stdout
+    # Group 0 trained every step, the vetoed one included, and finished.
+    assert g0.returncode == 0, out0[-8000:]
+    assert out0.count("Training completed") == 2, out0[-8000:]
+    # Every rank of both groups vetoed torchft step 1 (torchtitan's step 2) and named
+    # group 1's rank 1 on node1r1, struck out.
+    for g, out in ((0, out0), (1, out1)):
+        for r in (0, 1):
+            line = (f"replica group {GROUP.format(g)} (rank {r}, host node{g}r{r}): torchft "
+                    f"step 1 not committed on any replica group: {CULPRIT}")
+            assert line in out, (g, r, out[-8000:])
+    # Named alone: every such line blames group 1's rank 1 on node1r1, and no one else.
+    blamed = set(re.findall(r"not committed on any replica group: (.*?)(?:; gradients|$)",
+                            out0 + out1, re.M))
+    assert blamed == {f"{CULPRIT}: loss, grad, struck out: leaves the quorum"}, blamed
+    # Group 1 left: its culprit's rank and its healthy rank raise HostExcludedError naming
+    # node1r1 (not node1r0); its torchrun ends with that failure.
+    assert g1.returncode != 0, out1[-8000:]
+    assert "HostExcludedError: nansentinel: host node1r1 (replica group torchtitan_ft_1, " \
+        "rank 1) blamed 1 times" in out1, out1[-8000:]
+    assert out1.count("HostExcludedError") >= 2, out1[-8000:]
+    assert "Training completed" not in out1
+    hosts = [json.loads(line)["host"] for line in excluded.read_text().splitlines()]
+    assert hosts == ["node1r1"], hosts
+    report = json.loads(next(reports.glob("incident-*.json")).read_text())
+    assert report["bad_ranks"] == [1] and report["bad_hosts"] == ["node1r1"], report
+    assert report["step"] == 1 and report["outcome"] in ("skipped", "excluded"), report
+    # Weights: finite on every rank at every step, unchanged by the vetoed step on group 0,
+    # which then trains on alone (step 3 changes them).
+    weights = _weights(out0 + out1)
+    assert all(finite for finite, _ in weights.values()), weights
+    for r in (0, 1):
+        assert weights[(0, r, 2)][1] == weights[(0, r, 1)][1], weights
+        assert weights[(0, r, 3)][1] != weights[(0, r, 2)][1], weights
+    assert not any(s == 3 for g, _, s in weights if g == 1), weights
+    logged = [line for line in out0.splitlines() if "step:" in line and "loss:" in line]
+    assert sum("step:  3 " in line for line in logged) == 2, logged
+
+
+def _check_bare(b0: subprocess.CompletedProcess[str], b1: subprocess.CompletedProcess[str]
+                ) -> None:
+    """Without the sentinel torchft commits step 2 on both groups: every rank's weights,
+    finite after step 1, are NaN after step 2."""
+    for proc in (b0, b1):
+        assert proc.returncode == 0, proc.stdout[-8000:]
+    weights = _weights(b0.stdout + b1.stdout)
+    for g in (0, 1):
+        for r in (0, 1):
+            assert weights[(g, r, 1)][0], (g, r, weights)
+            assert not weights[(g, r, 2)][0], f"group {g} rank {r} kept finite weights"
