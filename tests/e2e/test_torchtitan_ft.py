@@ -10,7 +10,8 @@ at torchtitan's step 2. With the sentinel: both groups veto that step, every ran
 names group 1, its rank 1 and that rank's host, only that host is excluded
 (``host_strikes=1``), group 1 leaves, and group 0 trains on to the last step without a
 restart. Without the sentinel, the NaN reaches the weights of every rank of both groups.
-Both arms run at once (a lighthouse each), so their start-up and waits overlap.
+The two arms share the ranks, their start-up and the lighthouse: each group's torchrun trains
+first without the sentinel, then with it (torchtitan_train.py's ``TITAN_ARMS``).
 """
 
 from __future__ import annotations
@@ -41,60 +42,57 @@ def assets(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     return write_assets(tmp_path_factory.mktemp("torchtitan-ft-assets"))
 
 
-def _groups(tmp: Path, assets: tuple[Path, Path], config: str, steps: int,
-            pool: ThreadPoolExecutor, env: dict[str, str]) -> list[object]:
-    """Start a lighthouse and both replica groups' torchruns (futures of ``train``); the
-    lighthouse is returned last, to be shut down once both finished."""
-    from torchft._torchft import LighthouseServer
-
-    house = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=2000,
-                             heartbeat_timeout_ms=500)
-    start = tmp / "start"
-    start.mkdir(parents=True)
-    common = {"TORCHFT_LIGHTHOUSE": house.address(), "FT_START": str(start), "FT_RANKS": "4",
-              # torchft's own waits, bounded well inside the test's timeout
-              "TORCHFT_TIMEOUT_SEC": "30", "TORCHFT_QUORUM_TIMEOUT_SEC": "30",
-              "TORCHFT_CONNECT_TIMEOUT_SEC": "30", **env}
-    runs: list[object] = [pool.submit(
-        train, tmp / f"g{g}", assets, 2, config, "--fault_tolerance.enable",
-        "--fault_tolerance.replica_id", str(g), "--fault_tolerance.group_size", "2",
-        "--parallelism.data_parallel_shard_degree", "2", timeout=170, steps=steps,
-        env={**common, "REPLICA_GROUP_ID": str(g)}) for g in (0, 1)]
-    return [*runs, house]
-
-
 def _weights(out: str) -> dict[tuple[int, int, int], tuple[bool, float]]:
-    """``(group, rank, step) -> (finite, sum)`` from the registry's WEIGHTS lines."""
-    found = re.findall(r"WEIGHTS group (\d) rank (\d) step (\d+) finite (\w+) "
+    """``(group, rank, step) -> (finite, sum)`` from the registry's WEIGHTS lines of ``out``."""
+    found = re.findall(r"WEIGHTS \w+ group (\d) rank (\d) step (\d+) finite (\w+) "
                        r"sum (nan|-?inf|-?\d+\.\d+(?:e[-+]?\d+)?)", out)
     return {(int(g), int(r), int(s)): (f == "True", float(v)) for g, r, s, f, v in found}
+
+
+def _arm(out: str, name: str) -> str:
+    """The part of one group's output that one arm wrote (from its ``ARM`` line on)."""
+    parts = re.split(r"^ARM (\w+)$", out, flags=re.M)
+    return "".join(text for arm, text in zip(parts[1::2], parts[2::2], strict=True)
+                   if arm == name)
 
 
 @pytest.mark.timeout(240)
 def test_torchft_trainer_vetoes_on_every_group_names_the_rank_and_the_group_leaves(
     tmp_path: Path, assets: tuple[Path, Path]
 ) -> None:
+    """Both arms in the same two torchruns, one after the other (torchtitan_train.py's
+    ``TITAN_ARMS``), on one lighthouse: first torchtitan's trainer alone (2 steps), then
+    under the sentinel (3 steps)."""
+    from torchft._torchft import LighthouseServer
+
     excluded = tmp_path / "excluded.jsonl"
-    with ThreadPoolExecutor(4) as pool:
-        guarded = _groups(tmp_path / "sentinel", assets, "ft_fault", STEPS, pool, {
-            "NANSENTINEL_HOST_STRIKES": "1", "NANSENTINEL_EXCLUSION_FILE": str(excluded)})
-        bare = _groups(tmp_path / "bare", assets, "ft_bare", 2, pool, {})
-        try:
-            (g0, _), (g1, reports) = guarded[0].result(), guarded[1].result()  # type: ignore[attr-defined]
-            (b0, _), (b1, _) = bare[0].result(), bare[1].result()  # type: ignore[attr-defined]
-        finally:
-            for house in (guarded[2], bare[2]):
-                house.shutdown()  # type: ignore[attr-defined]
-    for name, proc in (("sentinel-g0", g0), ("sentinel-g1", g1), ("bare-g0", b0),
-                       ("bare-g1", b1)):  # kept for a failure's post-mortem
-        (tmp_path / f"{name}.log").write_text(proc.stdout)
+    house = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=2000,
+                             heartbeat_timeout_ms=500)
+    env = {"TORCHFT_LIGHTHOUSE": house.address(), "FT_START": str(tmp_path / "start"),
+           "FT_RANKS": "4", "TITAN_ARMS": f"ft_bare:2 ft_fault:{STEPS}",
+           # torchft's own waits, bounded well inside the test's timeout
+           "TORCHFT_TIMEOUT_SEC": "30", "TORCHFT_QUORUM_TIMEOUT_SEC": "30",
+           "TORCHFT_CONNECT_TIMEOUT_SEC": "30",
+           "NANSENTINEL_HOST_STRIKES": "1", "NANSENTINEL_EXCLUSION_FILE": str(excluded)}
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            runs = [pool.submit(
+                train, tmp_path / f"g{g}", assets, 2, "ft_bare", "--fault_tolerance.enable",
+                "--fault_tolerance.replica_id", str(g), "--fault_tolerance.group_size", "2",
+                "--parallelism.data_parallel_shard_degree", "2", timeout=200,
+                env={**env, "REPLICA_GROUP_ID": str(g)}) for g in (0, 1)]
+            (g0, _), (g1, reports) = runs[0].result(), runs[1].result()
+    finally:
+        house.shutdown()
+    for g, proc in ((0, g0), (1, g1)):  # kept for a failure's post-mortem
+        (tmp_path / f"g{g}.log").write_text(proc.stdout)
+    _check_bare(_arm(g0.stdout, "ft_bare"), _arm(g1.stdout, "ft_bare"))
     _check_sentinel(g0, g1, reports, excluded)
-    _check_bare(b0, b1)
 
 
 def _check_sentinel(g0: subprocess.CompletedProcess[str], g1: subprocess.CompletedProcess[str],
                     reports: Path, excluded: Path) -> None:
-    out0, out1 = g0.stdout, g1.stdout
+    out0, out1 = _arm(g0.stdout, "ft_fault"), _arm(g1.stdout, "ft_fault")
     # Group 0 trained every step, the vetoed one included, and finished.
     assert g0.returncode == 0, out0[-8000:]
     assert out0.count("Training completed") == 2, out0[-8000:]
@@ -133,13 +131,12 @@ def _check_sentinel(g0: subprocess.CompletedProcess[str], g1: subprocess.Complet
     assert sum("step:  3 " in line for line in logged) == 2, logged
 
 
-def _check_bare(b0: subprocess.CompletedProcess[str], b1: subprocess.CompletedProcess[str]
-                ) -> None:
+def _check_bare(out0: str, out1: str) -> None:
     """Without the sentinel torchft commits step 2 on both groups: every rank's weights,
     finite after step 1, are NaN after step 2."""
-    for proc in (b0, b1):
-        assert proc.returncode == 0, proc.stdout[-8000:]
-    weights = _weights(b0.stdout + b1.stdout)
+    assert out0.count("Training completed") == 2 and out1.count("Training completed") == 2, \
+        out0[-4000:] + out1[-4000:]
+    weights = _weights(out0 + out1)
     for g in (0, 1):
         for r in (0, 1):
             assert weights[(g, r, 1)][0], (g, r, weights)

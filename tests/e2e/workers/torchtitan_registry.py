@@ -131,10 +131,15 @@ def _ft_base() -> Any:
     group = int(os.environ["REPLICA_GROUP_ID"])
     if group == 1:
         _poison_first_block(1)
-    _report_weights(group)
     _start_together()
-    _no_step0_sync()
+    if not _hooked:  # once a process: the test's arms share it (torchtitan_train.py)
+        _hooked.append(True)
+        _report_weights(group)
+        _no_step0_sync()
     return config
+
+
+_hooked: list[bool] = []
 
 
 def _report_weights(group: int) -> None:
@@ -144,7 +149,7 @@ def _report_weights(group: int) -> None:
     from torch.optim.optimizer import register_optimizer_step_pre_hook
     from torchtitan.components.optimizer import OptimizersContainer
 
-    state = {"depth": 0, "step": 0}
+    state = {"depth": 0, "step": 0, "arm": ""}
 
     def enter(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         if isinstance(optimizer, OptimizersContainer):
@@ -156,13 +161,16 @@ def _report_weights(group: int) -> None:
         state["depth"] -= 1
         if state["depth"]:
             return
+        if state["arm"] != os.environ.get("FT_ARM", ""):  # a new arm counts from 1
+            state["arm"], state["step"] = os.environ.get("FT_ARM", ""), 0
         state["step"] += 1
         shards = [p.to_local() if hasattr(p, "to_local") else p
                   for g in optimizer.param_groups for p in g["params"]]
         finite = all(bool(torch.isfinite(s).all()) for s in shards)
         total = sum(float(s.double().sum()) for s in shards)
-        print(f"WEIGHTS group {group} rank {os.environ['RANK']} step {state['step']} "
-              f"finite {finite} sum {total!r}", flush=True)
+        print(f"WEIGHTS {os.environ.get('FT_ARM', '')} group {group} rank "
+              f"{os.environ['RANK']} step {state['step']} finite {finite} sum {total!r}",
+              flush=True)
 
     register_optimizer_step_pre_hook(enter)
     register_optimizer_step_post_hook(report)
