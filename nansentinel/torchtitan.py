@@ -46,6 +46,19 @@ training schedule), rollback (its LR cooldown scales ``param_groups``, which the
 does not forward to the optimizers it wraps), and CUDA graphs (a captured forward/backward
 replays the kernels, not the sentinel's per-step bookkeeping).
 
+torchtitan's fault-tolerant trainer (``torchtitan/experiments/torchft``, FSDP2 inside each
+torchft replica group, the groups averaged in FSDP's all-reduce hooks) takes the same
+function: given a ``FaultTolerantTrainer.Config`` (``llama3_torchft_debugmodel()`` made
+synchronous), :func:`with_sentinel` returns a :class:`SentinelFTTrainer.Config`, and with
+``--fault_tolerance.enable`` the sentinel is :func:`nansentinel.torchft.Sentinel` on the model,
+the optimizers and torchtitan's torchft ``Manager``: every rank of every group vetoes the same
+step, the culprit's group, rank and host are named on all of them, and a struck-out group
+leaves while the others train on. The sentinel asks ``should_commit()`` once a step, so
+torchft's ``TorchFTOptimizersContainer.Config`` becomes :class:`SentinelFTOptimizers.Config`
+(the same fields) and the trainer starts each step's quorum. Refused there too: DiLoCo and
+LocalSGD (``fault_tolerance.semi_sync_method``), another optimizers container, PP
+(:func:`refuse_fault_tolerance`). docs/torchft.md has the launch, the checks and the test.
+
 Importing this module imports torchtitan; importing ``nansentinel`` does not.
 """
 
@@ -255,6 +268,8 @@ class SentinelFTTrainer(SentinelTrainer, FaultTolerantTrainer):
     def _watch(self, keywords: dict[str, Any]) -> Sentinel:
         if not self.ft_manager.enabled:
             return super()._watch(keywords)
+        if self.parallel_dims.dp_shard < 2:  # -1 resolved: a group of one process, or TP
+            raise SentinelUsageError(_UNSHARDED.format(self.parallel_dims.dp_shard))
         import nansentinel.torchft as nft  # torchft is installed: the manager was built
 
         return nft.Sentinel(self.model_parts[0], self.optimizers,
@@ -432,6 +447,15 @@ def refuse_unsupported(config: Trainer.Config, settings: SentinelConfig) -> None
         refuse_fault_tolerance(config)
 
 
+#: Fault tolerance on an FSDP shard degree below 2 inside the replica group.
+_UNSHARDED = (
+    "nansentinel: fault_tolerance.enable with a data-parallel shard degree of {} inside the "
+    "replica group: FSDP2 then reduce-scatters nothing, and its all-reduce hook sends each "
+    "rank's gradients to the other groups before the sentinel could check them and name this "
+    "group. Shard over at least 2 ranks a group (--parallelism.data_parallel_shard_degree)."
+)
+
+
 def refuse_fault_tolerance(config: Any) -> None:
     """Raise :class:`SentinelUsageError` for a fault-tolerant setup (``--fault_tolerance.
     enable``) the sentinel cannot watch, naming the field and what to use instead."""
@@ -454,6 +478,8 @@ def refuse_fault_tolerance(config: Any) -> None:
             "Config (llama3_torchft_debugmodel's): with_sentinel makes it "
             "SentinelFTOptimizers.Config."
         )
+    if config.parallelism.data_parallel_shard_degree == 1:
+        raise SentinelUsageError(_UNSHARDED.format(1))
     if config.parallelism.pipeline_parallel_degree > 1:
         raise SentinelUsageError(
             "nansentinel: fault_tolerance.enable with parallelism.pipeline_parallel_degree="

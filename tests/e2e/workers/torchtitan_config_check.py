@@ -121,6 +121,9 @@ def fault_tolerant() -> dict[str, Any]:
     staged = synchronous()
     staged.parallelism.pipeline_parallel_degree = 2
     out["ft_pipeline"] = error(lambda: with_sentinel(staged))
+    unsharded = synchronous()
+    unsharded.parallelism.data_parallel_shard_degree = 1
+    out["ft_unsharded"] = error(lambda: with_sentinel(unsharded))
     off = synchronous()
     off.fault_tolerance.enable = False
     out["ft_off"] = error(lambda: with_sentinel(off))
