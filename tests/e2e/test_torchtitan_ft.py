@@ -66,8 +66,10 @@ def test_torchft_trainer_vetoes_on_every_group_names_the_rank_and_the_group_leav
     from torchft._torchft import LighthouseServer
 
     excluded = tmp_path / "excluded.jsonl"
+    # A group that stopped heartbeating is dropped within 1 s (a live one on a loaded
+    # machine is not); the first quorum waits up to 2 s for every group that heartbeats.
     house = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=2000,
-                             heartbeat_timeout_ms=500)
+                             heartbeat_timeout_ms=1000)
     env = {"TORCHFT_LIGHTHOUSE": house.address(), "FT_START": str(tmp_path / "start"),
            "FT_RANKS": "4", "TITAN_ARMS": f"ft_bare:2 ft_fault:{STEPS}",
            # torchft's own waits, bounded well inside the test's timeout

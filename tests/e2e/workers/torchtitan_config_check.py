@@ -132,6 +132,13 @@ def fault_tolerant() -> dict[str, Any]:
         "--fault_tolerance.semi_sync_method", "local_sgd",
     ])
     out["ft_cli_local_sgd"] = error(lambda: SentinelFTTrainer(local_sgd))
+    # The shard degree as torchtitan resolved it (-1: the group's ranks), on a built trainer.
+    import types
+
+    built = SentinelFTTrainer.__new__(SentinelFTTrainer)
+    built.ft_manager = types.SimpleNamespace(enabled=True)  # type: ignore[assignment]
+    built.parallel_dims = types.SimpleNamespace(dp_shard=1)  # type: ignore[assignment]
+    out["ft_one_rank_group"] = error(lambda: built._watch({}))
     return out
 
 
