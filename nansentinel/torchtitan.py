@@ -344,7 +344,8 @@ def pipeline_stages(schedule: Any) -> list[Any]:
     return list(stages)
 
 
-def with_sentinel(config: Trainer.Config, **overrides: Any) -> SentinelTrainer.Config:
+def with_sentinel(config: Trainer.Config, **overrides: Any
+                  ) -> SentinelTrainer.Config | SentinelFTTrainer.Config:
     """``config`` with :class:`SentinelTrainer` as its trainer, or :class:`SentinelFTTrainer`
     for torchtitan's fault-tolerant trainer's config (``FaultTolerantTrainer.Config``, as
     ``torchtitan.experiments.torchft.llama3.config_registry`` returns it).
