@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Issue 46's GPU checks, about 2.5 minutes on one H200 (each part bounded by `timeout`, 5 at most):
+# Issue 46's GPU checks, about 2.5 minutes on one H200 (each part bounded by `timeout`, 5 at most),
+# and issue 61's torchtitan FT case (4 GPUs; skipped on fewer):
 #
 #   bash bench/gpu_issue46.sh        # from the repository root; results in $OUT or bench/results
 #
@@ -14,6 +15,10 @@
 # 4. gpu_checks.py --large (~70 s): the 625 M bf16 fused-AdamW step ratio against plain DDP:
 #    the default (sentinel: decided in step() after the optimizer is queued, no comm hook),
 #    gate="device" (decided at the next call), the host gate forced, a bare Python comm hook.
+# 5. gpu_titan_ft.py (~60 s; issue 61): torchtitan's fault-tolerant trainer under the sentinel,
+#    2 torchft replica groups x 2 ranks (FSDP2 over NCCL inside, torchft's NCCL group across),
+#    a NaN on group 1's rank 1: PASS when vetoed on every rank, named alone, group 1 left and
+#    group 0 trained on. Needs 4 GPUs (NCCL: one rank of a communicator per GPU), else SKIP.
 set -uo pipefail
 
 cd "$(dirname "$0")/.."
@@ -40,5 +45,6 @@ part big_fused 110 python bench/gpu_checks.py --large --optimizer fused --steps 
     --burst 2 --memory-steps 0 --check-reps 5 \
     --variants baseline,sentinel,sentinel_device,sentinel_host,pyhook \
     --json "$RESULTS/big_fused46.json"
+part titan_ft 300 python bench/gpu_titan_ft.py --out "$RESULTS"
 echo "gpu_issue46.sh: done (exit $status); results in $RESULTS"
 exit "$status"

@@ -195,7 +195,8 @@ class PoisonedGroup:
 @dataclasses.dataclass(frozen=True, slots=True)
 class FTStepResult(StepResult):
     """The step as every replica group decided it: :class:`StepResult`'s fields (``applied``
-    true only when this group committed and stepped), and torchft's side."""
+    true only when this group committed and stepped, or committed under
+    ``step(optimizer_step=False)``, where the caller steps), and torchft's side."""
 
     committed: bool = False
     """``Manager.should_commit()`` was True on this group."""

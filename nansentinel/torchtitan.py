@@ -46,6 +46,19 @@ training schedule), rollback (its LR cooldown scales ``param_groups``, which the
 does not forward to the optimizers it wraps), and CUDA graphs (a captured forward/backward
 replays the kernels, not the sentinel's per-step bookkeeping).
 
+torchtitan's fault-tolerant trainer (``torchtitan/experiments/torchft``, FSDP2 inside each
+torchft replica group, the groups averaged in FSDP's all-reduce hooks) takes the same
+function: given a ``FaultTolerantTrainer.Config`` (``llama3_torchft_debugmodel()`` made
+synchronous), :func:`with_sentinel` returns a :class:`SentinelFTTrainer.Config`, and with
+``--fault_tolerance.enable`` the sentinel is :func:`nansentinel.torchft.Sentinel` on the model,
+the optimizers and torchtitan's torchft ``Manager``: every rank of every group vetoes the same
+step, the culprit's group, rank and host are named on all of them, and a struck-out group
+leaves while the others train on. The sentinel asks ``should_commit()`` once a step, so
+torchft's ``TorchFTOptimizersContainer.Config`` becomes :class:`SentinelFTOptimizers.Config`
+(the same fields) and the trainer starts each step's quorum. Refused there too: DiLoCo and
+LocalSGD (``fault_tolerance.semi_sync_method``), another optimizers container, PP
+(:func:`refuse_fault_tolerance`). docs/torchft.md has the launch, the checks and the test.
+
 Importing this module imports torchtitan; importing ``nansentinel`` does not.
 """
 
@@ -61,6 +74,9 @@ import torch
 
 try:
     import tyro
+    from torchtitan.components.optimizer import OptimizersContainer
+    from torchtitan.experiments.torchft.optimizer import TorchFTOptimizersContainer
+    from torchtitan.experiments.torchft.trainer import FaultTolerantTrainer
     from torchtitan.trainer import Trainer
 except ImportError as exc:  # pragma: no cover - depends on what is installed
     import importlib.util
@@ -114,27 +130,31 @@ class SentinelTrainer(Trainer):
     last: StepResult | None
     skipped: dict[int, StepResult]
 
-    def __init__(self, config: Config) -> None:
+    def __init__(self, config: Any) -> None:
         settings = SentinelConfig.from_env(None, **config.sentinel)
         refuse_unsupported(config, settings)
         super().__init__(config)
         self.last = None
         self.skipped = {}
         self._groups = 0
+        self.sentinel = self._watch(config.sentinel)
         if self.parallel_dims.pp_enabled:
             schedule = self.pp_schedule
-            parts = self.model_parts
-            self.sentinel = Sentinel(
-                parts[0] if len(parts) == 1 else parts, self.optimizers,
-                stages=pipeline_stages(schedule), **config.sentinel,
-            )
             insides.set_schedule_loss_fn(schedule, _TrainingLoss(schedule, self.sentinel))
         else:
-            self.sentinel = Sentinel(self.model_parts[0], self.optimizers, **config.sentinel)
             # torchtitan's Trainer assigns loss_fn without an annotation mypy can follow
             self.loss_fn = _CheckedLoss(self.loss_fn, self.sentinel)  # type: ignore[has-type]
         # torchtitan's own `self.optimizers.step()` decides first (see the module docstring).
         self._decide_hook = self.optimizers.register_step_pre_hook(self._decide)
+
+    def _watch(self, keywords: dict[str, Any]) -> Sentinel:
+        """The sentinel on the built model and optimizers (under PP, on this rank's parts and
+        the schedule's stages)."""
+        if self.parallel_dims.pp_enabled:
+            parts = self.model_parts
+            return Sentinel(parts[0] if len(parts) == 1 else parts, self.optimizers,
+                            stages=pipeline_stages(self.pp_schedule), **keywords)
+        return Sentinel(self.model_parts[0], self.optimizers, **keywords)
 
     def forward_backward_step(
         self,
@@ -211,6 +231,58 @@ class SentinelTrainer(Trainer):
         self.last = self.sentinel.step(optimizer_step=False)
 
 
+class SentinelFTOptimizers(TorchFTOptimizersContainer):
+    """torchtitan's ``TorchFTOptimizersContainer`` whose ``step()`` and ``zero_grad()`` are
+    the plain container's: the sentinel asks ``Manager.should_commit()`` (once a step, on
+    every group alike, in its step pre-hook) and :class:`SentinelFTTrainer` starts the
+    quorum. torchft's ``OptimizerWrapper`` would ask ``should_commit()`` a second time, and
+    start a quorum where the sentinel sets a vetoed step's gradients to None. The rest
+    (optimizer state kept ready for healing, the cached state dict) is torchtitan's."""
+
+    @dataclasses.dataclass(kw_only=True, slots=True)
+    class Config(TorchFTOptimizersContainer.Config):
+        pass
+
+    def step(self, *args: Any, **kwargs: Any) -> None:
+        OptimizersContainer.step(self, *args, **kwargs)
+
+    def zero_grad(self, *args: Any, **kwargs: Any) -> None:
+        OptimizersContainer.zero_grad(self, *args, **kwargs)
+
+
+class SentinelFTTrainer(SentinelTrainer, FaultTolerantTrainer):
+    """torchtitan's fault-tolerant trainer (``torchtitan/experiments/torchft``) under the
+    sentinel: :class:`SentinelTrainer`'s calls, and with ``--fault_tolerance.enable`` a
+    :func:`nansentinel.torchft.Sentinel` on the model (FSDP2 inside the replica group, the
+    groups averaged in torchtitan's FSDP all-reduce hook), torchtitan's optimizers and its
+    torchft ``Manager``: every rank of every replica group vetoes the same step, names the
+    culprit group, rank and host, and a struck-out group leaves (docs/torchft.md)."""
+
+    @dataclasses.dataclass(kw_only=True, slots=True)
+    class Config(FaultTolerantTrainer.Config):
+        sentinel: Annotated[dict[str, Any], tyro.conf.Suppress] = dataclasses.field(
+            default_factory=dict
+        )
+        """As :attr:`SentinelTrainer.Config.sentinel`."""
+
+    def _watch(self, keywords: dict[str, Any]) -> Sentinel:
+        if not self.ft_manager.enabled:
+            return super()._watch(keywords)
+        if self.parallel_dims.dp_shard < 2:  # -1 resolved: a group of one process, or TP
+            raise SentinelUsageError(_UNSHARDED.format(self.parallel_dims.dp_shard))
+        import nansentinel.torchft as nft  # torchft is installed: the manager was built
+
+        return nft.Sentinel(self.model_parts[0], self.optimizers,
+                            manager=self.ft_manager.manager, **keywords)
+
+    def train_step(
+        self, data_iterator: Iterator[tuple[dict[str, torch.Tensor], torch.Tensor]]
+    ) -> None:
+        if self.ft_manager.enabled:  # what torchft's OptimizerWrapper.zero_grad() did
+            self.ft_manager.manager.start_quorum()
+        super().train_step(data_iterator)
+
+
 class _CheckedLoss:
     """torchtitan's loss function with ``check_loss`` on its result, before the backward.
 
@@ -272,29 +344,44 @@ def pipeline_stages(schedule: Any) -> list[Any]:
     return list(stages)
 
 
-def with_sentinel(config: Trainer.Config, **overrides: Any) -> SentinelTrainer.Config:
-    """``config`` with :class:`SentinelTrainer` as its trainer.
+def with_sentinel(config: Trainer.Config, **overrides: Any
+                  ) -> SentinelTrainer.Config | SentinelFTTrainer.Config:
+    """``config`` with :class:`SentinelTrainer` as its trainer, or :class:`SentinelFTTrainer`
+    for torchtitan's fault-tolerant trainer's config (``FaultTolerantTrainer.Config``, as
+    ``torchtitan.experiments.torchft.llama3.config_registry`` returns it).
 
     Args:
-        config: a torchtitan ``Trainer.Config``, as a registry function returns it
-            (``llama3_debugmodel()``); its fields are taken as they are.
+        config: a torchtitan ``Trainer.Config`` or ``FaultTolerantTrainer.Config``, as a
+            registry function returns it (``llama3_debugmodel()``); its fields are taken as
+            they are, except the two below.
         **overrides: fields of :class:`~nansentinel.config.SentinelConfig` for the Sentinel
             (keyword > ``NANSENTINEL_*`` environment > default), checked here so that a typo
             fails when the config is built.
 
     CUDA graphs are turned off (``training.disable_cuda_graphs``): a captured forward/backward
-    replays the kernels without the sentinel's per-step checks.
+    replays the kernels without the sentinel's per-step checks. Under fault tolerance,
+    torchtitan's ``TorchFTOptimizersContainer.Config`` becomes
+    :class:`SentinelFTOptimizers.Config` (the same fields): the sentinel asks
+    ``should_commit()``, not torchft's optimizer wrapper.
     """
-    if type(config) is not Trainer.Config and not isinstance(config, SentinelTrainer.Config):
+    ft = type(config) is FaultTolerantTrainer.Config or isinstance(
+        config, SentinelFTTrainer.Config)
+    if not ft and type(config) is not Trainer.Config and not isinstance(
+            config, SentinelTrainer.Config):
         raise SentinelUsageError(
-            f"nansentinel: with_sentinel takes torchtitan's Trainer.Config, got "
-            f"{type(config).__qualname__} (another trainer's config). Subclass "
-            "nansentinel.torchtitan.SentinelTrainer with your trainer's changes instead."
+            f"nansentinel: with_sentinel takes torchtitan's Trainer.Config or "
+            f"FaultTolerantTrainer.Config, got {type(config).__qualname__} (another "
+            "trainer's config). Subclass nansentinel.torchtitan.SentinelTrainer with your "
+            "trainer's changes instead."
         )
     fields = {f.name: getattr(config, f.name) for f in dataclasses.fields(config) if f.init}
     fields["sentinel"] = {**fields.get("sentinel", {}), **overrides}
     fields["training"] = dataclasses.replace(config.training, disable_cuda_graphs=True)
-    out = SentinelTrainer.Config(**fields)
+    if ft and type(config.optimizer) is TorchFTOptimizersContainer.Config:
+        fields["optimizer"] = SentinelFTOptimizers.Config(**{
+            f.name: getattr(config.optimizer, f.name)
+            for f in dataclasses.fields(config.optimizer) if f.init})
+    out = (SentinelFTTrainer.Config if ft else SentinelTrainer.Config)(**fields)
     refuse_unsupported(out, SentinelConfig.from_env(None, **out.sentinel))
     return out
 
@@ -355,4 +442,49 @@ def refuse_unsupported(config: Trainer.Config, settings: SentinelConfig) -> None
             "nansentinel: training.disable_cuda_graphs=False: a CUDA graph replays the "
             "captured forward/backward without the sentinel's checks of each step. Keep "
             "--training.disable-cuda-graphs (with_sentinel sets it)."
+        )
+    fault_tolerance = getattr(config, "fault_tolerance", None)
+    if fault_tolerance is not None and fault_tolerance.enable:
+        refuse_fault_tolerance(config)
+
+
+#: Fault tolerance on an FSDP shard degree below 2 inside the replica group.
+_UNSHARDED = (
+    "nansentinel: fault_tolerance.enable with a data-parallel shard degree of {} inside the "
+    "replica group: FSDP2 then reduce-scatters nothing, and its all-reduce hook sends each "
+    "rank's gradients to the other groups before the sentinel could check them and name this "
+    "group. Shard over at least 2 ranks a group (--parallelism.data_parallel_shard_degree)."
+)
+
+
+def refuse_fault_tolerance(config: Any) -> None:
+    """Raise :class:`SentinelUsageError` for a fault-tolerant setup (``--fault_tolerance.
+    enable``) the sentinel cannot watch, naming the field and what to use instead."""
+    ft = config.fault_tolerance
+    if ft.semi_sync_method is not None:
+        raise SentinelUsageError(
+            f"nansentinel: fault_tolerance.semi_sync_method={ft.semi_sync_method!r}: "
+            "LocalSGD and DiLoCo train each replica group alone and average the weights "
+            "every fault_tolerance.sync_steps steps inside torchft, so no step's gradients "
+            "leave the group for the sentinel to veto with should_commit(). Train "
+            "synchronously (semi_sync_method=None, torchtitan's default) to run under the "
+            "sentinel."
+        )
+    if not isinstance(config.optimizer, SentinelFTOptimizers.Config):
+        raise SentinelUsageError(
+            f"nansentinel: fault_tolerance.enable with optimizer "
+            f"{type(config.optimizer).__qualname__}: under fault tolerance the sentinel asks "
+            "should_commit() itself, and torchtitan needs its TorchFTOptimizersContainer "
+            "(healing reads its state). Start from a config with TorchFTOptimizersContainer."
+            "Config (llama3_torchft_debugmodel's): with_sentinel makes it "
+            "SentinelFTOptimizers.Config."
+        )
+    if config.parallelism.data_parallel_shard_degree == 1:
+        raise SentinelUsageError(_UNSHARDED.format(1))
+    if config.parallelism.pipeline_parallel_degree > 1:
+        raise SentinelUsageError(
+            "nansentinel: fault_tolerance.enable with parallelism.pipeline_parallel_degree="
+            f"{config.parallelism.pipeline_parallel_degree}: the sentinel of a torchft "
+            "replica group watches one model, not a pipeline's stages. Use FSDP inside each "
+            "replica group, or pipeline parallelism without fault tolerance."
         )

@@ -18,7 +18,8 @@ class Decided:
     committed: bool
     """``should_commit()`` was True on this group."""
     stepped: bool
-    """The optimizer stepped (committed, and the caller asked ``step()`` to step it)."""
+    """The step is applied: committed, and the optimizer stepped by ``step()``, or by the
+    caller right after it (``step(optimizer_step=False)``)."""
     regrouped: bool
     """The manager errored in the step."""
     kept: int | None = None

@@ -240,10 +240,12 @@ class AllReduceHookRider:
 
         from nansentinel.common.torch_insides import fsdp_param_groups
 
-        groups = [g for m in model.modules() if isinstance(m, FSDPModule)
+        # Several modules sharded in one call (torchtitan's ``fully_shard([norm, lm_head])``)
+        # share one group: wrapped and counted once.
+        groups = {id(g): g for m in model.modules() if isinstance(m, FSDPModule)
                   for g in fsdp_param_groups(m)
-                  if getattr(g, "_all_reduce_hook", None) is not None]
-        return cls(groups) if groups else None
+                  if getattr(g, "_all_reduce_hook", None) is not None}
+        return cls(list(groups.values())) if groups else None
 
     def _wrapped(self, hook: Callable[[torch.Tensor], None]) -> Callable[[torch.Tensor], None]:
         def ride(output: torch.Tensor) -> None:

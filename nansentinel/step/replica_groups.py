@@ -200,6 +200,12 @@ class ReplicaGroups:
                 f"nansentinel: replica group {self.group} or a peer did not apply step {began}"))
         regrouped = health is None or names is None
         committed = bool(manager.should_commit())
+        if not committed and manager.errored() is None:
+            # Another ring of this group saw the fault: errored like its peers, so that a
+            # managed collective later in the step (torchtitan's loss sync) is skipped on
+            # every rank alike instead of waiting out the process group's timeout.
+            manager.report_error(RuntimeError(
+                f"nansentinel: replica group {self.group} did not commit step {began}"))
         if self.riding and not committed and parts.ctx.world_size > 1:
             # Agreed inside the group: every rank learns what any ring of it was told.
             names = shared_in_group(parts.ctx.peers.group, [*(names or []),
@@ -214,8 +220,9 @@ class ReplicaGroups:
         elif not committed:  # another group's NaN, or a failed all-reduce's leftovers
             optimizer.zero_grad(set_to_none=True)
         self._grads = []
+        # Applied where committed: stepped here, or by the caller (optimizer_step=False).
         result: FTStepResult = group_result(local, names or [], Decided(
-            began, committed, committed and optimizer_step, regrouped, kept))
+            began, committed, committed, regrouped, kept))
         self._say(result)
         if strikes >= config.host_strikes:  # only the culprit host's ranks leave with it
             recorded = isinstance(stopping, HostExcludedError) and (

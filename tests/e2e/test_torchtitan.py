@@ -47,9 +47,11 @@ def _env(tmp: Path) -> dict[str, str]:
 
 
 def train(tmp: Path, assets: tuple[Path, Path], ranks: int, config: str, *args: str,
-          timeout: float = 150) -> tuple[subprocess.CompletedProcess[str], Path]:
+          timeout: float = 150, env: dict[str, str] | None = None,
+          steps: int = STEPS) -> tuple[subprocess.CompletedProcess[str], Path]:
     """``torchrun --standalone -m torchtitan.train`` (through the CPU launcher); returns the
-    finished process (stdout and stderr together) and the report directory."""
+    finished process (stdout and stderr together) and the report directory. ``env``: more
+    environment for the ranks."""
     tokenizer, data = assets
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--standalone",
@@ -57,10 +59,11 @@ def train(tmp: Path, assets: tuple[Path, Path], ranks: int, config: str, *args: 
         "--module", "torchtitan_registry", "--config", config,
         "--parallelism.spmd-backend", "partial_dtensor",
         "--hf-assets-path", str(tokenizer), "--dataloader.dataset-path", str(data),
-        "--training.steps", str(STEPS), "--training.seq-len", "32",
+        "--training.steps", str(steps), "--training.seq-len", "32",
         "--training.local-batch-size", "1", "--dump-folder", str(tmp / "out"), *args,
     ]
-    return runner.run(cmd, tmp, timeout=timeout, env=_env(tmp)), tmp / "reports"
+    return (runner.run(cmd, tmp, timeout=timeout, env={**_env(tmp), **(env or {})}),
+            tmp / "reports")
 
 
 def _check_run(proc: subprocess.CompletedProcess[str], reports: Path, *, ranks: int,
@@ -176,3 +179,17 @@ def test_with_sentinel_through_torchtitans_config_manager(tmp_path: Path) -> Non
     assert got["typo"].startswith("ConfigError") and "did you mean policy" in got["typo"]
     assert "OtherTrainer.Config" in got["other_trainer"]
     assert "training.disable_cuda_graphs=False" in got["cuda_graphs"]
+    # torchtitan's fault-tolerant trainer: its own config class, torchft's optimizers
+    # container made the sentinel's (the same param groups), CLI overrides on top.
+    assert got["ft_type"] == "SentinelFTTrainer.Config" and got["ft_owner"] == "SentinelFTTrainer"
+    assert got["ft_optimizer"] == "SentinelFTOptimizers.Config"
+    assert got["ft_optimizer_owner"] == "SentinelFTOptimizers" and got["ft_param_groups"]
+    assert got["ft_replica"] == [1, 2] and got["ft_off"] == "no error"
+    for key, method in (("ft_diloco", "diloco"), ("ft_cli_local_sgd", "local_sgd")):
+        assert f"fault_tolerance.semi_sync_method='{method}'" in got[key], got[key]
+        assert "semi_sync_method=None" in got[key]
+    assert "fault_tolerance.enable with optimizer OptimizersContainer.Config" in \
+        got["ft_plain_optimizer"], got["ft_plain_optimizer"]
+    assert "pipeline_parallel_degree=2" in got["ft_pipeline"], got["ft_pipeline"]
+    for key in ("ft_unsharded", "ft_one_rank_group"):
+        assert "shard degree of 1 inside the replica group" in got[key], got[key]

@@ -83,6 +83,62 @@ def main() -> dict[str, Any]:
         "--parallelism.pipeline-parallel-schedule", "DualPipeV",
     ])
     out["pipeline_cli"] = error(lambda: SentinelTrainer(staged))
+    out.update(fault_tolerant())
+    return out
+
+
+def fault_tolerant() -> dict[str, Any]:
+    """torchtitan's fault-tolerant trainer's config (torchtitan/experiments/torchft)."""
+    from torchtitan.components.optimizer import OptimizersContainer
+    from torchtitan.experiments.torchft.llama3.config_registry import (
+        llama3_torchft_debugmodel,
+    )
+
+    from nansentinel.torchtitan import SentinelFTTrainer
+
+    def synchronous() -> Any:
+        config = llama3_torchft_debugmodel()
+        config.fault_tolerance = dataclasses.replace(config.fault_tolerance,
+                                                     semi_sync_method=None)
+        return config
+
+    out: dict[str, Any] = {}
+    parsed = ConfigManager().parse_args([
+        "--module", "torchtitan_registry", "--config", "sentinel_ft_debugmodel",
+        "--fault_tolerance.replica_id", "1", "--fault_tolerance.group_size", "2",
+    ])
+    out["ft_type"] = type(parsed).__qualname__
+    out["ft_owner"] = type(parsed)._owner.__qualname__
+    out["ft_optimizer"] = type(parsed.optimizer).__qualname__
+    out["ft_optimizer_owner"] = type(parsed.optimizer)._owner.__qualname__
+    out["ft_param_groups"] = (parsed.optimizer.param_groups
+                              == llama3_torchft_debugmodel().optimizer.param_groups)
+    out["ft_replica"] = [parsed.fault_tolerance.replica_id, parsed.fault_tolerance.group_size]
+    out["ft_diloco"] = error(lambda: with_sentinel(llama3_torchft_debugmodel()))
+    plain = synchronous()
+    plain.optimizer = OptimizersContainer.Config(param_groups=plain.optimizer.param_groups)
+    out["ft_plain_optimizer"] = error(lambda: with_sentinel(plain))
+    staged = synchronous()
+    staged.parallelism.pipeline_parallel_degree = 2
+    out["ft_pipeline"] = error(lambda: with_sentinel(staged))
+    unsharded = synchronous()
+    unsharded.parallelism.data_parallel_shard_degree = 1
+    out["ft_unsharded"] = error(lambda: with_sentinel(unsharded))
+    off = synchronous()
+    off.fault_tolerance.enable = False
+    out["ft_off"] = error(lambda: with_sentinel(off))
+    local_sgd = ConfigManager().parse_args([
+        "--module", "torchtitan_registry", "--config", "sentinel_ft_debugmodel",
+        "--fault_tolerance.semi_sync_method", "local_sgd",
+    ])
+    out["ft_cli_local_sgd"] = error(lambda: SentinelFTTrainer(local_sgd))
+    # The shard degree as torchtitan resolved it (-1: the group's ranks), on a built trainer.
+    import types
+
+    built = SentinelFTTrainer.__new__(SentinelFTTrainer)
+    built.ft_manager = types.SimpleNamespace(enabled=True)  # type: ignore[assignment]
+    built.parallel_dims = types.SimpleNamespace(dp_shard=1)  # type: ignore[assignment]
+    out["ft_one_rank_group"] = error(lambda: built._watch({}))
     return out
 
 

@@ -102,3 +102,141 @@ def pp_fault() -> SentinelTrainer.Config:
 def sentinel_debugmodel() -> SentinelTrainer.Config:
     """The README's registry function, as it stands there."""
     return with_sentinel(llama3_debugmodel())
+
+
+# --- torchtitan's fault-tolerant trainer (torchtitan/experiments/torchft) ----------------------
+
+def _ft_base() -> Any:
+    """torchft's own registry function as a user starts from it, trained synchronously (no
+    DiLoCo), on gloo, without the profiler; the fault: replica group 1's rank 1 at
+    FAULT_STEP. The test gives each group's torchrun its ``REPLICA_GROUP_ID``."""
+    import dataclasses
+
+    from torchtitan.experiments.torchft.llama3.config_registry import (
+        llama3_torchft_debugmodel,
+    )
+
+    config = llama3_torchft_debugmodel()
+    config.fault_tolerance = dataclasses.replace(
+        config.fault_tolerance, process_group="gloo", semi_sync_method=None)
+    config.profiler = dataclasses.replace(config.profiler, enable_profiling=False)
+    # torchft heals through the checkpointer's state dict functions, registered only with
+    # checkpointing on (torchtitan's own FT test runs with --checkpoint.enable); nothing is
+    # written to disk here.
+    config.checkpoint = dataclasses.replace(
+        config.checkpoint, enable=True, load_only=True, enable_ft_dataloader_checkpoints=False)
+    # torchtitan's base timeout: this config's 15 s would leave the sentinel 2 s a step.
+    config.comm = dataclasses.replace(config.comm, train_timeout_seconds=100)
+    config.debug = dataclasses.replace(config.debug, seed=0)  # every group starts alike
+    group = int(os.environ["REPLICA_GROUP_ID"])
+    if group == 1:
+        _poison_first_block(1)
+    _start_together()
+    if not _hooked:  # once a process: the test's arms share it (torchtitan_train.py)
+        _hooked.append(True)
+        _report_weights(group)
+        _no_step0_sync()
+    return config
+
+
+_hooked: list[bool] = []
+
+
+def _report_weights(group: int) -> None:
+    """After each step of torchtitan's optimizers container, one line: whether this rank's
+    shards are finite, and their sum (unchanged by a vetoed step). torchft's container
+    steps itself again through its wrapper: the outer call counts."""
+    from torch.optim.optimizer import register_optimizer_step_pre_hook
+    from torchtitan.components.optimizer import OptimizersContainer
+
+    state = {"depth": 0, "step": 0, "arm": ""}
+
+    def enter(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if isinstance(optimizer, OptimizersContainer):
+            state["depth"] += 1
+
+    def report(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if not isinstance(optimizer, OptimizersContainer):
+            return
+        state["depth"] -= 1
+        if state["depth"]:
+            return
+        if state["arm"] != os.environ.get("FT_ARM", ""):  # a new arm counts from 1
+            state["arm"], state["step"] = os.environ.get("FT_ARM", ""), 0
+        state["step"] += 1
+        shards = [p.to_local() if hasattr(p, "to_local") else p
+                  for g in optimizer.param_groups for p in g["params"]]
+        finite = all(bool(torch.isfinite(s).all()) for s in shards)
+        total = sum(float(s.double().sum()) for s in shards)
+        print(f"WEIGHTS {os.environ.get('FT_ARM', '')} group {group} rank "
+              f"{os.environ['RANK']} step {state['step']} finite {finite} sum {total!r}",
+              flush=True)
+
+    register_optimizer_step_pre_hook(enter)
+    register_optimizer_step_post_hook(report)
+
+
+def _start_together() -> None:
+    """Every rank asks for its first quorum once every rank of every group has built its
+    manager (a file each in ``FT_START``, ``FT_RANKS`` in all): a group that asked alone
+    would form a quorum of its own and run ahead (the lighthouse waits only for replicas
+    that heartbeat already)."""
+    import time
+    from pathlib import Path
+
+    from torchft import Manager
+
+    folder, ranks = Path(os.environ["FT_START"]), int(os.environ["FT_RANKS"])
+    start = Manager.start_quorum
+
+    def together(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if Manager.start_quorum is together:
+            Manager.start_quorum = start  # type: ignore[method-assign]
+            (folder / f"{os.environ['REPLICA_GROUP_ID']}-{os.environ['RANK']}").touch()
+            deadline = time.monotonic() + 120
+            while len(list(folder.iterdir())) < ranks:
+                assert time.monotonic() < deadline, "the other replica groups never started"
+                time.sleep(0.05)
+        return start(self, *args, **kwargs)
+
+    Manager.start_quorum = together  # type: ignore[method-assign]
+
+
+def _no_step0_sync() -> None:
+    """torchft syncs step 0 by healing every group from one (``init_sync``): the healthy
+    group's state dict is taken in torchft's quorum thread while that group's own first
+    forward runs, and FSDP2's state_dict pre-hook reshards the parameters under it ("aten.mm
+    got mixed torch.Tensor and DTensor", seen here on CPU with and without the sentinel).
+    Off: the groups start alike from the same seed (``debug.seed``)."""
+    from torchft import Manager
+
+    init = Manager.__init__
+
+    def no_sync(self: Any, *args: Any, **kwargs: Any) -> None:
+        init(self, *args, **{**kwargs, "init_sync": False})
+
+    Manager.__init__ = no_sync  # type: ignore[method-assign]
+
+
+def ft_bare() -> Any:
+    """torchtitan's fault-tolerant trainer alone: group 1's NaN reaches every group."""
+    return _ft_base()
+
+
+def ft_fault() -> Any:
+    """The same under the sentinel, a host name per rank (``node{group}r{rank}``)."""
+    group, rank = os.environ["REPLICA_GROUP_ID"], os.environ["RANK"]
+    return with_sentinel(_ft_base(), hostname=f"node{group}r{rank}")
+
+
+def sentinel_ft_debugmodel() -> Any:
+    """docs/torchft.md's registry function for torchtitan's fault-tolerant trainer."""
+    import dataclasses
+
+    from torchtitan.experiments.torchft.llama3.config_registry import (
+        llama3_torchft_debugmodel,
+    )
+
+    config = llama3_torchft_debugmodel()
+    config.fault_tolerance = dataclasses.replace(config.fault_tolerance, semi_sync_method=None)
+    return with_sentinel(config)
