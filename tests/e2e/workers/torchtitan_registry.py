@@ -82,11 +82,6 @@ def _config(bad_rank: int, ranks_per_host: int, *, staged: bool = False
     return with_sentinel(llama3_debugmodel(), hostname=host)
 
 
-def fsdp_fault() -> SentinelTrainer.Config:
-    """FSDP on 2 ranks, one per host: rank 1's block turns NaN."""
-    return _config(bad_rank=1, ranks_per_host=1)
-
-
 def tp_fault() -> SentinelTrainer.Config:
     """FSDP x TP on 4 ranks, a TP pair per host: rank 0's block turns NaN (TP reaches rank 1,
     its peer on node0; node1 stays clean)."""
