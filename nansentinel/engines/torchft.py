@@ -34,6 +34,7 @@ from torchft.optim import OptimizerWrapper
 
 from nansentinel.engines.base import Capabilities, GradientSink, KeptNorms
 from nansentinel.engines.local import BucketNorms, check_local_grads
+from nansentinel.result import SentinelUsageError
 
 
 class _HookState:
@@ -235,14 +236,23 @@ class AllReduceHookRider:
     @classmethod
     def of(cls, model: torch.nn.Module) -> AllReduceHookRider | None:
         """The rider of a ``fully_shard``-ed model whose FSDP modules have all-reduce hooks;
-        None where none has one (the gradients are reduced across the groups by hand)."""
+        None where none has one (the gradients are reduced across the groups by hand). Hooks
+        on some FSDP modules only are refused: the others' gradients would not be averaged
+        across the groups, and the groups' weights would part."""
         from torch.distributed.fsdp import FSDPModule
 
         from nansentinel.common.torch_insides import fsdp_param_groups
 
-        groups = [g for m in model.modules() if isinstance(m, FSDPModule)
-                  for g in fsdp_param_groups(m)
-                  if getattr(g, "_all_reduce_hook", None) is not None]
+        found = [(name, g) for name, m in model.named_modules() if isinstance(m, FSDPModule)
+                 for g in fsdp_param_groups(m)]
+        groups = [g for _, g in found if getattr(g, "_all_reduce_hook", None) is not None]
+        bare = sorted({name or "the root" for name, g in found if g not in groups})
+        if groups and bare:
+            raise SentinelUsageError(
+                f"nansentinel.torchft.Sentinel: FSDP module(s) {', '.join(bare[:5])} have no "
+                "all-reduce hook while others have one: their gradients would not be "
+                "averaged across the replica groups, and the groups' weights would part. Set "
+                "the hook on every FSDPModule (set_all_reduce_hook), then build the sentinel.")
         return cls(groups) if groups else None
 
     def _wrapped(self, hook: Callable[[torch.Tensor], None]) -> Callable[[torch.Tensor], None]:

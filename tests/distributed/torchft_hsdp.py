@@ -3,6 +3,13 @@ torchtitan's fault-tolerant mode builds them: inside a group FSDP2 shards the mo
 group's own gloo process group and reduce-scatters; across the groups each FSDP module's
 all-reduce hook averages its shard through torchft's ``ManagedProcessGroup`` (torchft's FSDP2
 recipe). A lighthouse runs in the test's process; each group has its own TCPStore there.
+
+With ``rejoin``, group 1 comes back after it left, as a user restarts it: two new processes
+(started with the others, so that their imports overlap the first run) wait until the first
+group 1 has ended, then form a new group 1 over a store of their own, on node1r0 and on a
+healthy host in place of the struck-out node1r1 (whose process, tried first, must refuse to
+join), heal every rank's own shards from group 0 at their first quorum and train on beside
+it until both stop at the same torchft step.
 """
 
 from __future__ import annotations
@@ -20,6 +27,12 @@ from typing import Any
 STEPS = 7
 #: Where a NaN is made by default: group 1's rank 1, at torchft step 3.
 NAN_AT = (1, 1, 3)
+#: Steps the group that rejoined trains beside group 0 after its first (healing) step.
+AFTER_HEAL = 3
+#: The healthy host the rejoining group 1 runs its rank 1 on (node1r1 is struck out).
+NEW_HOST = "node3r1"
+#: Seconds the rejoin may take, from the first group 1's end to the last step together.
+REJOIN_S = 60.0
 
 
 def _local(p: Any) -> Any:
@@ -29,14 +42,21 @@ def _local(p: Any) -> Any:
 
 def _shard(module: Any, mesh: Any, manager: Any) -> Any:
     """FSDP2 over the group's ranks, the groups averaged through torchft's managed group."""
-    import torch.distributed as dist
-    from torch.distributed.fsdp import FSDPModule, fully_shard
-    from torchft.process_group import ManagedProcessGroup
+    from torch.distributed.fsdp import fully_shard
 
     for layer in module:
         if isinstance(layer, __import__("torch").nn.Linear):
             fully_shard(layer, mesh=mesh)
     fully_shard(module, mesh=mesh)
+    return _hook(module, manager)
+
+
+def _hook(module: Any, manager: Any) -> Any:
+    """Every FSDP module's all-reduce hook averages its shard through ``manager``'s group."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import FSDPModule
+    from torchft.process_group import ManagedProcessGroup
+
     replicate = ManagedProcessGroup(manager)
 
     def across_groups(output: Any) -> None:
@@ -49,13 +69,17 @@ def _shard(module: Any, mesh: Any, manager: Any) -> Any:
 
 
 def rank_main(address: str, ports: list[int], gid: int, grank: int, tmp: str, layout: str,
-              sentinel: dict[Any, Any] | None, queue: Any) -> None:
+              sentinel: dict[Any, Any] | None, queue: Any, control: dict[str, Any] | None = None,
+              back: bool = False) -> None:
     """One rank of replica group ``gid`` (``layout``: "fsdp2", or "ddp": nansentinel's torchft
     DDP, the group's ranks sharing the sentinel's exchange only): STEPS steps (fewer where it
-    leaves); what every step decided, the error it ended with, and whether its weights stayed
-    finite go to ``queue``. ``sentinel``: its keywords for every group ("all") and per group,
-    and ``nan_at`` (group, rank, torchft step): that rank's batch goes NaN there; None: no
-    sentinel (the same fault)."""
+    leaves); what every step decided, the error it ended with, whether its weights stayed
+    finite and whether every state it served a healing peer was finite go to ``queue``.
+    ``sentinel``: its keywords for every group ("all") and per group, and ``nan_at`` (group,
+    rank, torchft step): that rank's batch goes NaN there; None: no sentinel (the same fault).
+    ``control`` (a rejoin): ``left``, set once the first group 1 has ended, and ``target``,
+    the torchft step at which group 0 and the group that came back stop (set by the latter
+    after its first step); ``back``: this rank is one of the group 1 that comes back."""
     import torch
     import torch.distributed as dist
     from torch.distributed import PrefixStore, TCPStore
@@ -64,50 +88,114 @@ def rank_main(address: str, ports: list[int], gid: int, grank: int, tmp: str, la
     from torchft.process_group import ProcessGroupGloo
 
     import nansentinel.torchft as nft
+    from nansentinel.config import ConfigError
+    from nansentinel.result import HostExcludedError, SentinelUsageError
 
     logging.basicConfig(level=logging.ERROR)
     torch.set_num_threads(1)
-    out: dict[str, Any] = {"gid": gid, "rank": grank, "steps": [], "error": None,
-                           "finite": True}
-    store = TCPStore("localhost", ports[gid], is_master=False, timeout=timedelta(seconds=30))
+    out: dict[str, Any] = {"gid": gid, "rank": grank, "back": back, "steps": [],
+                           "error": None, "finite": True, "served": []}
+    if back and control is not None and not control["left"].wait(REJOIN_S):
+        out["error"] = ("TimeoutError", f"the first group 1 did not end in {REJOIN_S} s")
+        queue.put(out)
+        return
+    port = ports[2] if back else ports[gid]  # a group restarted has a store of its own
+    store = TCPStore("localhost", port, is_master=False, timeout=timedelta(seconds=30))
     dist.init_process_group("gloo", store=PrefixStore("group", store), rank=grank,
                             world_size=2, timeout=timedelta(seconds=30))
-    torch.manual_seed(0)
+    torch.manual_seed(7 if back else 0)  # the group that comes back starts from other weights
     module = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+    out["initial"] = [_local(p).detach().tolist() for p in module.parameters()]
 
-    def local_state() -> dict[str, Any]:  # each rank serves and heals its own shards
-        return {n: _local(p).detach().clone() for n, p in module.named_parameters()}
+    # Each rank serves and heals its own shards, from the sharded parameters taken once
+    # after fully_shard: torchft serves a healing peer from its quorum thread while this
+    # rank's forward runs, when FSDP2 has the unsharded parameters in the module.
+    shards: dict[str, Any] = {}
+
+    def local_state() -> dict[str, Any]:
+        state = {n: _local(p).detach().clone() for n, p in shards.items()}
+        out["served"].append((manager.current_step(), all(
+            bool(torch.isfinite(t).all()) for t in state.values())))
+        return state
 
     def heal(state: dict[str, Any]) -> None:
         with torch.no_grad():
-            for n, p in module.named_parameters():
+            for n, p in shards.items():
                 _local(p).copy_(state[n])
 
-    manager = Manager(
-        pg=ProcessGroupGloo(timeout=timedelta(seconds=15)), min_replica_size=1,
-        load_state_dict=heal, state_dict=local_state,
-        replica_id=f"g{gid}", store_addr="localhost", store_port=ports[gid], rank=grank,
-        world_size=2, lighthouse_addr=address, timeout=timedelta(seconds=15),
-        quorum_timeout=timedelta(seconds=20), connect_timeout=timedelta(seconds=10))
+    def new_manager() -> Any:
+        return Manager(
+            pg=ProcessGroupGloo(timeout=timedelta(seconds=15)), min_replica_size=1,
+            load_state_dict=heal, state_dict=local_state,
+            replica_id=f"g{gid}", store_addr="localhost", store_port=port, rank=grank,
+            world_size=2, lighthouse_addr=address, timeout=timedelta(seconds=15),
+            quorum_timeout=timedelta(seconds=20), connect_timeout=timedelta(seconds=10))
+
+    manager = new_manager()
     try:
         model = (_shard(module, DeviceMesh("cpu", [0, 1]), manager) if layout == "fsdp2"
                  else nft.DistributedDataParallel(manager, module))
+        shards.update(module.named_parameters())
         opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        keywords = ({**sentinel.get(gid, {}), **sentinel.get("all", {})}
+                    if sentinel is not None else {})
+        if back and grank == 1 and keywords.get("exclusion_file") and layout == "fsdp2":
+            # Restarted first on the struck-out host, as a user might: refused before it
+            # joins; then on a healthy host (the hooks on a manager of its own again).
+            try:
+                nft.Sentinel(model, opt, manager=manager, hostname="node1r1",
+                             metrics_port=0, report_dir=f"{tmp}/reports", **keywords)
+            except HostExcludedError as exc:
+                out["refused"] = str(exc)
+            else:
+                raise AssertionError("a process on the excluded host node1r1 was let in")
+            manager = new_manager()
+            _hook(module, manager)
         own = {"manager": manager} if layout == "fsdp2" else {}
-        guard = (nft.Sentinel(model, opt, **own, hostname=f"node{gid}r{grank}",
-                              metrics_port=0, report_dir=f"{tmp}/reports",
-                              **sentinel.get(gid, {}), **sentinel.get("all", {}))
+        host = NEW_HOST if back and grank == 1 else f"node{gid}r{grank}"
+        if layout == "fsdp2" and keywords and not back:
+            # What FSDP2 groups cannot do is refused at construction, on every rank.
+            def refusal(**extra: Any) -> str:
+                try:
+                    nft.Sentinel(model, opt, manager=manager, hostname=host, metrics_port=0,
+                                 report_dir=f"{tmp}/reports", **{**keywords, **extra})
+                except (ConfigError, SentinelUsageError) as exc:
+                    return f"{type(exc).__name__}: {exc}"
+                raise AssertionError(f"nansentinel.torchft.Sentinel took {extra} on FSDP2")
+
+            model[0].set_all_reduce_hook(None)  # a hook on some FSDP modules only
+            out["refusals"] = [refusal()]
+            _hook(module, manager)
+            out["refusals"].append(refusal(policy="drop"))
+            _hook(module, manager)  # fresh hooks again: the refused sentinel wrapped them
+        guard = (nft.Sentinel(model, opt, **own, hostname=host, metrics_port=0,
+                              report_dir=f"{tmp}/reports", **keywords)
                  if sentinel is not None else None)
         nan_at = (sentinel or {}).get("nan_at", NAN_AT)
         # Whether the health row leaves with the gradients (no round trip of its own).
         out["riding"] = guard is not None and nft.groups_of(guard).riding
-        generator = torch.Generator().manual_seed(100 * gid + grank)
-        for _ in range(STEPS):
+        generator = torch.Generator().manual_seed(100 * gid + grank + 10 * back)
+        target = control["target"] if control is not None else None
+        deadline = time.monotonic() + REJOIN_S
+        done = 0
+        while True:
+            if target is None or (gid == 1 and not back):
+                if done >= STEPS:
+                    break
+            elif target.value >= 0 and manager.current_step() >= target.value:
+                if done >= STEPS or back:
+                    break
+            elif done >= STEPS:  # group 0 waits for the group that comes back
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"group 1 did not come back and train "
+                                       f"{AFTER_HEAL} steps beside group 0 in {REJOIN_S} s")
+                if target.value < 0:
+                    time.sleep(0.02)
             opt.zero_grad()
             manager.start_quorum()
             step = manager.current_step()
             x = torch.randn(8, 4, generator=generator)
-            if nan_at == (gid, grank, step):
+            if nan_at == (gid, grank, step) and not back:
                 x[0, 0] = float("nan")
             if guard is not None:
                 guard.check_batch(x)
@@ -125,14 +213,16 @@ def rank_main(address: str, ports: list[int], gid: int, grank: int, tmp: str, la
                     (p.group, p.rank, p.host, p.leaving) for p in r.poisoned]))
                 if any(p.leaving and p.group == f"g{gid}" for p in r.poisoned):
                     break  # the group's launcher stops its other ranks when one leaves
+            done += 1
+            if back and target is not None and target.value < 0:  # its first step: healed
+                target.value = out["steps"][0][0] + 1 + AFTER_HEAL
             out["finite"] &= all(bool(torch.isfinite(_local(p)).all())
                                  for p in model.parameters())
         if guard is not None:
             guard.close()
     except BaseException as exc:  # read by the test
         out["error"] = (type(exc).__name__, str(exc))
-        if not isinstance(exc, Exception):
-            out["trace"] = traceback.format_exc()
+        out["trace"] = traceback.format_exc()
         result = getattr(exc, "result", None)
         if result is not None and hasattr(result, "torchft_step"):
             out["steps"].append((result.torchft_step, result.committed, [
@@ -145,40 +235,51 @@ def rank_main(address: str, ports: list[int], gid: int, grank: int, tmp: str, la
     queue.put(out)
 
 
-def run(tmp: Path, layout: str, sentinel: dict[Any, Any] | None, timeout: float = 100
-        ) -> dict[tuple[int, int], dict[str, Any]]:
+def run(tmp: Path, layout: str, sentinel: dict[Any, Any] | None, timeout: float = 100,
+        rejoin: bool = False) -> dict[Any, dict[str, Any]]:
     """Two replica groups of two ranks (four processes) and a lighthouse; each rank's record,
-    keyed (group, rank)."""
+    keyed (group, rank). ``rejoin``: two more processes bring group 1 back once the first
+    has ended (their records keyed ("back", rank)); group 0 trains on until they have trained
+    AFTER_HEAL steps beside it after their first."""
     from torch.distributed import TCPStore
     from torchft._torchft import LighthouseServer
 
     house = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=3000,
                              heartbeat_timeout_ms=500)
     stores = [TCPStore("localhost", 0, is_master=True, wait_for_workers=False)
-              for _ in range(2)]
+              for _ in range(3 if rejoin else 2)]
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     ports = [s.port for s in stores]
+    control = {"left": ctx.Event(), "target": ctx.Value("i", -1)} if rejoin else None
+    ranks = [(g, r, False) for g in (0, 1) for r in (0, 1)]
+    ranks += [(1, r, True) for r in (0, 1)] if rejoin else []
     procs = [ctx.Process(target=rank_main, daemon=True, args=(
-        house.address(), ports, g, r, str(tmp), layout, sentinel, queue))
-        for g in (0, 1) for r in (0, 1)]
+        house.address(), ports, g, r, str(tmp), layout, sentinel, queue, control, back))
+        for g, r, back in ranks]
+
+    def key(gid: int, grank: int, back: bool) -> Any:
+        return ("back", grank) if back else (gid, grank)
+
     try:
         for p in procs:
             p.start()
-        records: list[dict[str, Any]] = []
+        records: dict[Any, dict[str, Any]] = {}
         deadline = time.monotonic() + timeout
         while len(records) < len(procs):
             try:
-                records.append(queue.get(timeout=1))
+                o = queue.get(timeout=1)
+                records[key(o["gid"], o["rank"], o["back"])] = o
+                if control is not None and (1, 0) in records and (1, 1) in records:
+                    control["left"].set()  # the first group 1 has ended: bring it back
             except queue_module.Empty:
                 dead = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
                 assert not dead, f"a rank died without a record (exit codes {dead})"
-                missing = sorted({(g, r) for g in (0, 1) for r in (0, 1)}
-                                 - {(o["gid"], o["rank"]) for o in records})
-                ended = [(o["gid"], o["rank"], o["error"], o["steps"][-1:]) for o in records]
+                missing = sorted({key(*k) for k in ranks} - set(records), key=str)
+                ended = [(k, o["error"], o["steps"][-1:]) for k, o in records.items()]
                 assert time.monotonic() < deadline, (
-                    f"{layout}, sentinel {sentinel is not None}: ranks (group, rank) {missing} "
-                    f"hung; the others ended with {ended}")
+                    f"{layout}, sentinel {sentinel is not None}: ranks {missing} hung; the "
+                    f"others ended with {ended}")
         for p in procs:
             p.join(timeout=30)
     finally:
@@ -186,4 +287,4 @@ def run(tmp: Path, layout: str, sentinel: dict[Any, Any] | None, timeout: float 
             if p.is_alive():
                 p.kill()
         house.shutdown()
-    return {(o["gid"], o["rank"]): o for o in records}
+    return records
