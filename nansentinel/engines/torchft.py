@@ -34,6 +34,7 @@ from torchft.optim import OptimizerWrapper
 
 from nansentinel.engines.base import Capabilities, GradientSink, KeptNorms
 from nansentinel.engines.local import BucketNorms, check_local_grads
+from nansentinel.result import SentinelUsageError
 
 
 class _HookState:
@@ -235,17 +236,26 @@ class AllReduceHookRider:
     @classmethod
     def of(cls, model: torch.nn.Module) -> AllReduceHookRider | None:
         """The rider of a ``fully_shard``-ed model whose FSDP modules have all-reduce hooks;
-        None where none has one (the gradients are reduced across the groups by hand)."""
+        None where none has one (the gradients are reduced across the groups by hand). Hooks
+        on some FSDP modules only are refused: the others' gradients would not be averaged
+        across the groups, and the groups' weights would part."""
         from torch.distributed.fsdp import FSDPModule
 
         from nansentinel.common.torch_insides import fsdp_param_groups
 
         # Several modules sharded in one call (torchtitan's ``fully_shard([norm, lm_head])``)
         # share one group: wrapped and counted once.
-        groups = {id(g): g for m in model.modules() if isinstance(m, FSDPModule)
-                  for g in fsdp_param_groups(m)
-                  if getattr(g, "_all_reduce_hook", None) is not None}
-        return cls(list(groups.values())) if groups else None
+        found = [(name, g) for name, m in model.named_modules() if isinstance(m, FSDPModule)
+                 for g in fsdp_param_groups(m)]
+        hooked = {id(g): g for _, g in found if getattr(g, "_all_reduce_hook", None) is not None}
+        bare = sorted({name or "the root" for name, g in found if id(g) not in hooked})
+        if hooked and bare:
+            raise SentinelUsageError(
+                f"nansentinel.torchft.Sentinel: FSDP module(s) {', '.join(bare[:5])} have no "
+                "all-reduce hook while others have one: their gradients would not be "
+                "averaged across the replica groups, and the groups' weights would part. Set "
+                "the hook on every FSDPModule (set_all_reduce_hook), then build the sentinel.")
+        return cls(list(hooked.values())) if hooked else None
 
     def _wrapped(self, hook: Callable[[torch.Tensor], None]) -> Callable[[torch.Tensor], None]:
         def ride(output: torch.Tensor) -> None:

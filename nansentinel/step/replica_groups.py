@@ -106,11 +106,16 @@ class ReplicaGroups:
         changes: dict[str, Any] = {}
         if config.policy == "drop":
             if self.by_hand:
+                how = ("under FSDP2 with torchft's all-reduce hooks: each rank's shard leaves "
+                       "in a hook before the group's ranks know each other's batch and loss "
+                       "(one rank's NaN reaches every rank's shard in the reduce-scatter), so "
+                       "a group cannot be left out whole" if self.carrier is not None else
+                       "for gradients reduced by hand: the sentinel cannot put zeros in place "
+                       "of a group's contribution to your own Manager.allreduce")
                 raise ConfigError(
-                    "policy='drop' is refused on torchft for gradients reduced by hand: the "
-                    "sentinel cannot put zeros in place of a group's contribution to your own "
-                    "Manager.allreduce. Use nansentinel.torchft.DistributedDataParallel, or "
-                    "policy='skip'; nothing was started.", field="policy")
+                    f"policy='drop' is refused on torchft {how}. Use policy='skip' (or "
+                    "nansentinel.torchft.DistributedDataParallel); nothing was started.",
+                    field="policy")
             self.drop = True
             changes["policy"] = "skip"
         if "rollback" in (config.policy, config.loss_spike_action, config.grad_spike_action):
@@ -120,6 +125,13 @@ class ReplicaGroups:
                 f"{self.group}, host {host}): {self.rollback}. Use policy='skip' and a spike "
                 "action 'skip' or 'warn'; nothing was started.", field="policy")
         self._refuse_excluded(config, host)
+        if config.gate != "host" and (self.by_hand or self.carrier is not None):
+            # nansentinel's torchft DDP says so through its capabilities; FSDP2's and a
+            # plain module's would let a fused optimizer take the device gate on CUDA
+            if self.group_rank == 0 and config.gate == "device":
+                log.info("nansentinel: host gate on torchft (replica group %s): torchft "
+                         "decides a step on the host, at Manager.should_commit()", self.group)
+            changes["gate"] = "host"
         if config.job_id is None:
             run = environ.get("TORCHELASTIC_RUN_ID")
             # torchrun without --rdzv-id says "none": the replica group names the job then.

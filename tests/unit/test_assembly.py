@@ -107,9 +107,9 @@ class FakeManager:
         self.shut = True
 
 
-def _groups(by_hand: bool = False) -> ReplicaGroups:
+def _groups(by_hand: bool = False, carrier: object = None) -> ReplicaGroups:
     return ReplicaGroups(FakeManager(), group="g1", group_rank=0, rollback="torchft heals",
-                         by_hand=by_hand)
+                         by_hand=by_hand, carrier=carrier)
 
 
 def test_replica_groups_configure_through_the_config() -> None:
@@ -128,6 +128,22 @@ def test_replica_groups_configure_through_the_config() -> None:
         _groups(by_hand=True).configure(SentinelConfig.from_env({}, policy="drop"), {})
     with pytest.raises(ConfigError, match="torchft heals"):
         _groups().configure(SentinelConfig.from_env({}, policy="rollback"), {})
+
+
+def test_replica_groups_refuse_what_fsdp2_groups_cannot_do() -> None:
+    """FSDP2 with torchft's all-reduce hooks (a carrier, the gradients not in nansentinel's
+    DDP): policy="drop" is refused with the FSDP2 reason (a group's shards leave before its
+    ranks know each other's batch), and the gate is the host's, as torchft decides a step
+    at should_commit() (nansentinel's torchft DDP says so through its capabilities)."""
+    hooks = object()
+    with pytest.raises(ConfigError, match=r"under FSDP2 .* a group cannot be left out whole"):
+        _groups(by_hand=True, carrier=hooks).configure(
+            SentinelConfig.from_env({}, policy="drop"), {})
+    for gate in ("device", "auto"):
+        config = SentinelConfig.from_env({}, gate=gate)
+        assert _groups(by_hand=True, carrier=hooks).configure(config, {}).gate == "host"
+        assert _groups(by_hand=True).configure(config, {}).gate == "host"
+        assert _groups().configure(config, {}).gate == gate  # the DDP path's caps refuse it
 
 
 def test_the_torchft_sentinel_is_the_core_one_with_a_scope() -> None:
