@@ -170,16 +170,19 @@ def _comm_hook(state, bucket):
     work.wait()  # torchft's hook waits too; a failure is reported to the manager here
     future = work.get_future()
     inner = getattr(future, "_fut", future)  # _ManagedFuture: the torch future inside
+    reduced = buffer
     if sent is not buffer:
         path.rider.carried = None  # type: ignore[union-attr]
         if inner is not None:
             summed = inner.wait()  # averaged over the participants
-            buffer.copy_(summed[:buffer.numel()].view_as(buffer))
+            # DDP copies a hook's result into the gradients itself: the bucket's part is
+            # handed over as a view, not copied back into the bucket first.
+            reduced = summed[:buffer.numel()]
             path.rider.carried = summed[buffer.numel():]  # type: ignore[union-attr]
         inner = None
     if inner is None:  # the all-reduce failed before torchft chained it (a regroup), or the
         inner = torch.futures.Future()  # row was split off the bucket
-        inner.set_result(buffer)
+        inner.set_result(reduced)
     if path is not None:
         path.sink.spent(spent)
     return inner
