@@ -13,6 +13,12 @@ sentinel adds to a healthy step.
     python bench/torchft_processes.py                      # 3 groups, 2 rounds of 60 steps
     python bench/torchft_processes.py --groups 2 --rounds 1 --steps 20
     python bench/torchft_processes.py --layout fsdp2       # FSDP2 + torchft's all-reduce hook
+    python bench/torchft_processes.py --parts --steps 300  # one group alone: where its time goes
+
+``--parts`` runs one group alone in this process, each arm in turn (no peers, so no waiting on
+them): the median step of each arm and, in the sentinel arm, the time of each part of the
+sentinel (and of the torchft calls it makes) per step: each part timed around each call, its
+median call times its calls a step (parts nest: ``launch_exchange`` holds ``pack``).
 """
 
 from __future__ import annotations
@@ -150,6 +156,71 @@ def round_of(arm: str, groups: int, steps: int, layout: str
     return times, rows
 
 
+#: (module, owner, attribute, label): what --parts times, in the sentinel arm.
+PARTS = (
+    ("nansentinel.step.sentinel", "Sentinel", "check_batch", "check_batch"),
+    ("nansentinel.step.sentinel", "Sentinel", "check_loss", "check_loss"),
+    ("nansentinel.engines.torchft", "TorchFTPath", "before_reduction", "bucket checks"),
+    ("nansentinel.step.current", "CurrentStep", "launch_exchange",
+     "launch_exchange (health row, pack)"),
+    ("nansentinel.step.current", None, "pack", "  pack"),
+    ("nansentinel.checks.health", "LocalHealth", "row", "  health row"),
+    ("nansentinel.step.replica_groups", "ReplicaGroups", "row", "ride-along row"),
+    ("nansentinel.step.sentinel", "Sentinel", "_decide", "the ranks' decision (_decide)"),
+    ("nansentinel.step.replica_groups", "ReplicaGroups", "agree",
+     "the groups' decision (agree, with should_commit and the optimizer)"),
+    ("torchft.manager", "Manager", "should_commit", "  torchft should_commit"),
+)
+
+
+def parts(steps: int, layout: str) -> None:
+    """One group alone in this process, each arm in turn: median steps, the sentinel's parts."""
+    import importlib
+    import queue as queue_module
+
+    import torch.distributed as dist
+    from torchft._torchft import LighthouseServer
+
+    spent: dict[str, list[float]] = {label: [] for *_, label in PARTS}
+
+    def timed(owner: Any, name: str, label: str) -> None:
+        inner = getattr(owner, name)
+
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            started = time.perf_counter()
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                spent[label].append(time.perf_counter() - started)
+
+        setattr(owner, name, wrapper)
+
+    medians = {}
+    for arm in ARMS:
+        if arm == "sentinel":
+            for module, owner, name, label in PARTS:
+                found = importlib.import_module(module)
+                timed(getattr(found, owner) if owner else found, name, label)
+        house = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=100,
+                                 heartbeat_timeout_ms=5000)
+        queue: Any = queue_module.Queue()
+        try:
+            _group(house.address(), 0, 1, arm, steps, layout, queue)
+        finally:
+            house.shutdown()
+            if dist.is_initialized():  # FSDP2's group of one, made again for the next arm
+                dist.destroy_process_group()
+        _, times, _ = queue.get()
+        medians[arm] = statistics.median(times)
+    print(f"layout {layout}, one group alone, {steps} steps ({len(times)} timed after warm-up)")
+    for arm in ARMS:
+        print(f"{arm:9s} median step {medians[arm] * 1e3:7.3f} ms")
+    # A part's median call times its calls a step: the warm-up's first calls left out.
+    for label, calls in spent.items():
+        per_step = statistics.median(calls) * len(calls) / steps if calls else 0.0
+        print(f"  {label:66s} {per_step * 1e3:6.3f} ms/step")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--groups", type=int, default=3)
@@ -157,7 +228,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--layout", choices=("ddp", "fsdp2"), default="ddp",
                         help="nansentinel's torchft DDP, or FSDP2 with torchft's all-reduce hook")
+    parser.add_argument("--parts", action="store_true",
+                        help="one group alone in this process: where the sentinel's time goes")
     args = parser.parse_args(argv)
+    if args.parts:
+        parts(args.steps, args.layout)
+        return 0
     samples: dict[str, list[float]] = {arm: [] for arm in ARMS}
     rows: list[float] = []
     for _ in range(args.rounds):
