@@ -161,6 +161,8 @@ PARTS = (
     ("nansentinel.step.sentinel", "Sentinel", "check_batch", "check_batch"),
     ("nansentinel.step.sentinel", "Sentinel", "check_loss", "check_loss"),
     ("nansentinel.engines.torchft", "TorchFTPath", "before_reduction", "bucket checks"),
+    ("nansentinel.checks", None, "tensor_norm",
+     "  norms (batch, buckets, FSDP2 hook inputs on a shard group of one)"),
     ("nansentinel.step.current", "CurrentStep", "launch_exchange",
      "launch_exchange (health row, pack)"),
     ("nansentinel.step.current", None, "pack", "  pack"),
