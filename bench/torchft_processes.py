@@ -93,6 +93,7 @@ def _group(address: str, gid: int, groups: int, arm: str, steps: int, layout: st
         replica_id=f"g{gid}", store_addr="localhost", store_port=store.port, rank=0,
         world_size=1, lighthouse_addr=address, timeout=timedelta(seconds=60))
     times: list[float] = []
+    cpus: list[float] = []  # the process's main thread's CPU time a step
     try:
         if layout == "fsdp2":
             model: Any = _fsdp2(module, manager, store)
@@ -101,18 +102,19 @@ def _group(address: str, gid: int, groups: int, arm: str, steps: int, layout: st
             model = TorchFTDDP(manager, module) if layout == "ddp" else model
             wrapper = OptimizerWrapper(manager, opt)
             for _ in range(steps):
-                started = time.perf_counter()
+                started, cpu = time.perf_counter(), time.thread_time()
                 wrapper.zero_grad()
                 model(torch.randn(64, 256)).pow(2).mean().backward()
                 wrapper.step()
                 times.append(time.perf_counter() - started)
+                cpus.append(time.thread_time() - cpu)
         else:
             if layout == "ddp":
                 model = nft.DistributedDataParallel(manager, module)
             own = {"manager": manager} if layout == "fsdp2" else {}
             sentinel = nft.Sentinel(model, opt, metrics_port=0, env={}, **own)
             for _ in range(steps):
-                started = time.perf_counter()
+                started, cpu = time.perf_counter(), time.thread_time()
                 opt.zero_grad()
                 manager.start_quorum()
                 x = sentinel.check_batch(torch.randn(64, 256))
@@ -121,16 +123,18 @@ def _group(address: str, gid: int, groups: int, arm: str, steps: int, layout: st
                 loss.backward()
                 sentinel.step()
                 times.append(time.perf_counter() - started)
+                cpus.append(time.thread_time() - cpu)
             sentinel.close()
     finally:
         manager.shutdown(wait=False)
     warmup = steps // 4
-    queue.put((gid, times[warmup:], rows[warmup:]))
+    queue.put((gid, times[warmup:], rows[warmup:], cpus[warmup:]))
 
 
 def round_of(arm: str, groups: int, steps: int, layout: str
-             ) -> tuple[list[float], list[float]]:
-    """One round: ``groups`` processes; their step times and health-row times after warm-up."""
+             ) -> tuple[list[float], list[float], list[float]]:
+    """One round: ``groups`` processes; their step times, health-row times and CPU times a
+    step (each process's main thread) after warm-up."""
     from torchft._torchft import LighthouseServer
 
     house = LighthouseServer(bind="[::]:0", min_replicas=groups, join_timeout_ms=1000,
@@ -151,9 +155,10 @@ def round_of(arm: str, groups: int, steps: int, layout: str
             if p.is_alive():
                 p.kill()
         house.shutdown()
-    times = [t for _, ts, _ in results for t in ts]
-    rows = [r for _, _, rs in results for r in rs]
-    return times, rows
+    times = [t for _, ts, _, _ in results for t in ts]
+    rows = [r for _, _, rs, _ in results for r in rs]
+    cpus = [c for *_, cs in results for c in cs]
+    return times, rows, cpus
 
 
 #: (module, owner, attribute, label): what --parts times, in the sentinel arm.
@@ -212,7 +217,7 @@ def parts(steps: int, layout: str) -> None:
             house.shutdown()
             if dist.is_initialized():  # FSDP2's group of one, made again for the next arm
                 dist.destroy_process_group()
-        _, times, _ = queue.get()
+        _, times, _, _ = queue.get()
         medians[arm] = statistics.median(times)
     print(f"layout {layout}, one group alone, {steps} steps ({len(times)} timed after warm-up)")
     for arm in ARMS:
@@ -237,11 +242,13 @@ def main(argv: list[str] | None = None) -> int:
         parts(args.steps, args.layout)
         return 0
     samples: dict[str, list[float]] = {arm: [] for arm in ARMS}
+    cpu: dict[str, list[float]] = {arm: [] for arm in ARMS}
     rows: list[float] = []
     for _ in range(args.rounds):
         for arm in ARMS:
-            times, row = round_of(arm, args.groups, args.steps, args.layout)
+            times, row, cpus = round_of(arm, args.groups, args.steps, args.layout)
             samples[arm] += times
+            cpu[arm] += cpus
             rows += row
     print(f"layout {args.layout}, {args.groups} groups")
     base = statistics.median(samples["torchft"])
@@ -249,6 +256,13 @@ def main(argv: list[str] | None = None) -> int:
         median = statistics.median(samples[arm])
         print(f"{arm:9s} median step {median * 1e3:7.2f} ms  ({median / base:.3f}x torchft, "
               f"{len(samples[arm])} steps)")
+    # The CPU time of each group's main thread a step (the loop, the checks, the decision):
+    # what the sentinel adds, less moved than the wall time by other jobs on the machine.
+    base_cpu = statistics.median(cpu["torchft"])
+    for arm in ARMS:
+        median = statistics.median(cpu[arm])
+        print(f"{arm:9s} median CPU a step {median * 1e3:7.2f} ms  ({median / base_cpu:.3f}x "
+              "torchft)")
     if rows:  # a round trip of its own: only where the row cannot ride with the gradients
         print(f"health row all-reduce median {statistics.median(rows) * 1e3:.2f} ms "
               f"({len(rows)} steps)")
