@@ -228,7 +228,7 @@ def parts(steps: int, layout: str) -> None:
         print(f"  {label:66s} {per_step * 1e3:6.3f} ms/step")
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--groups", type=int, default=3)
     parser.add_argument("--rounds", type=int, default=2)
@@ -237,7 +237,11 @@ def main(argv: list[str] | None = None) -> int:
                         help="nansentinel's torchft DDP, or FSDP2 with torchft's all-reduce hook")
     parser.add_argument("--parts", action="store_true",
                         help="one group alone in this process: where the sentinel's time goes")
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     if args.parts:
         parts(args.steps, args.layout)
         return 0
