@@ -6,9 +6,9 @@ A lighthouse in this process, ``--groups`` replica groups of one rank each, each
 process (spawned) with its own store and gloo group, a 4-layer 256-wide MLP on the CPU. The two
 arms (torchft's DDP and ``OptimizerWrapper``; ``nansentinel.torchft``) alternate round by round,
 each round with a fresh lighthouse and fresh processes, so a busy machine weighs on both. Each
-process times its steps after a warm-up and, in the sentinel arm, the health row's all-reduce
-(``wire.replica_groups.agree``, as step/replica_groups.py calls it), the one round trip the
-sentinel adds to a healthy step.
+process times its steps after a warm-up (wall, and its main thread's CPU time) and, in the
+sentinel arm, the health row's own all-reduce (``wire.replica_groups.agree``), which a healthy
+step pays only where the row cannot ride with the gradients (docs/torchft.md).
 
     python bench/torchft_processes.py                      # 3 groups, 2 rounds of 60 steps
     python bench/torchft_processes.py --groups 2 --rounds 1 --steps 20
