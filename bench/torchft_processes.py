@@ -6,13 +6,19 @@ A lighthouse in this process, ``--groups`` replica groups of one rank each, each
 process (spawned) with its own store and gloo group, a 4-layer 256-wide MLP on the CPU. The two
 arms (torchft's DDP and ``OptimizerWrapper``; ``nansentinel.torchft``) alternate round by round,
 each round with a fresh lighthouse and fresh processes, so a busy machine weighs on both. Each
-process times its steps after a warm-up and, in the sentinel arm, the health row's all-reduce
-(``wire.replica_groups.agree``, as step/replica_groups.py calls it), the one round trip the
-sentinel adds to a healthy step.
+process times its steps after a warm-up (wall, and its main thread's CPU time) and, in the
+sentinel arm, the health row's own all-reduce (``wire.replica_groups.agree``), which a healthy
+step pays only where the row cannot ride with the gradients (docs/torchft.md).
 
     python bench/torchft_processes.py                      # 3 groups, 2 rounds of 60 steps
     python bench/torchft_processes.py --groups 2 --rounds 1 --steps 20
     python bench/torchft_processes.py --layout fsdp2       # FSDP2 + torchft's all-reduce hook
+    python bench/torchft_processes.py --parts --steps 300  # one group alone: where its time goes
+
+``--parts`` runs one group alone in this process, each arm in turn (no peers, so no waiting on
+them): the median step of each arm and, in the sentinel arm, the time of each part of the
+sentinel (and of the torchft calls it makes) per step: each part timed around each call, its
+median call times its calls a step (parts nest: ``launch_exchange`` holds ``pack``).
 """
 
 from __future__ import annotations
@@ -87,6 +93,7 @@ def _group(address: str, gid: int, groups: int, arm: str, steps: int, layout: st
         replica_id=f"g{gid}", store_addr="localhost", store_port=store.port, rank=0,
         world_size=1, lighthouse_addr=address, timeout=timedelta(seconds=60))
     times: list[float] = []
+    cpus: list[float] = []  # the process's main thread's CPU time a step
     try:
         if layout == "fsdp2":
             model: Any = _fsdp2(module, manager, store)
@@ -95,18 +102,19 @@ def _group(address: str, gid: int, groups: int, arm: str, steps: int, layout: st
             model = TorchFTDDP(manager, module) if layout == "ddp" else model
             wrapper = OptimizerWrapper(manager, opt)
             for _ in range(steps):
-                started = time.perf_counter()
+                started, cpu = time.perf_counter(), time.thread_time()
                 wrapper.zero_grad()
                 model(torch.randn(64, 256)).pow(2).mean().backward()
                 wrapper.step()
                 times.append(time.perf_counter() - started)
+                cpus.append(time.thread_time() - cpu)
         else:
             if layout == "ddp":
                 model = nft.DistributedDataParallel(manager, module)
             own = {"manager": manager} if layout == "fsdp2" else {}
             sentinel = nft.Sentinel(model, opt, metrics_port=0, env={}, **own)
             for _ in range(steps):
-                started = time.perf_counter()
+                started, cpu = time.perf_counter(), time.thread_time()
                 opt.zero_grad()
                 manager.start_quorum()
                 x = sentinel.check_batch(torch.randn(64, 256))
@@ -115,16 +123,18 @@ def _group(address: str, gid: int, groups: int, arm: str, steps: int, layout: st
                 loss.backward()
                 sentinel.step()
                 times.append(time.perf_counter() - started)
+                cpus.append(time.thread_time() - cpu)
             sentinel.close()
     finally:
         manager.shutdown(wait=False)
     warmup = steps // 4
-    queue.put((gid, times[warmup:], rows[warmup:]))
+    queue.put((gid, times[warmup:], rows[warmup:], cpus[warmup:]))
 
 
 def round_of(arm: str, groups: int, steps: int, layout: str
-             ) -> tuple[list[float], list[float]]:
-    """One round: ``groups`` processes; their step times and health-row times after warm-up."""
+             ) -> tuple[list[float], list[float], list[float]]:
+    """One round: ``groups`` processes; their step times, health-row times and CPU times a
+    step (each process's main thread) after warm-up."""
     from torchft._torchft import LighthouseServer
 
     house = LighthouseServer(bind="[::]:0", min_replicas=groups, join_timeout_ms=1000,
@@ -145,25 +155,104 @@ def round_of(arm: str, groups: int, steps: int, layout: str
             if p.is_alive():
                 p.kill()
         house.shutdown()
-    times = [t for _, ts, _ in results for t in ts]
-    rows = [r for _, _, rs in results for r in rs]
-    return times, rows
+    times = [t for _, ts, _, _ in results for t in ts]
+    rows = [r for _, _, rs, _ in results for r in rs]
+    cpus = [c for *_, cs in results for c in cs]
+    return times, rows, cpus
 
 
-def main(argv: list[str] | None = None) -> int:
+#: (module, owner, attribute, label): what --parts times, in the sentinel arm.
+PARTS = (
+    ("nansentinel.step.sentinel", "Sentinel", "check_batch", "check_batch"),
+    ("nansentinel.step.sentinel", "Sentinel", "check_loss", "check_loss"),
+    ("nansentinel.engines.torchft", "TorchFTPath", "before_reduction", "bucket checks"),
+    ("nansentinel.checks", None, "tensor_norm",
+     "  norms (batch, buckets, FSDP2 hook inputs on a shard group of one)"),
+    ("nansentinel.step.current", "CurrentStep", "launch_exchange",
+     "launch_exchange (health row, pack)"),
+    ("nansentinel.step.current", None, "pack", "  pack"),
+    ("nansentinel.checks.health", "LocalHealth", "row", "  health row"),
+    ("nansentinel.step.replica_groups", "ReplicaGroups", "row", "ride-along row"),
+    ("nansentinel.step.sentinel", "Sentinel", "_decide", "the ranks' decision (_decide)"),
+    ("nansentinel.step.replica_groups", "ReplicaGroups", "agree",
+     "the groups' decision (agree, with should_commit and the optimizer)"),
+    ("torchft.manager", "Manager", "should_commit", "  torchft should_commit"),
+)
+
+
+def parts(steps: int, layout: str) -> None:
+    """One group alone in this process, each arm in turn: median steps, the sentinel's parts."""
+    import importlib
+    import queue as queue_module
+
+    import torch.distributed as dist
+    from torchft._torchft import LighthouseServer
+
+    spent: dict[str, list[float]] = {label: [] for *_, label in PARTS}
+
+    def timed(owner: Any, name: str, label: str) -> None:
+        inner = getattr(owner, name)
+
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            started = time.perf_counter()
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                spent[label].append(time.perf_counter() - started)
+
+        setattr(owner, name, wrapper)
+
+    medians = {}
+    for arm in ARMS:
+        if arm == "sentinel":
+            for module, owner, name, label in PARTS:
+                found = importlib.import_module(module)
+                timed(getattr(found, owner) if owner else found, name, label)
+        house = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=100,
+                                 heartbeat_timeout_ms=5000)
+        queue: Any = queue_module.Queue()
+        try:
+            _group(house.address(), 0, 1, arm, steps, layout, queue)
+        finally:
+            house.shutdown()
+            if dist.is_initialized():  # FSDP2's group of one, made again for the next arm
+                dist.destroy_process_group()
+        _, times, _, _ = queue.get()
+        medians[arm] = statistics.median(times)
+    print(f"layout {layout}, one group alone, {steps} steps ({len(times)} timed after warm-up)")
+    for arm in ARMS:
+        print(f"{arm:9s} median step {medians[arm] * 1e3:7.3f} ms")
+    # A part's median call times its calls a step: the warm-up's first calls left out.
+    for label, calls in spent.items():
+        per_step = statistics.median(calls) * len(calls) / steps if calls else 0.0
+        print(f"  {label:66s} {per_step * 1e3:6.3f} ms/step")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--groups", type=int, default=3)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--layout", choices=("ddp", "fsdp2"), default="ddp",
                         help="nansentinel's torchft DDP, or FSDP2 with torchft's all-reduce hook")
-    args = parser.parse_args(argv)
+    parser.add_argument("--parts", action="store_true",
+                        help="one group alone in this process: where the sentinel's time goes")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.parts:
+        parts(args.steps, args.layout)
+        return 0
     samples: dict[str, list[float]] = {arm: [] for arm in ARMS}
+    cpu: dict[str, list[float]] = {arm: [] for arm in ARMS}
     rows: list[float] = []
     for _ in range(args.rounds):
         for arm in ARMS:
-            times, row = round_of(arm, args.groups, args.steps, args.layout)
+            times, row, cpus = round_of(arm, args.groups, args.steps, args.layout)
             samples[arm] += times
+            cpu[arm] += cpus
             rows += row
     print(f"layout {args.layout}, {args.groups} groups")
     base = statistics.median(samples["torchft"])
@@ -171,6 +260,13 @@ def main(argv: list[str] | None = None) -> int:
         median = statistics.median(samples[arm])
         print(f"{arm:9s} median step {median * 1e3:7.2f} ms  ({median / base:.3f}x torchft, "
               f"{len(samples[arm])} steps)")
+    # The CPU time of each group's main thread a step (the loop, the checks, the decision):
+    # what the sentinel adds, less moved than the wall time by other jobs on the machine.
+    base_cpu = statistics.median(cpu["torchft"])
+    for arm in ARMS:
+        median = statistics.median(cpu[arm])
+        print(f"{arm:9s} median CPU a step {median * 1e3:7.2f} ms  ({median / base_cpu:.3f}x "
+              "torchft)")
     if rows:  # a round trip of its own: only where the row cannot ride with the gradients
         print(f"health row all-reduce median {statistics.median(rows) * 1e3:.2f} ms "
               f"({len(rows)} steps)")

@@ -68,7 +68,7 @@ BOUNDARY = ROW[ROW.index("fwd_origin"):ROW.index("loss_origin") + 1]
 _CONSTANTS: dict[tuple[tuple[float, ...], torch.device], torch.Tensor] = {}
 
 
-def _constant(values: tuple[float, ...], device: torch.device) -> torch.Tensor:
+def constant(values: tuple[float, ...], device: torch.device) -> torch.Tensor:
     """A small constant tensor on ``device``, made once and reused: a fresh host-to-device
     copy every step would synchronise the CUDA stream."""
     key = (values, device)
@@ -148,7 +148,7 @@ class LocalHealth:
         """0-d bool on the device: the batches or losses checked so far this step hold a
         non-finite value (no host sync). Known before backward, so before the step's first
         gradient reduction: the flag ``policy="drop"`` withholds this rank's gradients by."""
-        zero = _constant((0.0,), self.device).reshape(())
+        zero = constant((0.0,), self.device).reshape(())
         loss = zero if self.loss_sum is None else self.loss_sum.to(torch.float32)
         batch = combined(self.batch_norms, zero).to(torch.float32)
         return ~torch.isfinite(torch.stack([batch, loss])).all()
@@ -156,20 +156,20 @@ class LocalHealth:
     def row(self) -> torch.Tensor:
         """The health row (a :class:`Row`: batch norm, loss, gradient norm, then the flags) as
         fp32 on the device: no host sync."""
-        zero = _constant((0.0,), self.device).reshape(())
+        zero = constant((0.0,), self.device).reshape(())
         batch = combined(self.batch_norms, zero)
         loss = zero
         if self.loss_sum is not None:
             loss = self.loss_sum if self.loss_count == 1 else self.loss_sum / self.loss_count
         grad = combined([moved(n, self.device) for n in self.grad_norms], zero)
         host = (self.injected, self.loss_sum is not None, bool(self.grad_norms))
-        flags = _constant((*map(float, host), 0.0), self.device)
+        flags = constant((*map(float, host), 0.0), self.device)
         values = torch.stack([batch, loss, grad]).to(torch.float32)
         if self.quarantined is not None:
             flags = torch.cat([flags[:3], self.quarantined.reshape(1).to(torch.float32)])
-        boundary = (_constant((0.0,) * len(BOUNDARY), self.device) if self.boundary is None
+        boundary = (constant((0.0,) * len(BOUNDARY), self.device) if self.boundary is None
                     else moved(self.boundary, self.device, torch.float32))
-        stops = _constant((float(self.stop_signal == signal.SIGTERM),
+        stops = constant((float(self.stop_signal == signal.SIGTERM),
                            float(self.stop_signal == signal.SIGINT)),
                           self.device)  # two cached constants: no host-to-device copy
         return assembled((
@@ -188,31 +188,43 @@ def assembled(pieces: Sequence[tuple[tuple[str, ...], torch.Tensor]],
     names = tuple(name for group, _ in pieces for name in group)
     vector = torch.cat([t.reshape(-1) for _, t in pieces])
     order = _placement(names, wire)
-    if order is None:
-        return vector
-    key = (order, vector.device)
-    if key not in _ORDERS:
-        _ORDERS[key] = torch.tensor(order, dtype=torch.long, device=vector.device)
-    return vector[_ORDERS[key]]
+    return vector if order is None else vector[positions(order, vector.device)]
 
 
-_ORDERS: dict[tuple[tuple[int, ...], torch.device], torch.Tensor] = {}
+_POSITIONS: dict[tuple[tuple[int, ...], torch.device], torch.Tensor] = {}
+
+
+def positions(at: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """A constant index tensor on ``device``, made once and reused (as :func:`constant`): one
+    gather of several slots of a small vector is one kernel, not one per slot."""
+    key = (at, device)
+    if key not in _POSITIONS:
+        _POSITIONS[key] = torch.tensor(at, dtype=torch.long, device=device)
+    return _POSITIONS[key]
 
 
 @functools.cache
 def _placement(computed: tuple[str, ...], wire: tuple[str, ...]) -> tuple[int, ...] | None:
-    """Where each wire slot's value lies among the ``computed`` ones (None: already in wire
-    order). Checked once per layout: a slot not computed, computed twice, or computed but not
-    in the schema is an error naming it, before any vector is built."""
-    missing = sorted(set(wire) - set(computed))
-    extra = sorted(set(computed) - set(wire))
+    """:func:`placement` of a layout, checked once; None where it is already the wire's."""
+    order = placement(computed, wire)
+    return None if order == tuple(range(len(wire))) else order
+
+
+def placement(computed: tuple[str, ...], wire: tuple[str, ...],
+              same: dict[str, str] | None = None) -> tuple[int, ...]:
+    """Where each wire slot's value lies among the ``computed`` ones; ``same`` names wire slots
+    that repeat another slot's value (the gather copies it). A slot not computed, computed
+    twice, or computed but placed nowhere is an error naming it, before any vector is built."""
+    same = same or {}
+    placed = {same.get(name, name) for name in wire}
+    missing = sorted(placed - set(computed))
+    extra = sorted(set(computed) - placed)
     if missing or extra or len(computed) != len(set(computed)):
         raise AssertionError(f"nansentinel: the values computed and the wire schema disagree: "
                              f"not computed {missing}, not in the schema {extra}, "
                              f"computed {list(computed)}")
     at = {name: i for i, name in enumerate(computed)}
-    order = tuple(at[name] for name in wire)
-    return None if order == tuple(range(len(wire))) else order
+    return tuple(at[same.get(name, name)] for name in wire)
 
 
 def combined(norms: list[torch.Tensor], zero: torch.Tensor) -> torch.Tensor:

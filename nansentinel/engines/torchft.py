@@ -32,6 +32,7 @@ import torch
 from torchft.ddp import DistributedDataParallel as _TorchFTDDP
 from torchft.optim import OptimizerWrapper
 
+from nansentinel import checks
 from nansentinel.engines.base import Capabilities, GradientSink, KeptNorms
 from nansentinel.engines.local import BucketNorms, check_local_grads
 from nansentinel.result import SentinelUsageError
@@ -161,28 +162,30 @@ def _comm_hook(state, bucket):
     sent = buffer
     if path is not None:
         path.before_reduction(bucket)
-        if path.rider is not None and bucket.is_last():  # the health row rides along
-            sent = torch.cat([buffer.reshape(-1), path.rider.row().to(buffer.dtype)])
+        if bucket.is_last():  # the step's health leaves with its last gradients
+            path.sink.launch_exchange()
+            if path.rider is not None:  # and the replica groups' row rides in their all-reduce
+                sent = torch.cat([buffer.reshape(-1), path.rider.row().to(buffer)])
     spent = time.perf_counter() - started
     work = state.manager.allreduce(sent)
     work.wait()  # torchft's hook waits too; a failure is reported to the manager here
     future = work.get_future()
     inner = getattr(future, "_fut", future)  # _ManagedFuture: the torch future inside
+    reduced = buffer
     if sent is not buffer:
         path.rider.carried = None  # type: ignore[union-attr]
         if inner is not None:
             summed = inner.wait()  # averaged over the participants
-            buffer.copy_(summed[:buffer.numel()].view_as(buffer))
+            # DDP copies a hook's result into the gradients itself: the bucket's part is
+            # handed over as a view, not copied back into the bucket first.
+            reduced = summed[:buffer.numel()]
             path.rider.carried = summed[buffer.numel():]  # type: ignore[union-attr]
         inner = None
     if inner is None:  # the all-reduce failed before torchft chained it (a regroup), or the
         inner = torch.futures.Future()  # row was split off the bucket
-        inner.set_result(buffer)
+        inner.set_result(reduced)
     if path is not None:
-        started = time.perf_counter()
-        if bucket.is_last():
-            path.sink.launch_exchange()
-        path.sink.spent(spent + time.perf_counter() - started)
+        path.sink.spent(spent)
     return inner
 
 
@@ -216,22 +219,29 @@ def stepped(optimizer: Any) -> Any:
 class AllReduceHookRider:
     """torchft's FSDP2 recipe (torchtitan's fault-tolerant mode): inside a replica group FSDP2
     reduce-scatters, and each FSDP module's all-reduce hook (``set_all_reduce_hook``) averages
-    its reduced shard across the groups through a ``ManagedProcessGroup``. The health row
-    rides in the step's last hook call: that call's shard goes to the user's hook with the
-    row appended (the hook must all-reduce the tensor it is given in place with ``AVG``, as
-    torchft's recipe and torchtitan's hook do), and comes back split.
+    its reduced shard across the groups through a ``ManagedProcessGroup``. The step's health
+    leaves in its last hook call: the exchange inside the group is launched there (every
+    gradient of the step was checked by then), and that call's shard goes to the user's hook
+    with the replica groups' row appended (the hook must all-reduce the tensor it is given in
+    place with ``AVG``, as torchft's recipe and torchtitan's hook do), and comes back split.
 
     The last call is the one that completes the count of FSDP parameter groups with a hook:
-    every group runs the same model, so every group's rows leave in the same collective.
+    every group runs the same model, so every group's rows leave in the same collective. On a
+    shard group of one FSDP2 reduce-scatters nothing (the gradient path checks nothing before
+    the hooks), and a hook's input is this rank's own gradients: they are checked here, before
+    the hook sends them to the other groups.
     """
 
     def __init__(self, groups: list[Any]) -> None:
         self.groups = groups
         self.calls = 0
+        #: The step in progress (a ``GradientSink``), once a sentinel watches the model.
+        self.sink: Any = None
         #: As :attr:`TorchFTPath.rider`: the scope whose row rides along, once bound.
         self.rider: Any = None
         for group in groups:
-            group._all_reduce_hook = self._wrapped(group._all_reduce_hook)
+            alone = getattr(getattr(group, "mesh_info", None), "shard_mesh_size", 2) == 1
+            group._all_reduce_hook = self._wrapped(group._all_reduce_hook, alone)
 
     @classmethod
     def of(cls, model: torch.nn.Module) -> AllReduceHookRider | None:
@@ -257,15 +267,31 @@ class AllReduceHookRider:
                 "the hook on every FSDPModule (set_all_reduce_hook), then build the sentinel.")
         return cls(list(hooked.values())) if hooked else None
 
-    def _wrapped(self, hook: Callable[[torch.Tensor], None]) -> Callable[[torch.Tensor], None]:
+    def _wrapped(self, hook: Callable[[torch.Tensor], None], alone: bool
+                 ) -> Callable[[torch.Tensor], None]:
         def ride(output: torch.Tensor) -> None:
+            sink = self.sink
+            if sink is None or sink.inferring:
+                hook(output)
+                return
+            started = time.perf_counter()
             self.calls += 1
-            if self.rider is None or self.calls < len(self.groups):
+            if alone:  # this rank's own gradients, about to leave the group unchecked
+                if self.calls == 1:
+                    sink.before_reduction(output)
+                sink.add_grad_norm(checks.tensor_norm(output))
+            if self.calls < len(self.groups):
+                sink.spent(time.perf_counter() - started)
                 hook(output)
                 return
             self.calls = 0
-            row = self.rider.row().to(device=output.device, dtype=output.dtype)
-            sent = torch.cat([output.reshape(-1), row])
+            sink.launch_exchange()
+            if self.rider is None:
+                sink.spent(time.perf_counter() - started)
+                hook(output)
+                return
+            sent = torch.cat([output.reshape(-1), self.rider.row().to(output)])
+            sink.spent(time.perf_counter() - started)
             hook(sent)
             output.copy_(sent[:output.numel()].view_as(output))
             self.rider.carried = sent[output.numel():]

@@ -58,6 +58,10 @@ class CurrentStep:
         self._thresholds: tuple[int, torch.Tensor] | None = None
         self.index = 0
         self.local = LocalHealth(self.device)
+        #: This step's vector as :meth:`launch_exchange` packed it, on this rank's device (its
+        #: own section, this rank's health row, is read by a wider scope whose row leaves with
+        #: the gradients: the row is computed once a step); None until then.
+        self.packed: torch.Tensor | None = None
         #: This step's record (step/record.py): OPEN until the exchange leaves.
         self.record = StepRecord(self.index, self.local)
         self.gradients: Any = None
@@ -138,6 +142,7 @@ class CurrentStep:
         self.deadline.step = self.index
         self.buffers.reset()
         self.local = LocalHealth(self.device)
+        self.packed = None
         self.record = StepRecord(self.index, self.local)
         self.gradients.reset()
         for watch in self.stages:
@@ -190,8 +195,9 @@ class CurrentStep:
         for watch in self.stages:  # the pipeline boundaries' norms become the row's flags
             watch.fold(self.local)
         self.local.stop_signal = stop_requested()  # a signal so far travels with this row
-        self.exchange.launch(self.index, pack(self.local.row(), self.thresholds(), self.rank,
-                                              amp=self.amp, dropped=self.local.dropped))
+        self.packed = pack(self.local.row(), self.thresholds(), self.rank, amp=self.amp,
+                           dropped=self.local.dropped)
+        self.exchange.launch(self.index, self.packed)
         self.record.to(Stage.LAUNCHED)
 
     def diagnosed(self, future: torch.futures.Future, step: int,

@@ -49,7 +49,7 @@ from nansentinel.wire.replica_groups import (
     health_row,
     shared_in_group,
 )
-from nansentinel.wire.schema import GroupTotals
+from nansentinel.wire.schema import GroupTotals, O, R
 
 if TYPE_CHECKING:
     from nansentinel.step.assembly import Parts
@@ -150,15 +150,19 @@ class ReplicaGroups:
         config = parts.ctx.config
         spikes_skip = "skip" in (config.loss_spike_action, config.grad_spike_action)
         carrier = self.carrier if self.carrier is not None else parts.gradients
+        if self.carrier is not None:  # the step's health leaves in its hooks
+            self.carrier.sink = parts.current
         if hasattr(carrier, "rider") and not self.drop and not spikes_skip:
             self.riding = True
             carrier.rider = self
 
     def row(self) -> Any:
-        """This rank's row for the gradients' last all-reduce, on the device (no host sync),
-        once the step's last gradients were checked."""
-        local = self._bound().current.local
-        return device_row(local.row(), self.manager.participating_rank())
+        """This rank's row for the gradients' last all-reduce, on the device (no host sync):
+        read from the vector the step's exchange launched with the last gradients (its own
+        section is the health row), so the row is computed once a step."""
+        packed = self._bound().current.packed
+        assert packed is not None, "the ride-along row is read after the exchange launched"
+        return device_row(packed[O.start:O.start + R.size], self.manager.participating_rank())
 
     def begin(self) -> None:
         parts = self._bound()

@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ReduceOp
 
+from nansentinel.checks.health import constant
 from nansentinel.result import KINDS
 from nansentinel.wire.schema import G, GroupTotals, R
 
@@ -43,14 +44,14 @@ def health_row(bad: bool, kinds: list[str], replica_rank: int | None,
 
 def device_row(row: torch.Tensor, replica_rank: int | None) -> torch.Tensor:
     """This rank's row for the gradients' own all-reduce (:func:`carried`), built on the device
-    from its health row (``checks.health.Row``, fp32) without a host sync: flagged where its
-    batch, loss or gradients are non-finite or its batch is quarantined (the rule
-    ``wire.schema.skip_count`` applies), which kinds, and its replica rank + 1 when flagged."""
-    nonfinite = (~torch.isfinite(row[R.batch_norm:R.grad_norm_value + 1])).float()
-    bad = ((nonfinite.sum() + row[R.quarantined]) > 0).float()
-    index = bad * float((replica_rank or 0) + 1)
-    return torch.cat([bad.reshape(1), nonfinite, index.reshape(1), torch.zeros_like(bad)
-                      .reshape(1)])
+    from its health row (``checks.health.Row``, fp32: the own section of the step's packed
+    vector) without a host sync: flagged where its batch, loss or gradients are non-finite or
+    its batch is quarantined (the rule ``wire.schema.skip_count`` applies), which kinds, and
+    its replica rank + 1 when flagged. A handful of operations: it is on every step's path."""
+    nonfinite = 1.0 - torch.isfinite(row[R.batch_norm:R.grad_norm_value + 1]).to(torch.float32)
+    bad = (nonfinite.sum() + row[R.quarantined]).clamp(max=1.0).reshape(1)
+    scale = constant((1.0, 1.0, 1.0, 1.0, float((replica_rank or 0) + 1), 0.0), row.device)
+    return torch.cat([bad, nonfinite, bad, bad]) * scale
 
 
 def carried(summed: torch.Tensor | None, participants: int) -> GroupTotals | None:

@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from nansentinel.checks.health import Row, assembled
+from nansentinel.checks.health import Row, constant, placement, positions
 from nansentinel.result import ACTIVATION, KINDS
 
 #: The signals a spike is judged on, in the order of the thresholds.
@@ -244,8 +244,16 @@ EXCHANGE_BYTES = T.size * 4
 
 
 def _decoded(record: Any, values: Sequence[float]) -> list[Any]:
-    """``values`` as the record's fields: counts rounded to int, flags as bool."""
-    return [_DECODE[f.type](x) for f, x in zip(dataclasses.fields(record), values, strict=True)]
+    """``values`` as the record's fields: counts rounded to int, flags as bool (each record's
+    decoders found once: this runs on every step)."""
+    decoders = _DECODERS.get(record)
+    if decoders is None:
+        decoders = _DECODERS[record] = tuple(_DECODE[f.type]
+                                             for f in dataclasses.fields(record))
+    return [decode(x) for decode, x in zip(decoders, values, strict=True)]
+
+
+_DECODERS: dict[Any, tuple[Any, ...]] = {}
 
 
 _DECODE: dict[Any, Any] = {"int": round, "float": float, "bool": bool}
@@ -266,59 +274,89 @@ def pack(
         amp: under GradScaler a non-finite gradient alone is fp16 overflow, not blame.
         dropped: 0-d fp32 on the device, 1 where this rank's gradients were replaced by zeros
             before their reduction (``policy="drop"``); None: they were not.
+
+    Built on every step, on the device, so it is written as a few operations on short vectors
+    rather than one per flag (each one is a kernel launch on a GPU and a few microseconds of
+    host dispatch anywhere); every flag is fp32 0/1, so "and" is a product and "or" a max.
+    No host-made tensor anywhere: a host-to-device copy would sync the stream (the index
+    tensors are constants made once per device).
     """
-    finite = torch.isfinite(row[R.batch_norm:R.grad_norm_value + 1])  # batch, loss, grad
-    bad = (~finite).to(torch.float32)
-    signal, has = row[R.loss_value:R.grad_norm_value + 1], row[R.has_loss:R.has_grad + 1]
-    above = signal.repeat(2) >= thresholds[:4]  # spike loss, spike grad, quiet loss, quiet grad
-    spike = (above[:2] & finite[1:]) * has
-    not_quiet = ((above[2:] | ~finite[1:]) * has).amax()
-    # The batch's own norm far above its reference: a loss or gradient spike in that step
-    # is the data's (a shard preprocessed differently), not ruined weights.
-    batch_spike = ((row[R.batch_norm] >= thresholds[4]) & finite[0]).to(torch.float32)
-    data_spike = spike.amax() * batch_spike
-    # No host-made tensor anywhere: a host-to-device copy would sync the stream.
+    device = row.device
+    one = constant((1.0,), device).reshape(())
+    finite = torch.isfinite(row[_VALUES]).to(torch.float32)
+    bad = one - finite  # batch, loss, grad
+    has = row[_HAS]
+    counted = finite[1:] * has  # a finite loss, a finite gradient norm
+    # Each signal against its thresholds: spike loss, spike grad, quiet loss, quiet grad, and
+    # the batch's own norm far above its reference (a loss or gradient spike in that step is
+    # the data's, a shard preprocessed differently, not ruined weights).
+    above = (row[positions(_AGAINST, device)] >= thresholds).to(torch.float32)
+    spike = above[:2] * counted
+    spike_any = spike.amax()
+    not_quiet = (torch.maximum(above[2:4], bad[1:]) * has).amax()
+    batch_spike = above[4] * finite[0]
     # Where a non-finite value began (checks/pipeline.py): a rank whose batch, forward output
     # or sent gradients went non-finite from finite inputs is an origin; a loss or gradient
     # that is non-finite after a non-finite value arrived from another stage was only reached.
     # Under GradScaler non-finite gradients alone are fp16 overflow, so only the forward counts.
-    fwd = torch.maximum(row[R.fwd_origin], row[R.loss_origin])
-    bwd = row[R.bwd_origin]
-    recv_act, received = row[R.recv_act], torch.maximum(row[R.recv_act], row[R.recv_grad])
-    if amp:
-        origin = torch.stack([bad[0], fwd, bad[1] * (1.0 - recv_act)]).amax()
-        nonfinite = torch.maximum(bad[:2].amax(), fwd)
-    else:
-        origin = torch.stack([bad[0], fwd, bwd, bad[1:].amax() * (1.0 - received)]).amax()
-        nonfinite = torch.stack([bad.amax(), fwd, bwd]).amax()
-    blamed = origin * (1.0 - row[R.quarantined])
-    reached = nonfinite * received * (1.0 - origin)
-    flagged = torch.stack([blamed, spike.amax(), reached]).amax()
-    kept = signal.nan_to_num(0.0, 0.0, 0.0) * has  # a non-finite value is counted, not added
-    sums = torch.stack([finite[1:] * has, kept, kept * kept], dim=1).reshape(-1)
+    flags = torch.cat([bad, row[_BOUNDARY]])
+    direct, downstream, guard, nonfinite = _ORIGIN_AMP if amp else _ORIGIN
+    received = flags[_RECEIVED].amax()
+    origin = torch.maximum(
+        flags[positions(direct, device)].amax(),
+        flags[positions(downstream, device)].amax()
+        * (one - flags[positions(guard, device)].amax()))
+    blamed = origin * (one - row[_QUARANTINED])
+    reached = flags[positions(nonfinite, device)].amax() * received * (one - origin)
+    flagged = torch.maximum(torch.maximum(blamed, spike_any), reached)
+    kept = row[_SIGNALS].nan_to_num(0.0, 0.0, 0.0) * has
     left_out = (torch.zeros_like(reached) if dropped is None
-                else dropped.to(reached.device, torch.float32)).reshape(1)
-    # What is computed, named where it is computed; its place is the schema's (assembled).
-    pieces = (
-        (("bad_batch", "bad_loss", "bad_grad"), bad),
-        (("blamed", "flagged", "flagged_rank", "spike_loss", "spike_grad", "spike_any",
-          "data_spike", "not_quiet", "injected", "quarantined"),
-         torch.stack([blamed, flagged, flagged * float(rank), spike[0], spike[1], spike.amax(),
-                      data_spike, not_quiet, row[R.injected], row[R.quarantined]])),
-        (("loss_n", "loss_sum", "loss_sq", "grad_n", "grad_sum", "grad_sq"), sums),
-        (("reached", "dropped"), torch.cat([reached.reshape(1), left_out])),
-        (("stop_term", "stop_int"), row[R.stop_term:R.stop_int + 1]),
-        (tuple(f"own.{n}" for n in R.names), row),
-        (("own.spike_loss", "own.spike_grad", "own.spike_batch", "own.not_quiet", "own.flagged",
-          "own.reached", "own.dropped"),
-         torch.cat([spike, batch_spike.reshape(1), not_quiet.reshape(1), flagged.reshape(1),
-                    reached.reshape(1), left_out])),
-    )
-    return assembled(pieces, WIRE)
+                else dropped.to(device, torch.float32)).reshape(())
+    verdicts = torch.stack([blamed, flagged, flagged * constant((float(rank),), device)[0],
+                            spike_any, spike_any * batch_spike, not_quiet, reached,
+                            batch_spike, left_out])
+    # What is computed, in _COMPUTED's order; its place on the wire is the schema's.
+    vector = torch.cat([bad, verdicts, spike, counted, kept, kept * kept, row])
+    return vector[positions(_PLACED, device)]
+
+
+# The slots of a Row that pack reads.
+_VALUES = slice(R.batch_norm, R.grad_norm_value + 1)
+_SIGNALS = slice(R.loss_value, R.grad_norm_value + 1)
+_HAS = slice(R.has_loss, R.has_grad + 1)
+_BOUNDARY = slice(R.fwd_origin, R.loss_origin + 1)
+_QUARANTINED = R.quarantined
+#: The values each threshold is compared with (pack): loss, grad, loss, grad, batch.
+_AGAINST = (R.loss_value, R.grad_norm_value, R.loss_value, R.grad_norm_value, R.batch_norm)
+# The origin rule's slots in ``flags`` (pack): bad batch, loss, grad, then the row's boundary
+# flags fwd_origin, bwd_origin, recv_act, recv_grad, loss_origin.
+_B, _L, _G, _FWD, _BWD, _RACT, _RGRAD, _LORIG = range(8)
+_RECEIVED = slice(_RACT, _RGRAD + 1)
+#: (origins in their own right, values non-finite downstream of a boundary, the boundaries that
+#: make them only reached, every non-finite value), without and under GradScaler.
+_ORIGIN = ((_B, _FWD, _LORIG, _BWD), (_L, _G), (_RACT, _RGRAD), (_B, _L, _G, _FWD, _BWD, _LORIG))
+_ORIGIN_AMP = ((_B, _FWD, _LORIG), (_L,), (_RACT,), (_B, _L, _FWD, _LORIG))
+#: What pack computes, named in the order it is concatenated (``own.`` the own section).
+_COMPUTED = (
+    "bad_batch", "bad_loss", "bad_grad",
+    "blamed", "flagged", "flagged_rank", "spike_any", "data_spike", "not_quiet", "reached",
+    "own.spike_batch", "dropped",
+    "spike_loss", "spike_grad", "loss_n", "grad_n", "loss_sum", "grad_sum", "loss_sq", "grad_sq",
+    *(f"own.{n}" for n in R.names),
+)
+#: Wire slots that repeat a computed value under another name.
+_SAME = {"injected": "own.injected", "quarantined": "own.quarantined",
+         "stop_term": "own.stop_term", "stop_int": "own.stop_int",
+         "own.spike_loss": "spike_loss", "own.spike_grad": "spike_grad",
+         "own.not_quiet": "not_quiet", "own.flagged": "flagged", "own.reached": "reached",
+         "own.dropped": "dropped"}
 
 
 #: Every slot of a vector, in wire order (the own section's names prefixed ``own.``).
 WIRE = (*T.names, *(f"own.{n}" for n in O.names))
+#: Where each wire slot's value lies among what pack computes (one gather), checked once here:
+#: a slot not computed, or a value computed but placed nowhere, fails the import, naming it.
+_PLACED = placement(_COMPUTED, WIRE, _SAME)
 
 
 def skip_count(totals: Any) -> Any:

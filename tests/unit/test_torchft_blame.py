@@ -108,12 +108,16 @@ def test_the_row_rides_in_the_last_fsdp_all_reduce_hook_call() -> None:
 
     groups = [SimpleNamespace(_all_reduce_hook=average_over_two) for _ in range(2)]
     rider = AllReduceHookRider(groups)
+    launched: list[bool] = []
+    rider.sink = SimpleNamespace(inferring=False, spent=lambda _: None,
+                                 launch_exchange=lambda: launched.append(True))
     rider.rider = SimpleNamespace(row=lambda: torch.tensor([1.0, 0.0, 0.0, 1.0, 2.0, 0.0]),
                                   carried=None)
     first, last = torch.full((2, 2), 4.0), torch.full((3,), 8.0)
     groups[0]._all_reduce_hook(first)
     groups[1]._all_reduce_hook(last)
     assert seen == [4, 3 + 6]
+    assert launched == [True]  # the step's exchange left with the last call, once
     assert first.tolist() == [[2.0, 2.0], [2.0, 2.0]] and last.tolist() == [4.0, 4.0, 4.0]
     assert rider.rider.carried.tolist() == [0.5, 0.0, 0.0, 0.5, 1.0, 0.0]
     totals = carried(rider.rider.carried, 2)
