@@ -41,10 +41,10 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 # the untrusted-file reader, the CLI's torch-free commands, the import graph), and two that
 # start a Python of their own to test our signal handling and our imports, not torch's (a
 # lane's 20 s): the same on every release, run once.
-# NANSENTINEL_LANE_UNIT=0: the distributed tests only (CI's middle release: the unit tests'
+# LANE_UNIT_TESTS=0: the distributed tests only (CI's middle release: the unit tests'
 # plain tensor API is held at both ends of the range, the seams on every lane).
 unit=(tests/unit)
-[ "${NANSENTINEL_LANE_UNIT:-1}" = 0 ] && unit=()
+[ "${LANE_UNIT_TESTS:-1}" = 0 ] && unit=()
 "$venv/bin/python" -m pytest -p no:cacheprovider "${unit[@]}" \
     tests/distributed/test_ddp_average.py tests/distributed/test_fsdp.py \
     tests/distributed/test_fsdp1.py \
