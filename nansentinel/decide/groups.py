@@ -16,10 +16,8 @@ class Decided:
     began: int
     """torchft's step when it began."""
     committed: bool
-    """``should_commit()`` was True on this group."""
-    stepped: bool
-    """The step is applied: committed, and the optimizer stepped by ``step()``, or by the
-    caller right after it (``step(optimizer_step=False)``)."""
+    """``should_commit()`` was True on this group: the step is applied (the optimizer stepped
+    by ``step()``, or by the caller right after it under ``step(optimizer_step=False)``)."""
     regrouped: bool
     """The manager errored in the step."""
     kept: int | None = None
@@ -56,7 +54,7 @@ def group_result(local: StepResult, names: list[dict[str, Any]], decided: Decide
         fields.update(applied=False, outcome=local.outcome if not local.applied
                       else Outcome.SKIPPED)
     else:
-        fields.update(applied=decided.stepped,
+        fields.update(applied=True,
                       outcome=Outcome.DROPPED if kept else Outcome.APPLIED)
     leaving = {p.host for p in poisoned if p.leaving and p.host}
     fields.update(bad_hosts=sorted({p.host for p in poisoned if p.host}

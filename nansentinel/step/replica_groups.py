@@ -238,7 +238,7 @@ class ReplicaGroups:
         self._grads = []
         # Applied where committed: stepped here, or by the caller (optimizer_step=False).
         result: FTStepResult = group_result(local, names or [], Decided(
-            began, committed, committed, regrouped, kept))
+            began, committed, regrouped, kept))
         self._say(result)
         if strikes >= config.host_strikes:  # only the culprit host's ranks leave with it
             recorded = isinstance(stopping, HostExcludedError) and (

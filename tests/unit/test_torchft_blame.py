@@ -65,7 +65,7 @@ def test_the_names_become_one_poisoned_entry_per_culprit() -> None:
               "culprits": [[1, "node1r1"]]},
              {"group": "g2", "step": 3, "kinds": [], "culprits": []}]
     result = group_result(_local(applied=True, outcome=Outcome.APPLIED, bad_ranks=[],
-                                 bad_hosts=[]), names, Decided(3, False, False, False))
+                                 bad_hosts=[]), names, Decided(3, False, False))
     assert [(p.group, p.rank, p.host, p.leaving) for p in result.poisoned] == [
         ("g1", 1, "node1r1", True), ("g2", -1, "", False)]
     assert result.bad_hosts == ["node1r1"] and result.excluded_hosts == ["node1r1"]
