@@ -280,21 +280,17 @@ class AllReduceHookRider:
                 if self.calls == 1:
                     sink.before_reduction(output)
                 sink.add_grad_norm(checks.tensor_norm(output))
-            if self.calls < len(self.groups):
-                sink.spent(time.perf_counter() - started)
-                hook(output)
-                return
-            self.calls = 0
-            sink.launch_exchange()
-            if self.rider is None:
-                sink.spent(time.perf_counter() - started)
-                hook(output)
-                return
-            sent = torch.cat([output.reshape(-1), self.rider.row().to(output)])
+            sent = output
+            if self.calls == len(self.groups):  # the step's last call
+                self.calls = 0
+                sink.launch_exchange()
+                if self.rider is not None:
+                    sent = torch.cat([output.reshape(-1), self.rider.row().to(output)])
             sink.spent(time.perf_counter() - started)
             hook(sent)
-            output.copy_(sent[:output.numel()].view_as(output))
-            self.rider.carried = sent[output.numel():]
+            if sent is not output:
+                output.copy_(sent[:output.numel()].view_as(output))
+                self.rider.carried = sent[output.numel():]
         return ride
 
     def reset(self) -> None:
