@@ -18,6 +18,8 @@ import contextlib
 import multiprocessing
 import os
 import pickle
+import subprocess
+import sys
 import time
 import traceback
 from collections.abc import Callable
@@ -136,3 +138,24 @@ def values(results: list[dict[str, Any]]) -> list[Any]:
         if not r["ok"]:
             raise AssertionError(f"rank {rank} raised:\n{r['traceback']}")
     return [r["value"] for r in results]
+
+
+def start_by_hand(script: Path, args: list[str], world: int, run_dir: Path,
+                  **env: str) -> list[subprocess.Popen[str]]:
+    """``world`` ranks of ``script`` started as a user starts them without a launcher
+    (env://, one process each, a free port), host ``host{rank}`` each, the exporter off, this
+    checkout on the path; ``env``: more environment for every rank. Output: stdout and stderr
+    together, as text."""
+    repo = Path(__file__).resolve().parents[2]
+    port = free_port()
+    procs = []
+    for rank in range(world):
+        environ = {**os.environ, "PYTHONPATH": str(repo), "MASTER_ADDR": "127.0.0.1",
+                   "MASTER_PORT": str(port), "RANK": str(rank), "WORLD_SIZE": str(world),
+                   "LOCAL_RANK": str(rank), "NANSENTINEL_RUN_DIR": str(run_dir),
+                   "NANSENTINEL_HOSTNAME": f"host{rank}", "NANSENTINEL_METRICS_PORT": "0",
+                   "OMP_NUM_THREADS": "1", **env}
+        procs.append(subprocess.Popen([sys.executable, str(script), *args], env=environ,
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                      text=True))
+    return procs

@@ -7,10 +7,7 @@ verdict naming rank 1, within the naming bound (before: exit 1, no verdict, ~33 
 from __future__ import annotations
 
 import json
-import os
 import socket
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -18,7 +15,7 @@ import pytest
 
 from nansentinel.common.exitcodes import EXIT_EXCHANGE_TIMEOUT
 from nansentinel.wire.exchange import diagnosis_grace
-from tests.distributed.harness import free_port
+from tests.distributed.harness import start_by_hand
 
 REPO = Path(__file__).resolve().parents[2]
 WORKER = REPO / "tests" / "e2e" / "workers" / "fault_worker.py"
@@ -29,17 +26,8 @@ TIMEOUT = 4.0
 def test_an_uncaught_fsdp_collective_failure_exits_5_with_a_verdict(tmp_path: Path) -> None:
     run_dir, out = tmp_path / "run", tmp_path / "out"
     out.mkdir()
-    port = free_port()
-    procs = []
-    for rank in range(2):
-        env = {**os.environ, "PYTHONPATH": str(REPO), "MASTER_ADDR": "127.0.0.1",
-               "MASTER_PORT": str(port), "RANK": str(rank), "WORLD_SIZE": "2",
-               "LOCAL_RANK": str(rank), "NANSENTINEL_RUN_DIR": str(run_dir),
-               "NANSENTINEL_HOSTNAME": f"host{rank}", "NANSENTINEL_METRICS_PORT": "0",
-               "NANSENTINEL_EXCHANGE_TIMEOUT": str(TIMEOUT), "OMP_NUM_THREADS": "1"}
-        procs.append(subprocess.Popen(
-            [sys.executable, str(WORKER), str(out), "--steps=30", "--rank=1", "--die-at=5",
-             "--fsdp"], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    procs = start_by_hand(WORKER, [str(out), "--steps=30", "--rank=1", "--die-at=5", "--fsdp"],
+                          2, run_dir, NANSENTINEL_EXCHANGE_TIMEOUT=str(TIMEOUT))
     marker = out / f"at-{socket.gethostname()}-5"  # both ranks touch it; rank 1 dies in it
     began = None
     try:

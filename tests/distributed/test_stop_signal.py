@@ -8,17 +8,14 @@ the same step, every rank saves a whole checkpoint of that step, and every proce
 from __future__ import annotations
 
 import json
-import os
 import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from nansentinel.common.exitcodes import EXIT_SIGTERM
-from tests.distributed.harness import free_port
+from tests.distributed.harness import start_by_hand
 
 REPO = Path(__file__).resolve().parents[2]
 WORKER = REPO / "tests" / "e2e" / "workers" / "fault_worker.py"
@@ -29,18 +26,8 @@ WORLD, TERM_AT = 3, 4
 def test_one_rank_sigtermed_stops_every_rank_after_the_same_step(tmp_path: Path) -> None:
     run_dir, out = tmp_path / "run", tmp_path / "out"
     out.mkdir()
-    port = free_port()
-    procs = []
-    for rank in range(WORLD):
-        env = {**os.environ, "PYTHONPATH": str(REPO), "MASTER_ADDR": "127.0.0.1",
-               "MASTER_PORT": str(port), "RANK": str(rank), "WORLD_SIZE": str(WORLD),
-               "LOCAL_RANK": str(rank), "NANSENTINEL_RUN_DIR": str(run_dir),
-               "NANSENTINEL_HOSTNAME": f"host{rank}", "NANSENTINEL_METRICS_PORT": "0",
-               "OMP_NUM_THREADS": "1"}
-        procs.append(subprocess.Popen(
-            [sys.executable, str(WORKER), str(out), "--steps=200", "--rank=1",
-             f"--term-at={TERM_AT}", "--step-sleep=0.02"],
-            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    procs = start_by_hand(WORKER, [str(out), "--steps=200", "--rank=1", f"--term-at={TERM_AT}",
+                                   "--step-sleep=0.02"], WORLD, run_dir)
     try:
         codes = [p.wait(timeout=100) for p in procs]
         outputs = [p.communicate()[0] for p in procs]
