@@ -209,6 +209,18 @@ def fsdp_reduce_scatter(param_group: Any) -> Any:
     return param_group._reduce_scatter_comm
 
 
+def fsdp_all_reduce_hook(param_group: Any) -> Callable[[torch.Tensor], None] | None:
+    """The all-reduce hook ``FSDPModule.set_all_reduce_hook`` gave an FSDP parameter group (its
+    ``_all_reduce_hook``); None where none was set."""
+    return getattr(param_group, "_all_reduce_hook", None)
+
+
+def set_fsdp_all_reduce_hook(param_group: Any, hook: Callable[[torch.Tensor], None]) -> None:
+    """Put ``hook`` in place of an FSDP parameter group's all-reduce hook (after
+    ``set_all_reduce_hook``, which sets it on every group of a module)."""
+    param_group._all_reduce_hook = hook
+
+
 def fsdp_all_reduce_group(param_group: Any) -> Any:
     """HSDP's replicate process group of an FSDP parameter group (``DDPMeshInfo`` only)."""
     return param_group._all_reduce_process_group

@@ -33,6 +33,7 @@ from torchft.ddp import DistributedDataParallel as _TorchFTDDP
 from torchft.optim import OptimizerWrapper
 
 from nansentinel import checks
+from nansentinel.common import torch_insides as insides
 from nansentinel.engines.base import Capabilities, GradientSink, KeptNorms
 from nansentinel.engines.local import BucketNorms, check_local_grads
 from nansentinel.result import SentinelUsageError
@@ -240,8 +241,10 @@ class AllReduceHookRider:
         #: As :attr:`TorchFTPath.rider`: the scope whose row rides along, once bound.
         self.rider: Any = None
         for group in groups:
+            hook = insides.fsdp_all_reduce_hook(group)
+            assert hook is not None, "the rider takes the groups that have a hook (of)"
             alone = getattr(getattr(group, "mesh_info", None), "shard_mesh_size", 2) == 1
-            group._all_reduce_hook = self._wrapped(group._all_reduce_hook, alone)
+            insides.set_fsdp_all_reduce_hook(group, self._wrapped(hook, alone))
 
     @classmethod
     def of(cls, model: torch.nn.Module) -> AllReduceHookRider | None:
@@ -251,13 +254,11 @@ class AllReduceHookRider:
         across the groups, and the groups' weights would part."""
         from torch.distributed.fsdp import FSDPModule
 
-        from nansentinel.common.torch_insides import fsdp_param_groups
-
         # Several modules sharded in one call (torchtitan's ``fully_shard([norm, lm_head])``)
         # share one group: wrapped and counted once.
         found = [(name, g) for name, m in model.named_modules() if isinstance(m, FSDPModule)
-                 for g in fsdp_param_groups(m)]
-        hooked = {id(g): g for _, g in found if getattr(g, "_all_reduce_hook", None) is not None}
+                 for g in insides.fsdp_param_groups(m)]
+        hooked = {id(g): g for _, g in found if insides.fsdp_all_reduce_hook(g) is not None}
         bare = sorted({name or "the root" for name, g in found if id(g) not in hooked})
         if hooked and bare:
             raise SentinelUsageError(
