@@ -15,6 +15,7 @@ quorum) instead of raising; a group that heals contributes zeros.
 from __future__ import annotations
 
 import json
+import math
 from typing import Any
 
 import torch
@@ -43,11 +44,25 @@ def health_row(bad: bool, kinds: list[str], replica_rank: int | None,
 
 
 def device_row(row: torch.Tensor, replica_rank: int | None) -> torch.Tensor:
-    """This rank's row for the gradients' own all-reduce (:func:`carried`), built on the device
-    from its health row (``checks.health.Row``, fp32: the own section of the step's packed
-    vector) without a host sync: flagged where its batch, loss or gradients are non-finite or
-    its batch is quarantined (the rule ``wire.schema.skip_count`` applies), which kinds, and
-    its replica rank + 1 when flagged. A handful of operations: it is on every step's path."""
+    """This rank's row for the gradients' own all-reduce (:func:`carried`), from its health
+    row (``checks.health.Row``, fp32: the own section of the step's packed vector) where the
+    row lies, without a host sync: flagged where its batch, loss or gradients are non-finite
+    or its batch is quarantined (the rule ``wire.schema.skip_count`` applies), which kinds,
+    and its replica rank + 1 when flagged. On the CPU, where reading the row syncs nothing,
+    :func:`health_row` of its values (one read, one tensor made); elsewhere
+    :func:`row_on_device` (tests/unit/test_torchft_blame.py holds the two equal)."""
+    if row.device.type != "cpu":
+        return row_on_device(row, replica_rank)
+    values = row.tolist()
+    kinds = [kind for kind, v in zip(KINDS, values[R.batch_norm:R.grad_norm_value + 1],
+                                     strict=True) if not math.isfinite(v)]
+    bad = bool(kinds) or values[R.quarantined] > 0
+    return torch.tensor(health_row(bad, kinds, replica_rank), dtype=torch.float32)
+
+
+def row_on_device(row: torch.Tensor, replica_rank: int | None) -> torch.Tensor:
+    """:func:`device_row` on an accelerator: a handful of operations, no host-made tensor (it
+    is on every step's path)."""
     nonfinite = 1.0 - torch.isfinite(row[R.batch_norm:R.grad_norm_value + 1]).to(torch.float32)
     bad = (nonfinite.sum() + row[R.quarantined]).clamp(max=1.0).reshape(1)
     scale = constant((1.0, 1.0, 1.0, 1.0, float((replica_rank or 0) + 1), 0.0), row.device)

@@ -6,11 +6,13 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import math
+import random
 
 import pytest
 import torch
 
 from nansentinel.checks.health import BOUNDARY, ROW, LocalHealth, Row, assembled
+from nansentinel.wire import schema
 from nansentinel.wire.exchange import HealthExchange
 from nansentinel.wire.schema import EXCHANGE_BYTES, SIZE, O, OwnRow, R, T, Totals, pack
 
@@ -306,6 +308,29 @@ def test_every_field_is_packed_where_the_schema_puts_it_and_decodes_back() -> No
                                       NO_REF, 0, amp=False).tolist())
         for name in R.names:
             assert float(getattr(own, name)) == given.get(name, 0.0), (flag, name)
+
+
+def test_the_host_rule_and_the_device_rule_pack_the_same_vector() -> None:
+    """The CPU packs on host floats, an accelerator with tensor operations: bit for bit the
+    same vector (NaN where NaN) for rows of every kind of value and flag, thresholds below,
+    at and above the values, with and without GradScaler and a dropped flag. Seeded and
+    printed: a failure names its seed and its row."""
+    seed = random.randrange(2**32)
+    print(f"pack equivalence seed {seed}")
+    rng = random.Random(seed)
+    values = (0.0, 1.5, -2.0, 7.0, 1e30, 3.0e38, math.inf, -math.inf, math.nan)
+    thresholds = (0.5, 1.5, 7.0, 1e30, math.inf)
+    for _ in range(3000):
+        flags = [float(rng.random() < 0.3) for _ in range(R.size - 3)]
+        given = torch.tensor([rng.choice(values) for _ in range(3)] + flags)
+        refs = torch.tensor([rng.choice(thresholds) for _ in range(5)])
+        rank, amp = rng.randrange(100_000), rng.random() < 0.5
+        dropped = rng.choice((None, torch.tensor(False), torch.tensor(True)))
+        host = pack(given, refs, rank, amp=amp, dropped=dropped)
+        device = schema.pack_on_device(given, refs, rank, amp=amp, dropped=dropped)
+        assert host.dtype == device.dtype == torch.float32
+        assert torch.equal(host.isnan(), device.isnan()), (seed, given, refs, rank, amp)
+        assert torch.equal(host.nan_to_num(), device.nan_to_num()), (seed, given, refs, rank, amp)
 
 
 def test_a_field_the_packing_does_not_compute_is_an_error_naming_it() -> None:

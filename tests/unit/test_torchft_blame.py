@@ -4,6 +4,7 @@ result, and the row that travels with the gradients (wire/replica_groups.py)."""
 
 from __future__ import annotations
 
+import itertools
 import math
 from types import SimpleNamespace
 from typing import Any
@@ -13,7 +14,7 @@ import torch
 from nansentinel.decide.groups import Decided, group_result
 from nansentinel.result import Outcome, StepResult
 from nansentinel.step.replica_groups import ReplicaGroups
-from nansentinel.wire.replica_groups import carried, device_row
+from nansentinel.wire.replica_groups import carried, device_row, row_on_device
 from nansentinel.wire.schema import R
 
 
@@ -89,6 +90,18 @@ def test_the_ride_along_row_flags_a_non_finite_or_quarantined_rank() -> None:
     totals = carried(averaged, 3)
     assert totals is not None and totals.bad == 1 and totals.loss == 1 and totals.single == 2
     assert carried(None, 3) is None
+
+
+def test_the_ride_along_row_is_the_same_from_host_floats_and_on_the_device() -> None:
+    """The CPU builds the row from the health row's floats, an accelerator with tensor
+    operations: the same row for every kind of value, quarantine and replica rank."""
+    specials = (0.0, 2.0, 3.0e38, math.inf, -math.inf, math.nan)
+    for batch, loss, grad in itertools.product(specials, repeat=3):
+        for quarantined, rank in itertools.product((0.0, 1.0), (None, 0, 7)):
+            row = torch.zeros(R.size)
+            row[R.batch_norm], row[R.loss_value], row[R.grad_norm_value] = batch, loss, grad
+            row[R.quarantined] = quarantined
+            assert torch.equal(device_row(row, rank), row_on_device(row, rank)), (row, rank)
 
 
 def test_the_row_rides_in_the_last_fsdp_all_reduce_hook_call() -> None:
