@@ -79,6 +79,7 @@ def Sentinel(model: torch.nn.Module, optimizer: Any, *, manager: Any = None,
                            by_hand=not isinstance(model, DistributedDataParallel),
                            carrier=None if isinstance(model, DistributedDataParallel)
                            else _ft.AllReduceHookRider.of(model))
+    groups.peers = kwargs.get("group")  # the group's ranks' exchange, if not the default
     scopes = (*kwargs.pop("scopes", ()), groups)
     return _Sentinel(model, _ft.stepped(optimizer), scopes=scopes, **kwargs)
 

@@ -41,10 +41,12 @@ from nansentinel.result import (
     Outcome,
     StepResult,
 )
+from nansentinel.step.usage import chained
 from nansentinel.wire.replica_groups import (
     agree,
     carried,
     device_row,
+    excluded_in_group,
     gather_names,
     health_row,
     shared_in_group,
@@ -68,11 +70,18 @@ class ReplicaGroups:
         rollback: why rollbacks are refused on torchft (the policy and spike actions).
         by_hand: the gradients are reduced by the user's own ``Manager.allreduce``, where
             ``policy="drop"`` cannot put zeros in place of a group's contribution.
+        carrier: what carries the health row where the gradient path does not (torchft's
+            FSDP2 all-reduce hooks); it wraps them at :meth:`bind` and gives them back at
+            the end (its ``install`` and ``release``).
     """
 
     def __init__(self, manager: Any, *, group: str, group_rank: int, rollback: str,
                  by_hand: bool, carrier: Any = None) -> None:
         self.manager, self.group, self.group_rank = manager, group, group_rank
+        #: The replica group's own process group, its ranks' exchange (None: the default
+        #: group when one is initialised; set where the Sentinel is given ``group=``): where
+        #: its ranks learn at construction whether one of them is on an excluded host.
+        self.peers: Any = None
         #: What carries the health row with the gradients where the gradient path does not
         #: (torchft's FSDP2 all-reduce hooks: engines/torchft.AllReduceHookRider).
         self.carrier = carrier
@@ -143,6 +152,10 @@ class ReplicaGroups:
         """Keeps the parts; under ``policy="drop"`` the gradient path withholds a poisoned
         group's buckets; reports are named by torchft's step."""
         self._parts = parts
+        if self.carrier is not None:  # built: the user's hooks are wrapped from here on,
+            # and given back when the sentinel closes (or fails to finish its construction)
+            parts.end.release = chained(parts.end.release, self.carrier.release)
+            self.carrier.install()
         if self.drop:
             current = parts.current
             parts.gradients.drop_flag = lambda: current.local.poisoned()  # type: ignore[attr-defined]
@@ -273,19 +286,35 @@ class ReplicaGroups:
         return self._parts
 
     def _refuse_excluded(self, config: SentinelConfig, host: str) -> None:
-        """A host struck out stays out: this process leaves before its first quorum."""
+        """A host struck out stays out: a replica group with a rank on it leaves before its
+        first quorum, every rank of it (one small all-gather inside the group, on every rank
+        alike, the excluded one's included: its peers would otherwise be let in and wait for
+        it until their launcher ends them)."""
         path = config.exclusion_file
-        if not path or not ExclusionStore(path).is_excluded(host):
+        mine = [host, path] if path and ExclusionStore(path).is_excluded(host) else None
+        found = excluded_in_group(self.peers, mine)
+        alone = len(found) == 1
+        on = {(self.group_rank if alone else rank): (e[0], e[1])
+              for rank, e in enumerate(found) if e}
+        if not on:
             return
         self.manager.shutdown(wait=False)
-        message = (f"nansentinel: host {host} is excluded ({path}): replica group "
-                   f"{self.group} does not join the torchft quorum. Clear it with "
-                   f"`nansentinel excluded --exclusion-file {path} --clear {host}` once the "
-                   "host is repaired.")
+        hosts = sorted({h for h, _ in on.values()})
+        files = sorted({f for _, f in on.values()})
+        where = ", ".join(f"rank {rank} on {h}" for rank, (h, _) in sorted(on.items()))
+        which = (f"host {hosts[0]} is excluded" if len(hosts) == 1 else
+                 f"hosts {', '.join(hosts)} are excluded")
+        clear = " ".join(f"--clear {h}" for h in hosts)
+        message = (f"nansentinel: {which} ({', '.join(files)}): replica group {self.group} "
+                   f"does not join the torchft quorum ({where}"
+                   + ("" if mine else f"; this rank, {self.group_rank} on {host}, leaves "
+                      "with its group") +
+                   f"). Clear it with `nansentinel excluded --exclusion-file {files[0]} "
+                   f"{clear}` once repaired, then start the group again.")
         raise HostExcludedError(message, StepResult(
-            step=0, applied=False, outcome=Outcome.EXCLUDED, bad_ranks=[],
-            bad_hosts=[host], kinds=[], local_kinds=[], local_loss=None, local_grad_norm=None,
-            consecutive_skips=0, excluded_hosts=[host], reason=message))
+            step=0, applied=False, outcome=Outcome.EXCLUDED, bad_ranks=sorted(on),
+            bad_hosts=hosts, kinds=[], local_kinds=[], local_loss=None, local_grad_norm=None,
+            consecutive_skips=0, excluded_hosts=hosts, reason=message))
 
     def _kept(self, health: GroupTotals | None, config: SentinelConfig) -> int | None:
         """Under ``policy="drop"``: the groups whose gradients the step keeps, when every group
