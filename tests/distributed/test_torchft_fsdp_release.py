@@ -12,12 +12,14 @@ DDP. In order, on g0:
 3. ``node0r1`` is in the exclusion file: both ranks of g0 refuse (the healthy rank too),
    naming the host and the file, the hooks untouched; then g1, which shares the file, trains
    on without a word;
-4. g0 started again on healthy hosts: a torchft sentinel closed gives back the user's hooks
-   (the same objects) and FSDP's reduce-scatters, and a second one vetoes a NaN step.
+4. g0 started again on healthy hosts: a construction refused after it wrapped the hooks (the
+   exporter's port is taken) gives them back; a torchft sentinel closed gives back the user's
+   hooks (the same objects) and FSDP's reduce-scatters, and a second one vetoes a NaN step.
 """
 
 from __future__ import annotations
 
+import socket
 from datetime import timedelta
 from typing import Any
 
@@ -110,6 +112,7 @@ def _g0(grank: int, address: str, ports: list[int], exclusion: str, tmp: str,
     import nansentinel
     import nansentinel.torchft as nft
     from nansentinel.config import ConfigError
+    from nansentinel.effects.metrics import MetricsPortError
     from nansentinel.result import HostExcludedError
 
     out: dict[str, Any] = {}
@@ -141,10 +144,13 @@ def _g0(grank: int, address: str, ports: list[int], exclusion: str, tmp: str,
         out["drop"] = str(exc)
     out["drop_untouched"] = _same(hooked, _group_state(module))
     try:
-        nft.Sentinel(module, opt, manager=manager, hostname=f"node0r{grank}",
-                     exclusion_file=exclusion, **common)
+        let_in = nft.Sentinel(module, opt, manager=manager, hostname=f"node0r{grank}",
+                              exclusion_file=exclusion, **common)
     except HostExcludedError as exc:
         out["excluded"] = (str(exc), exc.result.excluded_hosts, exc.result.bad_ranks)
+    else:  # wrongly let in: left without a collective, so that the run goes on to say so
+        let_in.abandon()
+        manager.shutdown(wait=False)
     out["excluded_untouched"] = _same(hooked, _group_state(module))
     store.set(f"g0-refused-{grank}", "1")
     store.wait(["g1-done"], timedelta(seconds=60))
@@ -153,6 +159,18 @@ def _g0(grank: int, address: str, ports: list[int], exclusion: str, tmp: str,
     _hook(module, manager)
     hooked = _group_state(module)
     host = f"node0r{grank}" if grank == 0 else "node0r9"
+    # Refused after the hooks were wrapped (the exporter's port is taken): given back.
+    busy = socket.socket()
+    busy.bind(("", 0))
+    busy.listen()
+    try:
+        nft.Sentinel(module, opt, manager=manager, hostname=host, report_dir=f"{tmp}/reports",
+                     metrics_port=busy.getsockname()[1] - grank)  # + LOCAL_RANK
+    except MetricsPortError as exc:
+        out["busy"] = str(exc)
+    finally:
+        busy.close()
+    out["busy_untouched"] = _same(hooked, _group_state(module))
     guard = nft.Sentinel(module, opt, manager=manager, hostname=host,
                          exclusion_file=exclusion, **common)
     out["ft_wrapped"] = not any(a is b for a, b in zip(hooked[0], _group_state(module)[0],
@@ -258,6 +276,9 @@ def test_a_refused_torchft_sentinel_leaves_the_all_reduce_hooks_as_they_were(
     for out in ranks[:2]:
         assert "policy='drop' is refused on torchft under FSDP2" in out.get("drop", ""), out
         assert out["drop_untouched"] and out["excluded_untouched"], out
+        # Refused once the hooks were wrapped (the exporter's port taken): unwrapped again.
+        assert "in use" in out.get("busy", ""), out
+        assert out["busy_untouched"], out
 
 
 def test_every_rank_of_a_group_with_a_rank_on_an_excluded_host_refuses(
