@@ -39,6 +39,7 @@ from nansentinel.result import (
     HostExcludedError,
     NonFiniteError,
     Outcome,
+    SentinelUsageError,
     StepResult,
 )
 from nansentinel.step.usage import chained
@@ -82,6 +83,7 @@ class ReplicaGroups:
         #: group when one is initialised; set where the Sentinel is given ``group=``): where
         #: its ranks learn at construction whether one of them is on an excluded host.
         self.peers: Any = None
+        self._gathered = False  # this construction's gather inside the group was made
         #: What carries the health row with the gradients where the gradient path does not
         #: (torchft's FSDP2 all-reduce hooks: engines/torchft.AllReduceHookRider).
         self.carrier = carrier
@@ -285,23 +287,51 @@ class ReplicaGroups:
         assert self._parts is not None, "ReplicaGroups used before the Sentinel bound it"
         return self._parts
 
+    def refused(self, error: Exception, hostname: str | None,
+                environ: Mapping[str, str]) -> None:
+        """This rank's construction failed before it reached the group's gather (a setting
+        refused here, its file unreadable on this host, ...): it joins the gather all the same,
+        saying so, so that its peers refuse with the reason instead of waiting in the gather,
+        or pairing it with a later construction's. No collective once it was reached."""
+        if self._gathered:
+            return
+        host = resolve_hostname(hostname or environ.get("NANSENTINEL_HOSTNAME"), environ)
+        self._gather({"host": host, "error": f"{type(error).__name__}: {error}"[:500]})
+
+    def _gather(self, mine: dict[str, Any] | None) -> list[dict[str, Any] | None]:
+        self._gathered = True
+        return excluded_in_group(self.peers, mine)
+
     def _refuse_excluded(self, config: SentinelConfig, host: str) -> None:
         """A host struck out stays out: a replica group with a rank on it leaves before its
         first quorum, every rank of it (one small all-gather inside the group, on every rank
         alike, the excluded one's included: its peers would otherwise be let in and wait for
-        it until their launcher ends them)."""
+        it until their launcher ends them). A peer whose construction failed first is named
+        on every rank (:meth:`refused`)."""
         path = config.exclusion_file
-        mine = [host, path] if path and ExclusionStore(path).is_excluded(host) else None
-        found = excluded_in_group(self.peers, mine)
+        mine: dict[str, Any] | None = None
+        if path:
+            try:
+                if ExclusionStore(path).is_excluded(host):
+                    mine = {"host": host, "file": path}
+            except OSError as exc:  # said on every rank of the group, after the gather
+                mine = {"host": host, "error": f"exclusion_file {path}: {exc}"[:500]}
+        found = self._gather(mine)
         alone = len(found) == 1
-        on = {(self.group_rank if alone else rank): (e[0], e[1])
-              for rank, e in enumerate(found) if e}
+        on = {(self.group_rank if alone else rank): e for rank, e in enumerate(found) if e}
+        failed = [f"rank {rank} on {e['host']}: {e['error']}" for rank, e in sorted(on.items())
+                  if "error" in e]
+        if failed:
+            raise SentinelUsageError(
+                f"nansentinel: replica group {self.group} does not join the torchft quorum: "
+                f"its construction failed on {'; '.join(failed)}. Fix that and start the "
+                "group again; nothing was started.")
         if not on:
             return
         self.manager.shutdown(wait=False)
-        hosts = sorted({h for h, _ in on.values()})
-        files = sorted({f for _, f in on.values()})
-        where = ", ".join(f"rank {rank} on {h}" for rank, (h, _) in sorted(on.items()))
+        hosts = sorted({e["host"] for e in on.values()})
+        files = sorted({e["file"] for e in on.values()})
+        where = ", ".join(f"rank {rank} on {e['host']}" for rank, e in sorted(on.items()))
         which = (f"host {hosts[0]} is excluded" if len(hosts) == 1 else
                  f"hosts {', '.join(hosts)} are excluded")
         clear = " ".join(f"--clear {h}" for h in hosts)

@@ -113,7 +113,7 @@ def _g0(grank: int, address: str, ports: list[int], exclusion: str, tmp: str,
     import nansentinel.torchft as nft
     from nansentinel.config import ConfigError
     from nansentinel.effects.metrics import MetricsPortError
-    from nansentinel.result import HostExcludedError
+    from nansentinel.result import HostExcludedError, SentinelUsageError
 
     out: dict[str, Any] = {}
     common = {"metrics_port": 0, "report_dir": f"{tmp}/reports"}
@@ -143,6 +143,12 @@ def _g0(grank: int, address: str, ports: list[int], exclusion: str, tmp: str,
     except ConfigError as exc:
         out["drop"] = str(exc)
     out["drop_untouched"] = _same(hooked, _group_state(module))
+    try:  # rank 1 names a directory: refused there before the group's gather, and so on
+        # rank 0 too, naming it (not left waiting, or paired with the next construction's)
+        nft.Sentinel(module, opt, manager=manager, hostname=f"node0r{grank}",
+                     exclusion_file=tmp if grank == 1 else exclusion, **common)
+    except (ConfigError, SentinelUsageError) as exc:
+        out["unread"] = f"{type(exc).__name__}: {exc}"
     try:
         let_in = nft.Sentinel(module, opt, manager=manager, hostname=f"node0r{grank}",
                               exclusion_file=exclusion, **common)
@@ -294,3 +300,16 @@ def test_every_rank_of_a_group_with_a_rank_on_an_excluded_host_refuses(
         assert f"--clear {EXCLUDED}" in message, message
         assert ("this rank, 0 on node0r0, leaves with its group" in message) == (grank == 0)
     assert ranks[2] == {"committed": [True, True]}, ranks[2]
+
+
+def test_a_construction_refused_on_one_rank_only_refuses_the_group_on_every_rank(
+        ranks: list[dict[str, Any]]) -> None:
+    """Rank 1's exclusion_file is a directory (refused by its config, before the group's
+    gather): rank 1 raises that ConfigError, rank 0 a SentinelUsageError naming rank 1 and
+    the reason; both went on to the next construction in step (the exclusion above)."""
+    refused, told = ranks[1].get("unread", ""), ranks[0].get("unread", "")
+    assert refused.startswith("ConfigError: exclusion_file="), ranks[1]
+    assert told.startswith("SentinelUsageError: nansentinel: replica group g0 does not join "
+                           "the torchft quorum: its construction failed on rank 1 on node0r1: "
+                           "ConfigError: exclusion_file="), ranks[0]
+    assert "is not a regular file" in told, told
