@@ -151,8 +151,9 @@ class ReplicaGroups:
         return dataclasses.replace(config, **changes) if changes else config
 
     def bind(self, parts: Parts) -> None:
-        """Keeps the parts; under ``policy="drop"`` the gradient path withholds a poisoned
-        group's buckets; reports are named by torchft's step."""
+        """Keeps the parts; wraps the FSDP2 all-reduce hooks that carry the row (given back
+        at the end); under ``policy="drop"`` the gradient path withholds a poisoned group's
+        buckets; reports are named by torchft's step."""
         self._parts = parts
         if self.carrier is not None:  # built: the user's hooks are wrapped from here on,
             # and given back when the sentinel closes (or fails to finish its construction)
@@ -325,7 +326,7 @@ class ReplicaGroups:
             raise SentinelUsageError(
                 f"nansentinel: replica group {self.group} does not join the torchft quorum: "
                 f"its construction failed on {'; '.join(failed)}. Fix that and start the "
-                "group again; nothing was started.")
+                "group again; the sentinel started nothing.")
         if not on:
             return
         self.manager.shutdown(wait=False)
