@@ -12,6 +12,7 @@ leave it (engines/torchft.py's hook). Its results are :class:`FTStepResult` (res
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
@@ -79,8 +80,14 @@ def Sentinel(model: torch.nn.Module, optimizer: Any, *, manager: Any = None,
                            by_hand=not isinstance(model, DistributedDataParallel),
                            carrier=None if isinstance(model, DistributedDataParallel)
                            else _ft.AllReduceHookRider.of(model))
+    groups.peers = kwargs.get("group")  # the group's ranks' exchange, if not the default
     scopes = (*kwargs.pop("scopes", ()), groups)
-    return _Sentinel(model, _ft.stepped(optimizer), scopes=scopes, **kwargs)
+    try:
+        return _Sentinel(model, _ft.stepped(optimizer), scopes=scopes, **kwargs)
+    except Exception as exc:  # refused on this rank before the group's gather: its peers
+        environ = os.environ if kwargs.get("env") is None else kwargs["env"]
+        groups.refused(exc, kwargs.get("hostname"), environ)
+        raise  # are told (they refuse too, naming it), not left waiting in the gather
 
 
 def groups_of(sentinel: _Sentinel) -> ReplicaGroups:

@@ -43,7 +43,8 @@ Unsupported setups are refused at construction, naming the module and what to do
 silently checked too late: several parameter groups in one module (``shard_placement_fn`` with
 per-parameter meshes), a shard group of size 1 under a replicate dimension (FSDP then never
 calls the reduce-scatter), the symmetric-memory reduce-scatter (``set_symm_mem_for_comm``), and
-torch older than 2.9.
+torch older than 2.9. A refusal leaves every module's reduce-scatter as it was, and so does
+``close()`` (:meth:`FSDPPath.release`): a model watched once can be watched again.
 """
 
 from __future__ import annotations
@@ -185,10 +186,28 @@ class FSDPPath:
         self.reduces = True  # False on a data-parallel world of one: FSDP reduces nothing
         #: The FSDP meshes' shard and replicate groups: its forward all-gathers run there.
         self.mesh_groups: list[Any] = []
-        for module_name, module in model.named_modules():
-            if isinstance(module, FSDPModule):
-                self._install(module_name or "<root>", module, names)
+        #: Per check installed: the module it was installed through, and the reduce-scatter
+        #: it took the place of (:meth:`release` puts it back).
+        self._installed: list[tuple[Any, CheckedReduceScatter]] = []
+        try:
+            for module_name, module in model.named_modules():
+                if isinstance(module, FSDPModule):
+                    self._install(module_name or "<root>", module, names)
+        except BaseException:  # refused on a later module: the earlier ones as they were
+            self.release()
+            raise
         self.caps = self._capabilities()
+
+    def release(self) -> None:
+        """``close()`` (or a refused construction): each FSDP group's reduce-scatter is the one
+        it had before, the same object, so that the model is FSDP's own again and a later
+        Sentinel can watch it; a custom reduce-scatter the user set since is left alone.
+        Idempotent."""
+        installed, self._installed = self._installed, []
+        for module, checked in installed:
+            group = checked.param_group
+            if insides.fsdp_reduce_scatter(group) is checked:
+                module.set_custom_reduce_scatter(checked.inner)
 
     def _capabilities(self) -> Capabilities:
         """HSDP: the mesh's replicate dimension holds this rank's replicas; a mesh that does
@@ -258,9 +277,9 @@ class FSDPPath:
         params = [names.get(id(fp.sharded_param), "<unnamed>") for fp in group.fsdp_params]
         self.groups.append((where, params))
         self.widths.append([fp.padded_sharded_param_size.numel() for fp in group.fsdp_params])
-        module.set_custom_reduce_scatter(
-            CheckedReduceScatter(self, len(self.groups) - 1, inner, where, group)
-        )
+        checked = CheckedReduceScatter(self, len(self.groups) - 1, inner, where, group)
+        module.set_custom_reduce_scatter(checked)
+        self._installed.append((module, checked))
 
     def _note_mesh(self, mesh_info: Any) -> None:
         """Keep every FSDP module's mesh groups (:attr:`mesh_groups`), and those of the first

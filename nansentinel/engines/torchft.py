@@ -231,6 +231,10 @@ class AllReduceHookRider:
     shard group of one FSDP2 reduce-scatters nothing (the gradient path checks nothing before
     the hooks), and a hook's input is this rank's own gradients: they are checked here, before
     the hook sends them to the other groups.
+
+    The user's hooks are wrapped only once the sentinel is built (:meth:`install`, at the
+    scope's ``bind``: a construction refused before leaves them as they were) and given back
+    at ``close()`` (:meth:`release`), so that a later sentinel can watch the model again.
     """
 
     def __init__(self, groups: list[Any]) -> None:
@@ -240,11 +244,38 @@ class AllReduceHookRider:
         self.sink: Any = None
         #: As :attr:`TorchFTPath.rider`: the scope whose row rides along, once bound.
         self.rider: Any = None
+        #: Per group: the user's hook as found, and the wrapper in its place once installed.
+        self._hooks: list[tuple[Callable[[torch.Tensor], None], Any]] = []
         for group in groups:
             hook = insides.fsdp_all_reduce_hook(group)
             assert hook is not None, "the rider takes the groups that have a hook (of)"
+            self._hooks.append((hook, None))
+
+    def install(self) -> None:
+        """Each group's hook wrapped (once; the sentinel is built, nothing can refuse it now).
+        A hook replaced since :meth:`of` found it is wrapped as it is now."""
+        if any(wrapper is not None for _, wrapper in self._hooks):
+            return
+        installed = []
+        for group in self.groups:
+            hook = insides.fsdp_all_reduce_hook(group)
+            assert hook is not None, "a hook taken off between of() and install()"
             alone = getattr(getattr(group, "mesh_info", None), "shard_mesh_size", 2) == 1
-            insides.set_fsdp_all_reduce_hook(group, self._wrapped(hook, alone))
+            wrapper = self._wrapped(hook, alone)
+            insides.set_fsdp_all_reduce_hook(group, wrapper)
+            installed.append((hook, wrapper))
+        self._hooks = installed
+
+    def release(self) -> None:
+        """The sentinel is closed (or its construction failed after :meth:`install`): each
+        group's hook is the user's own again, the same object, where our wrapper still holds
+        its place (a hook the user set since is left alone). Idempotent."""
+        for group, (hook, wrapper) in zip(self.groups, self._hooks, strict=True):
+            if wrapper is not None and insides.fsdp_all_reduce_hook(group) is wrapper:
+                insides.set_fsdp_all_reduce_hook(group, hook)
+        self._hooks = [(hook, None) for hook, _ in self._hooks]
+        self.sink = self.rider = None
+        self.calls = 0
 
     @classmethod
     def of(cls, model: torch.nn.Module) -> AllReduceHookRider | None:

@@ -178,34 +178,41 @@ def assemble(model: torch.nn.Module | list[torch.nn.Module], asked: Asked,
                         ctx.identity.hostname)
     current = CurrentStep(ctx, injector, quarantine, watched.module, spikes)
     gradients = engines.attach(model, current, staged=bool(pipelined))
-    current.attach(gradients, pipelined)
-    incidents = IncidentWriter(ctx)
-    replayer = Detector.replayer_for(ctx, gradients, watched.module, asked.replay)
-    detector = Detector(ctx, gradients, incidents, replayer, quarantine)
-    snaps = snapshot_store(asked.snapshots, ctx, watched, gradients.caps)
-    replicas = replica_check(ctx, watched, gradients.caps,
-                             inject=functools.partial(injector.due, "bitflip"),
-                             incidents=incidents)
-    if replicas is not None and isinstance(snaps, MemorySnapshots | SnapshotRing):
-        replicas.before_write = snaps.copies.hold  # a repair waits for the copies
-    stepping = Stepping(optimizer, scaler, current.buffers, snaps, replicas)
-    judge = StepJudge(ctx, stepping, detector, spikes)
-    end: stop.RunEnd  # the usage reads whether it closed; it removes the usage's hooks
-    use = usage.Usage(watched.module, gradients.caps.label, lambda: end.closed)
-    end = stop.RunEnd(ctx, judge, usage.chained(getattr(gradients, "release", None),
-                                                use.release))
-    if ctx.exchange.world_size > 1:
-        failed = functools.partial(stop.end_failed, config=ctx.config, identity=ctx.identity,
-                                   exchange=ctx.exchange)
-        stop.exit_on_failure(ctx.exchange, lambda: ctx.deadline.step, failed,
-                             lambda: end.clean)
-    gate = choose_gate(cfg, ctx.device, optimizer, scaler=scaler, caps=gradients.caps)
-    device_gate = gated_steps(ctx, judge, gate, rearm=rearm, stop_if=end.stop_if)
-    if device_gate is not None:  # decided later: name from norms, hold no gradient
-        gradients.keep_norms = True
-        ctx.deadline.also_settled(device_gate.settled)
-    return Parts(ctx, watched, current, gradients, engine, detector, judge, end, gate,
-                 device_gate, (ctx.exchange, *asked.scopes), use)
+    # Installed on the model from here: a refusal below gives it back as it was (the
+    # user may fix the setting and build a Sentinel on the same model).
+    undo = [getattr(gradients, "release", None)]
+    try:
+        current.attach(gradients, pipelined)
+        incidents = IncidentWriter(ctx)
+        replayer = Detector.replayer_for(ctx, gradients, watched.module, asked.replay)
+        detector = Detector(ctx, gradients, incidents, replayer, quarantine)
+        snaps = snapshot_store(asked.snapshots, ctx, watched, gradients.caps)
+        replicas = replica_check(ctx, watched, gradients.caps,
+                                 inject=functools.partial(injector.due, "bitflip"),
+                                 incidents=incidents)
+        if replicas is not None and isinstance(snaps, MemorySnapshots | SnapshotRing):
+            replicas.before_write = snaps.copies.hold  # a repair waits for the copies
+        stepping = Stepping(optimizer, scaler, current.buffers, snaps, replicas)
+        judge = StepJudge(ctx, stepping, detector, spikes)
+        end: stop.RunEnd  # the usage reads whether it closed; it removes the usage's hooks
+        use = usage.Usage(watched.module, gradients.caps.label, lambda: end.closed)
+        undo.append(use.release)
+        end = stop.RunEnd(ctx, judge, usage.chained(*undo))
+        if ctx.exchange.world_size > 1:
+            failed = functools.partial(stop.end_failed, config=ctx.config,
+                                       identity=ctx.identity, exchange=ctx.exchange)
+            stop.exit_on_failure(ctx.exchange, lambda: ctx.deadline.step, failed,
+                                 lambda: end.clean)
+        gate = choose_gate(cfg, ctx.device, optimizer, scaler=scaler, caps=gradients.caps)
+        device_gate = gated_steps(ctx, judge, gate, rearm=rearm, stop_if=end.stop_if)
+        if device_gate is not None:  # decided later: name from norms, hold no gradient
+            gradients.keep_norms = True
+            ctx.deadline.also_settled(device_gate.settled)
+        return Parts(ctx, watched, current, gradients, engine, detector, judge, end, gate,
+                     device_gate, (ctx.exchange, *asked.scopes), use)
+    except BaseException:
+        usage.chained(*undo)()
+        raise
 
 
 def context(cfg: SentinelConfig, watched: Watched, group: Any, pipelined: list[Any],

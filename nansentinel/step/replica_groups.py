@@ -39,12 +39,15 @@ from nansentinel.result import (
     HostExcludedError,
     NonFiniteError,
     Outcome,
+    SentinelUsageError,
     StepResult,
 )
+from nansentinel.step.usage import chained
 from nansentinel.wire.replica_groups import (
     agree,
     carried,
     device_row,
+    excluded_in_group,
     gather_names,
     health_row,
     shared_in_group,
@@ -68,11 +71,19 @@ class ReplicaGroups:
         rollback: why rollbacks are refused on torchft (the policy and spike actions).
         by_hand: the gradients are reduced by the user's own ``Manager.allreduce``, where
             ``policy="drop"`` cannot put zeros in place of a group's contribution.
+        carrier: what carries the health row where the gradient path does not (torchft's
+            FSDP2 all-reduce hooks); it wraps them at :meth:`bind` and gives them back at
+            the end (its ``install`` and ``release``).
     """
 
     def __init__(self, manager: Any, *, group: str, group_rank: int, rollback: str,
                  by_hand: bool, carrier: Any = None) -> None:
         self.manager, self.group, self.group_rank = manager, group, group_rank
+        #: The replica group's own process group, its ranks' exchange (None: the default
+        #: group when one is initialised; set where the Sentinel is given ``group=``): where
+        #: its ranks learn at construction whether one of them is on an excluded host.
+        self.peers: Any = None
+        self._gathered = False  # this construction's gather inside the group was made
         #: What carries the health row with the gradients where the gradient path does not
         #: (torchft's FSDP2 all-reduce hooks: engines/torchft.AllReduceHookRider).
         self.carrier = carrier
@@ -140,9 +151,14 @@ class ReplicaGroups:
         return dataclasses.replace(config, **changes) if changes else config
 
     def bind(self, parts: Parts) -> None:
-        """Keeps the parts; under ``policy="drop"`` the gradient path withholds a poisoned
-        group's buckets; reports are named by torchft's step."""
+        """Keeps the parts; wraps the FSDP2 all-reduce hooks that carry the row (given back
+        at the end); under ``policy="drop"`` the gradient path withholds a poisoned group's
+        buckets; reports are named by torchft's step."""
         self._parts = parts
+        if self.carrier is not None:  # built: the user's hooks are wrapped from here on,
+            # and given back when the sentinel closes (or fails to finish its construction)
+            parts.end.release = chained(parts.end.release, self.carrier.release)
+            self.carrier.install()
         if self.drop:
             current = parts.current
             parts.gradients.drop_flag = lambda: current.local.poisoned()  # type: ignore[attr-defined]
@@ -272,20 +288,64 @@ class ReplicaGroups:
         assert self._parts is not None, "ReplicaGroups used before the Sentinel bound it"
         return self._parts
 
+    def refused(self, error: Exception, hostname: str | None,
+                environ: Mapping[str, str]) -> None:
+        """This rank's construction failed before it reached the group's gather (a setting
+        refused here, its file unreadable on this host, ...): it joins the gather all the same,
+        saying so, so that its peers refuse with the reason instead of waiting in the gather,
+        or pairing it with a later construction's. No collective once it was reached."""
+        if self._gathered:
+            return
+        host = resolve_hostname(hostname or environ.get("NANSENTINEL_HOSTNAME"), environ)
+        self._gather({"host": host, "error": f"{type(error).__name__}: {error}"[:500]})
+
+    def _gather(self, mine: dict[str, Any] | None) -> list[dict[str, Any] | None]:
+        self._gathered = True
+        return excluded_in_group(self.peers, mine)
+
     def _refuse_excluded(self, config: SentinelConfig, host: str) -> None:
-        """A host struck out stays out: this process leaves before its first quorum."""
+        """A host struck out stays out: a replica group with a rank on it leaves before its
+        first quorum, every rank of it (one small all-gather inside the group, on every rank
+        alike, the excluded one's included: its peers would otherwise be let in and wait for
+        it until their launcher ends them). A peer whose construction failed first is named
+        on every rank (:meth:`refused`)."""
         path = config.exclusion_file
-        if not path or not ExclusionStore(path).is_excluded(host):
+        mine: dict[str, Any] | None = None
+        if path:
+            try:
+                if ExclusionStore(path).is_excluded(host):
+                    mine = {"host": host, "file": path}
+            except OSError as exc:  # said on every rank of the group, after the gather
+                mine = {"host": host, "error": f"exclusion_file {path}: {exc}"[:500]}
+        found = self._gather(mine)
+        alone = len(found) == 1
+        on = {(self.group_rank if alone else rank): e for rank, e in enumerate(found) if e}
+        failed = [f"rank {rank} on {e['host']}: {e['error']}" for rank, e in sorted(on.items())
+                  if "error" in e]
+        if failed:
+            raise SentinelUsageError(
+                f"nansentinel: replica group {self.group} does not join the torchft quorum: "
+                f"its construction failed on {'; '.join(failed)}. Fix that and start the "
+                "group again; the sentinel started nothing.")
+        if not on:
             return
         self.manager.shutdown(wait=False)
-        message = (f"nansentinel: host {host} is excluded ({path}): replica group "
-                   f"{self.group} does not join the torchft quorum. Clear it with "
-                   f"`nansentinel excluded --exclusion-file {path} --clear {host}` once the "
-                   "host is repaired.")
+        hosts = sorted({e["host"] for e in on.values()})
+        files = sorted({e["file"] for e in on.values()})
+        where = ", ".join(f"rank {rank} on {e['host']}" for rank, e in sorted(on.items()))
+        which = (f"host {hosts[0]} is excluded" if len(hosts) == 1 else
+                 f"hosts {', '.join(hosts)} are excluded")
+        clear = " ".join(f"--clear {h}" for h in hosts)
+        message = (f"nansentinel: {which} ({', '.join(files)}): replica group {self.group} "
+                   f"does not join the torchft quorum ({where}"
+                   + ("" if mine else f"; this rank, {self.group_rank} on {host}, leaves "
+                      "with its group") +
+                   f"). Clear it with `nansentinel excluded --exclusion-file {files[0]} "
+                   f"{clear}` once repaired, then start the group again.")
         raise HostExcludedError(message, StepResult(
-            step=0, applied=False, outcome=Outcome.EXCLUDED, bad_ranks=[],
-            bad_hosts=[host], kinds=[], local_kinds=[], local_loss=None, local_grad_norm=None,
-            consecutive_skips=0, excluded_hosts=[host], reason=message))
+            step=0, applied=False, outcome=Outcome.EXCLUDED, bad_ranks=sorted(on),
+            bad_hosts=hosts, kinds=[], local_kinds=[], local_loss=None, local_grad_norm=None,
+            consecutive_skips=0, excluded_hosts=hosts, reason=message))
 
     def _kept(self, health: GroupTotals | None, config: SentinelConfig) -> int | None:
         """Under ``policy="drop"``: the groups whose gradients the step keeps, when every group

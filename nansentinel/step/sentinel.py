@@ -106,9 +106,13 @@ class Sentinel:
         cfg, environ = assembly.configure(env, scopes, overrides)
         asked = Asked(optimizer, scaler, group, replay, snapshots, stages, tuple(scopes))
         self._parts = parts = assembly.assemble(model, asked, cfg, environ, self._rearm)
-        for scope in parts.wider:
-            scope.bind(parts)
-        assembly.serve(parts, registry)
+        try:
+            for scope in parts.wider:
+                scope.bind(parts)
+            assembly.serve(parts, registry)
+        except BaseException:  # the model given back as it was (what its paths installed)
+            parts.end.shut()
+            raise
         # SIGTERM/SIGINT become a stop after a step every rank agrees on (effects/stop.py).
         parts.end.signals = take_stop_signals()
 

@@ -131,3 +131,19 @@ def shared_in_group(group: Any, names: list[dict[str, Any]]) -> list[dict[str, A
         if key not in merged or name.get("leaving"):
             merged[key] = name
     return sorted(merged.values(), key=lambda n: str(n.get("group")))
+
+
+def excluded_in_group(group: Any, mine: dict[str, Any] | None
+                      ) -> list[dict[str, Any] | None]:
+    """At construction only: each rank of this replica group's own process group (``group``;
+    None: the default group) tells the others where it is excluded or failed (``mine``: its
+    host and the exclusion file that names it, or the error its construction met; None:
+    neither), so that every rank of the group refuses together instead of waiting for a
+    peer. One small all-gather on every rank alike, indexed by rank in the group; none for a
+    group of one process (the list is ``[mine]``)."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
+        return [mine]
+    gathered: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, mine, group=group)
+    return [{str(k): str(v) for k, v in found.items()} if isinstance(found, dict) else None
+            for found in gathered]

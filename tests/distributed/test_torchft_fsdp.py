@@ -3,8 +3,9 @@
 all-reduce hook (torchtitan's layout), and nansentinel's torchft DDP with two ranks a group.
 Group g1's rank 1 makes a NaN at torchft step 3: every rank of every group vetoes that step
 and names g1's rank 1 and its host, and only that host is struck. Then g1 comes back, as a user
-restarts it: refused on the struck-out host, let in on a healthy one, healed from g0 rank by
-rank (FSDP2: shard by shard), and both groups train on with the same finite weights."""
+restarts it: refused on both ranks while one is on the struck-out host, let in on healthy
+ones, healed from g0 rank by rank (FSDP2: shard by shard), and both groups train on with the
+same finite weights."""
 
 from __future__ import annotations
 
@@ -59,10 +60,12 @@ def _check_rejoin(records: dict[Any, dict[str, Any]], refused: bool) -> None:
     (``refused``: tried); on a healthy host it healed every rank's own shards (parameters)
     from g0's same rank at its first quorum (torchft's step, not 0, and g0's weights, not its
     own), then trained beside g0, every step committed on both, to the same finite weights."""
-    if refused:
-        why = records[("back", 1)].get("refused", "")
-        assert "host node1r1 is excluded" in why, records[("back", 1)]
-        assert "does not join the torchft quorum" in why, why
+    if refused:  # on both ranks, the one on a healthy host too, naming node1r1
+        for grank in (0, 1):
+            why = records[("back", grank)].get("refused", "")
+            assert "host node1r1 is excluded" in why, records[("back", grank)]
+            assert "does not join the torchft quorum (rank 1 on node1r1" in why, why
+            assert ("leaves with its group" in why) == (grank == 0), why
     for grank in (0, 1):
         back, peer = records[("back", grank)], records[(0, grank)]
         assert back["error"] is None, (back["error"], back.get("trace"))

@@ -8,8 +8,9 @@ With ``rejoin``, group 1 comes back after it left, as its launcher would restart
 the same two processes (a launch costs more than the rest of the test): a new model with
 other initial weights, a new manager (a new replica to the lighthouse) over a store of its
 own and a new sentinel, on node1r0 and on a healthy host in place of the struck-out node1r1
-(whose start, tried first, must be refused); it heals every rank's own shards from group 0
-at its first quorum and trains on beside it until both stop at the same torchft step.
+(its start there, tried first, must be refused on both ranks, node1r0's too); it heals every
+rank's own shards from group 0 at its first quorum and trains on beside it until both stop
+at the same torchft step.
 """
 
 from __future__ import annotations
@@ -134,11 +135,14 @@ def rank_main(address: str, ports: list[int], gid: int, grank: int, tmp: str, la
         served.clear()
         mine = len(managers)
         port = ports[2] if back else ports[gid]
+        # Started first with rank 1 on the struck-out host (FSDP2): refused on both ranks
+        # before the group joins, the managers of that try over a store of their own.
+        tried = back and bool(keywords.get("exclusion_file")) and layout == "fsdp2"
         torch.manual_seed(7 if back else 0)
         module = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(),
                                      torch.nn.Linear(8, 2))
         out["initial"] = [p.detach().tolist() for p in module.parameters()]
-        manager = new_manager(port)
+        manager = new_manager(ports[3] if tried else port)
         guard = None
         try:
             model = (_shard(module, DeviceMesh("cpu", [0, 1]), manager) if layout == "fsdp2"
@@ -147,16 +151,17 @@ def rank_main(address: str, ports: list[int], gid: int, grank: int, tmp: str, la
             shards.update(module.named_parameters())
             opt = torch.optim.SGD(model.parameters(), lr=0.05)
             host = NEW_HOST if back and grank == 1 else f"node{gid}r{grank}"
-            if back and grank == 1 and keywords.get("exclusion_file") and layout == "fsdp2":
-                # Started first on the struck-out host: refused before it joins; then on
-                # a healthy host (the hooks on a manager of its own again).
+            if tried:
+                # Every rank of the group refuses, node1r0's too (one all-gather inside the
+                # group at construction); then on healthy hosts (the hooks on a new manager).
                 try:
-                    nft.Sentinel(model, opt, manager=manager, hostname="node1r1",
+                    nft.Sentinel(model, opt, manager=manager,
+                                 hostname="node1r1" if grank == 1 else host,
                                  metrics_port=0, report_dir=f"{tmp}/reports", **keywords)
                 except HostExcludedError as exc:
                     out["refused"] = str(exc)
                 else:
-                    raise AssertionError("a process on the excluded host node1r1 was let in")
+                    raise AssertionError("group 1 was let in with a rank on node1r1")
                 manager = new_manager(port)
                 _hook(module, manager)
             if layout == "fsdp2" and keywords and not back:
@@ -173,8 +178,7 @@ def rank_main(address: str, ports: list[int], gid: int, grank: int, tmp: str, la
                 model[0].set_all_reduce_hook(None)  # a hook on some FSDP modules only
                 out["refusals"] = [refusal()]
                 _hook(module, manager)
-                out["refusals"].append(refusal(policy="drop"))
-                _hook(module, manager)  # fresh hooks again: the refused sentinel wrapped them
+                out["refusals"].append(refusal(policy="drop"))  # the hooks left as they were
             own = {"manager": manager} if layout == "fsdp2" else {}
             guard = (nft.Sentinel(model, opt, **own, hostname=host, metrics_port=0,
                                   report_dir=f"{tmp}/reports", **keywords)
@@ -261,7 +265,7 @@ def run(tmp: Path, layout: str, sentinel: dict[Any, Any] | None, timeout: float 
     house = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=3000,
                              heartbeat_timeout_ms=500)
     stores = [TCPStore("localhost", 0, is_master=True, wait_for_workers=False)
-              for _ in range(3 if rejoin else 2)]
+              for _ in range(4 if rejoin else 2)]
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     ports = [s.port for s in stores]

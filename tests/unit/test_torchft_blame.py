@@ -121,6 +121,7 @@ def test_the_row_rides_in_the_last_fsdp_all_reduce_hook_call() -> None:
 
     groups = [SimpleNamespace(_all_reduce_hook=average_over_two) for _ in range(2)]
     rider = AllReduceHookRider(groups)
+    rider.install()
     launched: list[bool] = []
     rider.sink = SimpleNamespace(inferring=False, spent=lambda _: None,
                                  launch_exchange=lambda: launched.append(True))
@@ -135,3 +136,6 @@ def test_the_row_rides_in_the_last_fsdp_all_reduce_hook_call() -> None:
     assert rider.rider.carried.tolist() == [0.5, 0.0, 0.0, 0.5, 1.0, 0.0]
     totals = carried(rider.rider.carried, 2)
     assert totals is not None and totals.bad == 1 and totals.single == 1
+    # At close the user's own hooks are back, the same objects (a later sentinel wraps them).
+    rider.release()
+    assert all(g._all_reduce_hook is average_over_two for g in groups)
