@@ -156,28 +156,50 @@ class LocalHealth:
     def row(self) -> torch.Tensor:
         """The health row (a :class:`Row`: batch norm, loss, gradient norm, then the flags) as
         fp32 on the device: no host sync."""
+        host = self._host_flags()
+        flags = constant((host["injected"], host["has_loss"], host["has_grad"], 0.0), self.device)
+        if self.quarantined is not None:
+            flags = torch.cat([flags[:3], self.quarantined.reshape(1).to(torch.float32)])
+        boundary = (constant((0.0,) * len(BOUNDARY), self.device) if self.boundary is None
+                    else moved(self.boundary, self.device, torch.float32))
+        stops = constant((host["stop_term"], host["stop_int"]),
+                         self.device)  # two cached constants: no host-to-device copy
+        return assembled((
+            (("batch_norm", "loss_value", "grad_norm_value"), self._values()),
+            (("injected", "has_loss", "has_grad", "quarantined"), flags),
+            (BOUNDARY, boundary),
+            (("stop_term", "stop_int"), stops),
+        ), ROW)
+
+    def host_row(self) -> list[float]:
+        """The same row as :meth:`row`, as host floats: where the device is the CPU, reading
+        the values syncs nothing, and the row's flags are the host's own (the pack then runs on
+        floats, ``wire.schema.pack``, instead of a dozen small tensor operations here)."""
+        named = dict(zip(("batch_norm", "loss_value", "grad_norm_value"),
+                         self._values().tolist(), strict=True))
+        named.update(self._host_flags())
+        named["quarantined"] = 0.0 if self.quarantined is None else float(self.quarantined)
+        boundary = ([0.0] * len(BOUNDARY) if self.boundary is None
+                    else self.boundary.to(torch.float32).tolist())
+        named.update(zip(BOUNDARY, boundary, strict=True))
+        return [named[name] for name in ROW]
+
+    def _values(self) -> torch.Tensor:
+        """Batch norm, loss (the micro-batches' mean) and gradient norm, fp32 on the device."""
         zero = constant((0.0,), self.device).reshape(())
         batch = combined(self.batch_norms, zero)
         loss = zero
         if self.loss_sum is not None:
             loss = self.loss_sum if self.loss_count == 1 else self.loss_sum / self.loss_count
         grad = combined([moved(n, self.device) for n in self.grad_norms], zero)
-        host = (self.injected, self.loss_sum is not None, bool(self.grad_norms))
-        flags = constant((*map(float, host), 0.0), self.device)
-        values = torch.stack([batch, loss, grad]).to(torch.float32)
-        if self.quarantined is not None:
-            flags = torch.cat([flags[:3], self.quarantined.reshape(1).to(torch.float32)])
-        boundary = (constant((0.0,) * len(BOUNDARY), self.device) if self.boundary is None
-                    else moved(self.boundary, self.device, torch.float32))
-        stops = constant((float(self.stop_signal == signal.SIGTERM),
-                           float(self.stop_signal == signal.SIGINT)),
-                          self.device)  # two cached constants: no host-to-device copy
-        return assembled((
-            (("batch_norm", "loss_value", "grad_norm_value"), values),
-            (("injected", "has_loss", "has_grad", "quarantined"), flags),
-            (BOUNDARY, boundary),
-            (("stop_term", "stop_int"), stops),
-        ), ROW)
+        return torch.stack([batch, loss, grad]).to(torch.float32)
+
+    def _host_flags(self) -> dict[str, float]:
+        """The row's flags the host knows, as 0.0/1.0."""
+        return {"injected": float(self.injected), "has_loss": float(self.loss_sum is not None),
+                "has_grad": float(bool(self.grad_norms)),
+                "stop_term": float(self.stop_signal == signal.SIGTERM),
+                "stop_int": float(self.stop_signal == signal.SIGINT)}
 
 
 def assembled(pieces: Sequence[tuple[tuple[str, ...], torch.Tensor]],

@@ -132,21 +132,22 @@ class Injector:
         self.fired.append((step, kind))
         return True
 
-    @torch.no_grad()
     def poison(self, kind: str, step: int, tensor: torch.Tensor | None) -> bool:
         """Write the fault into the first element of ``tensor`` in place; True if it fired.
 
         A DTensor's (tensor parallel) fault goes into this rank's local tensor, the data this
         rank holds: indexing a sharded DTensor would all-gather it first, a collective issued
-        by the drilled rank alone (a hang)."""
-        value = self.value_for(kind, step)
+        by the drilled rank alone (a hang). Called on every step: nothing but a look at the
+        faults unless one is due."""
+        value = self.value_for(kind, step) if self.faults else None
         if value is None or tensor is None:
             return False
-        if hasattr(tensor, "to_local"):  # duck-typed: the launcher side imports this module
-            tensor = tensor.to_local()
-        if tensor.numel() == 0:
-            return False
-        tensor[(0,) * tensor.dim()] = value
+        with torch.no_grad():
+            if hasattr(tensor, "to_local"):  # duck-typed: the launcher side imports this
+                tensor = tensor.to_local()
+            if tensor.numel() == 0:
+                return False
+            tensor[(0,) * tensor.dim()] = value
         self.fired.append((step, kind))
         return True
 

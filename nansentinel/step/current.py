@@ -93,7 +93,8 @@ class CurrentStep:
             if ids is not None:
                 self.local.ids.append((batch, skip_list.check_ids(
                     ids, batch, rank=self.rank, step=self.index)))
-            if self.injector.poison("batch", self.index, next(checks.float_tensors(batch), None)):
+            if self.injector.faults and self.injector.poison(
+                    "batch", self.index, next(checks.float_tensors(batch), None)):
                 self.local.injected = True
             norms = checks.batch_norms(batch, self.device)
             quarantined = self.quarantine.match(batch, self.index, norms)
@@ -195,7 +196,9 @@ class CurrentStep:
         for watch in self.stages:  # the pipeline boundaries' norms become the row's flags
             watch.fold(self.local)
         self.local.stop_signal = stop_requested()  # a signal so far travels with this row
-        self.packed = pack(self.local.row(), self.thresholds(), self.rank, amp=self.amp,
+        # On the CPU the row is read as host floats and packed as such (schema.pack).
+        row = self.local.host_row() if self.device.type == "cpu" else self.local.row()
+        self.packed = pack(row, self.thresholds(), self.rank, amp=self.amp,
                            dropped=self.local.dropped)
         self.exchange.launch(self.index, self.packed)
         self.record.to(Stage.LAUNCHED)

@@ -178,7 +178,7 @@ class ReplicaGroups:
         section is the health row), so the row is computed once a step."""
         packed = self._bound().current.packed
         assert packed is not None, "the ride-along row is read after the exchange launched"
-        return device_row(packed[O.start:O.start + R.size], self.manager.participating_rank())
+        return device_row(packed[O.start:O.start + R.size], self.manager.participating_rank)
 
     def begin(self) -> None:
         parts = self._bound()
@@ -196,7 +196,6 @@ class ReplicaGroups:
         parts, manager = self._bound(), self.manager
         config, began, device = parts.ctx.config, self.began, parts.ctx.device
         here = not local.applied
-        participants = int(manager.num_participants())
         if self.riding:  # the rows came back with the last gradients
             summed, self.carried = self.carried, None
             if self.carrier is not None:
@@ -208,7 +207,7 @@ class ReplicaGroups:
                 health = agree(manager, health_row(here, local.kinds,
                                                    manager.participating_rank()), device)
             else:
-                health = carried(summed, participants)
+                health = carried(summed, manager.num_participants)
         else:
             withheld = self.drop and parts.gradients.take_withheld()  # type: ignore[attr-defined]
             health = agree(manager, health_row(here, local.kinds, manager.participating_rank(),
@@ -220,7 +219,7 @@ class ReplicaGroups:
         if here and health is not None:
             # A strike only while some group is healthy: when every group is poisoned the
             # cause is global (learning rate, data), and striking hosts would shrink the job.
-            if culprits and health.bad < participants:
+            if culprits and health.bad < int(manager.num_participants()):
                 struck = self._strike(began, {h for _, h in culprits}, local.verdict, config)
                 strikes = struck.get(parts.ctx.identity.hostname, 0)
                 out = max(struck.values(), default=0) >= config.host_strikes

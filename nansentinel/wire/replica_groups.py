@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -43,21 +44,23 @@ def health_row(bad: bool, kinds: list[str], replica_rank: int | None,
     return row
 
 
-def device_row(row: torch.Tensor, replica_rank: int | None) -> torch.Tensor:
+def device_row(row: torch.Tensor, replica_rank: Callable[[], int | None]) -> torch.Tensor:
     """This rank's row for the gradients' own all-reduce (:func:`carried`), from its health
     row (``checks.health.Row``, fp32: the own section of the step's packed vector) where the
     row lies, without a host sync: flagged where its batch, loss or gradients are non-finite
     or its batch is quarantined (the rule ``wire.schema.skip_count`` applies), which kinds,
-    and its replica rank + 1 when flagged. On the CPU, where reading the row syncs nothing,
-    :func:`health_row` of its values (one read, one tensor made); elsewhere
+    and its ``replica_rank()`` + 1 when flagged. On the CPU, where reading the row syncs
+    nothing, :func:`health_row` of its values (one read, one tensor made; the replica rank,
+    which waits on torchft's quorum, asked only for a flagged row); elsewhere
     :func:`row_on_device` (tests/unit/test_torchft_blame.py holds the two equal)."""
     if row.device.type != "cpu":
-        return row_on_device(row, replica_rank)
+        return row_on_device(row, replica_rank())
     values = row.tolist()
     kinds = [kind for kind, v in zip(KINDS, values[R.batch_norm:R.grad_norm_value + 1],
                                      strict=True) if not math.isfinite(v)]
     bad = bool(kinds) or values[R.quarantined] > 0
-    return torch.tensor(health_row(bad, kinds, replica_rank), dtype=torch.float32)
+    return torch.tensor(health_row(bad, kinds, replica_rank() if bad else None),
+                        dtype=torch.float32)
 
 
 def row_on_device(row: torch.Tensor, replica_rank: int | None) -> torch.Tensor:
@@ -69,13 +72,19 @@ def row_on_device(row: torch.Tensor, replica_rank: int | None) -> torch.Tensor:
     return torch.cat([bad, nonfinite, bad, bad]) * scale
 
 
-def carried(summed: torch.Tensor | None, participants: int) -> GroupTotals | None:
+def carried(summed: torch.Tensor | None, participants: Callable[[], int]
+            ) -> GroupTotals | None:
     """The ranks' rows as they came back averaged with the last gradients (torchft's
-    ``Manager.allreduce`` divides by the participants): the counts over this group rank's
-    ring of replica groups. None: the all-reduce failed (a regroup)."""
+    ``Manager.allreduce`` divides by the ``participants()``, asked only when some group
+    flagged: a healthy step's row is zeros): the counts over this group rank's ring of
+    replica groups. None: the all-reduce failed (a regroup)."""
     if summed is None:
         return None
-    return GroupTotals.from_values([v * participants for v in summed.float().tolist()])
+    values = summed.float().tolist()
+    if not any(values):
+        return GroupTotals()
+    count = int(participants())
+    return GroupTotals.from_values([v * count for v in values])
 
 
 def agree(manager: Any, row: list[float], device: torch.device) -> GroupTotals | None:

@@ -260,13 +260,14 @@ _DECODE: dict[Any, Any] = {"int": round, "float": float, "bool": bool}
 
 
 def pack(
-    row: torch.Tensor, thresholds: torch.Tensor, rank: int, *, amp: bool,
+    row: torch.Tensor | list[float], thresholds: torch.Tensor, rank: int, *, amp: bool,
     dropped: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """This rank's exchange vector (``SIZE`` fp32 on ``row``'s device), without a host sync.
 
     Args:
-        row: the health row (:class:`Row` layout, fp32).
+        row: the health row (:class:`Row` layout, fp32), or its host floats on the CPU
+            (``LocalHealth.host_row``).
         thresholds: ``[spike loss, spike grad, quiet loss, quiet grad, spike batch]`` of this
             rank's own rolling references (``inf`` while a series warms up; see
             decide/spikes.py).
@@ -281,9 +282,9 @@ def pack(
     Elsewhere :func:`pack_on_device`. The two are the same rule (tests/unit/test_exchange.py
     holds them bit for bit equal over every combination of flags and special values).
     """
-    if row.device.type == "cpu":
+    if isinstance(row, list) or row.device.type == "cpu":
         return torch.tensor(pack_values(
-            row.tolist(), thresholds.tolist(), rank, amp=amp,
+            row if isinstance(row, list) else row.tolist(), thresholds.tolist(), rank, amp=amp,
             dropped=dropped is not None and bool(dropped)), dtype=torch.float32)
     return pack_on_device(row, thresholds, rank, amp=amp, dropped=dropped)
 

@@ -354,6 +354,28 @@ def test_the_health_row_is_the_rows_schema() -> None:
     assert BOUNDARY == ("fwd_origin", "bwd_origin", "recv_act", "recv_grad", "loss_origin")
 
 
+@pytest.mark.parametrize("state", ["empty", "healthy", "micro-batches", "nan", "flags"])
+def test_the_host_row_is_the_device_row(state: str) -> None:
+    """The CPU reads its row as host floats (LocalHealth.host_row): the same values, in the
+    same places, as the row built with tensor operations, whatever the step recorded."""
+    health = LocalHealth(CPU)
+    if state != "empty":
+        health.add_batch(None, [torch.tensor(4.0), torch.tensor(math.inf if state == "nan"
+                                                                 else 1.0)])
+        health.add_loss(torch.tensor(math.nan if state == "nan" else 2.0))
+        health.add_grads(torch.tensor(3.0))
+    if state == "micro-batches":
+        health.add_loss(torch.tensor(5.0))
+        health.add_grads(torch.tensor(1e30))
+    if state == "flags":
+        health.injected, health.stop_signal = True, 15
+        health.add_quarantined(torch.tensor(1.0))
+        health.add_boundaries(torch.tensor([1.0, 0.0, 1.0, 0.0, 1.0]))
+    device = health.row().tolist()
+    assert len(health.host_row()) == R.size == len(device)
+    assert [str(v) for v in health.host_row()] == [str(v) for v in device]  # NaN as NaN
+
+
 class _DeafStore:
     """A store across a partition: every request blocks (as a TCPStore whose peer's link is
     down blocks for the store's own timeout, minutes)."""

@@ -15,7 +15,7 @@ from nansentinel.decide.groups import Decided, group_result
 from nansentinel.result import Outcome, StepResult
 from nansentinel.step.replica_groups import ReplicaGroups
 from nansentinel.wire.replica_groups import carried, device_row, row_on_device
-from nansentinel.wire.schema import R
+from nansentinel.wire.schema import GroupTotals, R
 
 
 def _local(**kw: Any) -> StepResult:
@@ -80,16 +80,23 @@ def test_the_ride_along_row_flags_a_non_finite_or_quarantined_rank() -> None:
     a quarantined batch flags the rank with its replica rank + 1; the counts come back from
     the averaged all-reduce times the participants."""
     row = torch.zeros(R.size)
-    assert device_row(row, 2).tolist() == [0.0] * 6
+    assert device_row(row, lambda: 2).tolist() == [0.0] * 6
     row[R.loss_value] = math.nan
-    assert device_row(row, 2).tolist() == [1.0, 0.0, 1.0, 0.0, 3.0, 0.0]
+    assert device_row(row, lambda: 2).tolist() == [1.0, 0.0, 1.0, 0.0, 3.0, 0.0]
     quarantined = torch.zeros(R.size)
     quarantined[R.quarantined] = 1.0
-    assert device_row(quarantined, None).tolist() == [1.0, 0.0, 0.0, 0.0, 1.0, 0.0]
-    averaged = (device_row(row, 2) + torch.zeros(6)) / 3  # three groups, one flagged
-    totals = carried(averaged, 3)
+    assert device_row(quarantined, lambda: None).tolist() == [1.0, 0.0, 0.0, 0.0, 1.0, 0.0]
+    averaged = (device_row(row, lambda: 2) + torch.zeros(6)) / 3  # three groups, one flagged
+    totals = carried(averaged, lambda: 3)
     assert totals is not None and totals.bad == 1 and totals.loss == 1 and totals.single == 2
-    assert carried(None, 3) is None
+    assert carried(None, lambda: 3) is None
+    asked: list[int] = []
+    assert carried(torch.zeros(6), lambda: asked.append(1) or 3) == GroupTotals()
+    assert not asked  # a healthy step's zeros need no count of the participants
+
+
+def _giving(value: int | None) -> Any:
+    return lambda: value
 
 
 def test_the_ride_along_row_is_the_same_from_host_floats_and_on_the_device() -> None:
@@ -101,7 +108,8 @@ def test_the_ride_along_row_is_the_same_from_host_floats_and_on_the_device() -> 
             row = torch.zeros(R.size)
             row[R.batch_norm], row[R.loss_value], row[R.grad_norm_value] = batch, loss, grad
             row[R.quarantined] = quarantined
-            assert torch.equal(device_row(row, rank), row_on_device(row, rank)), (row, rank)
+            host = device_row(row, _giving(rank))
+            assert torch.equal(host, row_on_device(row, rank)), (row, rank)
 
 
 def test_the_row_rides_in_the_last_fsdp_all_reduce_hook_call() -> None:
@@ -134,7 +142,7 @@ def test_the_row_rides_in_the_last_fsdp_all_reduce_hook_call() -> None:
     assert launched == [True]  # the step's exchange left with the last call, once
     assert first.tolist() == [[2.0, 2.0], [2.0, 2.0]] and last.tolist() == [4.0, 4.0, 4.0]
     assert rider.rider.carried.tolist() == [0.5, 0.0, 0.0, 0.5, 1.0, 0.0]
-    totals = carried(rider.rider.carried, 2)
+    totals = carried(rider.rider.carried, lambda: 2)
     assert totals is not None and totals.bad == 1 and totals.single == 1
     # At close the user's own hooks are back, the same objects (a later sentinel wraps them).
     rider.release()
