@@ -179,6 +179,8 @@ class History:
         forgotten); the first of them that now reaches ``host_strikes`` and is not excluded
         yet, with its strikes, or None. The one place strikes are counted: the NaN path and
         the replica fingerprints (replicas.py) both strike here."""
+        if not hosts and not self.strikes:  # a healthy step with nothing to forget
+            return None
         for host in hosts:
             self.strikes.setdefault(host, []).append(step)
         horizon = step - config.strike_window
