@@ -248,18 +248,26 @@ def main(argv: list[str] | None = None) -> int:
     samples: dict[str, list[float]] = {arm: [] for arm in ARMS}
     cpu: dict[str, list[float]] = {arm: [] for arm in ARMS}
     rows: list[float] = []
+    paired: list[float] = []  # each round's sentinel median over its torchft median
     for _ in range(args.rounds):
+        medians = {}
         for arm in ARMS:
             times, row, cpus = round_of(arm, args.groups, args.steps, args.layout)
             samples[arm] += times
             cpu[arm] += cpus
             rows += row
+            medians[arm] = statistics.median(times)
+        paired.append(medians["sentinel"] / medians["torchft"])
     print(f"layout {args.layout}, {args.groups} groups")
     base = statistics.median(samples["torchft"])
     for arm in ARMS:
         median = statistics.median(samples[arm])
         print(f"{arm:9s} median step {median * 1e3:7.2f} ms  ({median / base:.3f}x torchft, "
               f"{len(samples[arm])} steps)")
+    # A machine whose speed drifts between rounds weighs on the pooled medians; each round's
+    # two arms ran back to back, so their ratio is less moved by it.
+    print(f"per-round wall ratios {' '.join(f'{r:.3f}' for r in paired)}, median "
+          f"{statistics.median(paired):.3f}x")
     # The CPU time of each group's main thread a step (the loop, the checks, the decision):
     # what the sentinel adds, less moved than the wall time by other jobs on the machine.
     base_cpu = statistics.median(cpu["torchft"])
