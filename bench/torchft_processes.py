@@ -14,6 +14,7 @@ step pays only where the row cannot ride with the gradients (docs/torchft.md).
     python bench/torchft_processes.py --groups 2 --rounds 1 --steps 20
     python bench/torchft_processes.py --layout fsdp2       # FSDP2 + torchft's all-reduce hook
     python bench/torchft_processes.py --parts --steps 300  # one group alone: where its time goes
+    python bench/torchft_processes.py --interleave 10 --steps 800  # both arms, same processes
 
 ``--parts`` runs one group alone in this process, each arm in turn (no peers, so no waiting on
 them): the median step of each arm and, in the sentinel arm, the time of each part of the
@@ -24,6 +25,7 @@ median call times its calls a step (parts nest: ``launch_exchange`` holds ``pack
 from __future__ import annotations
 
 import argparse
+import itertools
 import logging
 import multiprocessing as mp
 import statistics
@@ -58,8 +60,10 @@ def _fsdp2(module: Any, manager: Any, store: Any) -> Any:
 
 
 def _group(address: str, gid: int, groups: int, arm: str, steps: int, layout: str,
-           queue: Any) -> None:
-    """One replica group (one rank): its step times after a warm-up, and the health row's."""
+           queue: Any, block: int = 0) -> None:
+    """One replica group (one rank): its step times after a warm-up, and the health row's.
+    ``block`` > 0 (the sentinel arm): the sentinel watches every other ``block`` steps only,
+    the steps between are plain torchft's in the same processes (:func:`interleaved`)."""
     import torch
     from torch.distributed import TCPStore
     from torchft.ddp import DistributedDataParallel as TorchFTDDP
@@ -94,6 +98,7 @@ def _group(address: str, gid: int, groups: int, arm: str, steps: int, layout: st
         world_size=1, lighthouse_addr=address, timeout=timedelta(seconds=60))
     times: list[float] = []
     cpus: list[float] = []  # the process's main thread's CPU time a step
+    plain: list[bool] = []  # interleaved: the steps the sentinel did not watch
     try:
         if layout == "fsdp2":
             model: Any = _fsdp2(module, manager, store)
@@ -113,28 +118,67 @@ def _group(address: str, gid: int, groups: int, arm: str, steps: int, layout: st
                 model = nft.DistributedDataParallel(manager, module)
             own = {"manager": manager} if layout == "fsdp2" else {}
             sentinel = nft.Sentinel(model, opt, metrics_port=0, env={}, **own)
-            for _ in range(steps):
+            wrapper = OptimizerWrapper(manager, opt)
+            watch = _watching(sentinel, model)
+            for step in range(steps):
+                bare = block > 0 and (step // block) % 2 == 0
+                plain.append(bare)
+                watch(not bare)
                 started, cpu = time.perf_counter(), time.thread_time()
-                opt.zero_grad()
-                manager.start_quorum()
-                x = sentinel.check_batch(torch.randn(64, 256))
-                loss = model(x).pow(2).mean()
-                sentinel.check_loss(loss)
-                loss.backward()
-                sentinel.step()
+                if bare:  # the same processes, model and optimizer as plain torchft
+                    wrapper.zero_grad()
+                    model(torch.randn(64, 256)).pow(2).mean().backward()
+                    wrapper.step()
+                else:
+                    opt.zero_grad()
+                    manager.start_quorum()
+                    x = sentinel.check_batch(torch.randn(64, 256))
+                    loss = model(x).pow(2).mean()
+                    sentinel.check_loss(loss)
+                    loss.backward()
+                    sentinel.step()
                 times.append(time.perf_counter() - started)
                 cpus.append(time.thread_time() - cpu)
+            watch(True)
             sentinel.close()
     finally:
         manager.shutdown(wait=False)
     warmup = steps // 4
-    queue.put((gid, times[warmup:], rows[warmup:], cpus[warmup:]))
+    queue.put((gid, times[warmup:], rows[warmup:], cpus[warmup:], plain[warmup:]))
+
+
+def _watching(sentinel: Any, model: Any) -> Any:
+    """``watch(on)``: whether the sentinel watches the gradients' path (off: nansentinel's
+    torchft DDP hook reduces as torchft's does, the FSDP2 all-reduce hooks call the user's
+    hook at once, as before the sentinel wrapped them)."""
+    hooked = getattr(model, "_hook_state", None)
+    if hooked is not None:  # nansentinel's torchft DDP
+        path = hooked.path
+
+        def watch(on: bool) -> None:
+            hooked.path = path if on else None
+        return watch
+    carrier = next(s.carrier for s in sentinel.scopes if getattr(s, "carrier", None))
+    sink = carrier.sink
+
+    def watch_hooks(on: bool) -> None:
+        carrier.sink = sink if on else None
+    return watch_hooks
 
 
 def round_of(arm: str, groups: int, steps: int, layout: str
              ) -> tuple[list[float], list[float], list[float]]:
     """One round: ``groups`` processes; their step times, health-row times and CPU times a
     step (each process's main thread) after warm-up."""
+    results = _spawned(arm, groups, steps, layout)
+    times = [t for _, ts, *_ in results for t in ts]
+    rows = [r for _, _, rs, *_ in results for r in rs]
+    cpus = [c for *_, cs, _ in results for c in cs]
+    return times, rows, cpus
+
+
+def _spawned(arm: str, groups: int, steps: int, layout: str, block: int = 0) -> list[Any]:
+    """``groups`` processes and a lighthouse: what each group's :func:`_group` reported."""
     from torchft._torchft import LighthouseServer
 
     house = LighthouseServer(bind="[::]:0", min_replicas=groups, join_timeout_ms=1000,
@@ -142,7 +186,7 @@ def round_of(arm: str, groups: int, steps: int, layout: str
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     procs = [ctx.Process(target=_group, args=(house.address(), g, groups, arm, steps, layout,
-                                                   queue))
+                                                   queue, block))
              for g in range(groups)]
     try:
         for p in procs:
@@ -155,10 +199,42 @@ def round_of(arm: str, groups: int, steps: int, layout: str
             if p.is_alive():
                 p.kill()
         house.shutdown()
-    times = [t for _, ts, _, _ in results for t in ts]
-    rows = [r for _, _, rs, _ in results for r in rs]
-    cpus = [c for *_, cs in results for c in cs]
-    return times, rows, cpus
+    return results
+
+
+def interleaved(groups: int, steps: int, layout: str, block: int) -> None:
+    """Both arms in the same processes, ``block`` steps each in turn: the sentinel built once
+    and switched off for every other block (nansentinel's torchft DDP hook then reduces as
+    torchft's, the FSDP2 hooks go straight to the user's), against plain torchft's loop
+    (``OptimizerWrapper``) on the same model, groups and lighthouse. A machine whose speed
+    drifts over seconds weighs on both arms alike, and each pair of blocks gives a ratio."""
+    results = _spawned("sentinel", groups, steps, layout, block)
+    times = [t for _, ts, *_ in results for t in ts]
+    cpus = [c for *_, cs, _ in results for c in cs]
+    plain = [b for *_, bs in results for b in bs]
+    arms = {"torchft": [i for i, p in enumerate(plain) if p],
+            "sentinel": [i for i, p in enumerate(plain) if not p]}
+    print(f"layout {layout}, {groups} groups, {steps} steps a group in blocks of {block} "
+          "(the sentinel off, then on, in the same processes)")
+    base = statistics.median(times[i] for i in arms["torchft"])
+    base_cpu = statistics.median(cpus[i] for i in arms["torchft"])
+    for arm, at in arms.items():
+        wall, cpu = statistics.median(times[i] for i in at), statistics.median(cpus[i] for i in at)
+        print(f"{arm:9s} median step {wall * 1e3:7.2f} ms ({wall / base:.3f}x torchft), CPU "
+              f"{cpu * 1e3:6.2f} ms ({cpu / base_cpu:.3f}x), {len(at)} steps")
+    # Consecutive blocks (off, then on) of one group, paired: each pair's ratio of medians.
+    pairs = []
+    for _, ts, _, _, bare in results:
+        blocks = [(flag, [t for _, t in run]) for flag, run in
+                  itertools.groupby(zip(bare, ts, strict=True), key=lambda x: x[0])]
+        for (off, first), (on, second) in itertools.pairwise(blocks):
+            if off and not on and len(first) > 2 and len(second) > 2:
+                pairs.append(statistics.median(second) / statistics.median(first))
+    if pairs:
+        print(f"paired blocks: {len(pairs)}, their wall ratios' median "
+              f"{statistics.median(pairs):.3f}x (quartiles "
+              f"{statistics.quantiles(pairs, n=4)[0]:.3f}x to "
+              f"{statistics.quantiles(pairs, n=4)[2]:.3f}x)")
 
 
 #: (module, owner, attribute, label): what --parts times, in the sentinel arm.
@@ -217,7 +293,7 @@ def parts(steps: int, layout: str) -> None:
             house.shutdown()
             if dist.is_initialized():  # FSDP2's group of one, made again for the next arm
                 dist.destroy_process_group()
-        _, times, _, _ = queue.get()
+        _, times, *_ = queue.get()
         medians[arm] = statistics.median(times)
     print(f"layout {layout}, one group alone, {steps} steps ({len(times)} timed after warm-up)")
     for arm in ARMS:
@@ -235,6 +311,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--layout", choices=("ddp", "fsdp2"), default="ddp",
                         help="nansentinel's torchft DDP, or FSDP2 with torchft's all-reduce hook")
+    parser.add_argument("--interleave", type=int, default=0, metavar="BLOCK",
+                        help="one run, both arms in the same processes, BLOCK steps each in "
+                             "turn (the sentinel switched off and on); --steps a group")
     parser.add_argument("--parts", action="store_true",
                         help="one group alone in this process: where the sentinel's time goes")
     return parser.parse_args(argv)
@@ -244,6 +323,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.parts:
         parts(args.steps, args.layout)
+        return 0
+    if args.interleave:
+        interleaved(args.groups, args.steps, args.layout, args.interleave)
         return 0
     samples: dict[str, list[float]] = {arm: [] for arm in ARMS}
     cpu: dict[str, list[float]] = {arm: [] for arm in ARMS}
