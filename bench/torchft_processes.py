@@ -103,42 +103,43 @@ def _group(address: str, gid: int, groups: int, arm: str, steps: int, layout: st
         if layout == "fsdp2":
             model: Any = _fsdp2(module, manager, store)
             opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        sentinel: Any = None
         if arm == "torchft":
             model = TorchFTDDP(manager, module) if layout == "ddp" else model
-            wrapper = OptimizerWrapper(manager, opt)
-            for _ in range(steps):
-                started, cpu = time.perf_counter(), time.thread_time()
-                wrapper.zero_grad()
-                model(torch.randn(64, 256)).pow(2).mean().backward()
-                wrapper.step()
-                times.append(time.perf_counter() - started)
-                cpus.append(time.thread_time() - cpu)
         else:
             if layout == "ddp":
                 model = nft.DistributedDataParallel(manager, module)
             own = {"manager": manager} if layout == "fsdp2" else {}
             sentinel = nft.Sentinel(model, opt, metrics_port=0, env={}, **own)
-            wrapper = OptimizerWrapper(manager, opt)
             watch = _watching(sentinel, model)
-            for step in range(steps):
-                bare = block > 0 and (step // block) % 2 == 0
-                plain.append(bare)
+        wrapper = OptimizerWrapper(manager, opt)
+
+        def plain_step() -> None:  # plain torchft's loop
+            wrapper.zero_grad()
+            model(torch.randn(64, 256)).pow(2).mean().backward()
+            wrapper.step()
+
+        def watched_step() -> None:
+            opt.zero_grad()
+            manager.start_quorum()
+            x = sentinel.check_batch(torch.randn(64, 256))
+            loss = model(x).pow(2).mean()
+            sentinel.check_loss(loss)
+            loss.backward()
+            sentinel.step()
+
+        for step in range(steps):
+            # Interleaved, the same processes, model and optimizer take plain torchft's steps
+            # in every other block, the sentinel switched off.
+            bare = sentinel is None or (block > 0 and (step // block) % 2 == 0)
+            if sentinel is not None:
                 watch(not bare)
-                started, cpu = time.perf_counter(), time.thread_time()
-                if bare:  # the same processes, model and optimizer as plain torchft
-                    wrapper.zero_grad()
-                    model(torch.randn(64, 256)).pow(2).mean().backward()
-                    wrapper.step()
-                else:
-                    opt.zero_grad()
-                    manager.start_quorum()
-                    x = sentinel.check_batch(torch.randn(64, 256))
-                    loss = model(x).pow(2).mean()
-                    sentinel.check_loss(loss)
-                    loss.backward()
-                    sentinel.step()
-                times.append(time.perf_counter() - started)
-                cpus.append(time.thread_time() - cpu)
+            plain.append(bare)
+            started, cpu = time.perf_counter(), time.thread_time()
+            (plain_step if bare else watched_step)()
+            times.append(time.perf_counter() - started)
+            cpus.append(time.thread_time() - cpu)
+        if sentinel is not None:
             watch(True)
             sentinel.close()
     finally:
