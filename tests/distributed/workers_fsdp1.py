@@ -10,6 +10,7 @@ import math
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
@@ -191,6 +192,7 @@ def scenarios(rank: int, world: int, *, report_dir: str) -> dict[str, Any]:
             rank, world, steps=3, setup=setup, fingerprint_every=1,
             inject="kind=bitflip,rank=1,step=1", report_dir=f"{report_dir}/fp-{setup}")
     runs["refused"] = {s: refused(rank, world, setup=s) for s in ("own-hook", "outside", "twice")}
+    dist.barrier()  # leave together: see workers_fsdp.scenarios
     return runs
 
 
@@ -205,7 +207,6 @@ def refused(rank: int, world: int, *, setup: str) -> str:
     else:
         model = build(world)
         if setup == "own-hook":
-            import torch.distributed as dist
             from torch.distributed.algorithms._comm_hooks import default_hooks
 
             model.register_comm_hook(default_hooks.DefaultState(dist.group.WORLD),

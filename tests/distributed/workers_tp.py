@@ -193,6 +193,7 @@ def scenarios(rank: int, world: int, *, report_dir: str) -> dict[str, Any]:
             if GLOO_GAP not in str(exc):
                 raise
             runs[kind] = runs[f"{kind}-reference"] = {"unsupported": str(exc)}
+    torch.distributed.barrier()  # leave together: see workers_fsdp.scenarios
     return runs
 
 
