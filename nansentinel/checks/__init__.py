@@ -106,12 +106,15 @@ def tensor_norm(t: torch.Tensor) -> torch.Tensor:
     a check's norm of a tensor that requires grad (an activation) must not join the autograd
     graph, which would keep the tensor alive with it.
     """
-    t = local(t).detach()
+    t = local(t)
+    if t.requires_grad:  # a detach is a dispatch of its own: only where it is needed
+        t = t.detach()
     if t.is_complex():
         t = torch.view_as_real(t)
     if t.dtype in _HALF:
         return torch.linalg.vector_norm(t, dtype=torch.float32)
-    return torch.linalg.vector_norm(t).float()
+    norm = torch.linalg.vector_norm(t)
+    return norm if norm.dtype == torch.float32 else norm.float()
 
 
 def batch_norms(batch: object, device: torch.device) -> list[torch.Tensor]:
@@ -179,6 +182,8 @@ def loss_scalar(loss: torch.Tensor) -> torch.Tensor:
         if detached.numel() == 0:  # an empty shard holds no loss (numel is host metadata)
             return detached.float().sum()
     if detached.numel() == 1:
+        if detached.dim() == 0 and detached.dtype == torch.float32:
+            return detached  # the usual loss: nothing to reshape or cast (each a dispatch)
         return detached.reshape(()).float()
     return detached.float().mean()
 

@@ -18,7 +18,7 @@ import functools
 import signal
 import time
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -175,9 +175,13 @@ class LocalHealth:
         """The same row as :meth:`row`, as host floats: where the device is the CPU, reading
         the values syncs nothing, and the row's flags are the host's own (the pack then runs on
         floats, ``wire.schema.pack``, instead of a dozen small tensor operations here)."""
-        named = dict(zip(("batch_norm", "loss_value", "grad_norm_value"),
-                         self._values().tolist(), strict=True))
-        named.update(self._host_flags())
+        named = self._host_flags()
+        named["batch_norm"] = _host_float(combined(self.batch_norms, None))
+        loss = self.loss_sum
+        if loss is not None and self.loss_count != 1:
+            loss = loss / self.loss_count
+        named["loss_value"] = _host_float(loss)
+        named["grad_norm_value"] = _host_float(combined(self.grad_norms, None))
         named["quarantined"] = 0.0 if self.quarantined is None else float(self.quarantined)
         boundary = ([0.0] * len(BOUNDARY) if self.boundary is None
                     else self.boundary.to(torch.float32).tolist())
@@ -249,13 +253,25 @@ def placement(computed: tuple[str, ...], wire: tuple[str, ...],
     return tuple(at[same.get(name, name)] for name in wire)
 
 
-def combined(norms: list[torch.Tensor], zero: torch.Tensor) -> torch.Tensor:
-    """One L2 norm from several (NaN and Inf propagate); no kernel for zero or one."""
+_Zero = TypeVar("_Zero", torch.Tensor, None)
+
+
+def combined(norms: list[torch.Tensor], zero: _Zero) -> torch.Tensor | _Zero:
+    """One L2 norm from several (NaN and Inf propagate); no kernel for zero or one; ``zero``
+    where there are none (None: the host row reads it as 0.0)."""
     if not norms:
         return zero
     if len(norms) == 1:
         return norms[0]
     return torch.linalg.vector_norm(torch.stack(norms))
+
+
+def _host_float(value: torch.Tensor | None) -> float:
+    """A 0-d value of a CPU row as the fp32 float the device row holds (0.0 for none): one
+    read, no tensor made (the values are fp32 already but for a loss of another dtype)."""
+    if value is None:
+        return 0.0
+    return float(value if value.dtype == torch.float32 else value.to(torch.float32))
 
 
 def to_device(values: list[float], device: torch.device) -> torch.Tensor:

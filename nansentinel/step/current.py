@@ -62,6 +62,9 @@ class CurrentStep:
         #: own section, this rank's health row, is read by a wider scope whose row leaves with
         #: the gradients: the row is computed once a step); None until then.
         self.packed: torch.Tensor | None = None
+        #: On the CPU, the health row :meth:`launch_exchange` packed, as host floats (the own
+        #: section of :attr:`packed`, not read back); None elsewhere or until then.
+        self.host_row: list[float] | None = None
         #: This step's record (step/record.py): OPEN until the exchange leaves.
         self.record = StepRecord(self.index, self.local)
         self.gradients: Any = None
@@ -143,7 +146,7 @@ class CurrentStep:
         self.deadline.step = self.index
         self.buffers.reset()
         self.local = LocalHealth(self.device)
-        self.packed = None
+        self.packed = self.host_row = None
         self.record = StepRecord(self.index, self.local)
         self.gradients.reset()
         for watch in self.stages:
@@ -198,6 +201,7 @@ class CurrentStep:
         self.local.stop_signal = stop_requested()  # a signal so far travels with this row
         # On the CPU the row is read as host floats and packed as such (schema.pack).
         row = self.local.host_row() if self.device.type == "cpu" else self.local.row()
+        self.host_row = row if isinstance(row, list) else None
         self.packed = pack(row, self.thresholds(), self.rank, amp=self.amp,
                            dropped=self.local.dropped)
         self.exchange.launch(self.index, self.packed)

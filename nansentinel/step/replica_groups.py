@@ -175,10 +175,14 @@ class ReplicaGroups:
     def row(self) -> Any:
         """This rank's row for the gradients' last all-reduce, on the device (no host sync):
         read from the vector the step's exchange launched with the last gradients (its own
-        section is the health row), so the row is computed once a step."""
-        packed = self._bound().current.packed
+        section is the health row; on the CPU, the host floats it was packed from), so the
+        row is computed once a step."""
+        current = self._bound().current
+        packed = current.packed
         assert packed is not None, "the ride-along row is read after the exchange launched"
-        return device_row(packed[O.start:O.start + R.size], self.manager.participating_rank)
+        row = current.host_row if current.host_row is not None else packed[
+            O.start:O.start + R.size]
+        return device_row(row, self.manager.participating_rank)
 
     def begin(self) -> None:
         parts = self._bound()

@@ -44,18 +44,20 @@ def health_row(bad: bool, kinds: list[str], replica_rank: int | None,
     return row
 
 
-def device_row(row: torch.Tensor, replica_rank: Callable[[], int | None]) -> torch.Tensor:
+def device_row(row: torch.Tensor | list[float], replica_rank: Callable[[], int | None]
+               ) -> torch.Tensor:
     """This rank's row for the gradients' own all-reduce (:func:`carried`), from its health
     row (``checks.health.Row``, fp32: the own section of the step's packed vector) where the
     row lies, without a host sync: flagged where its batch, loss or gradients are non-finite
     or its batch is quarantined (the rule ``wire.schema.skip_count`` applies), which kinds,
     and its ``replica_rank()`` + 1 when flagged. On the CPU, where reading the row syncs
     nothing, :func:`health_row` of its values (one read, one tensor made; the replica rank,
-    which waits on torchft's quorum, asked only for a flagged row); elsewhere
-    :func:`row_on_device` (tests/unit/test_torchft_blame.py holds the two equal)."""
-    if row.device.type != "cpu":
+    which waits on torchft's quorum, asked only for a flagged row), or of the host floats
+    the step's row was packed from (``row`` a list); elsewhere :func:`row_on_device`
+    (tests/unit/test_torchft_blame.py holds the two equal)."""
+    if isinstance(row, torch.Tensor) and row.device.type != "cpu":
         return row_on_device(row, replica_rank())
-    values = row.tolist()
+    values = row if isinstance(row, list) else row.tolist()
     kinds = [kind for kind, v in zip(KINDS, values[R.batch_norm:R.grad_norm_value + 1],
                                      strict=True) if not math.isfinite(v)]
     bad = bool(kinds) or values[R.quarantined] > 0

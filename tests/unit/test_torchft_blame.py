@@ -100,8 +100,9 @@ def _giving(value: int | None) -> Any:
 
 
 def test_the_ride_along_row_is_the_same_from_host_floats_and_on_the_device() -> None:
-    """The CPU builds the row from the health row's floats, an accelerator with tensor
-    operations: the same row for every kind of value, quarantine and replica rank."""
+    """The CPU builds the row from the health row's floats (read from the packed vector, or
+    the host row it was packed from), an accelerator with tensor operations: the same row for
+    every kind of value, quarantine and replica rank."""
     specials = (0.0, 2.0, 3.0e38, math.inf, -math.inf, math.nan)
     for batch, loss, grad in itertools.product(specials, repeat=3):
         for quarantined, rank in itertools.product((0.0, 1.0), (None, 0, 7)):
@@ -110,6 +111,7 @@ def test_the_ride_along_row_is_the_same_from_host_floats_and_on_the_device() -> 
             row[R.quarantined] = quarantined
             host = device_row(row, _giving(rank))
             assert torch.equal(host, row_on_device(row, rank)), (row, rank)
+            assert torch.equal(device_row(row.tolist(), _giving(rank)), host), (row, rank)
 
 
 def test_the_row_rides_in_the_last_fsdp_all_reduce_hook_call() -> None:
