@@ -36,6 +36,26 @@ import nansentinel.torchft as nft
 ARMS = ("torchft", "sentinel")
 
 
+def plain_step(model: Any, wrapper: Any) -> None:
+    """One step of plain torchft's loop (``OptimizerWrapper`` asks ``should_commit()``): the
+    step both torchft benches time for their baseline (this one and torchft_processes.py)."""
+    wrapper.zero_grad()
+    model(torch.randn(64, 256)).pow(2).mean().backward()
+    wrapper.step()
+
+
+def watched_step(model: Any, opt: Any, manager: Any, sentinel: Any) -> None:
+    """The same step under ``nansentinel.torchft`` (its ``step()`` asks ``should_commit()``
+    and steps the optimizer): what both torchft benches time against :func:`plain_step`."""
+    opt.zero_grad()
+    manager.start_quorum()
+    x = sentinel.check_batch(torch.randn(64, 256))
+    loss = model(x).pow(2).mean()
+    sentinel.check_loss(loss)
+    loss.backward()
+    sentinel.step()
+
+
 def _group(house: LighthouseServer, gid: int, arm: str, steps: int, warmup: int,
            out: dict[int, list[float]]) -> None:
     store = TCPStore("localhost", 0, is_master=True, wait_for_workers=False)
@@ -54,22 +74,14 @@ def _group(house: LighthouseServer, gid: int, arm: str, steps: int, warmup: int,
             wrapper = OptimizerWrapper(manager, opt)
             for _ in range(steps):
                 started = time.perf_counter()
-                wrapper.zero_grad()
-                model(torch.randn(64, 256)).pow(2).mean().backward()
-                wrapper.step()
+                plain_step(model, wrapper)
                 times.append(time.perf_counter() - started)
         else:
             model = nft.DistributedDataParallel(manager, module)
             sentinel = nft.Sentinel(model, opt, metrics_port=0)
             for _ in range(steps):
                 started = time.perf_counter()
-                opt.zero_grad()
-                manager.start_quorum()
-                x = sentinel.check_batch(torch.randn(64, 256))
-                loss = model(x).pow(2).mean()
-                sentinel.check_loss(loss)
-                loss.backward()
-                sentinel.step()
+                watched_step(model, opt, manager, sentinel)
                 times.append(time.perf_counter() - started)
             sentinel.close()
     finally:

@@ -70,6 +70,7 @@ def _group(address: str, gid: int, groups: int, arm: str, steps: int, layout: st
     from torchft.manager import Manager
     from torchft.optim import OptimizerWrapper
     from torchft.process_group import ProcessGroupGloo
+    from torchft_overhead import plain_step, watched_step  # the very steps both benches time
 
     import nansentinel.step.replica_groups as ft_groups
     import nansentinel.torchft as nft
@@ -114,20 +115,6 @@ def _group(address: str, gid: int, groups: int, arm: str, steps: int, layout: st
             watch = _watching(sentinel, model)
         wrapper = OptimizerWrapper(manager, opt)
 
-        def plain_step() -> None:  # plain torchft's loop
-            wrapper.zero_grad()
-            model(torch.randn(64, 256)).pow(2).mean().backward()
-            wrapper.step()
-
-        def watched_step() -> None:
-            opt.zero_grad()
-            manager.start_quorum()
-            x = sentinel.check_batch(torch.randn(64, 256))
-            loss = model(x).pow(2).mean()
-            sentinel.check_loss(loss)
-            loss.backward()
-            sentinel.step()
-
         for step in range(steps):
             # Interleaved, the same processes, model and optimizer take plain torchft's steps
             # in every other block, the sentinel switched off.
@@ -136,7 +123,10 @@ def _group(address: str, gid: int, groups: int, arm: str, steps: int, layout: st
                 watch(not bare)
             plain.append(bare)
             started, cpu = time.perf_counter(), time.thread_time()
-            (plain_step if bare else watched_step)()
+            if bare:
+                plain_step(model, wrapper)
+            else:
+                watched_step(model, opt, manager, sentinel)
             times.append(time.perf_counter() - started)
             cpus.append(time.thread_time() - cpu)
         if sentinel is not None:
