@@ -238,7 +238,7 @@ PARTS = (
     ("nansentinel.step.current", "CurrentStep", "launch_exchange",
      "launch_exchange (health row, pack)"),
     ("nansentinel.step.current", None, "pack", "  pack"),
-    ("nansentinel.checks.health", "LocalHealth", "row", "  health row"),
+    ("nansentinel.checks.health", "LocalHealth", "host_row", "  health row (host floats)"),
     ("nansentinel.step.replica_groups", "ReplicaGroups", "row", "ride-along row"),
     ("nansentinel.step.sentinel", "Sentinel", "_decide", "the ranks' decision (_decide)"),
     ("nansentinel.step.replica_groups", "ReplicaGroups", "agree",
