@@ -177,10 +177,7 @@ class LocalHealth:
         floats, ``wire.schema.pack``, instead of a dozen small tensor operations here)."""
         named = self._host_flags()
         named["batch_norm"] = _host_float(combined(self.batch_norms, None))
-        loss = self.loss_sum
-        if loss is not None and self.loss_count != 1:
-            loss = loss / self.loss_count
-        named["loss_value"] = _host_float(loss)
+        named["loss_value"] = _host_float(self._loss())
         named["grad_norm_value"] = _host_float(combined(self.grad_norms, None))
         named["quarantined"] = 0.0 if self.quarantined is None else float(self.quarantined)
         boundary = ([0.0] * len(BOUNDARY) if self.boundary is None
@@ -192,11 +189,15 @@ class LocalHealth:
         """Batch norm, loss (the micro-batches' mean) and gradient norm, fp32 on the device."""
         zero = constant((0.0,), self.device).reshape(())
         batch = combined(self.batch_norms, zero)
-        loss = zero
-        if self.loss_sum is not None:
-            loss = self.loss_sum if self.loss_count == 1 else self.loss_sum / self.loss_count
+        loss = self._loss()
         grad = combined([moved(n, self.device) for n in self.grad_norms], zero)
-        return torch.stack([batch, loss, grad]).to(torch.float32)
+        return torch.stack([batch, zero if loss is None else loss, grad]).to(torch.float32)
+
+    def _loss(self) -> torch.Tensor | None:
+        """The micro-batches' mean loss (one division only for several); None: none checked."""
+        if self.loss_sum is None:
+            return None
+        return self.loss_sum if self.loss_count == 1 else self.loss_sum / self.loss_count
 
     def _host_flags(self) -> dict[str, float]:
         """The row's flags the host knows, as 0.0/1.0."""
