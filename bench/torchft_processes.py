@@ -28,10 +28,17 @@ import argparse
 import itertools
 import logging
 import multiprocessing as mp
+import queue as queue_module
 import statistics
+import sys
 import time
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
+
+# The checkout's nansentinel, in this process and in the groups' (spawned processes start
+# with this sys.path), installed or not.
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 ARMS = ("torchft", "sentinel")
 
@@ -182,7 +189,7 @@ def _spawned(arm: str, groups: int, steps: int, layout: str, block: int = 0) -> 
     try:
         for p in procs:
             p.start()
-        results = [queue.get(timeout=600) for _ in procs]
+        results = _reports(queue, procs, timeout=600.0)
         for p in procs:
             p.join(timeout=60)
     finally:
@@ -190,6 +197,29 @@ def _spawned(arm: str, groups: int, steps: int, layout: str, block: int = 0) -> 
             if p.is_alive():
                 p.kill()
         house.shutdown()
+    return results
+
+
+def _reports(queue: Any, procs: list[Any], timeout: float, poll: float = 1.0
+             ) -> list[Any]:
+    """Each group's report, in the order they come; a group that died first (its traceback
+    is above) or a bench past ``timeout`` seconds ends the bench within ``poll`` seconds,
+    naming them, instead of the others waiting out the timeout."""
+    results: list[Any] = []
+    deadline = time.monotonic() + timeout
+    while len(results) < len(procs):
+        try:
+            results.append(queue.get(timeout=poll))
+        except queue_module.Empty:
+            dead = [f"group {g} (exit code {p.exitcode})" for g, p in enumerate(procs)
+                    if p.exitcode not in (None, 0)]
+            if dead:
+                raise SystemExit(f"torchft_processes: {', '.join(dead)} ended without a "
+                                 "report; its traceback is above") from None
+            if time.monotonic() > deadline:
+                raise SystemExit(f"torchft_processes: {len(procs) - len(results)} of "
+                                 f"{len(procs)} groups sent no report within {timeout:g} s"
+                                 ) from None
     return results
 
 

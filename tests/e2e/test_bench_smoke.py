@@ -353,3 +353,34 @@ def test_torchft_overhead_benchmark_smoke_run() -> None:
     assert "health row: no round trip of its own" in proc.stdout, proc.stdout
 
 
+
+
+def test_torchft_processes_ends_at_once_when_a_group_dies_or_the_bench_hangs() -> None:
+    """``bench/torchft_processes.py`` collects each spawned group's report: a group that died
+    before reporting (an import error in the spawned process, a crash) ends the bench within
+    its poll (a second), naming the group and its exit code, instead of the others waiting out the
+    10-minute timeout with nothing said; reports that came are returned as they are."""
+    import queue
+    import time
+    from types import SimpleNamespace
+
+    spec = importlib.util.spec_from_file_location("torchft_processes",
+                                                  ROOT / "bench" / "torchft_processes.py")
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    path = list(sys.path)
+    try:
+        spec.loader.exec_module(bench)
+    finally:
+        sys.path[:] = path
+    alive, dead = SimpleNamespace(exitcode=None), SimpleNamespace(exitcode=1)
+    started = time.monotonic()
+    with pytest.raises(SystemExit, match=r"group 1 \(exit code 1\) ended without a report"):
+        bench._reports(queue.Queue(), [alive, dead], timeout=600.0, poll=0.05)
+    assert time.monotonic() - started < 5
+    with pytest.raises(SystemExit, match=r"2 of 2 groups sent no report within 0.5 s"):
+        bench._reports(queue.Queue(), [alive, alive], timeout=0.5, poll=0.05)
+    reports: queue.Queue[str] = queue.Queue()
+    reports.put("g1")
+    reports.put("g0")
+    assert bench._reports(reports, [alive, dead], timeout=5.0) == ["g1", "g0"]
