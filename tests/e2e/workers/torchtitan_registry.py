@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import os
+import sys
 from typing import Any
 
 import torch
@@ -163,9 +164,12 @@ def _report_weights(group: int) -> None:
                   for g in optimizer.param_groups for p in g["params"]]
         finite = all(bool(torch.isfinite(s).all()) for s in shards)
         total = sum(float(s.double().sum()) for s in shards)
-        print(f"WEIGHTS {os.environ.get('FT_ARM', '')} group {group} rank "
-              f"{os.environ['RANK']} step {state['step']} finite {finite} sum {total!r}",
-              flush=True)
+        # One write: the ranks share torchrun's stdout, and print's two writes (the line,
+        # then its newline) let another rank's output in between.
+        sys.stdout.flush()
+        os.write(sys.stdout.fileno(), (
+            f"WEIGHTS {os.environ.get('FT_ARM', '')} group {group} rank {os.environ['RANK']} "
+            f"step {state['step']} finite {finite} sum {total!r}\n").encode())
 
     register_optimizer_step_pre_hook(enter)
     register_optimizer_step_post_hook(report)

@@ -37,7 +37,11 @@ def arms(spec: str, argv: list[str]) -> None:
         if torch.distributed.is_initialized():  # the last arm's lines all came before
             torch.distributed.barrier()
         if os.environ["RANK"] == "0":
-            print(f"ARM {name}", flush=True)
+            # One write, on a line of its own: the ranks share torchrun's stdout, and a
+            # print is two writes (the text, then its newline) that another rank's output
+            # can come between; a leading newline ends another rank's unfinished line.
+            sys.stdout.flush()
+            os.write(sys.stdout.fileno(), f"\nARM {name}\n".encode())
         at = argv.index("--config") + 1
         config = ConfigManager().parse_args(
             [*argv[:at], name, *argv[at + 1:], "--training.steps", steps])
