@@ -353,13 +353,12 @@ def test_torchft_overhead_benchmark_smoke_run() -> None:
     assert "health row: no round trip of its own" in proc.stdout, proc.stdout
 
 
-
-
 def test_torchft_processes_ends_at_once_when_a_group_dies_or_the_bench_hangs() -> None:
     """``bench/torchft_processes.py`` collects each spawned group's report: a group that died
     before reporting (an import error in the spawned process, a crash) ends the bench within
-    its poll (a second), naming the group and its exit code, instead of the others waiting out the
-    10-minute timeout with nothing said; reports that came are returned as they are."""
+    its poll (a second), naming the group and its exit code, instead of the others waiting
+    out the 10-minute timeout with nothing said; reports that came are returned as they
+    are."""
     import queue
     import time
     from types import SimpleNamespace

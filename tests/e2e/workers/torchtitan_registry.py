@@ -138,6 +138,14 @@ def _ft_base() -> Any:
 _hooked: list[bool] = []
 
 
+def say(line: str) -> None:
+    """``line`` on stdout in one write, on a line of its own: the ranks share torchrun's
+    stdout, and a print is two writes (the text, then its newline) that another rank's output
+    can come between; the leading newline ends another rank's unfinished line."""
+    sys.stdout.flush()
+    os.write(sys.stdout.fileno(), f"\n{line}\n".encode())
+
+
 def _report_weights(group: int) -> None:
     """After each step of torchtitan's optimizers container, one line: whether this rank's
     shards are finite, and their sum (unchanged by a vetoed step). torchft's container
@@ -164,12 +172,8 @@ def _report_weights(group: int) -> None:
                   for g in optimizer.param_groups for p in g["params"]]
         finite = all(bool(torch.isfinite(s).all()) for s in shards)
         total = sum(float(s.double().sum()) for s in shards)
-        # One write: the ranks share torchrun's stdout, and print's two writes (the line,
-        # then its newline) let another rank's output in between.
-        sys.stdout.flush()
-        os.write(sys.stdout.fileno(), (
-            f"WEIGHTS {os.environ.get('FT_ARM', '')} group {group} rank {os.environ['RANK']} "
-            f"step {state['step']} finite {finite} sum {total!r}\n").encode())
+        say(f"WEIGHTS {os.environ.get('FT_ARM', '')} group {group} rank {os.environ['RANK']} "
+            f"step {state['step']} finite {finite} sum {total!r}")
 
     register_optimizer_step_pre_hook(enter)
     register_optimizer_step_post_hook(report)

@@ -27,6 +27,7 @@ def arms(spec: str, argv: list[str]) -> None:
     import torch
     from torchtitan.config import ConfigManager
     from torchtitan.tools.logging import init_logger
+    from torchtitan_registry import say  # the registry the arms train (--module)
 
     init_logger()
     start = Path(os.environ["FT_START"])
@@ -37,11 +38,7 @@ def arms(spec: str, argv: list[str]) -> None:
         if torch.distributed.is_initialized():  # the last arm's lines all came before
             torch.distributed.barrier()
         if os.environ["RANK"] == "0":
-            # One write, on a line of its own: the ranks share torchrun's stdout, and a
-            # print is two writes (the text, then its newline) that another rank's output
-            # can come between; a leading newline ends another rank's unfinished line.
-            sys.stdout.flush()
-            os.write(sys.stdout.fileno(), f"\nARM {name}\n".encode())
+            say(f"ARM {name}")  # one write: the other rank's output cannot split it
         at = argv.index("--config") + 1
         config = ConfigManager().parse_args(
             [*argv[:at], name, *argv[at + 1:], "--training.steps", steps])
