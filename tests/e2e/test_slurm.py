@@ -8,7 +8,8 @@ monitor interval); the training script is the real Sentinel under DDP
 One cluster serves the whole module, and the tests run in order on it: the poisoned first
 node (the batch host, which runs the store) is drained and leaves while the job completes on
 the other two; with node3 excluded, the next jobs keep off it until it is cleared and resumed;
-then the Epilog drains for a job user who cannot.
+then the Epilog drains for a job user who cannot, and reads nothing a user points it at that only
+root may read (a folder link, a hard link, a swap while the job ends).
 """
 
 from __future__ import annotations
@@ -55,10 +56,14 @@ def slurm() -> Iterator[SlurmCluster]:
         work.chmod(0o755)
         (work / "shared").mkdir(mode=0o755)
         epilog = work / "epilog"
+        # The program's lines go to a log of the test's own (slurmd keeps no Epilog output),
+        # with one line per run, so that a test knows the Epilog ran and what it said.
+        log = work / "epilog.log"
         epilog.write_text(
             "#!/bin/sh\n"
-            f"exec {sys.executable} -I {DRAIN} --exclusion-file "
-            f"'{work}/shared/{{user}}/excluded.jsonl'\n")
+            f"{sys.executable} -I {DRAIN} --exclusion-file "
+            f"'{work}/shared/{{user}}/nansentinel/excluded.jsonl' 2>>{log}\n"
+            f'echo "epilog of job $SLURM_JOB_ID on $SLURMD_NODENAME: exit $?" >>{log}\n')
         epilog.chmod(0o755)
         with SlurmCluster(work / "cluster", epilog=epilog) as cluster:
             yield cluster
@@ -75,7 +80,25 @@ def _job_env(slurm: SlurmCluster, **extra: str) -> dict[str, str]:
 
 
 def _shared(slurm: SlurmCluster) -> Path:
-    return slurm.workdir.parent / "shared" / "root"
+    return slurm.workdir.parent / "shared" / "root" / "nansentinel"
+
+
+def _epilog_log(slurm: SlurmCluster, job: str) -> list[str]:
+    """What the Epilog said at the end of ``job`` (its own lines and the wrapper's)."""
+    log = slurm.workdir.parent / "epilog.log"
+    text = log.read_text(errors="replace") if log.exists() else ""
+    return [line for line in text.splitlines() if f"job {job} " in line]
+
+
+def _nobody_home(slurm: SlurmCluster) -> tuple[Path, pwd.struct_passwd]:
+    """User nobody's folder on the shared filesystem and its ``nansentinel`` folder (the
+    Epilog's pattern), both nobody's; made once."""
+    nobody = pwd.getpwnam("nobody")
+    home = slurm.workdir.parent / "shared" / "nobody"
+    for folder in (home, home / "nansentinel"):
+        folder.mkdir(exist_ok=True)
+        os.chown(folder, nobody.pw_uid, nobody.pw_gid)
+    return home, nobody
 
 
 def _submit(slurm: SlurmCluster, out: Path, nodes: int, full_world: int,
@@ -210,17 +233,14 @@ def test_the_epilog_drains_for_a_user_without_rights(slurm: SlurmCluster) -> Non
     python = _python_for("nobody")
     if python is None:
         pytest.skip("no Python that user nobody can run (tried this one and /usr/bin/python3)")
-    shared = slurm.workdir.parent / "shared" / "nobody"
-    shared.mkdir()
-    nobody = pwd.getpwnam("nobody")
-    os.chown(shared, nobody.pw_uid, nobody.pw_gid)
+    shared, _ = _nobody_home(slurm)
     pwn = shared / "pwn"
     script = shared / "job.py"
     script.write_text(_NOBODY_JOB)
     reason = HOSTILE.format(pwn=pwn)
     job = slurm.sbatch(["--uid=nobody", "--nodes=2", "--nodelist=node[2-3]", f"--chdir={shared}",
                         f"--output={shared}/job.out", "--wrap",
-                        f"{python} -I {script} {shared}/excluded.jsonl "
+                        f"{python} -I {script} {shared}/nansentinel/excluded.jsonl "
                         f"{shlex.quote(reason)} {DRAIN}"])
     info = slurm.wait_job(job, 60)
     out = (shared / "job.out").read_text(errors="replace")
@@ -236,6 +256,92 @@ def test_the_epilog_drains_for_a_user_without_rights(slurm: SlurmCluster) -> Non
     assert slurm.node("node3")["State"] == "IDLE"
     slurm.resume("node2")
 
+
+#: A user's process racing the Epilog (run as nobody, outside the job, as from a login node):
+#: it swaps two names atomically (renameat2's RENAME_EXCHANGE) until told to stop.
+_RACER = """
+import ctypes, os, sys
+libc = ctypes.CDLL(None, use_errno=True)
+first, second, stop = (a.encode() for a in sys.argv[1:4])
+swaps = 0
+while not os.path.exists(stop):
+    if libc.renameat2(-100, first, -100, second, 2) != 0:
+        sys.exit(f"renameat2: errno {ctypes.get_errno()}")
+    swaps += 1
+print(swaps)
+"""
+
+
+@pytest.mark.parametrize("attack", ["folder-link", "hard-link", "swap"])
+def test_the_epilog_reads_nothing_only_root_can(slurm: SlurmCluster, attack: str) -> None:
+    """A root-only folder holds a root-owned 0600 exclusion file whose record names node2 and
+    the job, with a secret reason. User nobody's job points the Epilog at it: its
+    ``nansentinel`` folder (the Epilog's pattern) made a link to that folder; the exclusion
+    file a hard link to the root-owned file (which fs.protected_hardlinks keeps a user from
+    making here, so root makes it, as a site without that protection would let the user);
+    or, while the job ends, a process of the user's swapping the folder for the link and
+    back as fast as it can. The Epilog, reading as nobody without following a link, drains
+    nothing and its words hold nothing of the file (it ran: its log says so); the job
+    completes and leaves nothing running."""
+    python = _python_for("nobody")
+    if python is None:
+        pytest.skip("no Python that user nobody can run (tried this one and /usr/bin/python3)")
+    home, nobody = _nobody_home(slurm)
+    secret = slurm.workdir.parent / f"root-only-{attack}"
+    secret.mkdir(mode=0o700)
+    target = home / "nansentinel"
+    moved = home / "nansentinel.real"
+    stop = home / "stop-racer"
+    racer = None
+    job = slurm.sbatch(["--uid=nobody", "--hold", "--nodes=1", "--nodelist=node2",
+                        f"--chdir={home}", f"--output={home}/attack-%j.out", "--wrap=true"])
+    word = f"SECRET{os.urandom(6).hex()}"
+    try:
+        (secret / "excluded.jsonl").write_text(json.dumps({
+            "host": "node2", "reason": word, "step": 9, "job_id": job,
+            "evidence": {"bad_ranks": [0], "kinds": [word.lower()[:32]]}}) + "\n")
+        (secret / "excluded.jsonl").chmod(0o600)
+        (target / "excluded.jsonl").unlink(missing_ok=True)  # an earlier test's
+        if attack == "hard-link":
+            os.link(secret / "excluded.jsonl", target / "excluded.jsonl")
+        else:
+            target.rename(moved)
+            target.symlink_to(secret, target_is_directory=True)
+            os.lchown(target, nobody.pw_uid, nobody.pw_gid)
+        if attack == "swap":  # the real folder, with a file of the user's and no record
+            moved.joinpath("excluded.jsonl").write_text("")
+            os.chown(moved / "excluded.jsonl", nobody.pw_uid, nobody.pw_gid)
+            racer = subprocess.Popen(
+                ["runuser", "-u", "nobody", "--", python, "-I", "-c", _RACER, str(target),
+                 str(moved), str(stop)], stdout=subprocess.PIPE, text=True)
+        slurm.run(["scontrol", "release", job])
+        info = slurm.wait_job(job, 60)
+        if racer is not None:
+            stop.touch()
+            swaps = int(racer.communicate(timeout=30)[0])
+            assert racer.returncode == 0 and swaps > 100, swaps
+        said = _epilog_log(slurm, job)
+        out = (home / f"attack-{job}.out").read_text(errors="replace")
+        assert info["JobState"] == "COMPLETED", (info, out)
+        assert slurm.drain_reasons() == {}, said
+        assert said[-1] == f"epilog of job {job} on node2: exit 0", said
+        assert not any(word in line or word.lower() in line for line in [*said, out]), said
+        if attack != "swap":  # a swap may find the user's own empty file: nothing to say
+            assert any("nothing drained" in line for line in said), said
+        assert slurm.strays() == {}
+    finally:
+        if racer is not None and racer.poll() is None:
+            racer.kill()
+            racer.wait(timeout=10)
+        stop.unlink(missing_ok=True)
+        if target.is_symlink() or moved.is_symlink():  # the racer may have left them swapped
+            link, real = (target, moved) if target.is_symlink() else (moved, target)
+            link.unlink()
+            real.rename(target)
+        (target / "excluded.jsonl").unlink(missing_ok=True)
+        shutil.rmtree(secret, ignore_errors=True)
+        for node in slurm.drain_reasons():
+            slurm.resume(node)
 
 
 @pytest.mark.parametrize("how", [

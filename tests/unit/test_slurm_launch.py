@@ -8,10 +8,14 @@ import importlib.machinery
 import importlib.util
 import json
 import os
+import pwd
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 
@@ -150,7 +154,9 @@ def test_records_are_read_only_for_this_job_and_node(tmp_path: Path) -> None:
     assert [r["step"] for r in found] == [7, 8]
 
 
-def test_the_epilog_trusts_no_link_no_fifo_and_no_file_of_another_owner(tmp_path: Path) -> None:
+def test_the_hook_trusts_no_final_link_no_fifo_and_no_file_of_another_owner(
+    tmp_path: Path,
+) -> None:
     real = tmp_path / "real.jsonl"
     real.write_text(_line())
     link = tmp_path / "link.jsonl"
@@ -174,6 +180,86 @@ def test_the_epilog_reads_only_the_end_of_a_huge_file(tmp_path: Path,
     assert found and found[-1]["step"] == 2 and len(found) < 40
 
 
+@pytest.fixture
+def as_nobody() -> Iterator[tuple[Path, int, int, list[int]]]:
+    """A folder of user nobody's (in a world-searchable folder outside pytest's 0700 tree),
+    and nobody's uid, gid and groups, as the Epilog drops to them. Needs root."""
+    if os.geteuid() != 0:
+        pytest.skip("dropping to another user's rights needs root (CI runs as root)")
+    try:
+        user = pwd.getpwnam("nobody")
+    except KeyError:
+        pytest.skip("no user nobody here")
+    top = Path(tempfile.mkdtemp(prefix="nansentinel-epilog-"))
+    try:
+        top.chmod(0o755)
+        home = top / "nobody"
+        home.mkdir()
+        os.chown(home, user.pw_uid, user.pw_gid)
+        yield home, user.pw_uid, user.pw_gid, os.getgrouplist("nobody", user.pw_gid)
+    finally:
+        shutil.rmtree(top, ignore_errors=True)
+
+
+def _nobody_file(home: Path, text: str, name: str = "excluded.jsonl") -> Path:
+    path = home / name
+    path.write_text(text)
+    os.chown(path, home.stat().st_uid, home.stat().st_gid)
+    return path
+
+
+def test_the_epilog_reads_as_the_job_user(as_nobody: tuple[Path, int, int, list[int]]) -> None:
+    home, uid, gid, groups = as_nobody
+    path = _nobody_file(home, _line() + _line(step=8))
+    data, cut = drain.read_as_user(str(path), uid, gid, groups)
+    assert not cut and [r["step"] for r in drain.parse_records(data, cut, "42", "node3")] == [7, 8]
+    with pytest.raises(FileNotFoundError):
+        drain.read_as_user(str(home / "none.jsonl"), uid, gid, groups)
+
+
+def test_the_epilog_follows_no_link_anywhere_on_the_way(
+    as_nobody: tuple[Path, int, int, list[int]],
+) -> None:
+    """A link as the file, as its folder or as any folder above it is refused, not resolved,
+    even where it points at a file the user owns."""
+    home, uid, gid, groups = as_nobody
+    (home / "real").mkdir()
+    os.chown(home / "real", uid, gid)
+    _nobody_file(home / "real", _line())
+    (home / "dir-link").symlink_to(home / "real")
+    (home / "file-link.jsonl").symlink_to(home / "real" / "excluded.jsonl")
+    for path, errno_ in ((home / "dir-link" / "excluded.jsonl", 20),  # ENOTDIR
+                         (home / "file-link.jsonl", 40)):  # ELOOP
+        with pytest.raises(OSError) as raised:
+            drain.read_as_user(str(path), uid, gid, groups)
+        assert raised.value.errno == errno_, raised.value
+        assert "read as uid" in str(raised.value)
+    with pytest.raises(ValueError, match="absolute path without"):
+        drain.read_as_user(str(home / "real" / ".." / "real" / "excluded.jsonl"), uid, gid,
+                           groups)
+
+
+def test_the_epilog_reads_nothing_only_root_may(
+    as_nobody: tuple[Path, int, int, list[int]],
+) -> None:
+    """A root-only folder is closed to the user; a root-owned file the user could open (a
+    hard link into the user's folder, a file left readable) is refused by its owner; and
+    the refusal never carries the file's text."""
+    home, uid, gid, groups = as_nobody
+    secret = home.parent / "root-only"
+    secret.mkdir(mode=0o700)
+    (secret / "excluded.jsonl").write_text(_line(reason="SECRET"))
+    with pytest.raises(PermissionError, match="Permission denied"):
+        drain.read_as_user(str(secret / "excluded.jsonl"), uid, gid, groups)
+    readable = home.parent / "root-readable.jsonl"
+    readable.write_text(_line(reason="SECRET"))
+    readable.chmod(0o644)
+    os.link(readable, home / "excluded.jsonl")  # what fs.protected_hardlinks=0 allows a user
+    with pytest.raises(ValueError, match="owned by uid 0, not by the job's user") as raised:
+        drain.read_as_user(str(home / "excluded.jsonl"), uid, gid, groups)
+    assert "SECRET" not in str(raised.value)
+
+
 def _run_drain(
     tmp_path: Path, args: list[str], env: dict[str, str]
 ) -> subprocess.CompletedProcess[str]:
@@ -191,11 +277,12 @@ def _run_drain(
 def test_as_epilog_it_drains_this_node_with_one_argument_and_always_exits_0(
     tmp_path: Path,
 ) -> None:
-    (tmp_path / "u").mkdir()
-    path = tmp_path / "u" / "excluded.jsonl"
+    user = pwd.getpwuid(os.getuid()).pw_name  # the job's user: this one (root in CI)
+    (tmp_path / user).mkdir()
+    path = tmp_path / user / "excluded.jsonl"
     path.write_text(_line() + _line(host="node1"))
     env = {"SLURM_JOB_ID": "42", "SLURMD_NODENAME": "node3", "SLURM_NODELIST": "node[2-3]",
-           "SLURM_JOB_USER": "u", "SLURM_JOB_UID": str(os.getuid())}
+           "SLURM_JOB_USER": user, "SLURM_JOB_UID": str(os.getuid())}
     pattern = [f"--exclusion-file={tmp_path}/{{user}}/excluded.jsonl"]
     done = _run_drain(tmp_path, pattern, env)
     assert done.returncode == 0, done.stderr
@@ -210,6 +297,10 @@ def test_as_epilog_it_drains_this_node_with_one_argument_and_always_exits_0(
     # a user name that would leave the pattern's folder
     done = _run_drain(tmp_path, pattern, {**env, "SLURM_JOB_USER": ".."})
     assert done.returncode == 0 and not (tmp_path / "called").exists()
+    # a name and a uid that do not belong together
+    done = _run_drain(tmp_path, pattern, {**env, "SLURM_JOB_UID": str(os.getuid() + 4242)})
+    assert done.returncode == 0 and not (tmp_path / "called").exists()
+    assert f"job user {user!r} has uid {os.getuid()} here" in done.stderr
 
 
 # -- nansentinel store -----------------------------------------------------------------------
