@@ -40,8 +40,9 @@ launched; retrying the same command will fail the same way."""
 
 EXIT_NONFINITE_ABORT = 3
 """The sentinel aborted the run because of non-finite values (abort policy, too many
-consecutive skips, or a host exclusion with no restart left). The incident report named in
-the summary says which rank, host, step and kind."""
+consecutive skips, or a host exclusion with no restart left, or one that leaves fewer hosts
+than ``--nnodes``'s minimum: every remaining launcher exits at once, naming the hosts). The
+incident report named in the summary says which rank, host, step and kind."""
 
 EXIT_HOST_EXCLUDED = 4
 """This host was excluded (now or by an earlier run, per the exclusion file). Only the

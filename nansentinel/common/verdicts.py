@@ -10,7 +10,8 @@ code (see :mod:`nansentinel.common.exitcodes`).
 A verdict is a :class:`RankVerdict`; its JSON keys are its fields: ``rank, local_rank,
 hostname, step, outcome`` (``"aborted"`` | ``"excluded"`` | ``"exchange_timeout"`` |
 ``"closed"``: the rank's sentinel closed cleanly, training was over),
-``message, bad_ranks, bad_hosts, kinds, excluded_host`` (or null), ``report_path`` (or null)
+``message, bad_ranks, bad_hosts, kinds, excluded_host`` (or null: the first host excluded),
+``excluded_hosts`` (every host excluded at that step), ``report_path`` (or null)
 ``missing`` (the ranks an exchange timeout names) and ``record_error`` (or null: why rank 0
 could not write the exclusion record of an ``excluded`` verdict).
 
@@ -96,7 +97,9 @@ class RankVerdict:
     bad_hosts: list[str] = dataclasses.field(default_factory=list)
     kinds: list[str] = dataclasses.field(default_factory=list)
     excluded_host: str | None = None
-    """The host the cluster excluded (outcome ``excluded``)."""
+    """The host the cluster excluded (outcome ``excluded``; the first, where several were)."""
+    excluded_hosts: list[str] = dataclasses.field(default_factory=list)
+    """Every host the cluster excluded at that step (outcome ``excluded``)."""
     report_path: str | None = None
     """The incident report (on the rank that wrote it)."""
     missing: list[int] = dataclasses.field(default_factory=list)
@@ -108,11 +111,13 @@ class RankVerdict:
     """The signal's number (outcome ``stopped``)."""
 
     @property
-    def excludes(self) -> str | None:
-        """The host this verdict excludes, or None."""
-        if self.outcome == Outcome.EXCLUDED and self.excluded_host:
-            return self.excluded_host
-        return None
+    def excludes(self) -> list[str]:
+        """The hosts this verdict excludes (none: ``[]``); a verdict of a version that knew
+        only ``excluded_host`` names that one."""
+        if self.outcome != Outcome.EXCLUDED:
+            return []
+        hosts = [str(h) for h in self.excluded_hosts if h]
+        return hosts or ([self.excluded_host] if self.excluded_host else [])
 
     def to_json(self) -> str:
         """One line of JSON, without a newline. Values JSON cannot encode are written as
@@ -139,7 +144,7 @@ class RankVerdict:
                 raise ValueError(f"{key}={value!r} is not an integer")
         local_rank, signum = data.get("local_rank"), data.get("signal")
         lists: dict[str, list[Any]] = {}
-        for key in ("bad_ranks", "bad_hosts", "kinds", "missing"):
+        for key in ("bad_ranks", "bad_hosts", "kinds", "missing", "excluded_hosts"):
             value = data.get(key) or []
             if not isinstance(value, list):
                 raise ValueError(f"{key}={value!r} is not a list")
@@ -481,7 +486,7 @@ def outcome_from_verdicts(
 
     excluded = by_outcome.get(Outcome.EXCLUDED, [])
     for v in excluded:
-        if v.excluded_host == hostname:
+        if hostname in v.excludes:
             return VerdictOutcome(
                 EXIT_HOST_EXCLUDED,
                 f"this host ({hostname}) was excluded by the sentinel: {v.message}".rstrip(": "),
@@ -490,11 +495,13 @@ def outcome_from_verdicts(
             )
     if excluded:
         v = excluded[0]
+        hosts = v.excludes or [str(v.excluded_host)]
         return VerdictOutcome(
             EXIT_NONFINITE_ABORT,
-            f"host {v.excluded_host} was excluded by the sentinel and no restart is left to "
-            f"continue without it (raise --max-restarts and use --nnodes=MIN:MAX to keep going)",
-            excluded_host=v.excluded_host,
+            f"host(s) {', '.join(hosts)} excluded by the sentinel and no restart is left to "
+            f"continue without them (raise --max-restarts and use --nnodes=MIN:MAX to keep "
+            "going)",
+            excluded_host=hosts[0],
             verdict=v,
         )
     aborted = by_outcome.get(Outcome.ABORTED, [])

@@ -50,6 +50,9 @@ class Decision:
     exclude_host: str | None = None
     strikes: int = 0
     """Strikes against ``exclude_host`` in the window."""
+    also_exclude: tuple[tuple[str, int], ...] = ()
+    """The other hosts excluded at this same step, each with its strikes: every blamed host
+    that reached ``host_strikes`` leaves together, with one rendezvous change."""
     kept: int = 0
     """``DROP``: the ranks whose gradients the step averages (the world less the ranks left
     out of its reduction)."""
@@ -69,6 +72,12 @@ class Decision:
     def stops(self) -> bool:
         """Every rank raises: the run is aborted or a host is excluded."""
         return self.action in (ABORT, EXCLUDE)
+
+    @property
+    def exclusions(self) -> list[tuple[str, int]]:
+        """Every host this step excludes, with its strikes (``exclude_host`` first)."""
+        first = [(self.exclude_host, self.strikes)] if self.exclude_host else []
+        return [*first, *self.also_exclude]
 
     @property
     def bad_ranks(self) -> list[int]:
@@ -219,8 +228,8 @@ class History:
         elif decision.applies:
             self.consecutive_skips = 0
         self.strike(blamed_hosts(view, decision, verdict), view.step, config)
-        if decision.exclude_host:
-            self.exclude(decision.exclude_host)
+        for host, _ in decision.exclusions:
+            self.exclude(host)
         if decision.cause == AFTER_ROLLBACK:
             self.skip_batches -= 1
         self._account(decision, config, evidence)
@@ -422,16 +431,19 @@ def _nonfinite(
 ) -> Decision:
     verdict = evidence.verdict
     provisional = Decision(SKIP, bad, cause=NONFINITE, overflow=overflow)
-    for host in blamed_hosts(view, provisional, verdict):
-        strikes = history.strikes_within(host, view.step, config) + 1
-        if strikes >= config.host_strikes and host not in history.excluded:
-            return dataclasses.replace(
-                provisional,
-                action=EXCLUDE,
-                exclude_host=host,
-                strikes=strikes,
-                reason=f"host {host} blamed {strikes} times within {config.strike_window} steps",
-            )
+    leaving = [(host, n) for host in blamed_hosts(view, provisional, verdict)
+               if (n := history.strikes_within(host, view.step, config) + 1)
+               >= config.host_strikes and host not in history.excluded]
+    if leaving:  # every host that reached its strikes leaves at this step, together
+        (host, strikes), *others = leaving
+        return dataclasses.replace(
+            provisional,
+            action=EXCLUDE,
+            exclude_host=host,
+            strikes=strikes,
+            also_exclude=tuple(others),
+            reason="; ".join(exclusion_reason(h, n, config) for h, n in leaving),
+        )
     if config.policy == "abort":
         return dataclasses.replace(provisional, action=ABORT, reason="policy is abort")
     if history.skip_batches > 0:  # discarded anyway: not one more rollback, nor a skip streak
@@ -458,6 +470,11 @@ def _nonfinite(
         return _rollback(history, config, dataclasses.replace(
             provisional, reason="policy is rollback"), evidence.snapshot_step)
     return provisional
+
+
+def exclusion_reason(host: str, strikes: int, config: SentinelConfig) -> str:
+    """Why ``host`` is excluded: its strikes within the window (each host's record says it)."""
+    return f"host {host} blamed {strikes} times within {config.strike_window} steps"
 
 
 def max_dropped_ranks(world_size: int, fraction: float) -> int:

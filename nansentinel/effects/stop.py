@@ -32,7 +32,7 @@ from nansentinel.common.verdicts import (
     write_verdict,
 )
 from nansentinel.config import SentinelConfig
-from nansentinel.decide.policy import EXCLUDE, Decision
+from nansentinel.decide.policy import EXCLUDE, Decision, exclusion_reason
 from nansentinel.result import (
     ExchangeTimeoutError,
     HostExcludedError,
@@ -253,21 +253,24 @@ def stop(
     writable."""
     config, identity = ctx.config, ctx.identity
     problem = None
-    if decision.exclude_host:  # the decision, not a rank's config, says who joins this one
+    leaving = [host for host, _ in decision.exclusions]
+    if leaving:  # the decision, not a rank's config, says who joins this one
         failed = (record_exclusion(ctx, decision, result)
                   if identity.rank == 0 and config.exclusion_file else None)
-        # Rank 0's record (and report) is on disk, or every rank knows it is not.
+        # Rank 0's records (and report) are on disk, or every rank knows they are not.
         with ctx.guarded():
             problem = ctx.peers.gather_from([0], failed).get(0)
         if isinstance(problem, str):
-            message = (f"{message.rstrip('.')}. The exclusion of host "
-                       f"{decision.exclude_host} could not be recorded: {problem}; it holds "
-                       "for this launch only (its launcher runs --on-exclude and exits 4), "
-                       "and rank 0 logged the record to append once the file is writable.")
+            hosts, its = ((f"host {leaving[0]}", "its launcher") if len(leaving) == 1
+                          else (f"hosts {', '.join(leaving)}", "each one's launcher"))
+            message = (f"{message.rstrip('.')}. The exclusion of {hosts} could not be "
+                       f"recorded: {problem}; it holds for this launch only ({its} runs "
+                       "--on-exclude and exits 4), and rank 0 logged the record to append "
+                       "once the file is writable.")
     leave_verdict(
         config, identity, result.step, result.outcome, message, bad_ranks=result.bad_ranks,
         bad_hosts=result.bad_hosts, kinds=result.kinds, excluded_host=decision.exclude_host,
-        report_path=result.report_path,
+        excluded_hosts=leaving, report_path=result.report_path,
         record_error=problem if isinstance(problem, str) else None,
     )
     # Every rank's verdict is left before anyone raises (torchrun stops a host's workers
@@ -285,32 +288,40 @@ def stop(
 
 
 def record_exclusion(ctx: Context, decision: Decision, result: StepResult) -> str | None:
-    """Rank 0: append the exclusion record; what failed (one line naming the file), or None.
-    A failure is logged with the record itself, as the JSON line the file would have held."""
+    """Rank 0: append one exclusion record for each host the step excludes; what failed
+    (one line naming the file), or None. A failure is logged with the records themselves, as
+    the JSON lines the file would have held."""
     from nansentinel.common.exclusion import ExclusionRecord, ExclusionStore
 
-    record = ExclusionRecord(
-        host=str(decision.exclude_host),
-        reason=decision.reason,
-        step=result.step,
-        evidence={
-            "bad_ranks": result.bad_ranks,
-            "kinds": result.kinds,
-            "strikes": decision.strikes,
-            "report_path": result.report_path,
-        },
-        time=time.time(),
-        job_id=ctx.job_id,
-    )
-    try:
-        ExclusionStore(str(ctx.config.exclusion_file)).add(record)
-    except Exception as exc:  # any failure: every rank must still hear of it and raise
-        problem = str(exc) if isinstance(exc, OSError) else f"{type(exc).__name__}: {exc}"
+    store = ExclusionStore(str(ctx.config.exclusion_file))
+    problem = None
+    leaving = decision.exclusions
+    for host, strikes in leaving:
+        alone = len(leaving) == 1  # several hosts: each record says why that one leaves
+        record = ExclusionRecord(
+            host=host,
+            reason=decision.reason if alone else exclusion_reason(host, strikes, ctx.config),
+            step=result.step,
+            evidence={
+                "bad_ranks": result.bad_ranks if alone else sorted(
+                    r.rank for r in decision.bad if r.identity.hostname == host),
+                "kinds": result.kinds,
+                "strikes": strikes,
+                "report_path": result.report_path,
+            },
+            time=time.time(),
+            job_id=ctx.job_id,
+        )
+        try:
+            if problem is None:
+                store.add(record)
+                continue
+        except Exception as exc:  # any failure: every rank must still hear of it and raise
+            problem = str(exc) if isinstance(exc, OSError) else f"{type(exc).__name__}: {exc}"
         log.error("nansentinel: rank 0 could not record the exclusion of host %s (%s); the "
                   "record, to append to %s once it is writable: %s", record.host, problem,
                   ctx.config.exclusion_file, record.to_json())
-        return problem
-    return None
+    return problem
 
 
 def on_timeout(

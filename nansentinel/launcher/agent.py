@@ -28,7 +28,11 @@ from nansentinel.common.exitcodes import (
 from nansentinel.common.verdicts import CLOSED, RankVerdict, outcome_from_verdicts, read_verdicts
 from nansentinel.launcher.console import PROG, format_time, say
 from nansentinel.launcher.on_exclude import run_hook
-from nansentinel.launcher.rendezvous_guard import ExclusionGuard, HostExcludedExit
+from nansentinel.launcher.rendezvous_guard import (
+    ExclusionGuard,
+    HostExcludedExit,
+    TooFewHostsExit,
+)
 from nansentinel.launcher.signals import signal_exit_code
 
 
@@ -50,6 +54,9 @@ def launch(
         )
         run_hook(hook, exc.record.host, exc.record.reason)
         return EXIT_HOST_EXCLUDED
+    except TooFewHostsExit as exc:
+        print_summary(guard, {}, read_verdicts(guard.run_dir), EXIT_NONFINITE_ABORT, str(exc))
+        return EXIT_NONFINITE_ABORT
     except ChildFailedError as exc:
         verdicts = read_verdicts(guard.run_dir)
         outcome = outcome_from_verdicts(verdicts, guard.hostname, failed=list(exc.failures))

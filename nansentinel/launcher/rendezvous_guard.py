@@ -47,6 +47,11 @@ class HostExcludedExit(Exception):
         self.record = record
 
 
+class TooFewHostsExit(Exception):
+    """Raised inside torchrun's agent when the hosts excluded at one step leave fewer than
+    ``--nnodes``'s minimum: the next round could only wait out its join timeout."""
+
+
 class ExclusionGuard:
     """Decides, before each rendezvous round, whether this host may (re)join.
 
@@ -55,17 +60,22 @@ class ExclusionGuard:
         run_dir: where this host's ranks write their verdicts.
         store: the shared exclusion store, or None when no file is configured.
         job_id: written into a record this guard has to add itself.
+        min_nodes: ``--nnodes``'s minimum: fewer hosts than this cannot go on.
     """
 
     def __init__(
-        self, hostname: str, run_dir: Path, store: ExclusionStore | None, job_id: str | None
+        self, hostname: str, run_dir: Path, store: ExclusionStore | None, job_id: str | None,
+        min_nodes: int = 1,
     ) -> None:
         self.hostname = hostname
         self.run_dir = run_dir
         self.store = store
         self.job_id = job_id
+        self.min_nodes = min_nodes
         self.excluded: ExclusionRecord | None = None
         self.others_excluded: set[str] = set()
+        self.nodes: int | None = None
+        """The hosts of the last round this agent joined (None before the first)."""
         self._rounds = 0
 
     def __repr__(self) -> str:  # shown in torchrun's "rdzv_configs" log line
@@ -74,7 +84,7 @@ class ExclusionGuard:
     def check(self) -> ExclusionRecord | None:
         """The record that keeps this host out, or None when it may join."""
         for verdict in read_verdicts(self.run_dir).values():
-            if verdict.excludes == self.hostname:
+            if self.hostname in verdict.excludes:
                 return self._record_from_verdict(verdict)
         if self.store is not None:
             mine = self.store.records_for(self.hostname)
@@ -89,13 +99,30 @@ class ExclusionGuard:
             self.excluded = record
             raise HostExcludedExit(record)
         if self._rounds > 0:
-            for verdict in read_verdicts(self.run_dir).values():
-                if verdict.excludes:
-                    self.others_excluded.add(verdict.excludes)
+            verdicts = read_verdicts(self.run_dir).values()
+            leaving = {host for verdict in verdicts for host in verdict.excludes}
+            self.others_excluded |= leaving
+            left = None if self.nodes is None else self.nodes - len(leaving)
+            if leaving and left is not None and left < self.min_nodes:
+                step = next((v.step for v in verdicts if v.excludes), "?")
+                raise TooFewHostsExit(
+                    f"host(s) {', '.join(sorted(leaving))} excluded by the sentinel at step "
+                    f"{step} leave {left} of the {self.nodes} host(s), fewer than --nnodes's "
+                    f"minimum of {self.min_nodes}: the job cannot go on and ends on every "
+                    "host (lower the minimum, e.g. the batch script's MIN_NODES, to go on "
+                    "with fewer hosts)")
             archived = archive_verdicts(self.run_dir)
             if archived is not None:
                 say(f"verdicts of the failed attempt kept in {archived}")
         self._rounds += 1
+
+    def joined(self, info: Any) -> None:
+        """Called with what a round returned: remembers how many hosts it holds."""
+        nodes = getattr(info, "world_size", None)
+        if nodes is None and isinstance(info, tuple) and len(info) >= 3:
+            nodes = info[2]  # torch before RendezvousInfo: (store, rank, world_size)
+        if isinstance(nodes, int):
+            self.nodes = nodes
 
     def _record_from_verdict(self, verdict: RankVerdict) -> ExclusionRecord:
         """Prefer rank 0's record (it carries the cluster's evidence); if it does not show
@@ -159,7 +186,9 @@ class GuardedRendezvousHandler:
 
     def next_rendezvous(self) -> Any:
         self._guard.before_round()
-        return self._inner.next_rendezvous()
+        info = self._inner.next_rendezvous()
+        self._guard.joined(info)
+        return info
 
     def is_closed(self) -> bool:
         return bool(self._inner.is_closed())
@@ -309,5 +338,6 @@ def install_guard(launch_config: Any, guard: ExclusionGuard) -> bool:
         GUARD_BACKEND, _create_guarded_handler)  # type: ignore[arg-type]
     launch_config.rdzv_configs[_INNER_BACKEND_KEY] = launch_config.rdzv_backend
     launch_config.rdzv_configs[_GUARD_KEY] = guard
+    guard.min_nodes = launch_config.min_nodes
     launch_config.rdzv_backend = GUARD_BACKEND
     return True

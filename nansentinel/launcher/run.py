@@ -71,8 +71,11 @@ that is already in the exclusion file runs the hook and exits 4 without joining.
 
 Limits. Continuing without a host needs an elastic range (``--nnodes=MIN:MAX`` with MIN
 below the current node count) and ``--max-restarts`` >= 1; otherwise the job stops with
-exit code 3 on the healthy hosts. ``--rdzv-backend=static`` has no rounds to leave, so with
-more than one node it is refused at start (exit 2). The host running the c10d rendezvous
+exit code 3 on the healthy hosts. Hosts excluded at the same step leave together; when they
+leave fewer than MIN, the guard ends every remaining launcher at once with exit 3 and a line
+naming them, before a round that could only wait out its join timeout.
+``--rdzv-backend=static`` has no rounds to leave, so with more than one node it is refused
+at start (exit 2). The host running the c10d rendezvous
 store (``--rdzv-endpoint``) cannot leave without ending the rendezvous for everyone: if it is
 excluded, its launcher says so and closes the rendezvous (exit 4), and the other launchers
 end with exit 3 naming it; run the store on a host that trains nothing (README).

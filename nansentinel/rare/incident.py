@@ -81,10 +81,7 @@ def describe(view: ClusterView, decision: Decision, result: StepResult, spikes: 
     for signal, ratio in spikes.collapsed.items():
         parts.append(f"{signal} collapse on cluster mean: {ratio:.2f}x its running median "
                      "(no snapshot kept while it lasts)")
-    if decision.exclude_host:
-        nxt = f"excluding host {decision.exclude_host}"
-    else:
-        nxt = _NEXT[result.outcome]
+    nxt = _excluding(decision) if decision.exclude_host else _NEXT[result.outcome]
     if result.rolled_back_to is not None:
         nxt += f" to step {result.rolled_back_to}, learning rate x{result.lr_factor:g}"
     what = "non-finite values" if decision.bad else "spike" if spikes else (
@@ -97,9 +94,14 @@ def describe(view: ClusterView, decision: Decision, result: StepResult, spikes: 
     )
 
 
+def _excluding(decision: Decision) -> str:
+    hosts = [host for host, _ in decision.exclusions]
+    return f"excluding host{'s' if len(hosts) > 1 else ''} {', '.join(hosts)}"
+
+
 def describe_abort(decision: Decision, result: StepResult) -> str:
     """The message of the exception raised on every rank."""
-    what = "excluding host " + str(decision.exclude_host) if decision.exclude_host else "aborting"
+    what = _excluding(decision) if decision.exclude_host else "aborting"
     if not result.bad_ranks:
         return f"nansentinel: {what} at step {result.step}: {decision.reason}."
     if decision.cause == "replica":  # the reason names the groups, ranks and parameters
@@ -185,6 +187,7 @@ def payload(
         "injected": view.injected,
         "overflow": decision.overflow,
         "excluded_host": decision.exclude_host,
+        "excluded_hosts": [host for host, _ in decision.exclusions],
         "consecutive_skips": result.consecutive_skips,
         "world_size": view.world_size,
         "verdict": result.verdict,

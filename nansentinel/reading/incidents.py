@@ -483,7 +483,10 @@ def explain(incident: Incident) -> list[Section]:
     if r.get("rolled_back_to") is not None:
         did += f" (step {r['rolled_back_to']}, learning rate x{fmt(r.get('lr_factor'))})"
     if r.get("excluded_host"):
-        did += f"; host {r['excluded_host']} excluded"
+        hosts = r.get("excluded_hosts")
+        hosts = ([str(h) for h in hosts] if isinstance(hosts, list) and hosts
+                 else [str(r["excluded_host"])])
+        did += f"; host{'s' if len(hosts) > 1 else ''} {', '.join(hosts)} excluded"
     acted = [f"The sentinel {did}" + (f", policy {r['policy']}" if r.get("policy") else "")
              + "." + (f" Reason: {r['reason']}." if r.get("reason") else "")]
     verdict = (f"{incident.verdict}: {_VERDICT_WORDS.get(incident.verdict, '')}".rstrip(": ")

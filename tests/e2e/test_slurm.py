@@ -162,6 +162,43 @@ def test_a_poisoned_first_node_is_drained_and_the_job_completes(slurm: SlurmClus
     slurm.resume("node1")
 
 
+def test_two_hosts_poisoned_at_once_leave_together_and_the_last_one_stops(
+        slurm: SlurmCluster, tmp_path: Path) -> None:
+    """node2's and node3's ranks get non-finite gradients at steps 5-7: both reach their
+    three strikes at step 7 and leave at that step, each drained with its own reason (its
+    ranks, its strikes); node1 alone is below the job's minimum (MIN_NODES: 2 of 3), so its
+    launcher exits 3 at once with a line naming both hosts and the minimum, instead of
+    waiting out the rendezvous's join timeout (60 s here); the job is FAILED, exit 3."""
+    inject = "kind=grad,host=node2,steps=5-7;kind=grad,host=node3,steps=5-7"
+    try:
+        info, log = _train(slurm, tmp_path / "out", 3, 6, inject)
+        assert (info["JobState"], info["ExitCode"]) == ("FAILED", "3:0"), log[-6000:]
+        exits = _shared(slurm) / info["JobId"] / "exit"
+        codes = {p.name: p.read_text().strip() for p in exits.iterdir()
+                 if not p.name.startswith(".")}
+        assert codes == {"node1": "3", "node2": "4", "node3": "4"}, log[-6000:]
+        assert ("host(s) node2, node3 excluded by the sentinel at step 7 leave 1 of the 3 "
+                "host(s), fewer than --nnodes's minimum of 2: the job cannot go on") in log
+        records = ExclusionStore(_shared(slurm) / "excluded.jsonl").records()
+        assert sorted((r.host, r.step) for r in records) == [("node2", 7), ("node3", 7)]
+        # promptly: node1's launcher ended within seconds of the exclusion, not at the join
+        # timeout
+        waited = (exits / "node1").stat().st_mtime - max(r.time for r in records)
+        assert waited < 20, waited
+        excl = _shared(slurm) / "excluded.jsonl"
+        assert slurm.drain_reasons() == {
+            host: (f"nansentinel excluded {host} at step 7 (job {info['JobId']}, ranks "
+                   f"{ranks}, kind grad): host {host} blamed 3 times within 100 steps; to "
+                   f"return it: nansentinel excluded --exclusion-file {excl} --clear {host}, "
+                   f"then scontrol update nodename={host} state=resume")
+            for host, ranks in (("node2", "2,3"), ("node3", "4,5"))}
+        assert slurm.strays() == {}
+    finally:
+        for host in ("node2", "node3"):
+            _excluded(slurm, "--clear", host)
+        slurm.resume(*slurm.drain_reasons())
+
+
 def test_the_next_jobs_keep_off_the_excluded_node(slurm: SlurmCluster, tmp_path: Path) -> None:
     """node3 excluded and drained as the test above leaves a node (its record written and the
     node drained here, not by a second training job): a 3-node job pends and an

@@ -19,7 +19,11 @@ from nansentinel.common import exitcodes
 from nansentinel.common.exclusion import ExclusionRecord, ExclusionStore
 from nansentinel.common.verdicts import RankVerdict, write_verdict
 from nansentinel.launcher import agent
-from nansentinel.launcher.rendezvous_guard import ExclusionGuard, HostExcludedExit
+from nansentinel.launcher.rendezvous_guard import (
+    ExclusionGuard,
+    HostExcludedExit,
+    TooFewHostsExit,
+)
 
 BAR = "=" * 78
 T0 = 1_700_000_000  # 2023-11-14 22:13:20Z
@@ -265,6 +269,23 @@ def test_launch_host_excluded_exit_is_4_with_summary_and_hook(
         "Root cause: this host (node-a) is excluded: 3 strikes; its launcher leaves the job "
         "and the other hosts continue without it\n"
     ) in err
+
+
+def test_launch_with_too_few_hosts_left_is_3_with_the_reason(
+    tmp_path: Path, launcher: Callable[[BaseException | None], list[Any]],
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    g = guard(tmp_path)
+    write_verdict(g.run_dir, RankVerdict(rank=0, outcome="excluded", step=7, hostname="node-a",
+                                         excluded_host="node-b",
+                                         excluded_hosts=["node-b", "node-c"],
+                                         message="excluding hosts node-b, node-c"))
+    launcher(TooFewHostsExit("host(s) node-b, node-c excluded ... fewer than the minimum"))
+    assert agent.launch(None, "python", [], g, None) == exitcodes.EXIT_NONFINITE_ABORT
+    err = capsys.readouterr().err
+    assert "exit 3 (EXIT_NONFINITE_ABORT)" in err
+    assert "Root cause: host(s) node-b, node-c excluded ... fewer than the minimum\n" in err
+    assert "    excluded_host: node-b\n" in err
 
 
 def test_launch_signal_is_128_plus_its_number(

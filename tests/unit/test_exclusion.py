@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import multiprocessing
@@ -13,12 +14,18 @@ import pytest
 
 from nansentinel.common.exclusion import ExclusionRecord, ExclusionStore
 from nansentinel.common.exitcodes import EXIT_CONFIG, EXIT_OK
-from nansentinel.common.verdicts import RankVerdict, write_verdict
+from nansentinel.common.verdicts import (
+    RankVerdict,
+    outcome_from_verdicts,
+    read_verdicts,
+    write_verdict,
+)
 from nansentinel.launcher.excluded_command import excluded_main
 from nansentinel.launcher.rendezvous_guard import (
     ExclusionGuard,
     GuardedRendezvousHandler,
     HostExcludedExit,
+    TooFewHostsExit,
 )
 
 
@@ -198,6 +205,79 @@ def test_guard_keeps_the_excluded_host_out_and_leaves_without_closing(
     assert "shutdown" not in inner.calls  # closing would end the job for every host
     assert inner.calls[-1] == "stop_heartbeats"
     assert [type(op) for op in inner._op_executor.ops] == [_RendezvousExitOp]
+
+
+def test_hosts_excluded_together_below_the_minimum_end_the_job_at_once(tmp_path: Path) -> None:
+    """Three hosts, --nnodes=2:3: node1 and node3 excluded at one step leave node2 alone, so
+    node2's agent does not wait out the join timeout in the next round: it stops, naming the
+    hosts, the step and the minimum. One excluded host leaves two: the next round goes on."""
+    class Info:  # torch's RendezvousInfo: what the guard reads of a round
+        world_size = 3
+
+    inner = _FakeDynamicHandler()
+    inner.next_rendezvous = lambda: Info()  # type: ignore[method-assign]
+    guard = ExclusionGuard("node2", tmp_path, None, "job-1", min_nodes=2)
+    handler = GuardedRendezvousHandler(inner, guard)
+    handler.next_rendezvous()
+    assert guard.nodes == 3
+    one = dataclasses.replace(_verdict("node2", "node3"), excluded_hosts=["node3"])
+    write_verdict(tmp_path, one)
+    handler.next_rendezvous()  # 2 hosts left: enough
+    two = dataclasses.replace(_verdict("node2", "node1"), excluded_hosts=["node1", "node3"])
+    write_verdict(tmp_path, two)
+    with pytest.raises(TooFewHostsExit) as raised:
+        handler.next_rendezvous()
+    assert str(raised.value).startswith(
+        "host(s) node1, node3 excluded by the sentinel at step 12 leave 1 of the 3 host(s), "
+        "fewer than --nnodes's minimum of 2: the job cannot go on")
+    assert guard.others_excluded == {"node1", "node3"}
+
+
+def test_two_hosts_excluded_at_one_step_get_a_record_each(tmp_path: Path) -> None:
+    """The stop path (one process) of a step that excludes node1 and node3: rank 0 writes one
+    record per host, each with that host's strikes and ranks; the verdict names both."""
+    import nansentinel
+    from nansentinel.config import SentinelConfig
+    from nansentinel.decide.policy import EXCLUDE, Decision
+    from nansentinel.effects.stop import stop
+    from nansentinel.result import Outcome, RankIdentity, StepResult
+    from nansentinel.wire.context import alone
+    from nansentinel.wire.view import RankHealth
+
+    store = ExclusionStore(tmp_path / "excluded.jsonl")
+    ctx = alone(SentinelConfig(exclusion_file=str(store.path), run_dir=str(tmp_path / "run")),
+                job_id="job")
+    bad = tuple(RankHealth(RankIdentity(r, 0, 1, host, "cpu"), ("grad",), False, 1.0, 1.0)
+                for r, host in ((0, "node1"), (4, "node3")))
+    decision = Decision(EXCLUDE, bad, reason="host node1 blamed 3 times within 100 steps; "
+                        "host node3 blamed 4 times within 100 steps", exclude_host="node1",
+                        strikes=3, also_exclude=(("node3", 4),))
+    result = StepResult(step=7, applied=False, outcome=Outcome.EXCLUDED, bad_ranks=[0, 4],
+                        bad_hosts=["node1", "node3"], kinds=["grad"], local_kinds=[],
+                        local_loss=None, local_grad_norm=None, consecutive_skips=0)
+    with pytest.raises(nansentinel.HostExcludedError):
+        stop(ctx, decision, result, "nansentinel: excluding hosts node1, node3 at step 7.",
+             lingering=False)
+    records = {r.host: r for r in store.records()}
+    assert {h: (r.reason, r.evidence["strikes"], r.evidence["bad_ranks"], r.step)
+            for h, r in records.items()} == {
+        "node1": ("host node1 blamed 3 times within 100 steps", 3, [0], 7),
+        "node3": ("host node3 blamed 4 times within 100 steps", 4, [4], 7)}
+    [left] = read_verdicts(tmp_path / "run").values()
+    assert left.excludes == ["node1", "node3"] and left.excluded_host == "node1"
+
+
+def test_a_verdict_names_every_host_excluded_at_its_step() -> None:
+    both = dataclasses.replace(_verdict("node2", "node1"), excluded_hosts=["node1", "node3"])
+    back = RankVerdict.from_json(both.to_json())
+    assert back.excludes == ["node1", "node3"]
+    assert outcome_from_verdicts({0: back}, "node3").exit_code == 4
+    other = outcome_from_verdicts({0: back}, "node2")
+    assert other.exit_code == 3 and other.explanation.startswith(
+        "host(s) node1, node3 excluded by the sentinel and no restart is left")
+    # A verdict of a version that knew one host only
+    assert RankVerdict.from_json(_verdict("node2", "node1").to_json()).excludes == ["node1"]
+    assert _verdict("node2", None, outcome="aborted").excludes == []
 
 
 def test_guard_refuses_a_host_already_in_the_store(tmp_path: Path) -> None:

@@ -267,7 +267,7 @@ def test_an_unwritable_exclusion_file_is_one_named_error(
             f"recorded: cannot write the exclusion file {store.path}: could not {failed}; it "
             "holds for this launch only (its launcher runs --on-exclude and exits 4)")
         [left] = read_verdicts(tmp_path / "run").values()
-        assert left.message == str(excluded.value) and left.excludes == "bad"
+        assert left.message == str(excluded.value) and left.excludes == ["bad"]
         assert (left.record_error or "").startswith(f"cannot write the exclusion file {store.path}")
         # The bad host's launcher does not wait for a record rank 0 said it could not write;
         # its own attempt fails too, in one line, and it leaves all the same.

@@ -84,6 +84,31 @@ def test_strikes_within_window_exclude_a_host_but_never_the_only_one() -> None:
     assert h2.strikes == {}
 
 
+def test_every_host_that_reaches_its_strikes_at_one_step_leaves_at_that_step() -> None:
+    """Two of three hosts poisoned from the same step: both reach their strikes together and
+    one decision excludes both (one rendezvous change), each with its own strikes."""
+    hosts = ["a", "a", "b", "b", "c", "c"]
+    cfg = SentinelConfig(host_strikes=2, strike_window=10)
+    h = History()
+    decisions = []
+    for step in (5, 6):
+        bad = (RankHealth(RankIdentity(r, r % 2, 2, hosts[r], "cpu"), ("grad",), False, 1.0,
+                          1.0) for r in (0, 1, 2, 3))
+        rows = tuple(bad)
+        v = ClusterView(step, len(hosts), Totals(bad_grad=4, blamed=4, flagged=4,
+                                                 flagged_rank=6.0), rows, rows)
+        d = decide(v, h, cfg)
+        h.record(v, d, cfg)
+        decisions.append(d)
+    assert [d.action for d in decisions] == [SKIP, EXCLUDE]
+    d = decisions[-1]
+    assert (d.exclude_host, d.strikes, d.also_exclude) == ("a", 2, (("b", 2),))
+    assert d.exclusions == [("a", 2), ("b", 2)]
+    assert d.reason == ("host a blamed 2 times within 10 steps; host b blamed 2 times within "
+                        "10 steps")
+    assert h.excluded == ["a", "b"]
+
+
 def test_history_saves_its_own_state_under_the_checkpoint_keys() -> None:
     h = History(consecutive_skips=2, strikes={"node3": [4, 9]}, excluded=["node7"],
                 rollbacks={10: 1}, skip_batches=3, spike_streak=1)
