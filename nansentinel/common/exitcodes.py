@@ -12,7 +12,8 @@ code  name                       meaning
 2     ``EXIT_CONFIG``            bad option or configuration; nothing was started
 3     ``EXIT_NONFINITE_ABORT``   the sentinel stopped the run on non-finite values
 4     ``EXIT_HOST_EXCLUDED``     this host was excluded; its launcher left the job
-5     ``EXIT_EXCHANGE_TIMEOUT``  a rank did not answer the sentinel's health exchange
+5     ``EXIT_EXCHANGE_TIMEOUT``  a rank did not answer the health exchange, or the
+                                 rendezvous store is gone
 130   ``EXIT_SIGINT``            stopped by SIGINT (Ctrl-C); the workers were stopped
 143   ``EXIT_SIGTERM``           stopped by SIGTERM (a scheduler's time limit, ``scancel``)
 ====  =========================  ===========================================================
@@ -50,8 +51,11 @@ launcher on the excluded host exits with it, after running the ``--on-exclude`` 
 that the scheduler can drain the node while the other hosts carry on."""
 
 EXIT_EXCHANGE_TIMEOUT = 5
-"""A rank did not answer the sentinel's health exchange within the exchange timeout: a
-dead, frozen or partitioned rank. The summary names the ranks that did not answer."""
+"""A part of the job stopped answering: a rank did not answer the sentinel's health exchange
+within the exchange timeout (a dead, frozen or partitioned rank; the summary names the ranks
+that did not answer), or the rendezvous store is gone (its process died or stops answering:
+the launchers stop every rank after a common step, and the summary names the store's
+address). Either way a restart or a requeue is the answer."""
 
 EXIT_SIGINT = 130
 """SIGINT stopped the launcher (128 + 2): the workers got it too, and SIGKILL after a grace

@@ -9,7 +9,9 @@ code (see :mod:`nansentinel.common.exitcodes`).
 
 A verdict is a :class:`RankVerdict`; its JSON keys are its fields: ``rank, local_rank,
 hostname, step, outcome`` (``"aborted"`` | ``"excluded"`` | ``"exchange_timeout"`` |
-``"closed"``: the rank's sentinel closed cleanly, training was over),
+``"stopped"``: a signal asked every rank to stop | ``"store_gone"``: the launchers stopped the
+run because the rendezvous store is gone | ``"closed"``: the rank's sentinel closed cleanly,
+training was over),
 ``message, bad_ranks, bad_hosts, kinds, excluded_host`` (or null: the first host excluded),
 ``excluded_hosts`` (every host excluded at that step), ``report_path`` (or null)
 ``missing`` (the ranks an exchange timeout names) and ``record_error`` (or null: why rank 0
@@ -68,14 +70,21 @@ CLOSED = "closed"
 #: A verdict's outcome when a signal (``signal``: SIGTERM, SIGINT) asked the run to stop and
 #: every rank stopped after the same step (effects/stop.py): the launcher exits 128 + it.
 STOPPED = "stopped"
+#: A verdict's outcome when the launchers stopped the run because the rendezvous store is
+#: gone (its process died or stops answering): every rank stopped after the same step, as for
+#: a signal, and the launcher exits 5. The launcher says so first (:func:`write_stop_cause`).
+STORE_GONE = "store_gone"
 #: The values of a verdict's ``outcome``: the two ways the cluster stops, a timeout, a stop a
-#: signal asked for, and the clean end.
+#: signal asked for, a stop for a lost store, and the clean end.
 VERDICT_OUTCOMES = (
-    Outcome.ABORTED.value, Outcome.EXCLUDED.value, EXCHANGE_TIMEOUT, STOPPED, CLOSED,
+    Outcome.ABORTED.value, Outcome.EXCLUDED.value, EXCHANGE_TIMEOUT, STOPPED, STORE_GONE,
+    CLOSED,
 )
 
 VERDICTS_SUBDIR = "verdicts"
 _RANK_FILE = re.compile(r"^rank-(\d{1,9})\.json$")
+#: Where a launcher leaves why it is about to stop its workers (in the attempt's verdicts).
+_STOP_CAUSE = "launcher-stop-cause.json"
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -218,6 +227,38 @@ def read_verdicts(run_dir: str | Path) -> dict[int, RankVerdict]:
     if inbox is not None:
         verdicts.update(inbox.current())
     return verdicts
+
+
+def write_stop_cause(run_dir: str | Path, outcome: str, message: str) -> None:
+    """The launcher, before it stops its workers for a cause of its own (the rendezvous store
+    is gone): ``outcome`` and ``message`` for the verdict each rank then leaves, instead of
+    blaming the signal that stops it. Written atomically; raises ``OSError``. Moved aside with
+    the attempt's verdicts."""
+    path = Path(run_dir) / VERDICTS_SUBDIR / _STOP_CAUSE
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{_STOP_CAUSE}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            json.dump({"outcome": outcome, "message": message}, f)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def stop_cause(run_dir: str | Path | None) -> tuple[str, str] | None:
+    """What :func:`write_stop_cause` left for this attempt, as ``(outcome, message)``; None
+    where it left nothing (or it cannot be read: the rank then names the signal)."""
+    if not run_dir:
+        return None
+    path = Path(run_dir) / VERDICTS_SUBDIR / _STOP_CAUSE
+    try:
+        data = untrusted.parse_json(untrusted.read_text(path, what="launcher's stop cause"))
+    except (OSError, ValueError):
+        return None
+    if not isinstance(data, dict) or data.get("outcome") not in VERDICT_OUTCOMES:
+        return None
+    return str(data["outcome"]), str(data.get("message") or "")
 
 
 def archive_verdicts(run_dir: str | Path) -> Path | None:
@@ -472,7 +513,8 @@ def outcome_from_verdicts(
     """Map the verdicts of a failed attempt to this host's exit code.
 
     Precedence, strongest first: this host excluded (4) > the sentinel stopped the run,
-    by abort or by excluding another host (3) > a rank missed the health exchange (5) > a
+    by abort or by excluding another host (3) > the rendezvous store is gone (5) > a rank
+    missed the health exchange (5) > a
     signal asked every rank to stop after the same step (128 + the signal: 143, 130) > no
     verdict at all, an ordinary worker failure (1). An abort outranks a timeout because
     the sentinel aborts on every rank at the same step, so a timeout next to an abort is a
@@ -512,6 +554,11 @@ def outcome_from_verdicts(
             f"the sentinel aborted the run: {v.message or 'non-finite values'}",
             verdict=v,
         )
+    gone = by_outcome.get(STORE_GONE, [])
+    if gone:
+        v = gone[0]
+        return VerdictOutcome(EXIT_EXCHANGE_TIMEOUT, v.message or "the rendezvous store is gone",
+                              verdict=v)
     timeouts = by_outcome.get(EXCHANGE_TIMEOUT, [])
     if timeouts:
         v = timeouts[0]

@@ -28,6 +28,7 @@ from nansentinel.common.verdicts import (
     STOPPED,
     RankVerdict,
     send_verdict,
+    stop_cause,
     verdict_path,
     write_verdict,
 )
@@ -180,13 +181,14 @@ def end_if_asked(step: int, *, config: SentinelConfig, identity: RankIdentity) -
     signum = stop_requested()
     if not signum:
         return
-    name = signal.Signals(signum).name
-    message = (f"{name} asked the run to stop and step {step}'s collectives failed (a peer "
-               "is gone): this rank stopped at once, not at a step every rank agreed on; "
-               "resume from the last checkpoint")
+    outcome, why = stop_cause(config.run_dir) or (
+        STOPPED, f"{signal.Signals(signum).name} asked the run to stop")
+    message = (f"{why}, and step {step}'s collectives failed (a peer is gone): this rank "
+               "stopped at once, not at a step every rank agreed on; resume from the last "
+               "checkpoint")
     log.error("nansentinel: rank %d: %s", identity.rank, message)
     try:
-        leave_verdict(config, identity, step, STOPPED, message, signal=signum)
+        leave_verdict(config, identity, step, outcome, message, signal=signum)
     finally:
         _flush()
         os._exit(128 + signum)
@@ -520,12 +522,14 @@ class RunEnd:
             return
         signum, step = self.stopping
         self.stopped = True
-        name = signal.Signals(signum).name
-        leave_verdict(self.ctx.config, self.ctx.identity, step, STOPPED,
-                      f"{name} asked the run to stop; every rank stopped after step {step}",
-                      signal=signum)
-        log.warning("nansentinel: rank %d stops after step %d: %s asked the run to stop",
-                    self.ctx.identity.rank, step, name)
+        # The launcher that sent the signal may have said why (the rendezvous store is gone):
+        # then that is the verdict, not a signal the user never sent.
+        outcome, why = stop_cause(self.ctx.config.run_dir) or (
+            STOPPED, f"{signal.Signals(signum).name} asked the run to stop")
+        leave_verdict(self.ctx.config, self.ctx.identity, step, outcome,
+                      f"{why}; every rank stopped after step {step}", signal=signum)
+        log.warning("nansentinel: rank %d stops after step %d: %s",
+                    self.ctx.identity.rank, step, why)
         self.shut()
         raise StopRequested(signum, step)
 

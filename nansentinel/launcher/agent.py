@@ -19,6 +19,7 @@ from typing import Any
 
 from nansentinel.common.exclusion import ExclusionRecord, ExclusionStore
 from nansentinel.common.exitcodes import (
+    EXIT_EXCHANGE_TIMEOUT,
     EXIT_HOST_EXCLUDED,
     EXIT_NONFINITE_ABORT,
     EXIT_OK,
@@ -31,6 +32,7 @@ from nansentinel.launcher.on_exclude import run_hook
 from nansentinel.launcher.rendezvous_guard import (
     ExclusionGuard,
     HostExcludedExit,
+    RendezvousStoreGone,
     TooFewHostsExit,
 )
 from nansentinel.launcher.signals import signal_exit_code
@@ -54,6 +56,9 @@ def launch(
         )
         run_hook(hook, exc.record.host, exc.record.reason)
         return EXIT_HOST_EXCLUDED
+    except RendezvousStoreGone as exc:
+        print_summary(guard, {}, read_verdicts(guard.run_dir), EXIT_EXCHANGE_TIMEOUT, str(exc))
+        return EXIT_EXCHANGE_TIMEOUT
     except TooFewHostsExit as exc:
         print_summary(guard, {}, read_verdicts(guard.run_dir), EXIT_NONFINITE_ABORT, str(exc))
         return EXIT_NONFINITE_ABORT

@@ -21,7 +21,13 @@ from typing import Any
 from nansentinel.common import torch_insides as insides
 from nansentinel.common.bounded import OneAtATime
 from nansentinel.common.exclusion import ExclusionRecord, ExclusionStore
-from nansentinel.common.verdicts import RankVerdict, archive_verdicts, read_verdicts
+from nansentinel.common.verdicts import (
+    STORE_GONE,
+    RankVerdict,
+    archive_verdicts,
+    read_verdicts,
+    write_stop_cause,
+)
 from nansentinel.launcher.console import say
 
 #: The rendezvous backend name under which the exclusion guard is registered.
@@ -37,6 +43,12 @@ RECORD_WAIT_S = 5.0
 POLL_BOUND_S = 5.0
 #: Seconds beyond the rendezvous's close timeout that ``shutdown()`` may take.
 SHUTDOWN_MARGIN_S = 5.0
+#: Seconds a launcher that found the rendezvous store gone waits, beyond two monitor
+#: intervals (and :data:`POLL_BOUND_S` where the store stopped answering rather than
+#: refused), before its agent stops the workers: every other launcher finds it gone too in
+#: that time (each polls the store every monitor interval) and tells its own ranks why,
+#: before any rank hears of a stop.
+STORE_GONE_GRACE_S = 2.0
 
 
 class HostExcludedExit(Exception):
@@ -50,6 +62,28 @@ class HostExcludedExit(Exception):
 class TooFewHostsExit(Exception):
     """Raised inside torchrun's agent when the hosts excluded at one step leave fewer than
     ``--nnodes``'s minimum: the next round could only wait out its join timeout."""
+
+
+class RendezvousStoreGone(Exception):
+    """Raised inside torchrun's agent when the rendezvous store died or stopped answering:
+    no restart, no exclusion and no new host can happen without it, so the job stops."""
+
+
+def store_failure(exc: BaseException) -> str | None:
+    """What a rendezvous call's error says of the store, in one line (no C++ stack), or None
+    when it is no failure to reach the store (a closed rendezvous, a join timeout...)."""
+    from torch.distributed import DistError
+    from torch.distributed.elastic.rendezvous import RendezvousConnectionError
+
+    if not isinstance(exc, DistError | RendezvousConnectionError):
+        return None
+    seen: BaseException | None = exc
+    while seen is not None:
+        if isinstance(seen, DistError):  # the store's own error: its first words
+            text = str(seen).split("Exception raised from", 1)[0].strip()
+            return (text.splitlines()[0].strip() if text else type(seen).__name__).rstrip(".")
+        seen = seen.__cause__ or seen.__context__
+    return "the connection to it failed"
 
 
 class ExclusionGuard:
@@ -72,6 +106,9 @@ class ExclusionGuard:
         self.store = store
         self.job_id = job_id
         self.min_nodes = min_nodes
+        self.store_grace = STORE_GONE_GRACE_S
+        """Seconds to wait before the workers are stopped for a lost store (install_guard
+        adds two monitor intervals)."""
         self.excluded: ExclusionRecord | None = None
         self.others_excluded: set[str] = set()
         self.nodes: int | None = None
@@ -166,11 +203,16 @@ class GuardedRendezvousHandler:
     attribute of the real handler reachable (``__getattr__``).
     """
 
-    def __init__(self, inner: Any, guard: ExclusionGuard, *, store_host: bool = False) -> None:
+    def __init__(self, inner: Any, guard: ExclusionGuard, *, store_host: bool = False,
+                 endpoint: str = "") -> None:
         self._inner = inner
         self._guard = guard
         #: This agent serves the c10d rendezvous store (``--rdzv-endpoint`` is this host).
         self.store_host = store_host
+        #: The rendezvous store's ``HOST:PORT`` (``--rdzv-endpoint``), for messages.
+        self.endpoint = endpoint
+        #: Why the store is gone, once it is (nothing is asked of it after that).
+        self.store_gone: str | None = None
         self._poll = OneAtATime(lambda: self._inner.num_nodes_waiting(),
                                 "nansentinel-rdzv-poll")
 
@@ -186,7 +228,11 @@ class GuardedRendezvousHandler:
 
     def next_rendezvous(self) -> Any:
         self._guard.before_round()
-        info = self._inner.next_rendezvous()
+        try:
+            info = self._inner.next_rendezvous()
+        except Exception as exc:
+            self._store_gone(exc, workers=False)
+            raise
         self._guard.joined(info)
         return info
 
@@ -200,8 +246,38 @@ class GuardedRendezvousHandler:
         """The inner handler's answer, or 0 when the store has not answered within
         :data:`POLL_BOUND_S` (a host cut off from it): the agent then goes on watching its
         workers instead of waiting minutes on the store."""
-        answered, value = self._poll(POLL_BOUND_S)
+        try:
+            answered, value = self._poll(POLL_BOUND_S)
+        except Exception as exc:
+            self._store_gone(exc, workers=True)
+            raise
         return int(value) if answered and value is not None else 0
+
+    def _store_gone(self, exc: BaseException, *, workers: bool) -> None:
+        """Raise :class:`RendezvousStoreGone` naming the store when ``exc`` says it cannot be
+        reached (else return: the caller re-raises ``exc``). ``workers``: this agent's workers
+        run; the agent stops them (SIGTERM) once this raises, so first leave them the cause
+        for their verdicts and give every other launcher the time to find the store gone and
+        do the same (:data:`STORE_GONE_GRACE_S`): no rank then names a signal."""
+        detail = store_failure(exc)
+        if detail is None:
+            return
+        timed_out = "timeout" in detail.lower() or "timed out" in detail.lower()
+        how = ("stopped answering" if timed_out else "is gone (its process died or was "
+               "killed)")
+        self.store_gone = (
+            f"the rendezvous store at {self.endpoint or '--rdzv-endpoint'} {how}: "
+            f"{detail}. Without it no host can restart, leave or join, so the launchers "
+            "stopped the run; every rank stopped after a common step (exit 5). Start the "
+            "store and the job again; it resumes from its last checkpoint")
+        if workers:
+            try:
+                write_stop_cause(self._guard.run_dir, STORE_GONE, self.store_gone)
+            except OSError as err:
+                say(f"could not tell the workers why they stop ({err}); their verdicts will "
+                    "name the signal")
+            time.sleep(self._guard.store_grace + (POLL_BOUND_S if timed_out else 0.0))
+        raise RendezvousStoreGone(self.store_gone) from exc
 
     def get_run_id(self) -> str:
         return str(self._inner.get_run_id())
@@ -213,6 +289,8 @@ class GuardedRendezvousHandler:
         by a signal, and for the dynamic (c10d, etcd) handler that *closes* the rendezvous:
         every other agent would then fail its next round with ``RendezvousClosedError``.
         """
+        if self.store_gone is not None:
+            return False  # nothing to close, and nobody to tell
         if self._guard.excluded is None:
             return self._bounded_shutdown()
         if self.store_host:
@@ -281,7 +359,8 @@ def _create_guarded_handler(params: Any) -> GuardedRendezvousHandler:
     )
     handler = rdzv_registry.get_rendezvous_handler(inner_params)
     store = insides.rendezvous_store(handler)  # the c10d backend's TCPStore, bound by now
-    return GuardedRendezvousHandler(handler, guard, store_host=serves_store(inner_params, store))
+    return GuardedRendezvousHandler(handler, guard, store_host=serves_store(inner_params, store),
+                                    endpoint=str(params.endpoint))
 
 
 def serves_store(params: Any, store: Any = None) -> bool:
@@ -339,5 +418,6 @@ def install_guard(launch_config: Any, guard: ExclusionGuard) -> bool:
     launch_config.rdzv_configs[_INNER_BACKEND_KEY] = launch_config.rdzv_backend
     launch_config.rdzv_configs[_GUARD_KEY] = guard
     guard.min_nodes = launch_config.min_nodes
+    guard.store_grace = STORE_GONE_GRACE_S + 2 * float(launch_config.monitor_interval)
     launch_config.rdzv_backend = GUARD_BACKEND
     return True

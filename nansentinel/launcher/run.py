@@ -43,7 +43,8 @@ What happens when workers fail. torchrun's agent restarts the worker group up to
 ``--max-restarts`` times. When it gives up, this launcher prints one block per failed rank
 (host, rank, exit code, time, and the sentinel's verdict when the rank left one) and exits
 with a code from :mod:`nansentinel.common.exitcodes`: 3 when the sentinel aborted on non-finite
-values, 4 on the host the sentinel excluded, 5 when a rank missed the health exchange, 1 for
+values, 4 on the host the sentinel excluded, 5 when a rank missed the health exchange or the
+rendezvous store is gone (every rank's verdict and the summary name its address), 1 for
 any other failure, 2 for a usage or configuration error (nothing is started then), 128 + the
 signal when one stopped it (143 for SIGTERM, 130 for SIGINT).
 

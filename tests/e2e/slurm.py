@@ -237,14 +237,22 @@ class SlurmCluster:
         (nothing of a finished job may be among them)."""
         found: dict[str, list[str]] = {}
         for host in self.net.hosts:
-            pids = subprocess.run(["ip", "netns", "pids", host.netns], capture_output=True,
-                                  text=True, timeout=10, check=False).stdout.split()
-            for pid in pids:
-                if int(pid) == self._slurmd[host.name].pid:
-                    continue
-                with contextlib.suppress(OSError):
-                    cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")
-                    found.setdefault(host.name, []).append(cmd.decode(errors="replace"))
+            for cmd in self.processes(host.name).values():
+                found.setdefault(host.name, []).append(cmd)
+        return found
+
+    def processes(self, node: str) -> dict[int, str]:
+        """The processes in ``node``'s namespace besides its slurmd: pid -> command line."""
+        host = next(h for h in self.net.hosts if h.name == node)
+        found = {}
+        pids = subprocess.run(["ip", "netns", "pids", host.netns], capture_output=True,
+                              text=True, timeout=10, check=False).stdout.split()
+        for pid in map(int, pids):
+            if pid == self._slurmd[host.name].pid:
+                continue
+            with contextlib.suppress(OSError):
+                cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")
+                found[pid] = cmd.decode(errors="replace")
         return found
 
     def log(self, name: str) -> str:

@@ -20,6 +20,7 @@ import os
 import pwd
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -103,12 +104,13 @@ def _nobody_home(slurm: SlurmCluster) -> tuple[Path, pwd.struct_passwd]:
 
 def _submit(slurm: SlurmCluster, out: Path, nodes: int, full_world: int,
             inject: str | None = None, steps: int = 9, options: tuple[str, ...] = (),
-            script: tuple[str, ...] | None = None) -> str:
+            script: tuple[str, ...] | None = None, step_seconds: float = 0.0) -> str:
     """Submit the shipped script on ``nodes`` nodes; returns the job id. ``script``: another
     training script and its arguments than the Sentinel worker's."""
     out.mkdir(parents=True)
     extra = {"NANSENTINEL_INJECT": inject} if inject else {}
-    train = script or (str(WORKER), str(out), f"--steps={steps}", f"--full-world={full_world}")
+    train = script or (str(WORKER), str(out), f"--steps={steps}", f"--full-world={full_world}",
+                       f"--step-seconds={step_seconds}")
     return slurm.sbatch([*CPU_OVERRIDES, f"--nodes={nodes}", f"--output={out}/job.out", *options,
                          str(SBATCH), *train],
                         env=_job_env(slurm, **extra))
@@ -438,3 +440,53 @@ def _python_for(user: str) -> str | None:
                               capture_output=True, timeout=30, check=False).returncode == 0:
                 return python
     return None
+
+
+def test_a_killed_store_is_named_and_started_again(slurm: SlurmCluster, tmp_path: Path) -> None:
+    """``nansentinel store`` (on node1, the batch host) SIGKILLed mid-run: every launcher
+    finds it gone within a poll, tells its ranks why, and stops them after a common step
+    with a checkpoint; every rank's verdict and every launcher's summary name the store's
+    host and port and say it is gone (no ``stopped`` verdict: the user sent no signal), each
+    launcher exits 5; the batch script says the store died and starts it again with the
+    training (STORE_RESTARTS=1), which resumes from the checkpoint and completes: COMPLETED,
+    exit 0, nothing drained, nothing left running."""
+    out = tmp_path / "out"
+    job = _submit(slurm, out, 3, 6, steps=60, step_seconds=0.1)  # 6 s at the least
+    deadline = time.monotonic() + JOB_TIMEOUT
+    while not (out / "ckpt.pt").exists():  # training is under way
+        assert time.monotonic() < deadline, slurm.job(job)
+        time.sleep(0.2)
+    [store] = [pid for pid, cmd in slurm.processes("node1").items()
+               if "nansentinel store" in cmd and "python" in cmd]
+    os.kill(store, signal.SIGKILL)
+    info = slurm.wait_job(job, JOB_TIMEOUT)
+    log = (out / "job.out").read_text(errors="replace")
+    assert (info["JobState"], info["ExitCode"]) == ("COMPLETED", "0:0"), log[-6000:]
+    job_dir = _shared(slurm) / info["JobId"]
+    first = {p.name: p.read_text().strip() for p in (job_dir / "exit.store-restart-1").iterdir()
+             if not p.name.startswith(".")}
+    assert first == dict.fromkeys(["node1", "node2", "node3"], "5"), log[-6000:]
+    last = {p.name: p.read_text().strip() for p in (job_dir / "exit").iterdir()
+            if not p.name.startswith(".")}
+    assert last == dict.fromkeys(["node1", "node2", "node3"], "0"), log[-6000:]
+    [said] = [line for line in log.splitlines() if "died during the run" in line]
+    endpoint = said.split("the rendezvous store at ", 1)[1].split(" ", 1)[0]
+    assert said == (f"nansentinel.sbatch: the rendezvous store at {endpoint} (pid {store}) died "
+                    "during the run (killed by signal 9) and the launchers stopped the run; "
+                    "starting the store and the training again (1 of STORE_RESTARTS=1): it "
+                    "resumes from its last checkpoint"), said
+    gone = f"the rendezvous store at {endpoint} is gone (its process died or was killed)"
+    assert log.count(f"Root cause: {gone}") == 3, log[-6000:]
+    verdicts = [json.loads(p.read_text())
+                for p in (job_dir / "reports").glob("runs/*/verdicts/rank-*.json")]
+    stopped = [v for v in verdicts if v["outcome"] != "closed"]
+    told = [line for line in log.splitlines() if "verdict:" in line or "stops after" in line
+            or "Root cause" in line or "closing signal" in line]
+    assert len(stopped) == 6 and {v["outcome"] for v in stopped} == {"store_gone"}, told
+    assert len({v["step"] for v in stopped}) == 1 and all(
+        v["message"].startswith(gone) for v in stopped), stopped
+    assert "asked the run to stop" not in log
+    done = _receipts(out)
+    assert len(done) == 6 and {d["start"] for d in done} == {stopped[0]["step"] + 1}, done
+    assert slurm.drain_reasons() == {}
+    assert slurm.strays() == {}

@@ -22,6 +22,7 @@ from nansentinel.launcher import agent
 from nansentinel.launcher.rendezvous_guard import (
     ExclusionGuard,
     HostExcludedExit,
+    RendezvousStoreGone,
     TooFewHostsExit,
 )
 
@@ -286,6 +287,17 @@ def test_launch_with_too_few_hosts_left_is_3_with_the_reason(
     assert "exit 3 (EXIT_NONFINITE_ABORT)" in err
     assert "Root cause: host(s) node-b, node-c excluded ... fewer than the minimum\n" in err
     assert "    excluded_host: node-b\n" in err
+
+
+def test_launch_with_the_store_gone_is_5_naming_it(
+    tmp_path: Path, launcher: Callable[[BaseException | None], list[Any]],
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    launcher(RendezvousStoreGone("the rendezvous store at node1:29400 is gone"))
+    assert agent.launch(None, "python", [], guard(tmp_path), None) == 5
+    err = capsys.readouterr().err
+    assert "exit 5 (EXIT_EXCHANGE_TIMEOUT)" in err
+    assert "Root cause: the rendezvous store at node1:29400 is gone\n" in err
 
 
 def test_launch_signal_is_128_plus_its_number(

@@ -15,9 +15,11 @@ import pytest
 from nansentinel.common.exclusion import ExclusionRecord, ExclusionStore
 from nansentinel.common.exitcodes import EXIT_CONFIG, EXIT_OK
 from nansentinel.common.verdicts import (
+    STORE_GONE,
     RankVerdict,
     outcome_from_verdicts,
     read_verdicts,
+    stop_cause,
     write_verdict,
 )
 from nansentinel.launcher.excluded_command import excluded_main
@@ -25,7 +27,9 @@ from nansentinel.launcher.rendezvous_guard import (
     ExclusionGuard,
     GuardedRendezvousHandler,
     HostExcludedExit,
+    RendezvousStoreGone,
     TooFewHostsExit,
+    store_failure,
 )
 
 
@@ -278,6 +282,67 @@ def test_a_verdict_names_every_host_excluded_at_its_step() -> None:
     # A verdict of a version that knew one host only
     assert RankVerdict.from_json(_verdict("node2", "node1").to_json()).excludes == ["node1"]
     assert _verdict("node2", None, outcome="aborted").excludes == []
+
+
+def _store_error(words: str) -> Exception:
+    """What torch's c10d rendezvous raises when its store fails: a RendezvousConnectionError
+    whose cause is the store's own error, C++ stack included."""
+    from torch.distributed import DistNetworkError
+    from torch.distributed.elastic.rendezvous import RendezvousConnectionError
+
+    inner = DistNetworkError(f"{words}\nException raised from recvBytes at Utils.hpp:784 "
+                             "(most recent call first):\nframe #0: c10::Error::Error(...)")
+    outer = RendezvousConnectionError("The connection to the C10d store has failed. See inner "
+                                      "exception for details.")
+    outer.__cause__ = inner
+    return outer
+
+
+def test_store_failure_names_the_store_in_one_line_and_nothing_else() -> None:
+    from torch.distributed.elastic.rendezvous import RendezvousClosedError, RendezvousTimeoutError
+
+    assert store_failure(_store_error("Connection reset by peer")) == "Connection reset by peer"
+    assert store_failure(_store_error("")) == "DistNetworkError"
+    assert store_failure(RendezvousClosedError()) is None
+    assert store_failure(RendezvousTimeoutError("join timeout")) is None
+    assert store_failure(RuntimeError("the agent's own")) is None
+
+
+def test_a_store_gone_mid_run_is_named_told_to_the_workers_and_never_closed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The agent's poll finds the store gone: the wrapper leaves the workers the cause (their
+    verdicts name it, not the signal that stops them), waits the grace, and raises one error
+    naming the store's address; shutdown() then asks nothing of the dead store."""
+    slept: list[float] = []
+    monkeypatch.setattr("nansentinel.launcher.rendezvous_guard.time.sleep", slept.append)
+    inner = _FakeDynamicHandler()
+
+    def dead() -> int:
+        raise _store_error("Connection reset by peer")
+
+    inner.num_nodes_waiting = dead  # type: ignore[method-assign]
+    guard = ExclusionGuard("node2", tmp_path, None, "job-1")
+    handler = GuardedRendezvousHandler(inner, guard, endpoint="node1:29400")
+    with pytest.raises(RendezvousStoreGone) as raised:
+        handler.num_nodes_waiting()
+    text = str(raised.value)
+    assert text.startswith("the rendezvous store at node1:29400 is gone (its process died or "
+                           "was killed): Connection reset by peer. Without it no host can "
+                           "restart, leave or join"), text
+    assert "frame #" not in text and "Exception raised" not in text
+    assert slept == [guard.store_grace]
+    assert stop_cause(tmp_path) == (STORE_GONE, text)
+    assert handler.shutdown() is False and "shutdown" not in inner.calls
+    # A store that stopped answering (its requests time out): said so, with a longer grace.
+    inner2 = _FakeDynamicHandler()
+    inner2.next_rendezvous = lambda: (_ for _ in ()).throw(  # type: ignore[method-assign]
+        _store_error("wait timeout after 60000ms, keys: /torch.rendezvous.job-1"))
+    handler2 = GuardedRendezvousHandler(inner2, ExclusionGuard("node2", tmp_path / "b", None,
+                                                               None), endpoint="node1:29400")
+    with pytest.raises(RendezvousStoreGone, match="node1:29400 stopped answering: wait timeout"):
+        handler2.next_rendezvous()
+    assert stop_cause(tmp_path / "b") is None  # no workers ran: nobody to tell
 
 
 def test_guard_refuses_a_host_already_in_the_store(tmp_path: Path) -> None:

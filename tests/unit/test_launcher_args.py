@@ -494,3 +494,10 @@ def test_a_stop_a_signal_asked_for_is_128_plus_the_signal(tmp_path: Path) -> Non
     assert outcome_from_verdicts(read_verdicts(tmp_path), "node0").exit_code == 130
     write_verdict(tmp_path, _verdict(1, "exchange_timeout"))
     assert outcome_from_verdicts(read_verdicts(tmp_path), "node0").exit_code == 5
+    # The launchers stopped the run for a store that is gone: 5, in the ranks' own words.
+    gone = dataclasses.replace(_verdict(0, "store_gone"), signal=15,
+                               message="the rendezvous store at node1:29400 is gone")
+    write_verdict(tmp_path, gone)
+    outcome = outcome_from_verdicts(read_verdicts(tmp_path), "node0")
+    assert (outcome.exit_code, outcome.explanation) == (
+        5, "the rendezvous store at node1:29400 is gone")

@@ -372,7 +372,7 @@ _FAKES = {
 case $1 in
   excluded) echo "${FAKE_SKIP:-}" ;;
   store) for a in "$@"; do case $a in --port-file=*) echo 29400 > "${a#--port-file=}";; esac
-         done; exec sleep 60 ;;
+         done; echo $$ > "$FAKE_DIR/store.pid"; exec sleep 60 ;;
 esac
 """,
     "scontrol": """#!/bin/bash
@@ -382,8 +382,12 @@ case "$1 $2" in
 esac
 """,
     "srun": """#!/bin/bash
-i=0; worst=0
-for code in $FAKE_CODES; do
+i=0; worst=0; codes=$FAKE_CODES
+if [ -n "${FAKE_KILL_STORE:-}" ]; then  # the store dies mid-run, in the first attempt only
+  if [ -e "$FAKE_DIR/killed" ]; then codes=$FAKE_CODES_AFTER
+  else kill -9 "$(<"$FAKE_DIR/store.pid")"; touch "$FAKE_DIR/killed"; fi
+fi
+for code in $codes; do
   i=$((i + 1))
   [ "$code" = - ] && continue
   echo "$code" > "$LAUNCHER_EXIT_DIR/node$i"
@@ -426,6 +430,33 @@ def test_the_job_exit_code_is_derived_from_each_launcher(
     assert done.returncode == job_exit, done.stderr
     assert says in done.stderr
     assert "--rdzv-conf=is_host=0" in (tmp_path / "srun-args").read_text()
+
+
+@pytest.mark.parametrize("restarts", ["1", "0"])
+def test_a_store_that_died_mid_run_is_started_again_or_the_log_says_how(
+    tmp_path: Path, restarts: str
+) -> None:
+    bin_dir = _fake_tools(tmp_path)
+    env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "FAKE_DIR": str(tmp_path), "FAKE_CODES": "5 5 5",
+           "FAKE_CODES_AFTER": "0 0 0", "FAKE_KILL_STORE": "1", "STORE_RESTARTS": restarts,
+           "SLURM_JOB_ID": "7", "SLURM_JOB_NODELIST": "node1,node2,node3", "SLURM_NNODES": "3",
+           "NPROC_PER_NODE": "1", "SHARED": str(tmp_path / "shared"), "USER": "u"}
+    done = subprocess.run(["bash", str(SBATCH), "train.py"], env=env, capture_output=True,
+                          text=True, timeout=60, check=False)
+    pid = (tmp_path / "killed").exists() and done.stderr.split("(pid ", 1)[1].split(")")[0]
+    gone = f"the rendezvous store at {os.uname().nodename}:29400 (pid {pid}) died during the run"
+    if restarts == "1":
+        assert done.returncode == 0, done.stderr
+        assert (f"{gone} (killed by signal 9) and the launchers stopped the run; starting the "
+                "store and the training again (1 of STORE_RESTARTS=1): it resumes from its last "
+                "checkpoint") in done.stderr
+        first = tmp_path / "shared" / "7" / "exit.store-restart-1"
+        assert sorted(p.read_text() for p in first.iterdir()) == ["5\n"] * 3
+    else:
+        assert done.returncode == 5, done.stderr
+        assert (f"{gone} (killed by signal 9) and the launchers stopped the run "
+                "(STORE_RESTARTS=0 spent); to go on from the last checkpoint, submit the job "
+                "again") in done.stderr
 
 
 def test_the_batch_script_leaves_out_nodes_already_excluded(tmp_path: Path) -> None:

@@ -197,6 +197,10 @@ def step():
     loss.backward()
     return s.step()
 step()
+if mode == "cause":  # the launcher says why it stops the workers, then signals them
+    from nansentinel.common.verdicts import STORE_GONE, write_stop_cause
+    write_stop_cause(os.environ["NANSENTINEL_RUN_DIR"], STORE_GONE,
+                     "the rendezvous store at node1:29400 is gone")
 if mode != "fork":
     os.kill(os.getpid(), signal.SIGTERM)
     import time
@@ -240,13 +244,15 @@ except nansentinel.StopRequested as exc:
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("mode", ["default", "user", "twice", "fork"])
-def test_sigterm_becomes_a_stop_only_where_the_default_handler_was(mode: str) -> None:
+@pytest.mark.parametrize("mode", ["default", "user", "twice", "fork", "cause"])
+def test_sigterm_becomes_a_stop_only_where_the_default_handler_was(mode: str,
+                                                                   tmp_path: Path) -> None:
     """With the default handler, SIGTERM becomes a stop after the step that carries it: the
     result says so, the next sentinel call raises StopRequested (exit 143, the default handler
     given back). A handler of the user's own is never replaced. A copy of the signal within
     REPEAT_WINDOW_S (the launcher chain's) changes nothing; a second SIGTERM after it ends the
-    process at once, with 143."""
+    process at once, with 143. A launcher that stopped its workers for a cause of its own
+    (the rendezvous store is gone) said so first: the verdict names that, not the signal."""
     import os
     import subprocess
     import sys
@@ -254,10 +260,21 @@ def test_sigterm_becomes_a_stop_only_where_the_default_handler_was(mode: str) ->
     repo = Path(__file__).resolve().parents[2]
     env = {**os.environ, "PYTHONPATH": str(repo), "OMP_NUM_THREADS": "1"}
     env.pop("NANSENTINEL_RUN_DIR", None)
+    if mode == "cause":
+        env["NANSENTINEL_RUN_DIR"] = str(tmp_path)
     proc = subprocess.run([sys.executable, "-c", _SIGNAL_SCRIPT, mode], env=env, text=True,
                           capture_output=True, timeout=100)
     lines = proc.stdout.split("\n")
-    if mode == "default":
+    if mode == "cause":
+        from nansentinel.common.verdicts import read_verdicts
+
+        assert proc.returncode == 143, proc.stderr[-3000:]
+        [verdict] = read_verdicts(tmp_path).values()
+        assert (verdict.outcome, verdict.step, verdict.signal, verdict.message) == (
+            "store_gone", 1, 15, "the rendezvous store at node1:29400 is gone; every rank "
+            "stopped after step 1")
+        assert "asked the run to stop" not in proc.stderr
+    elif mode == "default":
         assert proc.returncode == 143, proc.stderr[-3000:]
         assert lines[:2] == ["asked True 15 True", "stop 143 1 True"], proc.stdout
         assert "Traceback" not in proc.stderr

@@ -37,6 +37,8 @@ p.add_argument("outdir", type=Path)
 p.add_argument("--steps", type=int, required=True)
 p.add_argument("--full-world", type=int, required=True)
 p.add_argument("--ckpt-every", type=int, default=3)
+p.add_argument("--step-seconds", type=float, default=0.0,
+               help="sleep this long each step (paces a run a test acts on midway)")
 args = p.parse_args()
 
 host = os.environ.get("NANSENTINEL_HOSTNAME") or socket.gethostname()
@@ -88,6 +90,7 @@ for step in range(start, args.steps):
         sys.stdout.flush()
         sentinel.close()  # raises StopRequested on every rank: exit 143
     dist.barrier()  # nobody runs ahead of rank 0's checkpoint
+    time.sleep(args.step_seconds)
 
 assert all(torch.isfinite(q).all() for q in model.parameters()), "weights took a NaN"
 receipt = {"hostname": host, "rank": rank, "world_size": world, "start": start,
