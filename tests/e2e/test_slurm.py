@@ -15,6 +15,7 @@ root may read (a folder link, a hard link, a swap while the job ends).
 from __future__ import annotations
 
 import contextlib
+import datetime
 import json
 import os
 import pwd
@@ -383,8 +384,23 @@ def test_the_epilog_reads_nothing_only_root_can(slurm: SlurmCluster, attack: str
             slurm.resume(node)
 
 
+#: How each way of stopping a job is asked for: the sbatch options, and what the job ends as.
+_STOPS = {
+    "scancel": ((), "CANCELLED", "received SIGTERM (time limit or scancel)"),
+    # No early warning (the script's own would come first): SIGCONT to the script is nothing.
+    "time-limit": (("--time=1", "--signal=B:CONT@1"), "TIMEOUT",
+                   "received SIGTERM (time limit or scancel)"),
+    # A 30-minute job warned 600 s ahead; its limit cut to 10 minutes once it trains, so the
+    # warning is due at slurmctld's next look (every 30 s), 10 minutes before the limit.
+    "early-warning": (("--time=30", "--signal=B:TERM@600"), "FAILED",
+                      "left (Slurm's early warning, --signal=B:TERM@SECONDS): every rank stops "
+                      "after a common step, with its checkpoint, before the time limit"),
+}
+
+
 @pytest.mark.parametrize("how", [
     "scancel",
+    "early-warning",
     # A time limit is at least a minute, and slurmctld looks for it every 30 s: 60-90 s.
     pytest.param("time-limit", marks=pytest.mark.skipif(
         os.environ.get("SLURM_TIME_LIMIT_TEST") != "1",
@@ -393,12 +409,14 @@ def test_the_epilog_reads_nothing_only_root_can(slurm: SlurmCluster, attack: str
 def test_a_cancelled_or_timed_out_job_stops_whole(slurm: SlurmCluster, tmp_path: Path,
                                                   how: str) -> None:
     """SIGTERM to every process of the job (scancel, or the time limit), SIGKILL after
-    KillWait: every rank stops after the same step (the stop request travels in the health
-    exchange) and rank 0 checkpoints that step, every launcher exits 143 (128 + SIGTERM, the
-    documented code), the batch script says so, the checkpoint and the reports on disk are
-    whole, and no process of the job is left on any node."""
+    KillWait; or Slurm's early warning to the batch script alone (``--signal=B:TERM@N``),
+    which passes it to the training's processes: every rank stops after the same step (the
+    stop request travels in the health exchange) and rank 0 checkpoints that step, every
+    launcher exits 143 (128 + SIGTERM, the documented code), the batch script says so, the
+    checkpoint and the reports on disk are whole, and no process of the job is left on any
+    node. The warned job ends before its limit, as FAILED with the script's 143."""
     out = tmp_path / "out"
-    options = ("--time=1",) if how == "time-limit" else ()
+    options, state, said = _STOPS[how]
     job = _submit(slurm, out, 3, 6, "kind=loss,rank=1,step=2", steps=10**6, options=options)
     deadline = time.monotonic() + JOB_TIMEOUT
     while not (out / "ckpt.pt").exists():  # training is under way (and one report written)
@@ -406,11 +424,19 @@ def test_a_cancelled_or_timed_out_job_stops_whole(slurm: SlurmCluster, tmp_path:
         time.sleep(0.5)
     if how == "scancel":
         slurm.run(["scancel", job])
+    if how == "early-warning":
+        slurm.run(["scontrol", "update", f"jobid={job}", "timelimit=10"])
     info = slurm.wait_job(job, JOB_TIMEOUT)
     slurm.resume()  # waits for the nodes to be idle: the job's processes are gone
     log = (out / "job.out").read_text(errors="replace")
-    assert info["JobState"] == ("TIMEOUT" if how == "time-limit" else "CANCELLED"), log[-4000:]
-    assert "received SIGTERM (time limit or scancel)" in log, log[-4000:]
+    assert info["JobState"] == state, log[-4000:]
+    assert said in log, log[-4000:]
+    if how == "early-warning":  # and well before its 10-minute limit
+        ran = (datetime.datetime.fromisoformat(info["EndTime"])
+               - datetime.datetime.fromisoformat(info["StartTime"])).total_seconds()
+        assert info["ExitCode"] == "143:0" and ran < 300, info
+        assert "stopped before the time limit on Slurm's early warning: the launchers on " \
+               "node1 node2 node3 exited 143" in log, log[-4000:]
     exits = _shared(slurm) / info["JobId"] / "exit"
     codes = {p.name: p.read_text().strip() for p in exits.iterdir() if not p.name.startswith(".")}
     assert codes == dict.fromkeys(["node1", "node2", "node3"], "143"), log[-4000:]

@@ -377,11 +377,26 @@ esac
 """,
     "scontrol": """#!/bin/bash
 case "$1 $2" in
-  "show job") echo "JobId=$3 Command=$FAKE_DIR/nansentinel.sbatch" ;;
+  "show job") echo "JobId=$4 JobState=${FAKE_STATE:-RUNNING}" \\
+                   "Command=$FAKE_DIR/nansentinel.sbatch" ;;
   "show hostnames") echo "$3" | tr ',' '\\n' ;;
 esac
 """,
+    "squeue": """#!/bin/bash
+case "$*" in
+  *-s*) printf '%s.batch\\n%s.0\\n' "$SLURM_JOB_ID" "$SLURM_JOB_ID" ;;
+  *) echo 1:59 ;;
+esac
+""",
+    "scancel": """#!/bin/bash
+echo "$*" >> "$FAKE_DIR/scancel-args"
+touch "$FAKE_DIR/stop"
+""",
     "srun": """#!/bin/bash
+if [ -n "${FAKE_SRUN_WAITS:-}" ]; then  # trains until the step is signalled, or 3 s
+  touch "$FAKE_DIR/srun-started"
+  for _ in $(seq 30); do [ -e "$FAKE_DIR/stop" ] && break; sleep 0.1; done
+fi
 i=0; worst=0; codes=$FAKE_CODES
 if [ -n "${FAKE_KILL_STORE:-}" ]; then  # the store dies mid-run, in the first attempt only
   if [ -e "$FAKE_DIR/killed" ]; then codes=$FAKE_CODES_AFTER
@@ -457,6 +472,43 @@ def test_a_store_that_died_mid_run_is_started_again_or_the_log_says_how(
         assert (f"{gone} (killed by signal 9) and the launchers stopped the run "
                 "(STORE_RESTARTS=0 spent); to go on from the last checkpoint, submit the job "
                 "again") in done.stderr
+
+
+@pytest.mark.parametrize("state", ["RUNNING", "TIMEOUT"])
+def test_sigterm_to_the_script_alone_is_passed_once_to_the_training(
+    tmp_path: Path, state: str
+) -> None:
+    """Slurm's early warning (--signal=B:TERM) reaches the script alone while the job runs:
+    it signals the training's step (not the batch step) once. At a time limit or scancel
+    (the job no longer RUNNING) every process got the SIGTERM already: nothing is sent."""
+    bin_dir = _fake_tools(tmp_path)
+    env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "FAKE_DIR": str(tmp_path), "FAKE_CODES": "143 143",
+           "FAKE_SRUN_WAITS": "1", "FAKE_STATE": state, "SLURM_JOB_ID": "7",
+           "SLURM_JOB_NODELIST": "node1,node2", "SLURM_NNODES": "2", "NPROC_PER_NODE": "1",
+           "SHARED": str(tmp_path / "shared"), "USER": "u"}
+    script = subprocess.Popen(["bash", str(SBATCH), "train.py"], env=env, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 30
+        while not (tmp_path / "srun-started").exists():
+            assert time.monotonic() < deadline and script.poll() is None
+            time.sleep(0.05)
+        script.send_signal(signal.SIGTERM)
+        _, err = script.communicate(timeout=30)
+    finally:
+        if script.poll() is None:
+            script.kill()
+    assert script.returncode == 143, err
+    if state == "RUNNING":
+        assert (tmp_path / "scancel-args").read_text() == "--signal=TERM 7.0\n"
+        assert ("received SIGTERM with 1:59 left (Slurm's early warning, --signal=B:TERM@SECONDS)"
+                in err), err
+        assert ("stopped before the time limit on Slurm's early warning: the launchers on node1 "
+                "node2 exited 143 after their ranks' common step; job exit 143") in err
+    else:
+        assert not (tmp_path / "scancel-args").exists()
+        assert "received SIGTERM (time limit or scancel)" in err
+        assert "launcher(s) failed: node1 (exit 143) node2 (exit 143); job exit 143" in err
 
 
 def test_the_batch_script_leaves_out_nodes_already_excluded(tmp_path: Path) -> None:
