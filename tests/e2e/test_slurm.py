@@ -427,6 +427,7 @@ def test_a_cancelled_or_timed_out_job_stops_whole(slurm: SlurmCluster, tmp_path:
     if how == "early-warning":
         slurm.run(["scontrol", "update", f"jobid={job}", "timelimit=10"])
     info = slurm.wait_job(job, JOB_TIMEOUT)
+    assert slurm.drain_reasons() == {}
     slurm.resume()  # waits for the nodes to be idle: the job's processes are gone
     log = (out / "job.out").read_text(errors="replace")
     assert info["JobState"] == state, log[-4000:]
