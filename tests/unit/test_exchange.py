@@ -22,10 +22,14 @@ NO_REF = torch.full((5,), math.inf)  # spike references still warming up
 
 def row(batch: float, loss: float, grad: float, *, injected: float = 0.0,
         quarantined: float = 0.0, boundary: tuple[float, ...] = (0.0,) * 5,
-        stop: tuple[float, float] = (0.0, 0.0)) -> torch.Tensor:
+        stop: tuple[float, float] = (0.0, 0.0),
+        buffers: tuple[float, float, float] = (0.0, 0.0, 0.0), hyper: float = 0.0,
+        ) -> torch.Tensor:
     """A health row; ``boundary``: fwd_origin, bwd_origin, recv_act, recv_grad, loss_origin;
-    ``stop``: SIGTERM, SIGINT received."""
-    return torch.tensor([batch, loss, grad, injected, 1.0, 1.0, quarantined, *boundary, *stop])
+    ``stop``: SIGTERM, SIGINT received; ``buffers``: the buffers' max-abs as the step left
+    them, this rank's own, as they arrived; ``hyper``: a hyperparameter is non-finite."""
+    return torch.tensor([batch, loss, grad, injected, 1.0, 1.0, quarantined, *boundary, *stop,
+                         *buffers, hyper])
 
 
 def test_vector_flags_each_kind_from_its_value_and_sums_to_counts() -> None:
@@ -136,7 +140,7 @@ def test_an_absent_value_is_neither_a_spike_nor_unquiet() -> None:
     # A log-likelihood's thresholds are negative; an absent loss (0.0 in the row) is above
     # them, and must still count for nothing.
     thresholds = torch.tensor([-4.0, math.inf, -4.5, math.inf, math.inf])
-    no_loss = torch.tensor([1.0, 0.0, 1.0, 0.0, 0.0, 1.0, 0.0, *[0.0] * 7])
+    no_loss = torch.tensor([1.0, 0.0, 1.0, 0.0, 0.0, 1.0, 0.0, *[0.0] * (len(ROW) - 7)])
     own = OwnRow.from_values(pack(no_loss, thresholds, 0, amp=False).tolist())
     assert not own.spiked() and not own.not_quiet and not own.flagged and own.loss is None
 

@@ -90,7 +90,8 @@ def test_history_saves_its_own_state_under_the_checkpoint_keys() -> None:
     state = h.state_dict()
     assert set(state) == {"consecutive_skips", "strikes", "excluded", "rollbacks",
                           "skip_batches", "spike_streak", "lost", "applied",
-                          "snapshot_applied", "failed_snapshots", "watch", "retry"}
+                          "snapshot_applied", "failed_snapshots", "watch", "retry",
+                          "state_restored"}
     # JSON-style keys (a checkpoint written as JSON turns int keys into strings) load too.
     state["rollbacks"] = {"10": 1}
     assert History.from_state_dict(state) == h
