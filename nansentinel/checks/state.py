@@ -186,6 +186,22 @@ def describe_ranks(rows: dict[int, tuple[str, list[str]]]) -> str:
     return "; ".join(parts)
 
 
+def any_nonfinite(tensors: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """0-d int64 on ``device``: 1 where some tensor holds a non-finite element, else 0; no
+    host sync (one fused max-abs per device and dtype group, moved together). For a pass that
+    reads every tensor anyway (the replica fingerprints) and has its own host read."""
+    groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+    for t in tensors:
+        v = _values(t)
+        if v.numel() and not v.is_meta:
+            groups.setdefault((v.device, v.dtype), []).append(v)
+    flags = [(~torch.isfinite(torch.stack(insides.foreach_max_abs(ts)))).any().to(
+        device, torch.int64, non_blocking=device.type != "cpu") for ts in groups.values()]
+    if not flags:
+        return torch.zeros((), dtype=torch.int64, device=device)
+    return flags[0] if len(flags) == 1 else torch.stack(flags).amax()
+
+
 # --- hyperparameters ----------------------------------------------------------------------
 
 

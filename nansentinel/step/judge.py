@@ -119,6 +119,8 @@ class StepJudge:
         #: The step whose whole state was last read finite (or repaired): its snapshot needs
         #: no second read.
         self._finite_at: int | None = None
+        #: The replica fingerprints found a non-finite value: the next step reads the state.
+        self._read_state = False
 
     @property
     def amp(self) -> bool:
@@ -188,6 +190,7 @@ class StepJudge:
                                              state_action="not_kept")
         if self.replicas is not None and not decision.stops:  # after the optimizer step
             result, decision = self.replicas.check(view.step, result, decision, self.history)
+            self._read_state = self.replicas.nonfinite  # the next step reads the state
         if observe and self.metrics is not None:
             self.metrics.observe_step(result, record.spent + time.perf_counter() - started)
         record.result, record.decision = result, decision
@@ -204,7 +207,8 @@ class StepJudge:
         if self.state is None:
             return None
         due = not record.gated and self._snapshot_due(view)
-        if not (due or bad or view.totals.bad_buffer):
+        asked, self._read_state = self._read_state, False
+        if not (due or asked or bad or view.totals.bad_buffer):
             return None
         if not record.gated and BUFFER in own.kinds:
             self.buffers.restore()
