@@ -22,6 +22,11 @@ BUFFER = "buffer"
 HYPERPARAMETER = "hyperparameter"
 #: The weights, buffers or optimizer state a rank holds are non-finite (rare/state.py).
 STATE = "state"
+#: The kinds of a rank's own state found non-finite (``StepResult.local_kinds``, the metric
+#: ``nansentinel_state_nonfinite_total``): a weight or an optimizer-state tensor (read where a
+#: NaN may have entered: rare/state.py), a floating buffer, a hyperparameter (every step).
+WEIGHT, OPTIMIZER_STATE = "weight", "optimizer_state"
+STATE_KINDS = (WEIGHT, OPTIMIZER_STATE, BUFFER, HYPERPARAMETER)
 #: Every kind a rank can be named for, in report order.
 ALL_KINDS = (*KINDS, ACTIVATION, BUFFER)
 

@@ -28,9 +28,8 @@ import torch
 
 from nansentinel.checks import local
 from nansentinel.common import torch_insides as insides
+from nansentinel.result import BUFFER, OPTIMIZER_STATE, WEIGHT
 
-#: The kinds of state tensor a :class:`Poisoned` names.
-WEIGHT, BUFFER, OPTIMIZER_STATE = "weight", "buffer", "optimizer state"
 #: Tensors named per rank in a message (the report has them all).
 SHOWN = 8
 
@@ -42,14 +41,15 @@ class Poisoned:
     name: str
     """The parameter's or buffer's qualified name; optimizer state as ``param.key``."""
     kind: str
-    """``weight``, ``buffer`` or ``optimizer state``."""
+    """``weight``, ``buffer`` or ``optimizer_state``."""
     bad: int
     """Its non-finite elements (this rank's local shard's, for a DTensor)."""
     numel: int
     """Its elements (this rank's)."""
 
     def describe(self) -> str:
-        return f"{self.kind} {self.name} ({self.bad} of {self.numel} elements non-finite)"
+        return (f"{self.kind.replace('_', ' ')} {self.name} ({self.bad} of {self.numel} "
+                "elements non-finite)")
 
     def to_json(self) -> list[Any]:
         return [self.name, self.kind, self.bad, self.numel]

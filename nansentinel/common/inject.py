@@ -40,8 +40,8 @@ _VALUES = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
 #: The kinds a drill can inject: the local checks' kinds, a silent bit flip, and the model's
 #: own state (its weights, optimizer state, floating buffers and a hyperparameter).
 BITFLIP = "bitflip"
-STATE_KINDS = ("weight", "optimizer_state", "buffer")
-INJECT_KINDS = (*KINDS, BITFLIP, *STATE_KINDS, "hyperparameter")
+DRILLED_STATE = ("weight", "optimizer_state", "buffer")
+INJECT_KINDS = (*KINDS, BITFLIP, *DRILLED_STATE, "hyperparameter")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -162,7 +162,7 @@ class Injector:
 
 
 def drill_targets(module: torch.nn.Module, optimizer: Any) -> list[tuple[str, torch.Tensor]]:
-    """``(kind, tensor)`` a state drill writes into (:data:`STATE_KINDS`): the first
+    """``(kind, tensor)`` a state drill writes into (:data:`DRILLED_STATE`): the first
     non-empty weight, optimizer-state tensor and floating buffer of this rank (a DTensor's
     local shard), where it has one."""
     found: dict[str, torch.Tensor] = {}
@@ -179,7 +179,7 @@ def drill_targets(module: torch.nn.Module, optimizer: Any) -> list[tuple[str, to
         if b.is_floating_point() and b.numel():
             found.setdefault("buffer", b)
             break
-    return [(kind, found[kind]) for kind in STATE_KINDS if kind in found]
+    return [(kind, found[kind]) for kind in DRILLED_STATE if kind in found]
 
 
 def _own(t: torch.Tensor) -> torch.Tensor:

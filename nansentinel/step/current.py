@@ -19,7 +19,7 @@ from nansentinel.checks.health import LocalHealth, to_device
 from nansentinel.checks.pipeline import StageWatch
 from nansentinel.checks.quarantine import Quarantine
 from nansentinel.checks.state import hyperparameters_finite
-from nansentinel.common.inject import STATE_KINDS, Injector, drill_targets
+from nansentinel.common.inject import DRILLED_STATE, Injector, drill_targets
 from nansentinel.decide.spikes import SpikeDetector
 from nansentinel.effects import drop
 from nansentinel.effects.stop import stop_requested
@@ -176,7 +176,7 @@ class CurrentStep:
         if held is not None and groups and groups[0].get("lr") is held[1]:
             groups[0]["lr"] = held[0]
         fired = False
-        if any(self.injector.value_for(kind, self.index) is not None for kind in STATE_KINDS):
+        if any(self.injector.value_for(kind, self.index) is not None for kind in DRILLED_STATE):
             for kind, tensor in drill_targets(self.module, self.optimizer):
                 fired = self.injector.poison(kind, self.index, tensor) or fired
         value = self.injector.value_for(HYPERPARAMETER, self.index)

@@ -392,7 +392,8 @@ class StepJudge:
         return StepResult(
             step=view.step, applied=decision.applies, outcome=decision.outcome,
             bad_ranks=bad_ranks, bad_hosts=bad_hosts, kinds=kinds,
-            local_kinds=list(mine.kinds), local_loss=mine.loss, local_grad_norm=mine.grad_norm,
+            local_kinds=_local_kinds(mine, state, self.rank), local_loss=mine.loss,
+            local_grad_norm=mine.grad_norm,
             consecutive_skips=self.history.consecutive_skips, injected=view.injected,
             overflow=decision.overflow, excluded_hosts=list(self.history.excluded),
             verdict=verdict, spikes={k: list(v) for k, v in spikes.ranks.items()},
@@ -435,6 +436,15 @@ class StepJudge:
         """A held learning-rate jump's incident report (rank 0), where reports go."""
         path = self.detector.incidents.write_report(step, "-lr", content)
         return str(path) if path is not None else None
+
+
+def _local_kinds(mine: OwnRow, state: StateFindings | None, rank: int) -> list[str]:
+    """This rank's kinds: its row's, and the kinds of its own state found non-finite."""
+    kinds = list(mine.kinds)
+    for p in state.poisoned.get(rank, []) if state is not None else []:
+        if p.kind not in kinds:
+            kinds.append(p.kind)
+    return kinds
 
 
 def _state_action(state: StateFindings | None, decision: Decision) -> str:
