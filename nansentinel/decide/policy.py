@@ -619,6 +619,12 @@ def _rollback(history: History, config: SentinelConfig, skip: Decision,
         bounded = _bounded(history, config, skip, history.undone(snapshot_step) + 1)
         if bounded is not skip:
             return bounded
+    bound, cost = config.max_lost_steps, history.undone(snapshot_step) + 1
+    if skip.cause != SPIKE and bound and history.lost + cost > bound:
+        # A non-finite step cannot apply: the recovery that would pass its bound stops.
+        return dataclasses.replace(skip, action=ABORT, reason=(
+            f"{skip.reason}; the recovery has left {history.lost} steps unapplied, and a "
+            f"rollback to step {snapshot_step} would take it past max_lost_steps={bound}"))
     done = history.rollbacks.get(snapshot_step, 0)
     if done >= config.max_rollbacks:
         return dataclasses.replace(

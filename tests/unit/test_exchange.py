@@ -326,6 +326,8 @@ def test_the_host_rule_and_the_device_rule_pack_the_same_vector() -> None:
     thresholds = (0.5, 1.5, 7.0, 1e30, math.inf)
     for _ in range(3000):
         flags = [float(rng.random() < 0.3) for _ in range(R.size - 3)]
+        for slot in (R.buffer_norm, R.buffer_own, R.buffer_arrived):  # values, not flags
+            flags[slot - 3] = rng.choice(values)
         given = torch.tensor([rng.choice(values) for _ in range(3)] + flags)
         refs = torch.tensor([rng.choice(thresholds) for _ in range(5)])
         rank, amp = rng.randrange(100_000), rng.random() < 0.5
