@@ -24,6 +24,11 @@ only these need the real thing:
   all-reduces where torch writes its own.
 - ``nccl_future`` (item 8): a bucket's future completes at enqueue while its work has not
   (so no error can reach it), and the exchange is not settled until the collective is.
+- ``state_reads`` (issue 68): the model's state is read with fused max-abs norms
+  (``torch._foreach_norm(ord=inf)``) on this device's kernels: a NaN, +Inf or -Inf in any
+  position of a tensor of any size and dtype (fp32, bf16, fp16 far past an L2 norm's range)
+  is found, a finite tensor is not, and the floating buffers' three norms stay on the device
+  (no host sync while the step is healthy).
 
 On the CPU: ``gate_stream`` reads the host copy path (no event), ``ddp_world1`` and
 ``ddp_scale`` run on gloo and the CPU's kernels, ``group_timeout`` reads gloo's timeout, and
@@ -40,6 +45,7 @@ import argparse
 import copy
 import datetime
 import json
+import math
 import os
 import pickle
 import sys
@@ -227,6 +233,36 @@ def check_nccl_future(tmp: Path) -> Outcome:
                 f"exchange settled while busy: {busy}, after sync: {settled}")
 
 
+def check_state_reads(tmp: Path) -> Outcome:
+    """Issue 68: the state's max-abs reads find every non-finite value on this device."""
+    from nansentinel.checks.buffers import FloatingBuffers
+    from nansentinel.checks.state import any_nonfinite, poisoned
+
+    device = _device()
+    missed = []
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        for n in (1, 7, 4096, 1 << 20):
+            for where in (0, n // 2, n - 1):
+                for bad in (math.nan, math.inf, -math.inf):
+                    t = torch.full((n,), 60000.0 if dtype is torch.float16 else 3.0e4,
+                                   dtype=dtype, device=device)
+                    clean = [("t", "weight", t.clone())]
+                    t[where] = bad
+                    found = poisoned([("t", "weight", t)])
+                    if poisoned(clean) or [p.bad for p in found] != [1] or \
+                            int(any_nonfinite([t], device)) != 1:
+                        missed.append(f"{dtype} n={n} at {where} {bad}")
+    net = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.BatchNorm1d(8)).to(device)
+    buffers = FloatingBuffers(net)
+    net(torch.randn(4, 8, device=device))
+    norms = buffers.norms()
+    on_device = norms is not None and all(n.device == device for n in norms)
+    ok = not missed and on_device
+    return ok, (f"{len(missed)} missed: {', '.join(missed[:4])}" if missed else
+                f"every NaN/Inf found in fp32, bf16, fp16 up to 2**20 elements on {device}; "
+                f"buffer norms on {norms[0].device if norms else '?'}")
+
+
 CHECKS: dict[str, Callable[[Path], Outcome]] = {
     "gate_stream": check_gate_stream,
     "ddp_world1": check_ddp_world1,
@@ -234,6 +270,7 @@ CHECKS: dict[str, Callable[[Path], Outcome]] = {
     "group_timeout": check_group_timeout,
     "flight_recorder": check_flight_recorder,
     "nccl_future": check_nccl_future,
+    "state_reads": check_state_reads,
 }
 _PG_TIMEOUT_S = 120.0
 

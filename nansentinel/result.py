@@ -15,15 +15,28 @@ KINDS = ("batch", "loss", "grad")
 #: A pipeline stage's forward output went non-finite from finite inputs (pipeline.py): the
 #: kind of a forward origin, beside those of the health vector.
 ACTIVATION = "activation"
+#: A floating buffer (a BatchNorm statistic) went non-finite on this rank: its own value, not
+#: one a buffer broadcast brought (checks/buffers.py).
+BUFFER = "buffer"
+#: An optimizer hyperparameter (lr, betas, eps, ...) is non-finite as the step's health leaves.
+HYPERPARAMETER = "hyperparameter"
+#: The weights, buffers or optimizer state a rank holds are non-finite (rare/state.py).
+STATE = "state"
+#: The kinds of a rank's own state found non-finite (``StepResult.local_kinds``, the metric
+#: ``nansentinel_state_nonfinite_total``): a weight or an optimizer-state tensor (read where a
+#: NaN may have entered: rare/state.py), a floating buffer, a hyperparameter (every step).
+WEIGHT, OPTIMIZER_STATE = "weight", "optimizer_state"
+STATE_KINDS = (WEIGHT, OPTIMIZER_STATE, BUFFER, HYPERPARAMETER)
 #: Every kind a rank can be named for, in report order.
-ALL_KINDS = (*KINDS, ACTIVATION)
+ALL_KINDS = (*KINDS, ACTIVATION, BUFFER)
 
 #: Ranks named one by one in a report or a diagnosis of missing ranks; the rest are counted, so
 #: that neither grows with the world.
 NAMED = 64
 
-#: Replay verdicts: what caused a detection (see replay.py).
-VERDICTS = ("data", "host", "transient", "divergence", "sdc")
+#: Verdicts: what caused a detection (replay.py; ``sdc``: replicas diverged, replicas.py;
+#: ``state``: the model's own state is non-finite, rare/state.py).
+VERDICTS = ("data", "host", "transient", "divergence", "sdc", STATE)
 
 
 
@@ -95,8 +108,11 @@ class StepResult:
     bad_hosts: list[str]
     """Hosts of ``bad_ranks``, sorted, without repeats."""
     kinds: list[str]
-    """Which of ``batch``, ``loss``, ``grad`` were non-finite on any rank; ``replica`` when a
-    replica's weights or optimizer state silently diverged (``bad_ranks`` names it)."""
+    """Which of ``batch``, ``loss``, ``grad`` were non-finite on any rank; ``buffer`` when a
+    floating buffer was, ``hyperparameter`` an optimizer hyperparameter, ``state`` when a
+    rank's weights, buffers or optimizer state held a non-finite value (``poisoned_state``
+    names them), ``replica`` when a replica's weights or optimizer state silently diverged
+    (``bad_ranks`` names it)."""
     local_kinds: list[str]
     """Which kinds were non-finite on this rank."""
     local_loss: float | None
@@ -113,7 +129,8 @@ class StepResult:
     """The incident report written for this step (on the rank that wrote it)."""
     verdict: str | None = None
     """Replay verdict (data, host, transient, divergence); ``sdc`` when replicas diverged
-    (kind ``replica``, see replicas.py); None when no replay ran."""
+    (kind ``replica``, see replicas.py); ``state`` when the model's own state was non-finite
+    (``poisoned_state``); None when no replay ran."""
     excluded_hosts: list[str] = dataclasses.field(default_factory=list)
     """Hosts the cluster has decided to exclude so far."""
     parameters: dict[int, list[str]] = dataclasses.field(default_factory=dict)
@@ -149,6 +166,13 @@ class StepResult:
     """Floating buffers (BatchNorm running statistics, EMA buffers) put back as they were
     before this step's forward, because the step was not applied (0 when it was), or, on a
     ``dropped`` step, on this rank because its own forward took the poisoned batch."""
+    poisoned_state: dict[int, list[str]] = dataclasses.field(default_factory=dict)
+    """Rank -> its weights, floating buffers or optimizer state found non-finite at this step
+    (``name (kind, k of n elements non-finite)``), where the state was examined (an incident,
+    a snapshot kept: rare/state.py); ``state_action`` says what was done."""
+    state_action: str = ""
+    """``repaired`` (from a finite replica), ``rolled_back``, ``aborted`` or ``not_kept`` (a
+    snapshot not kept) where ``poisoned_state`` names something; empty otherwise."""
     stop_signal: int = 0
     """A signal asked some rank to stop (15 SIGTERM: a scheduler's time limit or ``scancel``;
     2 SIGINT), the same on every rank: this is the last step. Save a checkpoint now; the next
@@ -224,6 +248,13 @@ class NonFiniteError(RuntimeError):
 class HostExcludedError(NonFiniteError):
     """Raised on every rank when the cluster decides to exclude a host that keeps
     poisoning the run; the launcher keeps that host out of the next rendezvous."""
+
+
+class NonFiniteStateError(NonFiniteError):
+    """Raised on every rank when the model's own state holds a non-finite value that nothing
+    can repair: at construction or at a documented restore (a checkpoint with a NaN in it),
+    or on an incident where no replica and no snapshot holds a finite copy. The message names
+    the tensors, ranks, hosts and element counts; ``nansentinel run`` exits 6."""
 
 
 class ExchangeTimeoutError(RuntimeError):

@@ -15,10 +15,22 @@ gated optimizer step itself, by the same ``found_inf`` that skips it (``torch.wh
 sync), in one flat pass per dtype and device, whatever the number of buffers. Buffers are small
 next to the weights (a BatchNorm keeps two per channel), so the copy costs one fused kernel a
 step; a model without floating buffers pays nothing.
+
+The buffers are the model's state, and a NaN can enter them without any batch, loss or
+gradient showing it: a bit flip in a running statistic, which BatchNorm uses only in
+``eval()``. So they are checked every step beside the gradients, with three max-abs norms
+(:meth:`FloatingBuffers.norms`, NaN and Inf propagate through a max, no host sync): this rank's
+own buffers as the step began (the copy), the buffers as the forward began, and as the step
+left them. Under DDP's buffer broadcast (``broadcast_buffers=True``) the copy is taken before
+it (a pre-hook on the DDP wrapper, ``source``), so that a NaN broadcast from the source rank
+is told from one this rank made: the source's own copy is non-finite and it is the origin,
+while the ranks it reached hold their own finite copies, which a skipped step puts back, and
+which a repair of the source can come from (rare/state.py).
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -33,7 +45,7 @@ class FloatingBuffers:
     reassigns (``module.to()``, a cache rebuilt) is followed, not a stale tensor.
     """
 
-    def __init__(self, module: torch.nn.Module) -> None:
+    def __init__(self, module: torch.nn.Module, source: torch.nn.Module | None = None) -> None:
         self._where = [
             (mod, name) for mod in module.modules() for name, b in mod._buffers.items()
             if b is not None and b.is_floating_point()
@@ -44,8 +56,15 @@ class FloatingBuffers:
         #: views shaped as the buffers.
         self._flats: list[tuple[list[int], torch.Tensor, torch.Tensor, list[torch.Tensor]]] = []
         self._taken = False
-        self._handle = (module.register_forward_pre_hook(self._before_forward)
-                        if self._where else None)
+        #: The max-abs of this rank's own buffers at the copy, and as the forward began (0-d
+        #: fp32 on their device; None until this step's first forward).
+        self._own: torch.Tensor | None = None
+        self._arrived: torch.Tensor | None = None
+        copied_on = source if source is not None and self._where else module
+        self._handles = [copied_on.register_forward_pre_hook(self._before_forward)
+                         ] if self._where else []
+        if self._where and source is not None:  # after the broadcast, as the forward begins
+            self._handles.append(module.register_forward_pre_hook(self._as_arrived))
 
     def __len__(self) -> int:
         return len(self._where)
@@ -65,6 +84,27 @@ class FloatingBuffers:
         assert self._saved is not None
         insides.foreach_copy_(self._saved, live)
         self._taken = True
+        self._own = _max_abs([flat for _, flat, _, _ in self._flats])
+        self._arrived = None
+
+    def _as_arrived(self, *_: Any) -> None:
+        """The buffers as the forward begins, after the broadcast (once a step)."""
+        if self._taken and self._arrived is None:
+            self._arrived = self._live_norm()
+
+    def _live_norm(self) -> torch.Tensor:
+        live = self._live()
+        return _max_abs([torch.stack(insides.foreach_max_abs([live[i] for i in indices]))
+                         for indices, _, _, _ in self._flats])
+
+    def norms(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """The buffers' max-abs as the step leaves them, this rank's own as it began, and as
+        its forward began (``own`` where nothing was broadcast), on the device; None when no
+        forward ran this step (or the model has no floating buffer)."""
+        if not self._taken or self._own is None:
+            return None
+        arrived = self._arrived if self._arrived is not None else self._own
+        return self._live_norm(), self._own, arrived
 
     def _allocate(self, live: list[torch.Tensor]) -> None:
         """The copies as views of one flat tensor per dtype and device (so that a restore on
@@ -122,8 +162,20 @@ class FloatingBuffers:
     def reset(self) -> None:
         """The next forward starts a new step: copy again."""
         self._taken = False
+        self._own = self._arrived = None
 
     def close(self) -> None:
-        if self._handle is not None:
-            self._handle.remove()
-            self._handle = None
+        handles, self._handles = self._handles, []
+        for handle in handles:
+            handle.remove()
+
+
+def _max_abs(parts: list[torch.Tensor]) -> torch.Tensor:
+    """One 0-d fp32 max-abs over ``parts`` (flat tensors or per-tensor norms, each on one
+    device and dtype): finite exactly when every element is; no host sync."""
+    maxima = [torch.linalg.vector_norm(p, math.inf).float() if p.numel()
+              else p.new_zeros((), dtype=torch.float32) for p in parts]
+    if len(maxima) == 1:
+        return maxima[0]
+    device = maxima[0].device
+    return torch.stack([m.to(device, non_blocking=True) for m in maxima]).amax()

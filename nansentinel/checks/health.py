@@ -30,8 +30,10 @@ from nansentinel.result import RankIdentity
 class Row:
     """This rank's health row as the checks fill it (checks/health.py): three values whose
     finiteness is the check, four flags the host knows, five flags of the boundaries where
-    values arrive from other ranks (checks/pipeline.py; 0 without pipeline stages), then the
-    stop a signal asked for (summed like the rest: no extra collective, nothing O(world))."""
+    values arrive from other ranks (checks/pipeline.py; 0 without pipeline stages), the
+    stop a signal asked for (summed like the rest: no extra collective, nothing O(world)),
+    then the model's own state: three max-abs norms of the floating buffers, whose finiteness
+    is the check (checks/buffers.py), and whether a hyperparameter is non-finite."""
 
     batch_norm: float = 0.0
     loss_value: float = 0.0
@@ -58,12 +60,22 @@ class Row:
     time limit or ``scancel``; every rank stops after the step that carries it."""
     stop_int: bool = False
     """SIGINT reached this rank before its row was packed (Ctrl-C)."""
+    buffer_norm: float = 0.0
+    """The floating buffers as the step left them (after its forward): max-abs, 0 without."""
+    buffer_own: float = 0.0
+    """This rank's own buffers before the step's forward (before a buffer broadcast)."""
+    buffer_arrived: float = 0.0
+    """The buffers as the step's forward began (after DDP's broadcast from its source rank;
+    ``buffer_own`` where nothing is broadcast)."""
+    hyper_bad: bool = False
+    """An optimizer hyperparameter (lr, betas, eps, ...) is non-finite (checks/state.py)."""
 
 
 #: Fields of a :class:`Row`, in wire order, and its pipeline boundary flags among them
 #: (checks/pipeline.py fills them).
 ROW = tuple(f.name for f in dataclasses.fields(Row))
 BOUNDARY = ROW[ROW.index("fwd_origin"):ROW.index("loss_origin") + 1]
+_BUFFERS = ("buffer_norm", "buffer_own", "buffer_arrived")
 
 _CONSTANTS: dict[tuple[tuple[float, ...], torch.device], torch.Tensor] = {}
 
@@ -109,6 +121,12 @@ class LocalHealth:
         """``policy="drop"``: a 0-d bool on the device, fixed at the step's first reduction
         (drop.py): this rank's gradients are replaced by zeros in every reduction of the step.
         None: no reduction withheld anything this step."""
+        self.buffers: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        """The floating buffers' max-abs norms (0-d fp32 on the device): as the step left
+        them, this rank's own before its forward, as its forward began (buffers.py); None: the
+        model has none."""
+        self.hyper_bad = False
+        """An optimizer hyperparameter is non-finite (read as the row is packed)."""
 
     @contextlib.contextmanager
     def timed(self) -> Iterator[None]:
@@ -162,13 +180,17 @@ class LocalHealth:
             flags = torch.cat([flags[:3], self.quarantined.reshape(1).to(torch.float32)])
         boundary = (constant((0.0,) * len(BOUNDARY), self.device) if self.boundary is None
                     else moved(self.boundary, self.device, torch.float32))
-        stops = constant((host["stop_term"], host["stop_int"]),
-                         self.device)  # two cached constants: no host-to-device copy
+        stops = constant((host["stop_term"], host["stop_int"], host["hyper_bad"]),
+                         self.device)  # cached constants: no host-to-device copy
+        buffers = (constant((0.0, 0.0, 0.0), self.device) if self.buffers is None
+                   else torch.stack([moved(b, self.device, torch.float32).reshape(())
+                                     for b in self.buffers]))
         return assembled((
             (("batch_norm", "loss_value", "grad_norm_value"), self._values()),
             (("injected", "has_loss", "has_grad", "quarantined"), flags),
             (BOUNDARY, boundary),
-            (("stop_term", "stop_int"), stops),
+            (("stop_term", "stop_int", "hyper_bad"), stops),
+            (_BUFFERS, buffers),
         ), ROW)
 
     def host_row(self) -> list[float]:
@@ -183,6 +205,8 @@ class LocalHealth:
         boundary = ([0.0] * len(BOUNDARY) if self.boundary is None
                     else self.boundary.to(torch.float32).tolist())
         named.update(zip(BOUNDARY, boundary, strict=True))
+        named.update(zip(_BUFFERS, [0.0, 0.0, 0.0] if self.buffers is None
+                         else [_host_float(b) for b in self.buffers], strict=True))
         return [named[name] for name in ROW]
 
     def _values(self) -> torch.Tensor:
@@ -204,7 +228,8 @@ class LocalHealth:
         return {"injected": float(self.injected), "has_loss": float(self.loss_sum is not None),
                 "has_grad": float(bool(self.grad_norms)),
                 "stop_term": float(self.stop_signal == signal.SIGTERM),
-                "stop_int": float(self.stop_signal == signal.SIGINT)}
+                "stop_int": float(self.stop_signal == signal.SIGINT),
+                "hyper_bad": float(self.hyper_bad)}
 
 
 def assembled(pieces: Sequence[tuple[tuple[str, ...], torch.Tensor]],

@@ -14,6 +14,7 @@ code  name                       meaning
 4     ``EXIT_HOST_EXCLUDED``     this host was excluded; its launcher left the job
 5     ``EXIT_EXCHANGE_TIMEOUT``  a rank did not answer the health exchange, or the
                                  rendezvous store is gone
+6     ``EXIT_NONFINITE_STATE``   the model's own state is non-finite and nothing can repair it
 130   ``EXIT_SIGINT``            stopped by SIGINT (Ctrl-C); the workers were stopped
 143   ``EXIT_SIGTERM``           stopped by SIGTERM (a scheduler's time limit, ``scancel``)
 ====  =========================  ===========================================================
@@ -57,6 +58,13 @@ that did not answer), or the rendezvous store is gone (its process died or stops
 the launchers stop every rank after a common step, and the summary names the store's
 address). Either way a restart or a requeue is the answer."""
 
+EXIT_NONFINITE_STATE = 6
+"""The model's own state (weights, floating buffers, optimizer state, hyperparameters) holds
+a non-finite value that no replica and no snapshot holds finite: a checkpoint restored with a
+NaN in it (refused at construction or at ``Sentinel.check_state()``, before any step), or a
+state poisoned on every replica mid-run. Unlike 3, lowering the learning rate will not help:
+restore another checkpoint. The summary names the tensors, ranks and hosts."""
+
 EXIT_SIGINT = 130
 """SIGINT stopped the launcher (128 + 2): the workers got it too, and SIGKILL after a grace
 (nansentinel.launcher.signals). Not a failure of the job: a person or a wrapper stopped it."""
@@ -74,6 +82,7 @@ NAMES: dict[int, str] = {
     EXIT_NONFINITE_ABORT: "EXIT_NONFINITE_ABORT",
     EXIT_HOST_EXCLUDED: "EXIT_HOST_EXCLUDED",
     EXIT_EXCHANGE_TIMEOUT: "EXIT_EXCHANGE_TIMEOUT",
+    EXIT_NONFINITE_STATE: "EXIT_NONFINITE_STATE",
     EXIT_SIGINT: "EXIT_SIGINT",
     EXIT_SIGTERM: "EXIT_SIGTERM",
 }

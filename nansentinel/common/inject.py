@@ -6,9 +6,15 @@
     kind=grad,rank=2,step=5,value=nan
     kind=batch,host=node3,steps=5-9,value=inf;kind=loss,rank=0,step=12
 
-- ``kind``: ``batch`` | ``loss`` | ``grad`` | ``bitflip`` (required); ``bitflip`` flips one
-  low mantissa bit of one weight element after the rank's optimizer step (finite, ~0.05%:
-  silent data corruption, found by the replica fingerprints of replicas.py; takes no value)
+- ``kind``: ``batch`` | ``loss`` | ``grad`` | ``bitflip`` | ``weight`` | ``optimizer_state``
+  | ``buffer`` | ``hyperparameter`` (required); ``bitflip`` flips one low mantissa bit of one
+  weight element after the rank's optimizer step (finite, ~0.05%: silent data corruption,
+  found by the replica fingerprints of replicas.py; takes no value). The state kinds write
+  the value into the model's own state as the step begins, before its forward (a memory fault
+  between two steps, a bad restore): the first element of the first weight, of the first
+  optimizer-state tensor (once the optimizer has stepped) or of the first floating buffer;
+  ``hyperparameter`` writes param group 0's ``lr`` for that step and puts the user's value
+  back once the step is decided (rare/state.py, docs/recovery.md)
 - ``rank=R`` or ``host=NAME``: where (neither: every rank — a divergence drill)
 - ``step=S`` or ``steps=A-B`` (inclusive): when, counted like ``StepResult.step`` (required)
 - ``value``: ``nan`` (default) | ``inf`` | ``-inf``
@@ -24,15 +30,18 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Any
 
 import torch
 
 from nansentinel.result import KINDS
 
 _VALUES = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
-#: The kinds a drill can inject: the local checks' kinds, and a silent bit flip.
+#: The kinds a drill can inject: the local checks' kinds, a silent bit flip, and the model's
+#: own state (its weights, optimizer state, floating buffers and a hyperparameter).
 BITFLIP = "bitflip"
-INJECT_KINDS = (*KINDS, BITFLIP)
+DRILLED_STATE = ("weight", "optimizer_state", "buffer")
+INJECT_KINDS = (*KINDS, BITFLIP, *DRILLED_STATE, "hyperparameter")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -150,6 +159,33 @@ class Injector:
             tensor[(0,) * tensor.dim()] = value
         self.fired.append((step, kind))
         return True
+
+
+def drill_targets(module: torch.nn.Module, optimizer: Any) -> list[tuple[str, torch.Tensor]]:
+    """``(kind, tensor)`` a state drill writes into (:data:`DRILLED_STATE`): the first
+    non-empty weight, optimizer-state tensor and floating buffer of this rank (a DTensor's
+    local shard), where it has one."""
+    found: dict[str, torch.Tensor] = {}
+    states = getattr(optimizer, "state", None)
+    for p in module.parameters():
+        if _own(p).numel():
+            found.setdefault("weight", _own(p))
+        state = states.get(p, {}) if isinstance(states, dict) else {}
+        for key in sorted(state, key=str):
+            value = state[key]
+            if isinstance(value, torch.Tensor) and value.is_floating_point() and value.numel():
+                found.setdefault("optimizer_state", _own(value))
+    for b in module.buffers():
+        if b.is_floating_point() and b.numel():
+            found.setdefault("buffer", b)
+            break
+    return [(kind, found[kind]) for kind in DRILLED_STATE if kind in found]
+
+
+def _own(t: torch.Tensor) -> torch.Tensor:
+    """This rank's values of ``t`` (a DTensor's local shard; duck-typed, no import)."""
+    to_local = getattr(t, "to_local", None)
+    return to_local() if to_local is not None else t
 
 
 def _int(where: str, key: str, text: str) -> int:

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -373,6 +374,12 @@ def foreach_norm(tensors: Sequence[torch.Tensor], dtype: torch.dtype | None = No
     if dtype is None:
         return list(torch._foreach_norm(list(tensors), 2))
     return list(torch._foreach_norm(list(tensors), 2, dtype=dtype))
+
+
+def foreach_max_abs(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """One max-abs (``ord=inf`` norm) per tensor in one fused call: finite exactly when every
+    element is (NaN and Inf propagate through the max), whatever the values' size."""
+    return list(torch._foreach_norm(list(tensors), math.inf))
 
 
 def foreach_mul_(tensors: Sequence[torch.Tensor], factor: Any) -> None:

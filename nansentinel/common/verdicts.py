@@ -55,9 +55,11 @@ from nansentinel.common.exitcodes import (
     EXIT_EXCHANGE_TIMEOUT,
     EXIT_HOST_EXCLUDED,
     EXIT_NONFINITE_ABORT,
+    EXIT_NONFINITE_STATE,
     EXIT_WORKER_FAILED,
 )
 from nansentinel.common.tempfiles import sweep_orphans
+from nansentinel.result import STATE as STATE_KIND
 from nansentinel.result import Outcome
 
 log = logging.getLogger("nansentinel")
@@ -512,9 +514,9 @@ def outcome_from_verdicts(
 ) -> VerdictOutcome:
     """Map the verdicts of a failed attempt to this host's exit code.
 
-    Precedence, strongest first: this host excluded (4) > the sentinel stopped the run,
-    by abort or by excluding another host (3) > the rendezvous store is gone (5) > a rank
-    missed the health exchange (5) > a
+    Precedence, strongest first: this host excluded (4) > the sentinel stopped the run
+    by excluding another host (3) > on a non-finite state of the model's own (6) > by abort
+    (3) > the rendezvous store is gone (5) > a rank missed the health exchange (5) > a
     signal asked every rank to stop after the same step (128 + the signal: 143, 130) > no
     verdict at all, an ordinary worker failure (1). An abort outranks a timeout because
     the sentinel aborts on every rank at the same step, so a timeout next to an abort is a
@@ -547,6 +549,14 @@ def outcome_from_verdicts(
             verdict=v,
         )
     aborted = by_outcome.get(Outcome.ABORTED, [])
+    poisoned = [v for v in aborted if STATE_KIND in v.kinds]
+    if poisoned:
+        v = poisoned[0]
+        return VerdictOutcome(
+            EXIT_NONFINITE_STATE,
+            f"the model's own state is not finite: {v.message or 'a poisoned state'}",
+            verdict=v,
+        )
     if aborted:
         v = aborted[0]
         return VerdictOutcome(

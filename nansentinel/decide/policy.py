@@ -13,9 +13,10 @@ import math
 import signal
 from typing import Any
 
+from nansentinel.checks.state import StateFindings
 from nansentinel.config import SentinelConfig
 from nansentinel.decide.spikes import Spikes
-from nansentinel.result import ACTIVATION, ALL_KINDS, Outcome
+from nansentinel.result import ACTIVATION, ALL_KINDS, BUFFER, HYPERPARAMETER, STATE, Outcome
 from nansentinel.wire.schema import Totals
 from nansentinel.wire.view import ClusterView, RankHealth
 
@@ -26,6 +27,9 @@ APPLY, SKIP, OVERFLOW, ABORT, EXCLUDE, ROLLBACK, DROP = (
 NONFINITE, SPIKE, QUARANTINE, AFTER_ROLLBACK = "nonfinite", "spike", "quarantine", "after_rollback"
 # issue 60: a collapse skipped (collapse_action="skip"); a recovery that ended (the step applies).
 COLLAPSE, RECOVERY_OVER = "collapse", "recovery_over"
+# issue 68: a step decided on the model's own state (rare/state.py), or on a non-finite
+# optimizer hyperparameter; the verdict of the former.
+HYPER = HYPERPARAMETER
 _SEVERITY = {"warn": 0, "skip": 1, "rollback": 2}
 _OUTCOME = {
     APPLY: Outcome.APPLIED, SKIP: Outcome.SKIPPED, OVERFLOW: Outcome.OVERFLOW,
@@ -44,7 +48,9 @@ class Decision:
     reason: str = ""
     cause: str = ""
     """``nonfinite``, ``spike``, ``quarantine``, ``after_rollback``, ``collapse``,
-    ``recovery_over`` (applied: a recovery that did not help ended) or empty (applied)."""
+    ``recovery_over`` (applied: a recovery that did not help ended), ``state`` (the model's
+    own state was non-finite: repaired, rolled back over or stopped for), ``hyperparameter``
+    (an optimizer hyperparameter was non-finite: skipped) or empty (applied)."""
     overflow: bool = False
     """Gradients overflowed under GradScaler on some rank: counted, not blamed."""
     exclude_host: str | None = None
@@ -121,6 +127,9 @@ class History:
     retry: bool = False
     """The last rollback's check just failed: the next step rolls back to an older snapshot
     (if one is kept that did not fail)."""
+    state_restored: list[int] = dataclasses.field(default_factory=list)
+    """Snapshots restored because the model's state was poisoned: never restored for that
+    again (a rollback that leads back into the same poisoned update is not repeated)."""
 
     def state_dict(self) -> dict[str, Any]:
         """What a checkpoint keeps of the history (JSON-able; keys as saved since 0.1)."""
@@ -137,6 +146,7 @@ class History:
             "failed_snapshots": list(self.failed),
             "watch": list(self.watch) if self.watch else None,
             "retry": self.retry,
+            "state_restored": list(self.state_restored),
         }
 
     @classmethod
@@ -156,6 +166,7 @@ class History:
             failed=[int(s) for s in state.get("failed_snapshots", [])],
             watch=[int(x) for x in state["watch"]] if state.get("watch") else None,
             retry=bool(state.get("retry", False)),
+            state_restored=[int(s) for s in state.get("state_restored", [])],
         )
 
     def snapshot_kept(self, step: int, applied_after: int, kept: int = 4) -> None:
@@ -217,23 +228,25 @@ class History:
         """Advance the history by one decided step (a dropped step is applied: not a skip),
         with the step's :class:`Evidence` (its verdict, spikes and snapshot step)."""
         evidence = evidence if evidence is not None else Evidence()
-        verdict, snapshot_step = evidence.verdict, evidence.snapshot_step
-        spikes = evidence.spikes
+        snapshot_step, spikes = evidence.snapshot_step, evidence.spikes
         waited = spikes and _most_severe(spikes, config) != "warn"
         if not (spikes and spikes.in_data):  # the data's spike: the weights' streak waits
             self.spike_streak = (self.spike_streak + 1 if waited and decision.action != ROLLBACK
                                  else 0)
-        if decision.cause in (NONFINITE, SPIKE) and not decision.applies:
+        if decision.cause in (NONFINITE, SPIKE, STATE, HYPER) and not decision.applies:
             self.consecutive_skips += 1
         elif decision.applies:
             self.consecutive_skips = 0
-        self.strike(blamed_hosts(view, decision, verdict), view.step, config)
+        self.strike(struck_hosts(view, decision, evidence), view.step, config)
         for host, _ in decision.exclusions:
             self.exclude(host)
         if decision.cause == AFTER_ROLLBACK:
             self.skip_batches -= 1
         self._account(decision, config, evidence)
-        if decision.action == ROLLBACK and snapshot_step is not None:
+        if decision.action == ROLLBACK and decision.cause == STATE and snapshot_step is not None:
+            self.state_restored.append(snapshot_step)
+        if decision.action == ROLLBACK and snapshot_step is not None and \
+                decision.cause != STATE:  # a poisoned state was not the batches' doing
             n = self.rollbacks[snapshot_step] = self.rollbacks.get(snapshot_step, 0) + 1
             # The window widens on a repeat: the data (or the schedule) that led in lasted
             # longer than the batches skipped (PaLM skipped 200-500 at once).
@@ -269,6 +282,17 @@ class History:
             self.lost += 1
 
 
+def struck_hosts(view: ClusterView, decision: Decision, evidence: Evidence) -> list[str]:
+    """Hosts that earn a strike at this step: :func:`blamed_hosts`, and those whose memory
+    held a poisoned state that a finite replica repaired (a hardware suspect; where every
+    replica was poisoned the cause is the checkpoint or the numbers, and no host is struck)."""
+    hosts = blamed_hosts(view, decision, evidence.verdict)
+    state = evidence.state
+    if state is not None and state.repairable and not decision.stops:
+        hosts = sorted({*hosts, *state.bad_hosts})
+    return hosts
+
+
 def blamed_hosts(view: ClusterView, decision: Decision, verdict: str | None = None) -> list[str]:
     """Hosts that earn a strike: those with a bad rank, but only while some host is healthy,
     and not when a replay found the data (or a global divergence) to blame.
@@ -285,7 +309,7 @@ def blamed_hosts(view: ClusterView, decision: Decision, verdict: str | None = No
 #: The kinds a rank is blamed for, without and with GradScaler (a detection may ask 131,072
 #: times: no set is built per rank).
 _BLAMED = frozenset(ALL_KINDS)
-_AMP_BLAMED = frozenset(("batch", "loss", ACTIVATION))
+_AMP_BLAMED = frozenset(("batch", "loss", ACTIVATION, BUFFER))
 
 
 def is_blamed(rank: RankHealth, *, amp: bool = False) -> bool:
@@ -314,6 +338,9 @@ class Evidence:
         verdict: the replay verdict, when a replay ran.
         snapshot_step: the step of the snapshot a rollback would restore (None: none yet).
         near: the cluster's loss is in its normal band (a rollback's check, issue 60).
+        state: what the ranks hold that is not finite, where the state was examined and
+            something was found (an incident, a snapshot about to be kept: rare/state.py).
+        hyper: this rank's non-finite hyperparameters, in words (the reason of their skip).
     """
 
     amp: bool = False
@@ -321,6 +348,8 @@ class Evidence:
     verdict: str | None = None
     snapshot_step: int | None = None
     near: bool = True
+    state: StateFindings | None = None
+    hyper: str = ""
 
 
 def requested_stop(totals: Totals) -> int:
@@ -344,6 +373,8 @@ def decide(view: ClusterView, history: History, config: SentinelConfig,
     spikes, snapshot_step = evidence.spikes, evidence.snapshot_step
     bad = blamed(view, amp=evidence.amp)
     overflow = evidence.amp and view.totals.bad_grad > 0
+    if evidence.state is not None:
+        return _poisoned_state(view, bad, history, config, evidence, overflow)
     if bad:
         return _nonfinite(view, bad, history, config, evidence, overflow)
     if view.quarantined:
@@ -351,6 +382,8 @@ def decide(view: ClusterView, history: History, config: SentinelConfig,
     if view.totals.dropped:  # withheld gradients are never applied as they are
         return Decision(SKIP, (), "gradients left out of the reduction on a rank not blamed",
                         NONFINITE, overflow)
+    if view.totals.bad_hyper or view.totals.bad_buffer:
+        return _unapplicable(view, history, config, evidence, overflow)
     if history.retry and snapshot_step is not None and snapshot_step not in history.failed:
         return _rollback(history, config, Decision(
             SKIP, (), f"the rollback to step {history.failed[-1]} did not bring the loss back "
@@ -431,19 +464,10 @@ def _nonfinite(
 ) -> Decision:
     verdict = evidence.verdict
     provisional = Decision(SKIP, bad, cause=NONFINITE, overflow=overflow)
-    leaving = [(host, n) for host in blamed_hosts(view, provisional, verdict)
-               if (n := history.strikes_within(host, view.step, config) + 1)
-               >= config.host_strikes and host not in history.excluded]
-    if leaving:  # every host that reached its strikes leaves at this step, together
-        (host, strikes), *others = leaving
-        return dataclasses.replace(
-            provisional,
-            action=EXCLUDE,
-            exclude_host=host,
-            strikes=strikes,
-            also_exclude=tuple(others),
-            reason="; ".join(exclusion_reason(h, n, config) for h, n in leaving),
-        )
+    excluding = _excluding(provisional, blamed_hosts(view, provisional, verdict), history,
+                           config, view.step)
+    if excluding is not None:
+        return excluding
     if config.policy == "abort":
         return dataclasses.replace(provisional, action=ABORT, reason="policy is abort")
     if history.skip_batches > 0:  # discarded anyway: not one more rollback, nor a skip streak
@@ -472,9 +496,98 @@ def _nonfinite(
     return provisional
 
 
+def _excluding(provisional: Decision, hosts: list[str], history: History,
+               config: SentinelConfig, step: int) -> Decision | None:
+    """``provisional`` turned into the exclusion of every one of ``hosts`` that this step's
+    strike brings to ``host_strikes`` (they leave together, with one rendezvous change), or
+    None when none does."""
+    leaving = [(host, n) for host in hosts
+               if (n := history.strikes_within(host, step, config) + 1) >= config.host_strikes
+               and host not in history.excluded]
+    if not leaving:
+        return None
+    (host, strikes), *others = leaving
+    return dataclasses.replace(
+        provisional, action=EXCLUDE, exclude_host=host, strikes=strikes,
+        also_exclude=tuple(others),
+        reason="; ".join(exclusion_reason(h, n, config) for h, n in leaving))
+
+
 def exclusion_reason(host: str, strikes: int, config: SentinelConfig) -> str:
     """Why ``host`` is excluded: its strikes within the window (each host's record says it)."""
     return f"host {host} blamed {strikes} times within {config.strike_window} steps"
+
+
+def _unapplicable(view: ClusterView, history: History, config: SentinelConfig,
+                  evidence: Evidence, overflow: bool) -> Decision:
+    """A step no rank is blamed for that cannot apply: a non-finite optimizer hyperparameter
+    (a schedule's NaN, the same on every rank: nobody's host), or floating buffers that only
+    arrived non-finite. Skipped on every rank (the device gate skips it on the device), and
+    like any skip, stopped after ``max_consecutive_skips`` in a row: a schedule that keeps
+    returning NaN is the user's to fix."""
+    totals = view.totals
+    if totals.bad_hyper:
+        what = evidence.hyper or f"on {totals.bad_hyper} of {view.world_size} rank(s)"
+        reason, cause = (f"a non-finite optimizer hyperparameter ({what}): the step is skipped "
+                         "on every rank, the hyperparameters are the schedule's to fix"), HYPER
+    else:
+        reason, cause = "floating buffers non-finite on arrival: the step is skipped", STATE
+    skip = Decision(SKIP, (), reason, cause, overflow)
+    if config.policy == "abort":
+        return dataclasses.replace(skip, action=ABORT, reason=f"{reason}; policy is abort")
+    if history.consecutive_skips >= config.max_consecutive_skips:
+        return dataclasses.replace(skip, action=ABORT, reason=(
+            f"{reason}; {history.consecutive_skips} steps skipped in a row "
+            f"(max_consecutive_skips={config.max_consecutive_skips})"))
+    return skip
+
+
+def _poisoned_state(
+    view: ClusterView, bad: tuple[RankHealth, ...], history: History, config: SentinelConfig,
+    evidence: Evidence, overflow: bool,
+) -> Decision:
+    """A step at which some rank's weights, buffers or optimizer state held a non-finite value
+    (``evidence.state``, the same on every rank). Where a finite replica holds every poisoned
+    tensor, the state is repaired in place (step/judge.py) and the poisoned hosts struck: the
+    step applies if its own numbers were finite (the state was found before a snapshot was
+    kept), else it is skipped (or dropped) as any non-finite step. Where none does, the run
+    rolls back to a snapshot (every snapshot kept was examined finite) not restored for a
+    poisoned state before, or stops at once naming the tensors: no skip can end a poisoned
+    state, so waiting ``max_consecutive_skips`` would only waste steps."""
+    state = evidence.state
+    assert state is not None
+    what = f"the model's state is not finite: {state.describe()}"
+    provisional = Decision(SKIP, bad, what, STATE, overflow)
+    if config.policy == "abort":
+        return dataclasses.replace(provisional, action=ABORT, reason=f"{what}; policy is abort")
+    if state.repairable:
+        hosts = sorted({*state.bad_hosts, *blamed_hosts(view, provisional, STATE)})
+        excluding = _excluding(provisional, hosts, history, config, view.step)
+        if excluding is not None:
+            return dataclasses.replace(excluding, reason=f"{what}; {excluding.reason}")
+        repaired = f"{what}; repaired from a finite replica"
+        if not bad:
+            return dataclasses.replace(provisional, action=OVERFLOW if overflow else APPLY,
+                                       reason=f"{repaired}, then the step applied")
+        nonfinite = _nonfinite(view, bad, history, config, evidence, overflow)
+        if nonfinite.action == ROLLBACK:  # repaired: nothing to roll back to
+            nonfinite = dataclasses.replace(nonfinite, action=SKIP, reason="")
+        return dataclasses.replace(nonfinite, cause=STATE, reason=(
+            f"{repaired}; {nonfinite.reason}" if nonfinite.reason else
+            f"{repaired}; the step's own values were poisoned by it: skipped"))
+    why = f" ({state.why})" if state.why else ""
+    target = evidence.snapshot_step
+    if target is not None and target not in history.failed and \
+            target not in history.state_restored:
+        done = history.rollbacks.get(target, 0)
+        if done < config.max_rollbacks:
+            return dataclasses.replace(provisional, action=ROLLBACK, reason=(
+                f"{what}; no replica holds a finite copy{why}: restoring step {target}, whose "
+                "whole state was finite"))
+    kept = ("and the snapshot kept was restored for it before" if target is not None
+            else "and no snapshot is kept")
+    return dataclasses.replace(provisional, action=ABORT, reason=(
+        f"{what}; no replica holds a finite copy{why} {kept}: restore another checkpoint"))
 
 
 def max_dropped_ranks(world_size: int, fraction: float) -> int:
@@ -528,6 +641,12 @@ def _rollback(history: History, config: SentinelConfig, skip: Decision,
         bounded = _bounded(history, config, skip, history.undone(snapshot_step) + 1)
         if bounded is not skip:
             return bounded
+    bound, cost = config.max_lost_steps, history.undone(snapshot_step) + 1
+    if skip.cause != SPIKE and bound and history.lost + cost > bound:
+        # A non-finite step cannot apply: the recovery that would pass its bound stops.
+        return dataclasses.replace(skip, action=ABORT, reason=(
+            f"{skip.reason}; the recovery has left {history.lost} steps unapplied, and a "
+            f"rollback to step {snapshot_step} would take it past max_lost_steps={bound}"))
     done = history.rollbacks.get(snapshot_step, 0)
     if done >= config.max_rollbacks:
         return dataclasses.replace(

@@ -44,7 +44,14 @@ from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4, generate_late
 from prometheus_client.registry import Collector
 
 from nansentinel.config import env_var
-from nansentinel.result import KINDS, OUTCOMES, VERDICTS, RankIdentity, StepResult
+from nansentinel.result import (
+    KINDS,
+    OUTCOMES,
+    STATE_KINDS,
+    VERDICTS,
+    RankIdentity,
+    StepResult,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -221,6 +228,17 @@ class SentinelMetrics:
             registry=r,
         )
         self._steps = {outcome: steps.labels(outcome=outcome) for outcome in STEP_OUTCOMES}
+        state = Counter(
+            f"{PREFIX}_state_nonfinite",
+            "Steps at which this rank's own state held a non-finite value, by kind: a weight "
+            "or an optimizer-state tensor (read on an incident, before a snapshot, by the "
+            "replica fingerprints), a floating buffer (every step), a hyperparameter (every "
+            "step). The action is in the step's result and report (repaired from a replica, "
+            "rolled back over, stopped for).",
+            ["kind"],
+            registry=r,
+        )
+        self._state_nonfinite = {kind: state.labels(kind=kind) for kind in STATE_KINDS}
         self._replica_divergence = Counter(
             f"{PREFIX}_replica_divergence",
             "Fingerprint checks at which this rank's replica (weights, optimizer state) had "
@@ -359,6 +377,9 @@ class SentinelMetrics:
             self._nonfinite[kind].inc()
         if nonfinite and self.identity.rank not in result.reached:
             self._blamed.inc()
+        for kind in result.local_kinds:
+            if kind in self._state_nonfinite:
+                self._state_nonfinite[kind].inc()
         if "replica" in result.local_kinds:  # finite but wrong: not a non-finite blame
             self._replica_divergence.inc()
         self._healthy.set(0 if nonfinite else 1)

@@ -19,7 +19,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from nansentinel.common import torch_insides as insides
 from nansentinel.common.verdicts import (
@@ -33,11 +33,12 @@ from nansentinel.common.verdicts import (
     write_verdict,
 )
 from nansentinel.config import SentinelConfig
-from nansentinel.decide.policy import EXCLUDE, Decision, exclusion_reason
+from nansentinel.decide.policy import EXCLUDE, STATE, Decision, exclusion_reason
 from nansentinel.result import (
     ExchangeTimeoutError,
     HostExcludedError,
     NonFiniteError,
+    NonFiniteStateError,
     RankIdentity,
     StepResult,
     StopRequested,
@@ -45,6 +46,9 @@ from nansentinel.result import (
 from nansentinel.wire.collectives import job_rank
 from nansentinel.wire.context import Context
 from nansentinel.wire.exchange import HealthExchange, diagnosis_grace, is_transport_failure
+
+if TYPE_CHECKING:
+    from nansentinel.rare.state import StateCheck
 
 log = logging.getLogger("nansentinel")
 
@@ -285,8 +289,26 @@ def stop(
             identity.rank, config.metrics_linger,
         )
         time.sleep(config.metrics_linger)
-    error = HostExcludedError if decision.action == EXCLUDE else NonFiniteError
+    error = (HostExcludedError if decision.action == EXCLUDE
+             else NonFiniteStateError if decision.cause == STATE else NonFiniteError)
     raise error(message, result)
+
+
+def refuse_state(ctx: Context, check: StateCheck, when: str, step: int) -> None:
+    """Read the model's whole state on every rank (rare/state.py) and, where any rank holds a
+    non-finite value, leave this rank's verdict (``nansentinel run`` exits 6) and raise
+    :class:`NonFiniteStateError` on every rank, once every rank's verdict is left."""
+    try:
+        check.refuse(when, step)
+    except NonFiniteStateError as exc:
+        result = exc.result
+        leave_verdict(ctx.config, ctx.identity, step, result.outcome, str(exc),
+                      bad_ranks=result.bad_ranks, bad_hosts=result.bad_hosts, kinds=result.kinds)
+        with ctx.guarded():
+            ctx.peers.barrier()
+        if ctx.rank == 0:
+            log.error("%s", exc)
+        raise
 
 
 def record_exclusion(ctx: Context, decision: Decision, result: StepResult) -> str | None:

@@ -136,6 +136,11 @@ class Capabilities:
     """The process group of this rank's replicas when :attr:`fingerprints` is None:
     :data:`EXCHANGE` for the exchange's own group (the user reduces by hand, so the ranks of
     the exchange are replicas)."""
+    buffers_from: Any = None
+    """The module whose forward broadcasts the floating buffers from one rank to the others
+    before it runs (DDP's wrapper with ``broadcast_buffers``): this rank's own buffers are
+    copied before it, so that a NaN that arrived is told from one made here
+    (checks/buffers.py). None: nothing is broadcast."""
 
     def staged(self) -> Capabilities:
         """These capabilities under pipeline stages: no device gate, no drop, and the ranks

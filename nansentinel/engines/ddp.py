@@ -62,8 +62,8 @@ class DDPPath:
         self.model = model
         self.sink = sink
         self.group = model.process_group
-        self.caps = self._capabilities()
         self.world_size = dist.get_world_size(self.group)
+        self.caps = self._capabilities()
         backend = str(dist.get_backend(self.group))
         device = next((p.device for p in model.parameters()), torch.device("cpu"))
         #: How a bucket is averaged (see :func:`averaging`).
@@ -128,8 +128,9 @@ class DDPPath:
         """DDP's group holds this rank's replicas; DTensor parameters (tensor parallel) make a
         replica several ranks, which ``policy="drop"`` cannot leave out alone."""
         tensor_parallel = any(hasattr(p, "to_local") for p in self.model.parameters())
+        broadcasts = getattr(self.model, "broadcast_buffers", False) and self.world_size > 1
         return dataclasses.replace(
-            self.CAPS, replica_group=self.group,
+            self.CAPS, replica_group=self.group, buffers_from=self.model if broadcasts else None,
             drop=("the DDP model holds DTensor parameters (tensor parallel): a data-parallel "
                   "replica is several ranks") if tensor_parallel else None)
 

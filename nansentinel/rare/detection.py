@@ -234,11 +234,7 @@ class Detector:
         to run, ``discard()`` frees the poisoned gradients first: the replay takes a set of
         gradients of its own, and a detection then needs no more memory than a training
         step."""
-        detail: dict[str, Any] = {}
-        if any("grad" in r.kinds for r in bad):
-            poisoned = any(r.rank == self.peers.rank and "grad" in r.kinds for r in bad)
-            with self.guarded():
-                detail = self.gradients.naming_detail(poisoned, self.peers, kept)
+        detail = self.naming(bad, kept)
         if bad and self.replay is not None and discard is not None:
             discard()
         if not (bad or spikes):
@@ -247,6 +243,18 @@ class Detector:
             verdict, replayed = blame(view, list(bad), spikes, batch, self.replayer)
         detail.update(replayed)
         return verdict, detail
+
+    def naming(self, bad: tuple[RankHealth, ...], kept: KeptNorms | None = None
+               ) -> dict[str, Any]:
+        """This rank's share of the report where a blamed rank's gradients were non-finite:
+        the names of its poisoned parameters (see :meth:`evidence`); the same collectives on
+        every rank. Alone where the cause is known without a replay (the model's own state,
+        rare/state.py)."""
+        if not any("grad" in r.kinds for r in bad):
+            return {}
+        poisoned = any(r.rank == self.peers.rank and "grad" in r.kinds for r in bad)
+        with self.guarded():
+            return self.gradients.naming_detail(poisoned, self.peers, kept)
 
     def record(self, case: Case) -> StepResult:
         """Write the incident (report on rank 0, the poisoned batch, log lines); a ``data``

@@ -84,12 +84,14 @@ def describe(view: ClusterView, decision: Decision, result: StepResult, spikes: 
     nxt = _excluding(decision) if decision.exclude_host else _NEXT[result.outcome]
     if result.rolled_back_to is not None:
         nxt += f" to step {result.rolled_back_to}, learning rate x{result.lr_factor:g}"
-    what = "non-finite values" if decision.bad else "spike" if spikes else (
-        "collapse" if spikes.collapsed else "recovery")
+    what = "non-finite values" if decision.bad else "non-finite model state" if (
+        result.poisoned_state) else "non-finite hyperparameter" if view.totals.bad_hyper else (
+        "spike" if spikes else "collapse" if spikes.collapsed else "recovery")
     injected = " (injected by NANSENTINEL_INJECT)" if view.injected else ""
     verdict = f"; verdict: {result.verdict}" if result.verdict else ""
+    named = f": {'; '.join(parts)}" if parts else ""
     return (
-        f"nansentinel: {what} at step {view.step}{injected}: {'; '.join(parts)}{verdict} "
+        f"nansentinel: {what} at step {view.step}{injected}{named}{verdict} "
         f"— {nxt}" + (f" ({decision.reason})" if decision.reason else "")
     )
 
@@ -199,6 +201,9 @@ def payload(
         "first_nonfinite_module": replay.get("first_module") if replay else None,
         "first_nonfinite_parameter": replay.get("first_parameter") if replay else None,
         "origin_trace": view.origin_trace,
+        "poisoned_state": {str(r): found for r, found in
+                           list(result.poisoned_state.items())[:REPORTED]},
+        "state_action": result.state_action or None,
         "poisoned": [rank_entry(r) for r in decision.bad[:REPORTED]],
         "ranks": {str(r.rank): rank_entry(r) for r in named},
         "ranks_not_listed": max(0, len(view.listed) - len(named)),

@@ -36,6 +36,7 @@ from typing import Any
 import torch
 
 from nansentinel import checks
+from nansentinel.checks.state import any_nonfinite
 from nansentinel.common import torch_insides as insides
 from nansentinel.decide.policy import ABORT, APPLY, EXCLUDE, Decision, History
 from nansentinel.engines import EXCHANGE, Capabilities
@@ -275,6 +276,9 @@ class ReplicaCheck:
         #: Called before this check writes into the state (a repair, the bitflip drill): a
         #: snapshot's copies may still be reading it on a side stream (recovery.SideCopies).
         self.before_write: Callable[[], None] | None = None
+        #: The last check found a non-finite value in some replica's state (the same on every
+        #: rank): the state is read at the next step (step/judge.py).
+        self.nonfinite = False
 
     def due(self, step: int) -> bool:
         return (step + 1) % self.every == 0
@@ -282,12 +286,20 @@ class ReplicaCheck:
     @torch.no_grad()
     def compare(self) -> tuple[list[tuple[str, torch.Tensor]], torch.Tensor, list[int]]:
         """Fingerprint this rank's state and compare it within the replica group: the state,
-        its fingerprints and the slots that differ (the same on every rank of the group)."""
+        its fingerprints and the slots that differ (the same on every rank of the group).
+        Whether some replica's state (or a floating buffer) holds a non-finite value rides in
+        the same all-reduce (:attr:`nonfinite`): a NaN every replica agrees on has the same
+        fingerprint everywhere, and only this says it."""
         state = replicated_state(self.module, self.optimizer, self.skip)
-        fp = fingerprint([t for _, t in state], self.device)
-        both = comparand(fp).to(self.replicas.comm_device)
+        tensors = [t for _, t in state]
+        fp = fingerprint(tensors, self.device)
+        flag = any_nonfinite([*tensors, *(b for b in self.module.buffers()
+                                          if b.is_floating_point())], fp.device)
+        both = torch.cat([comparand(fp), flag.reshape(1)]).to(self.replicas.comm_device)
         self.replicas.max_in_place(both)
-        return state, fp, disagreeing(both.tolist())  # the check's one host read
+        reduced = both.tolist()  # the check's one host read
+        self.nonfinite = reduced[-1] > 0
+        return state, fp, disagreeing(reduced[:-1])
 
     def check(
         self, step: int, result: StepResult, decision: Decision, history: History,
@@ -306,11 +318,19 @@ class ReplicaCheck:
             return result, decision
         with self.ctx.guarded():
             state, fp, slots = self.compare()
-            anywhere = float(bool(slots))
+            anywhere = [float(bool(slots)), float(self.nonfinite)]
             if not self.whole_job:
-                anywhere = self.peers.max_floats([anywhere])[0]
-            if not anywhere:
-                self.last_agreed = step
+                anywhere = self.peers.max_floats(anywhere)
+            # A non-finite value is the state check's: named and repaired from a finite copy
+            # (no vote needed) or rolled back over at the next step's decision (rare/state.py).
+            self.nonfinite = anywhere[1] > 0
+            if not anywhere[0] or self.nonfinite:
+                if not self.nonfinite:
+                    self.last_agreed = step
+                elif self.identity.rank == 0:
+                    log.error("nansentinel: step %d: the replica fingerprints found a "
+                              "non-finite value in the model's state; every rank reads its "
+                              "state at the next step", step)
                 return result, decision
             findings = self._name(state, fp, slots)
         act = action_for(findings, self.action)

@@ -35,6 +35,9 @@ _KIND_WORDS = {
     "batch": "the input batch",
     "loss": "the loss",
     "grad": "the local gradients (before their all-reduce)",
+    "buffer": "the floating buffers (BatchNorm statistics)",
+    "hyperparameter": "an optimizer hyperparameter",
+    "state": "the model's own state (weights, buffers, optimizer state)",
 }
 
 _VERDICT_WORDS = {
@@ -48,6 +51,10 @@ _VERDICT_WORDS = {
     "poisoned rank's host or GPU is at fault. A strike against the host (feeds exclusion).",
     "divergence": "every rank went non-finite or spiked together: a global cause (learning "
     "rate, loss formula, fp16), not one host. No replay.",
+    "state": "the model's own state held a non-finite value (a weight, a floating buffer, an "
+    "optimizer-state tensor): no batch, loss or learning rate made it. On one rank with a "
+    "finite replica: a memory fault, repaired in place and struck against the host; on every "
+    "replica: the checkpoint or an update carried it. No replay.",
 }
 _NO_VERDICT = ("no verdict: no replay ran (the sentinel was not given a replay function, or "
                "a rank had no batch to replay).")
@@ -62,6 +69,8 @@ class Advice:
 
 
 _BAD_HOST = "NanSentinelBadHost"
+_STATE = "NanSentinelStateNonFinite"
+_HYPER = "NanSentinelHyperparameterNonFinite"
 _NONFINITE = "NanSentinelNonFiniteDetected"
 _SKIPPED = "NanSentinelStepsSkipped"
 _CAUSES = "Causes of non-finite values"
@@ -92,6 +101,26 @@ _ADVICE = {
         "Lower the learning rate or add warm-up; clip gradients (clip_grad_norm_).",
         "Check the loss formula (log_softmax / F.cross_entropy, not log(softmax(x))).",
         "Restart from the last good checkpoint.",
+    )),
+    "state_host": Advice(_STATE, (
+        "One rank's state was poisoned and repaired from a finite replica: suspect that "
+        "host's GPU memory. Check DCGM for XID and ECC errors "
+        "(DCGM_FI_DEV_ECC_DBE_VOL_TOTAL) for the rank's gpu_uuid; run dcgmi diag -r 3.",
+        "A second incident on the same host means drain it (the sentinel excludes it after "
+        "NANSENTINEL_HOST_STRIKES strikes).",
+    )),
+    "state_checkpoint": Advice(_STATE, (
+        "Every replica held it (or the state is sharded and had no replica): the checkpoint "
+        "or an update carried the NaN. Restore an earlier checkpoint; the tensors are named "
+        "above (with the count of non-finite elements).",
+        "Do not resume from a checkpoint saved after this step: it holds the same NaN.",
+    )),
+    "hyperparameter": Advice(_HYPER, (
+        "The schedule returned NaN or Inf for a param group's hyperparameter: look for a "
+        "warm-up dividing by a zero step count, a cosine schedule read past its end, a "
+        "scheduler chained on a NaN.",
+        "Fix it and resume from the last checkpoint; the step itself was skipped, nothing was "
+        "applied from it.",
     )),
     "overflow": Advice(_CAUSES, (
         "AMP fp16 overflow: normal occasionally (GradScaler skips and lowers the scale).",
@@ -409,6 +438,11 @@ def table(incidents: list[Incident]) -> str:
 def advice(incident: Incident) -> Advice:
     """The runbook section and steps for this incident, by verdict, outcome and kinds."""
     r = incident.report
+    if incident.verdict == "state":
+        return _ADVICE["state_host" if r.get("state_action") == "repaired"
+                       else "state_checkpoint"]
+    if "hyperparameter" in incident.kinds:
+        return _ADVICE["hyperparameter"]
     if incident.verdict in _ADVICE:
         return _ADVICE[incident.verdict]
     if incident.outcome == "overflow" or r.get("overflow"):
@@ -465,6 +499,11 @@ def explain(incident: Incident) -> list[Section]:
     for rank in [str(b) for b in incident.bad_ranks] or list(ranks):
         if rank in ranks:
             where += _where(rank, ranks[rank])
+    state = r.get("poisoned_state")
+    if isinstance(state, dict):
+        for rank, found in state.items():
+            if isinstance(found, list):
+                where.append(f"rank {rank}'s own state: {names([str(f) for f in found], 8)}")
     for name, label in (("first_nonfinite_module", "first module with a non-finite output"),
                         ("first_nonfinite_parameter", "first parameter with a non-finite "
                          "gradient")):
@@ -487,6 +526,8 @@ def explain(incident: Incident) -> list[Section]:
         hosts = ([str(h) for h in hosts] if isinstance(hosts, list) and hosts
                  else [str(r["excluded_host"])])
         did += f"; host{'s' if len(hosts) > 1 else ''} {', '.join(hosts)} excluded"
+    if r.get("state_action") == "repaired":
+        did += "; the poisoned state was repaired in place from a finite replica"
     acted = [f"The sentinel {did}" + (f", policy {r['policy']}" if r.get("policy") else "")
              + "." + (f" Reason: {r['reason']}." if r.get("reason") else "")]
     verdict = (f"{incident.verdict}: {_VERDICT_WORDS.get(incident.verdict, '')}".rstrip(": ")

@@ -24,6 +24,7 @@ from nansentinel import engines
 from nansentinel.checks import pipeline
 from nansentinel.checks.health import identify, local_device
 from nansentinel.checks.quarantine import Quarantine
+from nansentinel.common import doors
 from nansentinel.common import torch_insides as insides
 from nansentinel.common.inject import Injector, parse_inject
 from nansentinel.config import SentinelConfig, resolve_hostname
@@ -39,7 +40,8 @@ from nansentinel.rare.detection import Detector
 from nansentinel.rare.incident import IncidentWriter
 from nansentinel.rare.replay import ReplayFn
 from nansentinel.rare.replicas import replica_check
-from nansentinel.result import NonFiniteError, StepResult
+from nansentinel.rare.state import StateCheck
+from nansentinel.result import ArgumentTypeError, NonFiniteError, StepResult
 from nansentinel.step import prepared, usage
 from nansentinel.step.current import CurrentStep
 from nansentinel.step.gate import GateChoice, GatedSteps, choose_gate, gated_steps
@@ -177,6 +179,7 @@ def assemble(model: torch.nn.Module | list[torch.nn.Module], asked: Asked,
     injector = Injector(parse_inject(cfg.inject) if cfg.inject else [], ctx.rank,
                         ctx.identity.hostname)
     current = CurrentStep(ctx, injector, quarantine, watched.module, spikes)
+    current.optimizer = optimizer  # its hyperparameters travel with each row (checks/state.py)
     gradients = engines.attach(model, current, staged=bool(pipelined))
     # Installed on the model from here: a refusal below gives it back as it was (the
     # user may fix the setting and build a Sentinel on the same model).
@@ -190,9 +193,12 @@ def assemble(model: torch.nn.Module | list[torch.nn.Module], asked: Asked,
         replicas = replica_check(ctx, watched, gradients.caps,
                                  inject=functools.partial(injector.due, "bitflip"),
                                  incidents=incidents)
-        if replicas is not None and isinstance(snaps, MemorySnapshots | SnapshotRing):
-            replicas.before_write = snaps.copies.hold  # a repair waits for the copies
-        stepping = Stepping(optimizer, scaler, current.buffers, snaps, replicas)
+        state = StateCheck(ctx, watched, gradients.caps)
+        if isinstance(snaps, MemorySnapshots | SnapshotRing):  # a repair waits for the copies
+            state.before_write = snaps.copies.hold
+            if replicas is not None:
+                replicas.before_write = snaps.copies.hold
+        stepping = Stepping(optimizer, scaler, current.buffers, snaps, replicas, state)
         judge = StepJudge(ctx, stepping, detector, spikes)
         end: stop.RunEnd  # the usage reads whether it closed; it removes the usage's hooks
         use = usage.Usage(watched.module, gradients.caps.label, lambda: end.closed)
@@ -208,6 +214,8 @@ def assemble(model: torch.nn.Module | list[torch.nn.Module], asked: Asked,
         if device_gate is not None:  # decided later: name from norms, hold no gradient
             gradients.keep_norms = True
             ctx.deadline.also_settled(device_gate.settled)
+        # What the model holds is read once now: a NaN restored with it stops every rank here.
+        stop.refuse_state(ctx, state, "at construction", current.index)
         return Parts(ctx, watched, current, gradients, engine, detector, judge, end, gate,
                      device_gate, (ctx.exchange, *asked.scopes), use)
     except BaseException:
@@ -255,3 +263,28 @@ def serve(parts: Parts, registry: Any) -> None:
     parts.judge.metrics = metrics
     parts.detector.incidents.failed = metrics.observe_report_failure
     parts.detector.suppressed = metrics.observe_suppressed_report
+
+
+def restore(parts: Parts, state: Any) -> None:
+    """``Sentinel.load_state_dict``: the step counter and the judge's state from ``state``, or
+    an :class:`ArgumentTypeError` naming what was wrong with everything as it was."""
+    step = state.get("step") if isinstance(state, Mapping) else None
+    if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step < 2**62:
+        raise ArgumentTypeError(
+            "nansentinel: load_state_dict(state) needs what Sentinel.state_dict() saved, a "
+            f"dict with a whole 'step' of 0 or more; got {doors.given(state)}"
+            + (f" whose 'step' is {doors.given(step)}" if isinstance(state, Mapping) else ""))
+    judge, current = parts.judge, parts.current
+    before, at = judge.state_dict(), current.index
+    try:
+        current.restart_at(step)
+        judge.load_state_dict(dict(state), current.index)
+    except (KeyError, TypeError, ValueError, AttributeError, IndexError,
+            OverflowError) as exc:
+        current.restart_at(at)
+        judge.load_state_dict(before, at)
+        what = f"no key {exc}" if isinstance(exc, KeyError) else str(exc)[:200]
+        raise ArgumentTypeError(
+            "nansentinel: load_state_dict(state) needs what Sentinel.state_dict() saved; "
+            f"this state does not load ({type(exc).__name__}: {what}); the sentinel keeps "
+            "the state it had") from None

@@ -18,12 +18,13 @@ from nansentinel.checks.buffers import FloatingBuffers
 from nansentinel.checks.health import LocalHealth, to_device
 from nansentinel.checks.pipeline import StageWatch
 from nansentinel.checks.quarantine import Quarantine
-from nansentinel.common.inject import Injector
+from nansentinel.checks.state import hyperparameters_finite
+from nansentinel.common.inject import DRILLED_STATE, Injector, drill_targets
 from nansentinel.decide.spikes import SpikeDetector
 from nansentinel.effects import drop
 from nansentinel.effects.stop import stop_requested
 from nansentinel.rare import samples as skip_list
-from nansentinel.result import SentinelUsageError
+from nansentinel.result import HYPERPARAMETER, SentinelUsageError
 from nansentinel.step.record import Stage, StepRecord
 from nansentinel.wire.collectives import ForwardCollectives, quiet_groups
 from nansentinel.wire.context import Context
@@ -51,7 +52,9 @@ class CurrentStep:
                  module: torch.nn.Module, spikes: SpikeDetector) -> None:
         self.device, self.rank, self.exchange = ctx.device, ctx.rank, ctx.exchange
         self.injector, self.deadline, self.amp = injector, ctx.deadline, ctx.amp
-        #: The floating buffers of ``module``, copied again for every step (buffers.py).
+        self.module = module
+        #: The floating buffers of ``module``, copied again for every step (buffers.py),
+        #: before the gradient path's broadcast of them where it has one (:meth:`attach`).
         self.buffers = FloatingBuffers(module)
         self.quarantine, self.spikes = quarantine, spikes
         self.drop = ctx.config.policy == "drop"
@@ -68,8 +71,13 @@ class CurrentStep:
         #: This step's record (step/record.py): OPEN until the exchange leaves.
         self.record = StepRecord(self.index, self.local)
         self.gradients: Any = None
+        #: The optimizer a step applies with (the assembly sets it): its hyperparameters are
+        #: read as the row is packed (checks/state.py), and the state drills write into it.
+        self.optimizer: Any = None
         self.stages: list[StageWatch] = []
         self.forward = ForwardCollectives()
+        #: The user's lr and the value a hyperparameter drill wrote over it this step.
+        self._held_lr: tuple[Any, float] | None = None
 
     def attach(self, gradients: Any, stages: list[Any]) -> None:
         """The run's gradient path and pipeline stages (whose boundaries are checked, and
@@ -79,6 +87,9 @@ class CurrentStep:
             drop.refuse_unsupported(gradients.caps, world_size=self.exchange.world_size,
                                     rank=self.rank)
         self.gradients = gradients
+        if gradients.caps.buffers_from is not None:
+            self.buffers.close()
+            self.buffers = FloatingBuffers(self.module, source=gradients.caps.buffers_from)
         self.stages = [StageWatch(s, self.device) for s in stages]
         self.forward = ForwardCollectives(exclude=quiet_groups(list(gradients.mesh_groups),
                                                                stages))
@@ -152,6 +163,29 @@ class CurrentStep:
         for watch in self.stages:
             watch.reset()
         self.forward.start()  # no check_batch this step: the forward begins now
+        if self.injector.faults:
+            self.local.injected = self._state_drills()
+
+    def _state_drills(self) -> bool:
+        """The state drills due at this step, written as it begins (before its forward), as a
+        memory fault between two steps would be: one element of the first weight, optimizer
+        state tensor or floating buffer (inject.py); a hyperparameter drill writes param group
+        0's ``lr`` for the step and puts the user's value back once the step is decided."""
+        held, self._held_lr = self._held_lr, None
+        groups = getattr(self.optimizer, "param_groups", None) or []
+        if held is not None and groups and groups[0].get("lr") is held[1]:
+            groups[0]["lr"] = held[0]
+        fired = False
+        if any(self.injector.value_for(kind, self.index) is not None for kind in DRILLED_STATE):
+            for kind, tensor in drill_targets(self.module, self.optimizer):
+                fired = self.injector.poison(kind, self.index, tensor) or fired
+        value = self.injector.value_for(HYPERPARAMETER, self.index)
+        if value is not None and groups and "lr" in groups[0]:
+            self.injector.fired.append((self.index, HYPERPARAMETER))
+            self._held_lr = (groups[0]["lr"], value)
+            groups[0]["lr"] = value
+            fired = True
+        return fired
 
     # --- engines.GradientSink ---------------------------------------------------------------
 
@@ -199,6 +233,9 @@ class CurrentStep:
         for watch in self.stages:  # the pipeline boundaries' norms become the row's flags
             watch.fold(self.local)
         self.local.stop_signal = stop_requested()  # a signal so far travels with this row
+        self.local.buffers = self.buffers.norms()  # the model's own state travels with it too
+        self.local.hyper_bad = self.optimizer is not None and not hyperparameters_finite(
+            self.optimizer)
         # On the CPU the row is read as host floats and packed as such (schema.pack).
         row = self.local.host_row() if self.device.type == "cpu" else self.local.row()
         self.host_row = row if isinstance(row, list) else None

@@ -18,16 +18,24 @@ sentinel call, where every rank runs them (gate.py).
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 from typing import Any
 
 import torch
 
 from nansentinel.checks.buffers import FloatingBuffers
+from nansentinel.checks.state import (
+    StateFindings,
+    describe_hyperparameters,
+    poisoned_hyperparameters,
+)
 from nansentinel.decide.policy import (
     DROP,
+    HYPER,
     RECOVERY_OVER,
     ROLLBACK,
+    STATE,
     Decision,
     Evidence,
     History,
@@ -42,12 +50,14 @@ from nansentinel.effects.recovery import SnapshotRing, SnapshotStore
 from nansentinel.rare.detection import Detector
 from nansentinel.rare.incident import Case
 from nansentinel.rare.replicas import ReplicaCheck
-from nansentinel.result import StepResult
+from nansentinel.rare.state import StateCheck
+from nansentinel.result import BUFFER, StepResult
 from nansentinel.step.record import Stage, StepRecord
 from nansentinel.wire.context import Context
 from nansentinel.wire.schema import OwnRow, Totals
 from nansentinel.wire.view import ClusterView
 
+log = logging.getLogger("nansentinel")
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Stepping:
@@ -59,6 +69,8 @@ class Stepping:
         buffers: the floating buffers, put back when a step is not applied.
         snapshots: the last good state, for rollbacks (None: none kept).
         replicas: the replica fingerprint check, after the optimizer step (None: none).
+        state: reads the model's whole state on an incident and before a snapshot is kept,
+            and repairs it from a finite replica (rare/state.py; None: never read).
     """
 
     optimizer: torch.optim.Optimizer
@@ -66,6 +78,7 @@ class Stepping:
     buffers: FloatingBuffers
     snapshots: SnapshotStore | None = None
     replicas: ReplicaCheck | None = None
+    state: StateCheck | None = None
 
 
 class StepJudge:
@@ -85,7 +98,7 @@ class StepJudge:
         self.world_size, self.rank = ctx.world_size, ctx.rank
         self.optimizer, self.scaler = stepping.optimizer, stepping.scaler
         self.buffers, self.snapshots = stepping.buffers, stepping.snapshots
-        self.replicas = stepping.replicas
+        self.replicas, self.state = stepping.replicas, stepping.state
         self.detector, self.spikes = detector, spikes
         self.quarantine, self.curves = detector.quarantine, detector.curves
         self.guarded = ctx.guarded
@@ -103,6 +116,11 @@ class StepJudge:
         self._anchors: dict[int, dict[str, Any]] = {}
         #: The cluster's loss at the snapshot last restored (its level, for the check).
         self._level: float | None = None
+        #: The step whose whole state was last read finite (or repaired): its snapshot needs
+        #: no second read.
+        self._finite_at: int | None = None
+        #: The replica fingerprints found a non-finite value: the next step reads the state.
+        self._read_state = False
 
     @property
     def amp(self) -> bool:
@@ -130,20 +148,23 @@ class StepJudge:
         self.spikes.record(own, totals, spikes)
         self.curves.add(record.index, own, totals)
         bad = blamed(view, amp=self.amp)
-        verdict, detail = self.detector.evidence(
-            view, bad, spikes, batch=local.batch, kept=record.kept,
-            discard=None if record.gated else self._discard_before_replay,
-        ) if bad or spikes else (None, {})
+        state = record.state = self._examine(view, own, bad, record)
+        verdict, detail = (STATE, self.detector.naming(bad, record.kept)) if state else \
+            self.detector.evidence(
+                view, bad, spikes, batch=local.batch, kept=record.kept,
+                discard=None if record.gated else self._discard_before_replay,
+            ) if bad or spikes else (None, {})
         snapshot_step = self._snapshot_choice()
         evidence = Evidence(self.amp, spikes, verdict, snapshot_step,
-                            near=self.spikes.near(totals, self._level))
+                            near=self.spikes.near(totals, self._level), state=state,
+                            hyper=self._hyper(totals))
         decision = decide(view, self.history, self.config, evidence)
         self.history.record(view, decision, self.config, evidence)
         rolled_back_to, restored, not_ours = self._act(decision, view, own, record,
                                                        optimizer_step, snapshot_step)
         result = self._result(view, own, decision, evidence, (rolled_back_to, restored))
         if (decision.bad or spikes or spikes.collapsed or decision.action == ROLLBACK
-                or decision.cause == RECOVERY_OVER):
+                or decision.cause in (RECOVERY_OVER, STATE, HYPER)):
             result = self.detector.record(Case(view, decision, result, spikes, detail,
                                                local.batch, local.ids))
         record.view, record.decision, record.result = view, decision, result
@@ -161,13 +182,46 @@ class StepJudge:
         view, result, decision = record.view, record.result, record.decision
         assert view is not None and result is not None and decision is not None
         if record.snapshot:
-            self.maybe_snapshot(view, applied_after=0)
+            # The device gate stepped before the decision: the state it would keep is read
+            # now, and a poisoned one is not kept (the next step finds it, as an incident).
+            found = self.maybe_snapshot(view, applied_after=0)
+            if found is not None:
+                result = dataclasses.replace(result, poisoned_state=found.named(),
+                                             state_action="not_kept")
         if self.replicas is not None and not decision.stops:  # after the optimizer step
             result, decision = self.replicas.check(view.step, result, decision, self.history)
+            self._read_state = self.replicas.nonfinite  # the next step reads the state
         if observe and self.metrics is not None:
             self.metrics.observe_step(result, record.spent + time.perf_counter() - started)
         record.result, record.decision = result, decision
         record.to(Stage.DONE)
+
+    def _examine(self, view: ClusterView, own: OwnRow, bad: tuple[Any, ...],
+                 record: StepRecord) -> StateFindings | None:
+        """The model's whole state, read on every rank where a NaN may have entered it (a
+        rank blamed for a non-finite value, a non-finite floating buffer) or before a snapshot
+        is kept (only a finite state is known-good; the device gate reads it after its update,
+        in :meth:`finish`): the same condition on every rank, from the same view. A rank whose
+        own buffers were non-finite puts back its copy first (what a skip would), so that what
+        is read is what the step leaves. None: nothing non-finite, or nothing read."""
+        if self.state is None:
+            return None
+        due = not record.gated and self._snapshot_due(view)
+        asked, self._read_state = self._read_state, False
+        if not (due or asked or bad or view.totals.bad_buffer):
+            return None
+        if not record.gated and BUFFER in own.kinds:
+            self.buffers.restore()
+        found = self.state.examine(view.step)
+        if found is None or found.repairable:  # finite, or finite once repaired (_act)
+            self._finite_at = view.step
+        return found
+
+    def _hyper(self, totals: Totals) -> str:
+        """This rank's non-finite hyperparameters in words, where some rank had one."""
+        if not totals.bad_hyper:
+            return ""
+        return describe_hyperparameters(poisoned_hyperparameters(self.optimizer))
 
     def _snapshot_choice(self) -> int | None:
         """The snapshot a rollback would restore: the newest kept that a rollback has not
@@ -185,7 +239,13 @@ class StepJudge:
              optimizer_step: bool, target: int | None = None
              ) -> tuple[int | None, int, float]:
         """The decision's acts: ``(rolled back to, buffers restored, optimizer seconds)``;
-        ``target``: the snapshot a rollback restores."""
+        ``target``: the snapshot a rollback restores. A poisoned state (``record.state``) is
+        repaired from a finite replica where one holds every tensor of it."""
+        state = record.state
+        repair = state is not None and state.repairable and not decision.stops
+        if repair and decision.applies:  # before the optimizer step reads it
+            assert self.state is not None and state is not None
+            self.state.repair(state)
         left_out = self._leave_out(decision, view, own)
         if decision.cause == RECOVERY_OVER:  # the run goes on from a level no snapshot knew
             self.spikes.reset()
@@ -211,12 +271,16 @@ class StepJudge:
                     self.optimizer.step()
             return None, left_out, time.perf_counter() - started
         restored = record.buffers if record.gated else self._discard(optimizer_step)
+        if repair:  # after the buffers came back: a repaired buffer stays repaired
+            assert self.state is not None and state is not None
+            self.state.repair(state)
         rolled_back_to = None
         if decision.action == ROLLBACK and self.snapshots is not None:
             snaps = self.snapshots
             rolled_back_to = (snaps.load(target) if isinstance(snaps, SnapshotRing)
                               else snaps.load())
-            self.lr.rolled_back()
+            if decision.cause != STATE:  # a poisoned state was not the rate's doing
+                self.lr.rolled_back()
             anchor = self._anchors.get(rolled_back_to)
             if anchor is not None:  # re-anchored: judged against what that state did
                 self.spikes.load_state_dict(anchor["spikes"], self.rank)
@@ -268,30 +332,47 @@ class StepJudge:
         if pending is not None:
             self.lr.undo(pending[0], pending[1])
 
-    def maybe_snapshot(self, view: ClusterView, applied_after: int = 1) -> None:
-        """Keep the state a healthy, quiet step was computed from as the last good one, every
-        N steps: taken before the step's update (on the device gate, which steps before the
-        decision, after it). A quiet step's own update can be the one that ruins the weights
-        (a learning rate 100x too high from this step on: its loss and gradient norm were
-        computed before it), so a snapshot after it would bring the spike straight back.
-        Nor while a collapse lasts (degenerate data: the weights learn an easy target): a
-        snapshot is kept only with the cluster mean in its normal band (``quiet``), and the
-        spike references go with it, for a rollback to put back."""
+    def _snapshot_due(self, view: ClusterView) -> bool:
+        """Whether a step that applies would keep its state as the last good one now: every
+        ``snapshot_every`` steps, with snapshots kept, after a healthy, quiet step; not while
+        batches are discarded after a rollback, nor while a collapse lasts (degenerate data:
+        the weights learn an easy target), nor just after a rollback before a clean step
+        (the learning-rate rules)."""
         snaps = self.snapshots
         if snaps is None or self.history.skip_batches > 0 or not self.spikes.quiet(view.totals):
-            return
-        if self.spikes.collapsing:
-            return
-        if not self.lr.may_snapshot():  # just after a rollback: only a clean step's state
-            return
-        if snaps.step is None or view.step - snaps.step >= self.config.snapshot_every:
-            snaps.save(view.step)
-            self.lr.snapshot_taken()
-            self.history.snapshot_kept(view.step, applied_after, self.config.snapshot_keep)
-            self._anchors[view.step] = {"spikes": self.spikes.state_dict(),
-                                        "level": view.totals.mean("loss")}
-            kept = set(snaps.steps if isinstance(snaps, SnapshotRing) else [view.step])
-            self._anchors = {s: a for s, a in self._anchors.items() if s in kept}
+            return False
+        if self.spikes.collapsing or not self.lr.may_snapshot():
+            return False
+        return snaps.step is None or view.step - snaps.step >= self.config.snapshot_every
+
+    def maybe_snapshot(self, view: ClusterView, applied_after: int = 1
+                       ) -> StateFindings | None:
+        """Keep the state a healthy, quiet step was computed from as the last good one, when
+        :meth:`_snapshot_due`: taken before the step's update (on the device gate, which steps
+        before the decision, after it). A quiet step's own update can be the one that ruins the
+        weights (a learning rate 100x too high from this step on: its loss and gradient norm
+        were computed before it), so a snapshot after it would bring the spike straight back.
+        The spike references go with it, for a rollback to put back. Its whole state was read
+        finite just before (:meth:`_examine`, or here): a snapshot holding a non-finite tensor
+        is never kept; what was found is returned then (None: kept, or not due)."""
+        snaps = self.snapshots
+        if snaps is None or not self._snapshot_due(view):
+            return None
+        if self.state is not None and self._finite_at != view.step:
+            found = self.state.examine(view.step)
+            if found is not None:
+                if self.rank == 0:
+                    log.error("nansentinel: step %d's snapshot not kept: the model's state is "
+                              "not finite: %s", view.step, found.describe())
+                return found
+        snaps.save(view.step)
+        self.lr.snapshot_taken()
+        self.history.snapshot_kept(view.step, applied_after, self.config.snapshot_keep)
+        self._anchors[view.step] = {"spikes": self.spikes.state_dict(),
+                                    "level": view.totals.mean("loss")}
+        kept = set(snaps.steps if isinstance(snaps, SnapshotRing) else [view.step])
+        self._anchors = {s: a for s, a in self._anchors.items() if s in kept}
+        return None
 
     def _result(
         self, view: ClusterView, mine: OwnRow, decision: Decision, evidence: Evidence,
@@ -300,10 +381,19 @@ class StepJudge:
         """The step's result: ``acted`` is (the step rolled back to, buffers restored)."""
         (rolled_back_to, buffers_restored), verdict = acted, evidence.verdict
         spikes = evidence.spikes if evidence.spikes is not None else Spikes()
+        state, kinds = evidence.state, decision.kinds
+        bad_ranks, bad_hosts = decision.bad_ranks, decision.bad_hosts
+        if state is not None:  # the ranks holding it are named too, if no value showed it
+            bad_ranks = sorted({*bad_ranks, *state.ranks})
+            bad_hosts = sorted({*bad_hosts, *state.bad_hosts})
+            kinds = [*kinds, STATE]
+        if view.totals.bad_hyper:
+            kinds = [*kinds, HYPER]
         return StepResult(
             step=view.step, applied=decision.applies, outcome=decision.outcome,
-            bad_ranks=decision.bad_ranks, bad_hosts=decision.bad_hosts, kinds=decision.kinds,
-            local_kinds=list(mine.kinds), local_loss=mine.loss, local_grad_norm=mine.grad_norm,
+            bad_ranks=bad_ranks, bad_hosts=bad_hosts, kinds=kinds,
+            local_kinds=_local_kinds(mine, state, self.rank), local_loss=mine.loss,
+            local_grad_norm=mine.grad_norm,
             consecutive_skips=self.history.consecutive_skips, injected=view.injected,
             overflow=decision.overflow, excluded_hosts=list(self.history.excluded),
             verdict=verdict, spikes={k: list(v) for k, v in spikes.ranks.items()},
@@ -317,6 +407,8 @@ class StepJudge:
                       or self.history.failed or not decision.applies
                       or decision.cause == RECOVERY_OVER else {}),
             stop_signal=requested_stop(view.totals),
+            poisoned_state=state.named() if state is not None else {},
+            state_action=_state_action(state, decision),
         )
 
     # --- what the checkpoint keeps -----------------------------------------------------------
@@ -344,3 +436,23 @@ class StepJudge:
         """A held learning-rate jump's incident report (rank 0), where reports go."""
         path = self.detector.incidents.write_report(step, "-lr", content)
         return str(path) if path is not None else None
+
+
+def _local_kinds(mine: OwnRow, state: StateFindings | None, rank: int) -> list[str]:
+    """This rank's kinds: its row's, and the kinds of its own state found non-finite."""
+    kinds = list(mine.kinds)
+    for p in state.poisoned.get(rank, []) if state is not None else []:
+        if p.kind not in kinds:
+            kinds.append(p.kind)
+    return kinds
+
+
+def _state_action(state: StateFindings | None, decision: Decision) -> str:
+    """What became of a poisoned state at this step (``StepResult.state_action``)."""
+    if state is None:
+        return ""
+    if decision.stops:
+        return str(decision.outcome)
+    if state.repairable:
+        return "repaired"
+    return "rolled_back" if decision.action == ROLLBACK else "not_repaired"

@@ -37,6 +37,7 @@ from nansentinel.result import Outcome, ResultPending, StepResult
 from nansentinel.wire.schema import OwnRow, Totals
 
 if TYPE_CHECKING:
+    from nansentinel.checks.state import StateFindings
     from nansentinel.decide.policy import Decision
     from nansentinel.engines import KeptNorms
     from nansentinel.wire.view import ClusterView
@@ -86,6 +87,9 @@ class StepRecord:
     the poisoned parameters from them (the gradients themselves are the user's by then)."""
     # --- READ ------------------------------------------------------------------------------
     values: list[float] | None = None
+    state: StateFindings | None = None
+    """What the ranks hold that is not finite, where the state was read and something was
+    found (rare/state.py): the decision's, and what the acts repair."""
     # --- DECIDED ---------------------------------------------------------------------------
     view: ClusterView | None = None
     decision: Decision | None = None
@@ -207,6 +211,8 @@ class PendingResult:
     recovery = _Decided[dict[str, Any]]()
     reached = _Decided[list[int]]()
     buffers_restored = _Decided[int]()
+    poisoned_state = _Decided[dict[int, list[str]]]()
+    state_action = _Decided[str]()
     stop_signal = _Decided[int]()
     healthy = _Decided[bool]()
     stop_requested = _Decided[bool]()

@@ -30,10 +30,10 @@ import torch
 
 from nansentinel.checks import pipeline
 from nansentinel.common import doors
+from nansentinel.effects import stop
 from nansentinel.effects.recovery import SnapshotStore
-from nansentinel.effects.stop import take_stop_signals
 from nansentinel.rare.replay import ReplayFn
-from nansentinel.result import ArgumentTypeError, NonFiniteError, ResultPending, StepResult
+from nansentinel.result import NonFiniteError, ResultPending, StepResult
 from nansentinel.step import assembly, usage
 from nansentinel.step.assembly import Asked, Parts, Scope
 from nansentinel.step.record import PendingResult
@@ -114,7 +114,7 @@ class Sentinel:
             parts.end.shut()
             raise
         # SIGTERM/SIGINT become a stop after a step every rank agrees on (effects/stop.py).
-        parts.end.signals = take_stop_signals()
+        parts.end.signals = stop.take_stop_signals()
 
     # --- the calls of a training loop --------------------------------------------------------
 
@@ -259,28 +259,23 @@ class Sentinel:
         return {"step": self.step_index, **self._parts.judge.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore what :meth:`state_dict` saved. A ``state`` that is not one (another
-        object's state dict, a hand-edited one) is an :class:`ArgumentTypeError` naming what
-        was wrong, and the sentinel keeps the state it had."""
-        step = state.get("step") if isinstance(state, Mapping) else None
-        if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step < 2**62:
-            raise ArgumentTypeError(
-                "nansentinel: load_state_dict(state) needs what Sentinel.state_dict() saved, a "
-                f"dict with a whole 'step' of 0 or more; got {doors.given(state)}"
-                + (f" whose 'step' is {doors.given(step)}" if isinstance(state, Mapping) else ""))
-        before, at = self._parts.judge.state_dict(), self.step_index
-        try:
-            self._parts.current.restart_at(step)
-            self._parts.judge.load_state_dict(dict(state), self.step_index)
-        except (KeyError, TypeError, ValueError, AttributeError, IndexError,
-                OverflowError) as exc:
-            self._parts.current.restart_at(at)
-            self._parts.judge.load_state_dict(before, at)
-            what = f"no key {exc}" if isinstance(exc, KeyError) else str(exc)[:200]
-            raise ArgumentTypeError(
-                "nansentinel: load_state_dict(state) needs what Sentinel.state_dict() saved; "
-                f"this state does not load ({type(exc).__name__}: {what}); the sentinel keeps "
-                "the state it had") from None
+        """Restore what :meth:`state_dict` saved, then :meth:`check_state` (call it on every
+        rank, after the model and the optimizer are restored). A ``state`` that is not one
+        (another object's state dict, a hand-edited one) is an :class:`ArgumentTypeError`
+        naming what was wrong, and the sentinel keeps the state it had."""
+        assembly.restore(self._parts, state)
+        self.check_state()
+
+    def check_state(self) -> None:
+        """Read the model's whole state once on every rank (weights, floating buffers,
+        optimizer state and hyperparameters): after a restore of your own, call it on every
+        rank before the next step. A non-finite value on any rank raises
+        :class:`NonFiniteStateError` on every rank, naming the tensor, rank, host and count
+        (``nansentinel run`` exits 6): nothing is applied from a poisoned checkpoint."""
+        self._resolve()
+        if self._parts.judge.state is not None:
+            stop.refuse_state(self._parts.ctx, self._parts.judge.state, "after a restore",
+                              self.step_index)
 
     def close(self) -> None:
         """End the run on this rank; call it on every rank. Decides a step still pending,

@@ -121,6 +121,14 @@ class Peers:
         first went non-finite, trace.py and replay.py)."""
         return self._reduce(values, dist.ReduceOp.MIN, torch.int64)
 
+    def members(self) -> list[int]:
+        """The job's ranks of this group, sorted (this rank alone without one)."""
+        if not self.distributed:
+            return [0]
+        if self.group is None:
+            return list(range(dist.get_world_size()))
+        return sorted(dist.get_process_group_ranks(self.group))
+
     @property
     def global_rank(self) -> int:
         """This rank in the whole job (the default group), 0 without one."""

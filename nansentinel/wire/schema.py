@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from nansentinel.checks.health import Row, constant, placement, positions
-from nansentinel.result import ACTIVATION, KINDS
+from nansentinel.result import ACTIVATION, BUFFER, HYPERPARAMETER, KINDS
 
 #: The signals a spike is judged on, in the order of the thresholds.
 SIGNALS = ("loss", "grad_norm")
@@ -68,6 +68,10 @@ class OwnRow(Row):
             kinds.append(ACTIVATION)
         if self.bwd_origin and "grad" not in kinds:
             kinds.append("grad")  # the gradients it sent back are gradients too
+        if not (math.isfinite(self.buffer_norm) and math.isfinite(self.buffer_own)):
+            kinds.append(BUFFER)
+        if self.hyper_bad:
+            kinds.append(HYPERPARAMETER)
         return tuple(kinds)
 
     @property
@@ -75,8 +79,9 @@ class OwnRow(Row):
         """Where a pipeline boundary saw a non-finite value on this rank, in words."""
         words = ("forward output from finite inputs", "sent gradients from finite received ones",
                  "received activations", "received gradients",
-                 "loss from finite activations and targets")
-        on = (self.fwd_origin, self.bwd_origin, self.recv_act, self.recv_grad, self.loss_origin)
+                 "loss from finite activations and targets", "floating buffers received")
+        on = (self.fwd_origin, self.bwd_origin, self.recv_act, self.recv_grad, self.loss_origin,
+              not math.isfinite(self.buffer_arrived) and math.isfinite(self.buffer_own))
         return tuple(w for w, f in zip(words, on, strict=True) if f)
 
     @property
@@ -103,6 +108,10 @@ class Totals:
     bad_batch: int = 0
     bad_loss: int = 0
     bad_grad: int = 0
+    bad_buffer: int = 0
+    """Ranks whose floating buffers were non-finite as the step left them (own or received)."""
+    bad_hyper: int = 0
+    """Ranks whose optimizer holds a non-finite hyperparameter: the step is skipped."""
     blamed: int = 0
     flagged: int = 0
     flagged_rank: float = 0.0
@@ -303,9 +312,10 @@ def pack_values(row: Sequence[float], thresholds: Sequence[float], rank: int, *,
     spike_any = max(spike)
     not_quiet = max(max(a, b) * h for a, b, h in zip(above[2:4], bad[1:], has, strict=True))
     batch_spike = above[4] * (1.0 - bad[0])
-    flags = [*bad, *(row[i] for i in range(_BOUNDARY.start, _BOUNDARY.stop))]
+    buffers = [0.0 if math.isfinite(row[i]) else 1.0 for i in range(_BUFS.start, _BUFS.stop)]
+    flags = [*bad, *(row[i] for i in range(_BOUNDARY.start, _BOUNDARY.stop)), *buffers]
     direct, downstream, guard, nonfinite = _ORIGIN_AMP if amp else _ORIGIN
-    received = max(flags[_RECEIVED])
+    received = max(flags[i] for i in _RECEIVED)
     origin = max(max(flags[i] for i in direct),
                  max(flags[i] for i in downstream) * (1.0 - max(flags[i] for i in guard)))
     blamed = origin * (1.0 - row[_QUARANTINED])
@@ -315,7 +325,8 @@ def pack_values(row: Sequence[float], thresholds: Sequence[float], rank: int, *,
             for v, h in zip(values[1:], has, strict=True)]
     verdicts = [blamed, flagged, flagged * float(rank), spike_any, spike_any * batch_spike,
                 not_quiet, reached, batch_spike, float(dropped)]
-    computed = [*bad, *verdicts, *spike, *counted, *kept, *(k * k for k in kept), *row]
+    computed = [*bad, buffers[0], *verdicts, *spike, *counted, *kept, *(k * k for k in kept),
+                *row]
     return [computed[i] for i in _PLACED]
 
 
@@ -349,9 +360,10 @@ def pack_on_device(
     # or sent gradients went non-finite from finite inputs is an origin; a loss or gradient
     # that is non-finite after a non-finite value arrived from another stage was only reached.
     # Under GradScaler non-finite gradients alone are fp16 overflow, so only the forward counts.
-    flags = torch.cat([bad, row[_BOUNDARY]])
+    buffers = one - torch.isfinite(row[_BUFS]).to(torch.float32)  # as left, own, arrived
+    flags = torch.cat([bad, row[_BOUNDARY], buffers])
     direct, downstream, guard, nonfinite = _ORIGIN_AMP if amp else _ORIGIN
-    received = flags[_RECEIVED].amax()
+    received = flags[positions(_RECEIVED, device)].amax()
     origin = torch.maximum(
         flags[positions(direct, device)].amax(),
         flags[positions(downstream, device)].amax()
@@ -366,7 +378,7 @@ def pack_on_device(
                             spike_any, spike_any * batch_spike, not_quiet, reached,
                             batch_spike, left_out])
     # What is computed, in _COMPUTED's order; its place on the wire is the schema's.
-    vector = torch.cat([bad, verdicts, spike, counted, kept, kept * kept, row])
+    vector = torch.cat([bad, buffers[:1], verdicts, spike, counted, kept, kept * kept, row])
     return vector[positions(_PLACED, device)]
 
 
@@ -375,20 +387,25 @@ _VALUES = slice(R.batch_norm, R.grad_norm_value + 1)
 _SIGNALS = slice(R.loss_value, R.grad_norm_value + 1)
 _HAS = slice(R.has_loss, R.has_grad + 1)
 _BOUNDARY = slice(R.fwd_origin, R.loss_origin + 1)
+_BUFS = slice(R.buffer_norm, R.buffer_arrived + 1)
 _QUARANTINED = R.quarantined
 #: The values each threshold is compared with (pack): loss, grad, loss, grad, batch.
 _AGAINST = (R.loss_value, R.grad_norm_value, R.loss_value, R.grad_norm_value, R.batch_norm)
 # The origin rule's slots in ``flags`` (pack): bad batch, loss, grad, then the row's boundary
-# flags fwd_origin, bwd_origin, recv_act, recv_grad, loss_origin.
-_B, _L, _G, _FWD, _BWD, _RACT, _RGRAD, _LORIG = range(8)
-_RECEIVED = slice(_RACT, _RGRAD + 1)
+# flags fwd_origin, bwd_origin, recv_act, recv_grad, loss_origin, then the floating buffers
+# non-finite as the step left them, this rank's own before its forward, and as they arrived
+# (DDP broadcasts its source rank's at the forward: a rank they reached is not an origin).
+_B, _L, _G, _FWD, _BWD, _RACT, _RGRAD, _LORIG, _BUF, _OWNBUF, _ARRBUF = range(11)
+_RECEIVED = (_RACT, _RGRAD, _ARRBUF)
 #: (origins in their own right, values non-finite downstream of a boundary, the boundaries that
 #: make them only reached, every non-finite value), without and under GradScaler.
-_ORIGIN = ((_B, _FWD, _LORIG, _BWD), (_L, _G), (_RACT, _RGRAD), (_B, _L, _G, _FWD, _BWD, _LORIG))
-_ORIGIN_AMP = ((_B, _FWD, _LORIG), (_L,), (_RACT,), (_B, _L, _FWD, _LORIG))
+_ORIGIN = ((_B, _FWD, _LORIG, _BWD, _OWNBUF), (_L, _G, _BUF), (_RACT, _RGRAD, _ARRBUF),
+           (_B, _L, _G, _FWD, _BWD, _LORIG, _BUF, _OWNBUF))
+_ORIGIN_AMP = ((_B, _FWD, _LORIG, _OWNBUF), (_L, _BUF), (_RACT, _ARRBUF),
+               (_B, _L, _FWD, _LORIG, _BUF, _OWNBUF))
 #: What pack computes, named in the order it is concatenated (``own.`` the own section).
 _COMPUTED = (
-    "bad_batch", "bad_loss", "bad_grad",
+    "bad_batch", "bad_loss", "bad_grad", "bad_buffer",
     "blamed", "flagged", "flagged_rank", "spike_any", "data_spike", "not_quiet", "reached",
     "own.spike_batch", "dropped",
     "spike_loss", "spike_grad", "loss_n", "grad_n", "loss_sum", "grad_sum", "loss_sq", "grad_sq",
@@ -396,6 +413,7 @@ _COMPUTED = (
 )
 #: Wire slots that repeat a computed value under another name.
 _SAME = {"injected": "own.injected", "quarantined": "own.quarantined",
+         "bad_hyper": "own.hyper_bad",
          "stop_term": "own.stop_term", "stop_int": "own.stop_int",
          "own.spike_loss": "spike_loss", "own.spike_grad": "spike_grad",
          "own.not_quiet": "not_quiet", "own.flagged": "flagged", "own.reached": "reached",
@@ -410,9 +428,10 @@ _PLACED = placement(_COMPUTED, WIRE, _SAME)
 
 
 def skip_count(totals: Any) -> Any:
-    """The ranks whose step no policy could apply as it is: a non-finite batch, loss or
-    gradient, or a quarantined batch. ``totals`` in wire order: the summed vector on the device
-    (the device gate's ``found_inf``, no host sync) or the host's values
-    (``Totals.device_skips``): one rule for both gates."""
-    return totals[T.bad_batch] + totals[T.bad_loss] + totals[T.bad_grad] + totals[T.quarantined]
+    """The ranks whose step no policy could apply as it is: a non-finite batch, loss,
+    gradient, floating buffer or hyperparameter, or a quarantined batch. ``totals`` in wire
+    order: the summed vector on the device (the device gate's ``found_inf``, no host sync) or
+    the host's values (``Totals.device_skips``): one rule for both gates."""
+    return (totals[T.bad_batch] + totals[T.bad_loss] + totals[T.bad_grad]
+            + totals[T.bad_buffer] + totals[T.bad_hyper] + totals[T.quarantined])
 

@@ -34,6 +34,8 @@ ALERTS = {
     "NanSentinelBadHost": "page",
     "NanSentinelNonFiniteDetected": "warning",
     "NanSentinelReplicaDiverged": "page",
+    "NanSentinelStateNonFinite": "page",
+    "NanSentinelHyperparameterNonFinite": "warning",
     "NanSentinelStepsSkipped": "warning",
     "NanSentinelRankStalled": "page",
     "NanSentinelExporterDown": "warning",

@@ -105,6 +105,26 @@ def test_two_replicas_without_a_majority_are_both_named(tmp_path: Path) -> None:
         assert all(r["bad_ranks"] == [0, 1] and "no majority" in r["reason"] for r in flagged)
     assert not torch.equal(outs[0]["warn"]["state"]["0.weight"],
                            outs[1]["warn"]["state"]["0.weight"])
+    # A NaN no loss reads (a frozen, unused parameter), on one of two replicas: the check after
+    # step 3 finds it (fingerprints every 2 steps), step 4 reads the state, names it, repairs
+    # it from the finite replica (no vote) and strikes its host; nothing is lost.
+    for out in (o["nan_one"] for o in outs):
+        assert out["error"] is None, out["error"]
+        assert [r["outcome"] for r in out["records"]] == ["applied"] * 6
+        rec = out["records"][4]
+        assert rec["verdict"] == "state" and rec["state_action"] == "repaired", rec
+        assert rec["poisoned_state"] == {1: ["weight frozen (1 of 4 elements non-finite)"]}
+        assert rec["bad_hosts"] == ["host1"] and all(
+            r["poisoned_state"] == {} for r in out["records"] if r is not rec)
+    _identical([o["nan_one"] for o in outs])
+    assert all(torch.isfinite(o["nan_one"]["state"]["frozen"]).all() for o in outs)
+    # On both: no finite copy, no snapshot kept: the run stops at once at step 4, naming it.
+    for out in (o["nan_both"] for o in outs):
+        error = out["error"]
+        assert error is not None and error["type"] == "NonFiniteStateError", error
+        assert error["step"] == 4 and error["verdict"] == "state", error
+        assert "weight frozen (1 of 4 elements non-finite)" in error["message"]
+        assert "restore another checkpoint" in error["message"]
 
 
 #: 300 steps, a fingerprint every step, three rollbacks (each discarding 3 batches) spread

@@ -84,8 +84,10 @@ JUMP_STEP = 1
 #: held, and a rollback caps and ends its backoff; the references are the same rules.
 LR_RULES: dict[str, Any] = {"lr_jump_ratio": 4.0, "rollback_lr_cap": True,
                             "rollback_lr_quiet_steps": 2, "rollback_clean_snapshots": True}
-#: The capability fields the probe sends back (``replica_group`` is a process group).
-CAPS_FIELDS = tuple(f.name for f in dataclasses.fields(Capabilities) if f.name != "replica_group")
+#: The capability fields the probe sends back (``replica_group`` is a process group,
+#: ``buffers_from`` a module).
+CAPS_FIELDS = tuple(f.name for f in dataclasses.fields(Capabilities)
+                    if f.name not in ("replica_group", "buffers_from"))
 
 Combo = dict[str, Any]
 

@@ -21,10 +21,15 @@ from nansentinel.effects.metrics import SentinelMetrics
 from nansentinel.rare.replicas import replicated_state
 
 
-def build(mesh: str, world: int, replicate: int) -> tuple[nn.Module, nn.Module]:
-    """``(model, module)``: the wrapped model and the module whose state is replicated."""
+def build(mesh: str, world: int, replicate: int, frozen: bool = False
+          ) -> tuple[nn.Module, nn.Module]:
+    """``(model, module)``: the wrapped model and the module whose state is replicated;
+    ``frozen``: with a frozen parameter the forward does not use (a frozen, unused embedding
+    row: a NaN there shows in no loss and no gradient)."""
     torch.manual_seed(0)
     module = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+    if frozen:
+        module.register_parameter("frozen", nn.Parameter(torch.ones(4), requires_grad=False))
     if mesh == "ddp":
         return DDP(module), module
     dims = init_device_mesh("cpu", (replicate, world // replicate),
@@ -45,11 +50,12 @@ def flip_one_bit(module: nn.Module) -> None:
 
 def run(rank: int, world: int, *, mesh: str, steps: int, report_dir: str, replicate: int = 1,
         flip: tuple[int, int] | None = None, one_host_each: bool = False,
-        **overrides: Any) -> dict[str, Any]:
+        poison: tuple[list[int], int] | None = None, **overrides: Any) -> dict[str, Any]:
     """Train ``steps`` steps; return each step's result, the final replicated state (local
     tensors, by name), the divergence counter, and the error that stopped the run.
-    ``one_host_each``: rank R runs on host ``hostR``."""
-    model, module = build(mesh, world, replicate)
+    ``one_host_each``: rank R runs on host ``hostR``; ``poison``: (ranks, step) whose frozen,
+    unused parameter turns NaN after that step."""
+    model, module = build(mesh, world, replicate, frozen=poison is not None)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     if one_host_each:
         overrides["hostname"] = f"host{rank}"
@@ -73,12 +79,17 @@ def run(rank: int, world: int, *, mesh: str, steps: int, report_dir: str, replic
             records.append({"step": r.step, "outcome": str(r.outcome), "bad_ranks": r.bad_ranks,
                             "bad_hosts": r.bad_hosts, "kinds": r.kinds, "verdict": r.verdict,
                             "parameters": r.parameters, "reason": r.reason,
-                            "report_path": r.report_path, "local_kinds": r.local_kinds})
+                            "report_path": r.report_path, "local_kinds": r.local_kinds,
+                            "poisoned_state": r.poisoned_state,
+                            "state_action": r.state_action})
             if flip is not None and (rank, step) == flip:
                 flip_one_bit(module)
+            if poison is not None and rank in poison[0] and step == poison[1]:
+                with torch.no_grad():
+                    module.frozen[1] = float("nan")
     except nansentinel.NonFiniteError as exc:
         error = {"type": type(exc).__name__, "message": str(exc), "step": exc.result.step,
-                 "bad_ranks": exc.result.bad_ranks}
+                 "bad_ranks": exc.result.bad_ranks, "verdict": exc.result.verdict}
     state = {name: t.detach().clone() for name, t in replicated_state(module, opt)}
     sentinel.metrics = None
     sentinel.close()
@@ -100,10 +111,16 @@ def ddp_scenarios(rank: int, world: int, *, report_dir: str) -> dict[str, Any]:
 
 
 def pair_scenarios(rank: int, world: int, *, report_dir: str) -> dict[str, Any]:
-    """Two replicas that disagree: repair cannot choose (aborts); warn names both."""
+    """Two replicas that disagree: repair cannot choose (aborts); warn names both. A NaN in a
+    frozen parameter no loss reads: on one of the two, repaired from the finite one (no
+    majority is needed); on both, the run stops naming it."""
     return {
         "repair": run(rank, world, mesh="ddp", steps=6, report_dir=report_dir, flip=(1, 2),
                       fingerprint_every=1),
         "warn": run(rank, world, mesh="ddp", steps=6, report_dir=report_dir, flip=(1, 2),
                     fingerprint_every=1, divergence_action="warn"),
+        "nan_one": run(rank, world, mesh="ddp", steps=6, report_dir=report_dir,
+                       poison=([1], 2), fingerprint_every=2, one_host_each=True),
+        "nan_both": run(rank, world, mesh="ddp", steps=6, report_dir=report_dir,
+                        poison=([0, 1], 2), fingerprint_every=2, one_host_each=True),
     }

@@ -148,7 +148,7 @@ def test_a_dropped_step_is_applied_strikes_its_host_and_escalation_ignores_it() 
 
 
 def test_the_count_travels_in_the_exchange_and_each_rank_sees_its_own() -> None:
-    row = torch.tensor([1.0, math.nan, math.nan, 0.0, 1.0, 1.0, 0.0, *(0.0,) * 7])
+    row = torch.tensor([1.0, math.nan, math.nan, 0.0, 1.0, 1.0, 0.0, *(0.0,) * 11])
     thresholds = torch.full((5,), math.inf)
     out = pack(row, thresholds, 2, amp=False, dropped=torch.tensor(True))
     kept = pack(row.nan_to_num(1.0), thresholds, 0, amp=False)  # not withheld: None

@@ -118,7 +118,8 @@ def test_the_health_row_packs_dtensor_values(mesh: DeviceMesh) -> None:
     health.add_loss(dt(torch.tensor(2.5), mesh, Partial("avg")))  # handed over as it is
     health.add_grads(dt(torch.tensor(3.0), mesh, Replicate()))
     row = plain_and_silent(health.row)
-    assert row.tolist() == [2.0, 2.0, 3.0, 0.0, 1.0, 1.0, 0.0, *[0.0] * 5, 0.0, 0.0]  # no stop
+    # no stop, no buffers, every hyperparameter finite
+    assert row.tolist() == [2.0, 2.0, 3.0, 0.0, 1.0, 1.0, 0.0, *[0.0] * 5, 0.0, 0.0, *[0.0] * 4]
 
 
 def test_local_gradients_of_dtensor_parameters_are_this_ranks_shards(mesh: DeviceMesh) -> None:

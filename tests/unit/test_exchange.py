@@ -22,10 +22,14 @@ NO_REF = torch.full((5,), math.inf)  # spike references still warming up
 
 def row(batch: float, loss: float, grad: float, *, injected: float = 0.0,
         quarantined: float = 0.0, boundary: tuple[float, ...] = (0.0,) * 5,
-        stop: tuple[float, float] = (0.0, 0.0)) -> torch.Tensor:
+        stop: tuple[float, float] = (0.0, 0.0),
+        buffers: tuple[float, float, float] = (0.0, 0.0, 0.0), hyper: float = 0.0,
+        ) -> torch.Tensor:
     """A health row; ``boundary``: fwd_origin, bwd_origin, recv_act, recv_grad, loss_origin;
-    ``stop``: SIGTERM, SIGINT received."""
-    return torch.tensor([batch, loss, grad, injected, 1.0, 1.0, quarantined, *boundary, *stop])
+    ``stop``: SIGTERM, SIGINT received; ``buffers``: the buffers' max-abs as the step left
+    them, this rank's own, as they arrived; ``hyper``: a hyperparameter is non-finite."""
+    return torch.tensor([batch, loss, grad, injected, 1.0, 1.0, quarantined, *boundary, *stop,
+                         *buffers, hyper])
 
 
 def test_vector_flags_each_kind_from_its_value_and_sums_to_counts() -> None:
@@ -136,7 +140,7 @@ def test_an_absent_value_is_neither_a_spike_nor_unquiet() -> None:
     # A log-likelihood's thresholds are negative; an absent loss (0.0 in the row) is above
     # them, and must still count for nothing.
     thresholds = torch.tensor([-4.0, math.inf, -4.5, math.inf, math.inf])
-    no_loss = torch.tensor([1.0, 0.0, 1.0, 0.0, 0.0, 1.0, 0.0, *[0.0] * 7])
+    no_loss = torch.tensor([1.0, 0.0, 1.0, 0.0, 0.0, 1.0, 0.0, *[0.0] * (len(ROW) - 7)])
     own = OwnRow.from_values(pack(no_loss, thresholds, 0, amp=False).tolist())
     assert not own.spiked() and not own.not_quiet and not own.flagged and own.loss is None
 
@@ -322,6 +326,8 @@ def test_the_host_rule_and_the_device_rule_pack_the_same_vector() -> None:
     thresholds = (0.5, 1.5, 7.0, 1e30, math.inf)
     for _ in range(3000):
         flags = [float(rng.random() < 0.3) for _ in range(R.size - 3)]
+        for slot in (R.buffer_norm, R.buffer_own, R.buffer_arrived):  # values, not flags
+            flags[slot - 3] = rng.choice(values)
         given = torch.tensor([rng.choice(values) for _ in range(3)] + flags)
         refs = torch.tensor([rng.choice(thresholds) for _ in range(5)])
         rank, amp = rng.randrange(100_000), rng.random() < 0.5

@@ -175,7 +175,8 @@ def test_payload_is_strict_json_with_every_rank_and_the_poisoned_one() -> None:
         "world_size": 2,
         "verdict": "host", "spikes": {"loss": {"0": 11.235}}, "rolled_back_to": None,
         "lr_factor": 1.0, "buffers_restored": 0, "first_nonfinite_module": "mlp.fc1",
-        "first_nonfinite_parameter": "w", "origin_trace": None,
+        "first_nonfinite_parameter": "w", "origin_trace": None, "poisoned_state": {},
+        "state_action": None,
     }
     assert {k: back[k] for k in expected_head} == expected_head
     poisoned = {

@@ -199,6 +199,14 @@ def test_show_explains_what_where_what_was_done_and_next(
     ({"verdict": None}, "NanSentinelNonFiniteDetected", "usually a bad batch"),
     ({"verdict": None, "bad_ranks": [], "bad_hosts": [], "spikes": {"grad_norm": {"3": 42.0}}},
      "Causes of non-finite values", "Exploding gradients"),
+    ({"verdict": "state", "kinds": ["loss", "grad", "state"], "state_action": "repaired",
+      "poisoned_state": {"2": ["weight fc.weight (1 of 64 elements non-finite)"]}},
+     "NanSentinelStateNonFinite", "suspect that host's GPU memory"),
+    ({"verdict": "state", "outcome": "aborted", "kinds": ["state"], "state_action": "aborted",
+      "poisoned_state": {"2": ["weight fc.weight (1 of 64 elements non-finite)"]}},
+     "NanSentinelStateNonFinite", "Restore an earlier checkpoint"),
+    ({"verdict": None, "bad_ranks": [], "bad_hosts": [], "kinds": ["hyperparameter"]},
+     "NanSentinelHyperparameterNonFinite", "a warm-up dividing by a zero step count"),
 ])
 def test_what_to_do_next_comes_from_a_runbook_section_that_exists(
         changes: dict[str, Any], section: str, words: str, tmp_path: Path) -> None:
@@ -209,6 +217,17 @@ def test_what_to_do_next_comes_from_a_runbook_section_that_exists(
     assert section in headings
     text = incidents.render(incidents.explain(incident))
     assert f'"{section}"' in text and words in text
+
+
+def test_a_poisoned_state_is_named_with_its_tensor_and_what_was_done(tmp_path: Path) -> None:
+    incident = incidents.load(put(tmp_path, {
+        **sample_report(), "verdict": "state", "kinds": ["loss", "grad", "state"],
+        "state_action": "repaired",
+        "poisoned_state": {"2": ["weight fc.weight (1 of 64 elements non-finite)"]}}))
+    text = incidents.render(incidents.explain(incident))
+    assert "rank 2's own state: weight fc.weight (1 of 64 elements non-finite)" in text
+    assert "repaired in place from a finite replica" in text
+    assert "the model's own state held a non-finite value" in text
 
 
 def test_a_drill_says_so(tmp_path: Path) -> None:

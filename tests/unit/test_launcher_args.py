@@ -264,9 +264,9 @@ def test_verdict_files_are_atomic_readable_and_archived(tmp_path: Path) -> None:
 def test_exit_codes_are_the_documented_contract() -> None:
     assert (exitcodes.EXIT_OK, exitcodes.EXIT_WORKER_FAILED, exitcodes.EXIT_CONFIG,
             exitcodes.EXIT_NONFINITE_ABORT, exitcodes.EXIT_HOST_EXCLUDED,
-            exitcodes.EXIT_EXCHANGE_TIMEOUT, exitcodes.EXIT_SIGINT,
-            exitcodes.EXIT_SIGTERM) == (0, 1, 2, 3, 4, 5, 130, 143)
-    assert set(exitcodes.NAMES) == {0, 1, 2, 3, 4, 5, 130, 143}
+            exitcodes.EXIT_EXCHANGE_TIMEOUT, exitcodes.EXIT_NONFINITE_STATE, exitcodes.EXIT_SIGINT,
+            exitcodes.EXIT_SIGTERM) == (0, 1, 2, 3, 4, 5, 6, 130, 143)
+    assert set(exitcodes.NAMES) == {0, 1, 2, 3, 4, 5, 6, 130, 143}
     from nansentinel.launcher.signals import signal_exit_code
 
     assert signal_exit_code(signal.SIGTERM) == exitcodes.EXIT_SIGTERM

@@ -166,6 +166,22 @@ def test_only_local_kinds_count_on_a_healthy_rank_of_a_bad_step() -> None:
     assert value(m, "nansentinel_rank_healthy") == 1
 
 
+def test_the_models_own_state_counts_by_kind_apart_from_the_batch_loss_and_gradients() -> None:
+    """A poisoned weight and its optimizer state (named by the state check), a buffer and a
+    hyperparameter (the row's) count in nansentinel_state_nonfinite_total by kind, from 0;
+    a hyperparameter alone (the schedule's, on every rank) blames no rank."""
+    m = SentinelMetrics(identity(rank=1))
+    for kind in ("weight", "optimizer_state", "buffer", "hyperparameter"):
+        assert value(m, "nansentinel_state_nonfinite_total", kind=kind) == 0
+    m.observe_step(bad_result(3, local=["loss", "grad", "weight", "optimizer_state"],
+                              local_loss=math.nan, local_grad_norm=math.nan), 0.01)
+    m.observe_step(bad_result(4, local=["hyperparameter"]), 0.01)
+    counts = {kind: value(m, "nansentinel_state_nonfinite_total", kind=kind)
+              for kind in ("weight", "optimizer_state", "buffer", "hyperparameter")}
+    assert counts == {"weight": 1, "optimizer_state": 1, "buffer": 0, "hyperparameter": 1}
+    assert value(m, "nansentinel_blamed_steps_total") == 1  # the weight's step, not the rate's
+
+
 def test_missing_loss_keeps_the_last_value() -> None:
     m = SentinelMetrics(identity())
     m.observe_step(result(0, local_loss=4.0, local_grad_norm=1.0), 0.001)

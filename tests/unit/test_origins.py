@@ -24,10 +24,14 @@ CPU = torch.device("cpu")
 NO_REF = torch.full((5,), math.inf)
 NAN = math.nan
 
+#: The row's last slots, the model's own state: buffers' max-abs (left, own, arrived), hyper.
+STATE_SLOTS = (0.0, 0.0, 0.0, 0.0)
+
 
 def judged(batch: float, loss: float, grad: float, boundary: tuple[float, ...],
            *, amp: bool = False) -> tuple[OwnRow, Totals]:
-    row = torch.tensor([batch, loss, grad, 0.0, 1.0, 1.0, 0.0, *boundary, 0.0, 0.0])
+    row = torch.tensor([batch, loss, grad, 0.0, 1.0, 1.0, 0.0, *boundary, 0.0, 0.0,
+                        *STATE_SLOTS])
     vector = pack(row, NO_REF, 0, amp=amp)
     return OwnRow.from_values(vector.tolist()), Totals.from_values(vector.tolist())
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from nansentinel.checks.state import Poisoned, StateFindings
 from nansentinel.config import SentinelConfig
 from nansentinel.decide.policy import (
     ABORT,
@@ -115,7 +116,8 @@ def test_history_saves_its_own_state_under_the_checkpoint_keys() -> None:
     state = h.state_dict()
     assert set(state) == {"consecutive_skips", "strikes", "excluded", "rollbacks",
                           "skip_batches", "spike_streak", "lost", "applied",
-                          "snapshot_applied", "failed_snapshots", "watch", "retry"}
+                          "snapshot_applied", "failed_snapshots", "watch", "retry",
+                          "state_restored"}
     # JSON-style keys (a checkpoint written as JSON turns int keys into strings) load too.
     state["rollbacks"] = {"10": 1}
     assert History.from_state_dict(state) == h
@@ -210,3 +212,80 @@ def test_a_stop_request_in_the_sums_names_one_signal_on_every_rank() -> None:
     # A stop is not a fault: the step is decided as ever (applied here), the stop beside it.
     view = ClusterView(4, 3, Totals(stop_term=1))
     assert decide(view, History(), SentinelConfig()).action == "apply"
+
+
+# --- what the model holds (issue 68) ------------------------------------------------------
+
+
+def _state(ranks: dict[int, str], *, repairable: bool, why: str = "") -> StateFindings:
+    """Findings: rank -> the tensor it holds non-finite."""
+    return StateFindings(7, {r: [Poisoned(name, "weight", 1, 16)] for r, name in ranks.items()},
+                         {r: HOSTS[r] for r in ranks}, repairable, why)
+
+
+def test_a_repairable_state_is_repaired_and_struck_and_never_divergence() -> None:
+    cfg = SentinelConfig(host_strikes=2)
+    # Found before a snapshot (no value was poisoned yet): repaired, and the step applies.
+    quiet = decide(view(7, {}), History(), cfg,
+                   Evidence(state=_state({1: "fc.weight"}, repairable=True), verdict="state"))
+    assert quiet.action == APPLY and quiet.cause == "state" and "repaired" in quiet.reason
+    # Found on an incident: the step's own values were poisoned by it: skipped, repaired.
+    h = History()
+    for step in (7, 8):
+        v = view(step, {1: ("loss", "grad")})
+        ev = Evidence(state=_state({1: "fc.weight"}, repairable=True), verdict="state")
+        d = decide(v, h, cfg, ev)
+        h.record(v, d, cfg, ev)
+        if step == 7:
+            assert d.action == SKIP and d.cause == "state" and "fc.weight" in d.reason
+            assert h.strikes == {"n0": [7]}
+    assert d.action == EXCLUDE and d.exclude_host == "n0"  # the second strike excludes it
+    # policy abort stops on it, as on any non-finite value.
+    aborted = decide(view(7, {1: ("loss",)}), History(), SentinelConfig(policy="abort"),
+                     Evidence(state=_state({1: "fc.weight"}, repairable=True)))
+    assert aborted.action == ABORT and "not finite" in aborted.reason
+
+
+def test_a_state_no_replica_holds_rolls_back_once_to_a_finite_snapshot_or_stops_at_once() -> None:
+    cfg = SentinelConfig(policy="skip", host_strikes=99)
+    every = _state({0: "fc.weight", 1: "fc.weight", 2: "fc.weight", 3: "fc.weight"},
+                   repairable=False, why="every replica holds fc.weight non-finite")
+    v = view(7, {r: ("loss", "grad") for r in range(4)})
+    # No snapshot kept: stopped at once, not after max_consecutive_skips useless skips.
+    d = decide(v, History(), cfg, Evidence(state=every, verdict="state"))
+    assert d.action == ABORT and d.cause == "state" and "restore another checkpoint" in d.reason
+    # A snapshot kept (every snapshot's state was read finite): rolled back, whatever the
+    # policy; no batches discarded, no learning-rate backoff counted against it.
+    h = History()
+    ev = Evidence(state=every, verdict="state", snapshot_step=5)
+    d = decide(v, h, cfg, ev)
+    h.record(v, d, cfg, ev)
+    assert d.action == ROLLBACK and h.skip_batches == 0 and h.state_restored == [5]
+    assert h.strikes == {}  # every host at once: the checkpoint's or the numbers', no host's
+    # The same poisoned state again: a rollback that led back into it is not repeated.
+    again = decide(view(9, {r: ("loss",) for r in range(4)}), h, cfg, ev)
+    assert again.action == ABORT and "restored for it before" in again.reason
+
+
+def test_a_non_finite_hyperparameter_skips_every_rank_then_stops_naming_it() -> None:
+    cfg = SentinelConfig(max_consecutive_skips=2)
+    h = History()
+    actions = []
+    for step in range(4):
+        v = ClusterView(step, 4, Totals(bad_hyper=4))
+        ev = Evidence(hyper="param group 0's lr is nan")
+        d = decide(v, h, cfg, ev)
+        h.record(v, d, cfg, ev)
+        actions.append(d.action)
+        assert d.cause == "hyperparameter" and "param group 0's lr is nan" in d.reason
+    assert actions == [SKIP, SKIP, ABORT, ABORT] and h.strikes == {}
+
+
+def test_a_non_finite_rollback_is_bounded_by_max_lost_steps() -> None:
+    cfg = SentinelConfig(policy="rollback", host_strikes=99, max_lost_steps=4)
+    h = History(lost=3, applied=10, snapshot_applied={5: 9})
+    d = decide(view(12, {1: ("loss",)}), h, cfg, Evidence(snapshot_step=5))
+    assert d.action == ABORT and "max_lost_steps=4" in d.reason
+    fresh = decide(view(12, {1: ("loss",)}), History(applied=10, snapshot_applied={5: 9}), cfg,
+                   Evidence(snapshot_step=5))
+    assert fresh.action == ROLLBACK

@@ -31,7 +31,7 @@ class Cluster:
             g = grad[r] if grad is not None else 0.0
             b = batch[r] if batch is not None else 0.0
             row = torch.tensor([b, loss[r], g, 0.0, 1.0, float(grad is not None), 0.0,
-                                *[0.0] * 7])
+                                *[0.0] * 11])
             vector = pack(row, torch.tensor(d.thresholds()), r, amp=False)
             vectors.append(vector)
             owns.append(OwnRow.from_values(vector.tolist()))
@@ -113,10 +113,10 @@ def test_quiet_needs_every_rank_and_the_mean_below_half_way() -> None:
     c = Cluster(2, warmup=5)
     c.feed(6, [1.0, 1.0], [1.0, 1.0])
     d = c.detectors[0]
-    calm = Totals.from_values(pack(torch.tensor([0.0, 1.0, 1.0, 0.0, 1.0, 1.0, 0.0, *[0.0] * 7]),
+    calm = Totals.from_values(pack(torch.tensor([0.0, 1.0, 1.0, 0.0, 1.0, 1.0, 0.0, *[0.0] * 11]),
                                    torch.tensor(d.thresholds()), 0, amp=False).tolist())
     assert d.quiet(calm)
-    uneasy = pack(torch.tensor([0.0, 4.0, 1.0, 0.0, 1.0, 1.0, 0.0, *[0.0] * 7]),
+    uneasy = pack(torch.tensor([0.0, 4.0, 1.0, 0.0, 1.0, 1.0, 0.0, *[0.0] * 11]),
                   torch.tensor(d.thresholds()), 0, amp=False)
     assert not d.quiet(Totals.from_values(uneasy.tolist()))  # 4x > sqrt(10)x its median
 

@@ -1,0 +1,254 @@
+"""What the model holds: its weights, floating buffers, optimizer state and hyperparameters.
+
+The step's checks read what flows into the reduction (the batch, the loss, the gradients). A
+NaN can also enter where nothing flows: a bit flip in one rank's weights, a checkpoint restored
+with a NaN in it, a scheduler that returns NaN, a BatchNorm statistic gone bad. These are the
+pure reads of that state, checked where a NaN enters (DESIGN.md, "What the model holds"),
+never every tensor every step:
+
+- the whole state once at construction and at each documented restore, and on an incident
+  (the rare path, rare/state.py): :func:`named_state`, :func:`poisoned`;
+- the hyperparameters (Python floats) as each step's health leaves: :func:`hyperparameters_finite`
+  (a flag in the health row), and by name after a detection: :func:`poisoned_hyperparameters`.
+
+Why a max-abs norm (``ord=inf``) and not the L2 norm the gradient checks use: a state tensor
+is read on the rare path only, where a false alarm costs a verdict, and ``max |x|`` is finite
+exactly when every element is (NaN and Inf propagate through the max), whatever the values'
+size: an L2 norm of Adam's ``exp_avg_sq`` in fp16 overflows long before any element does.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import torch
+
+from nansentinel.checks import local
+from nansentinel.common import torch_insides as insides
+from nansentinel.result import BUFFER, OPTIMIZER_STATE, WEIGHT
+
+#: Tensors named per rank in a message (the report has them all).
+SHOWN = 8
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Poisoned:
+    """One state tensor holding non-finite elements on this rank."""
+
+    name: str
+    """The parameter's or buffer's qualified name; optimizer state as ``param.key``."""
+    kind: str
+    """``weight``, ``buffer`` or ``optimizer_state``."""
+    bad: int
+    """Its non-finite elements (this rank's local shard's, for a DTensor)."""
+    numel: int
+    """Its elements (this rank's)."""
+
+    def describe(self) -> str:
+        return (f"{self.kind.replace('_', ' ')} {self.name} ({self.bad} of {self.numel} "
+                "elements non-finite)")
+
+    def to_json(self) -> list[Any]:
+        return [self.name, self.kind, self.bad, self.numel]
+
+    @classmethod
+    def from_json(cls, w: Sequence[Any]) -> Poisoned:
+        return cls(str(w[0]), str(w[1]), int(w[2]), int(w[3]))
+
+
+def named_state(
+    module: torch.nn.Module, optimizer: Any = None, *, skip: Iterable[str] = (),
+    buffers: bool = True,
+) -> list[tuple[str, str, torch.Tensor]]:
+    """``(name, kind, local tensor)`` of every parameter, floating buffer and floating tensor
+    of each parameter's optimizer state, in the same order on every replica (a DTensor's local
+    shard; the parameters named in ``skip`` left out). Optimizer state is named
+    ``param.state_key``; a parameter the optimizer does not hold has none."""
+    skipped = set(skip)
+    state = getattr(optimizer, "state", None) if optimizer is not None else None
+    out: list[tuple[str, str, torch.Tensor]] = []
+    for name, p in module.named_parameters():
+        if name in skipped:
+            continue
+        out.append((name, WEIGHT, local(p).detach()))
+        held = state.get(p, {}) if isinstance(state, dict) else {}
+        for key in sorted(held, key=str):
+            value = held[key]
+            if isinstance(value, torch.Tensor) and (value.is_floating_point()
+                                                    or value.is_complex()):
+                out.append((f"{name}.{key}", OPTIMIZER_STATE, local(value).detach()))
+    if buffers:
+        out.extend((name, BUFFER, local(b).detach()) for name, b in module.named_buffers()
+                   if b.is_floating_point() or b.is_complex())
+    return out
+
+
+def _values(t: torch.Tensor) -> torch.Tensor:
+    """What is read of ``t``: a sparse tensor's stored values (its zeros are finite), a complex
+    tensor as its real pairs."""
+    if t.layout == torch.sparse_coo:
+        t = t._values()
+    elif t.layout != torch.strided:
+        t = t.values()
+    return torch.view_as_real(t) if t.is_complex() else t
+
+
+def poisoned(named: Sequence[tuple[str, str, torch.Tensor]]) -> list[Poisoned]:
+    """The tensors of ``named`` (:func:`named_state`) holding a non-finite element, in order.
+
+    One fused max-abs norm per (device, dtype) group and one host read per group; the
+    non-finite elements are counted only in the tensors found (a detection's or a restore's
+    cost, never a healthy step's). A meta tensor holds no values: skipped."""
+    groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+    values = [_values(t) for _, _, t in named]
+    for i, t in enumerate(values):
+        if t.numel() and not t.is_meta:
+            groups.setdefault((t.device, t.dtype), []).append(i)
+    found: list[int] = []
+    for indices in groups.values():
+        norms = insides.foreach_max_abs([values[i] for i in indices])
+        finite = torch.isfinite(torch.stack(list(norms))).tolist()
+        found.extend(i for i, ok in zip(indices, finite, strict=True) if not ok)
+    out = []
+    for i in sorted(found):
+        name, kind, t = named[i]
+        v = values[i]
+        out.append(Poisoned(name, kind, int((~torch.isfinite(v)).sum()), v.numel()))
+    return out
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class StateFindings:
+    """What the ranks hold that is not finite, the same on every rank."""
+
+    step: int
+    poisoned: dict[int, list[Poisoned]]
+    """Rank (in the exchange's group) -> its non-finite tensors."""
+    hosts: dict[int, str]
+    """Rank -> its host, for the poisoned ranks."""
+    repairable: bool
+    """Every poisoned tensor has a finite copy on a rank of the same replica group."""
+    why: str = ""
+    """Why not, in words (empty when it is)."""
+
+    @property
+    def ranks(self) -> list[int]:
+        return sorted(self.poisoned)
+
+    @property
+    def bad_hosts(self) -> list[str]:
+        return sorted(set(self.hosts.values()))
+
+    @property
+    def tensors(self) -> list[str]:
+        """Every poisoned tensor's name, on any rank, sorted."""
+        return sorted({p.name for found in self.poisoned.values() for p in found})
+
+    def describe(self) -> str:
+        """The poisoned ranks, their hosts and their first tensors (ranks holding the same
+        named together, so that a checkpoint poisoned on every rank is one clause)."""
+        return describe_ranks({r: (self.hosts.get(r, "?"), [p.describe() for p in found])
+                               for r, found in self.poisoned.items()})
+
+    def named(self) -> dict[int, list[str]]:
+        """Rank -> its poisoned tensors in words (``StepResult.poisoned_state``)."""
+        return {r: [p.describe() for p in found] for r, found in sorted(self.poisoned.items())}
+
+    def to_json(self) -> dict[str, Any]:
+        return {"step": self.step, "repairable": self.repairable, "why": self.why,
+                "ranks": {str(r): {"host": self.hosts.get(r, "?"),
+                                   "tensors": [p.to_json() for p in found]}
+                          for r, found in sorted(self.poisoned.items())}}
+
+
+def describe_ranks(rows: dict[int, tuple[str, list[str]]]) -> str:
+    """``ranks 0, 1, 2 (host node1): weight fc.weight (1 of 16 elements non-finite)``: rank ->
+    (host, what it holds in words), ranks holding the same words named in one clause, at most
+    :data:`SHOWN` ranks, hosts and words each (the rest counted), so that a message stays a
+    line at any world size."""
+    clauses: dict[tuple[str, ...], list[int]] = {}
+    for rank in sorted(rows):
+        clauses.setdefault(tuple(rows[rank][1]), []).append(rank)
+    parts = []
+    for words, ranks in clauses.items():
+        hosts = sorted({rows[r][0] for r in ranks})
+        who = ", ".join(map(str, ranks[:SHOWN])) + (
+            f" and {len(ranks) - SHOWN} more" if len(ranks) > SHOWN else "")
+        where = ", ".join(hosts[:SHOWN]) + (
+            f" and {len(hosts) - SHOWN} more" if len(hosts) > SHOWN else "")
+        what = ", ".join(words[:SHOWN]) + (
+            f", and {len(words) - SHOWN} more" if len(words) > SHOWN else "")
+        parts.append(f"rank{'s' if len(ranks) > 1 else ''} {who} "
+                     f"(host{'s' if len(hosts) > 1 else ''} {where}): {what}")
+    return "; ".join(parts)
+
+
+def any_nonfinite(tensors: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """0-d int64 on ``device``: 1 where some tensor holds a non-finite element, else 0; no
+    host sync (one fused max-abs per device and dtype group, moved together). For a pass that
+    reads every tensor anyway (the replica fingerprints) and has its own host read."""
+    groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+    for t in tensors:
+        v = _values(t)
+        if v.numel() and not v.is_meta:
+            groups.setdefault((v.device, v.dtype), []).append(v)
+    flags = [(~torch.isfinite(torch.stack(insides.foreach_max_abs(ts)))).any().to(
+        device, torch.int64, non_blocking=device.type != "cpu") for ts in groups.values()]
+    if not flags:
+        return torch.zeros((), dtype=torch.int64, device=device)
+    return flags[0] if len(flags) == 1 else torch.stack(flags).amax()
+
+
+# --- hyperparameters ----------------------------------------------------------------------
+
+
+def _floats(value: Any) -> Iterable[float]:
+    """The floating values of one param-group entry (a float, a tuple of them as Adam's
+    ``betas``, a 0-d tensor on the CPU); nothing for the rest (params, bools, ints, None,
+    strings, a tensor on an accelerator: reading it would sync the host)."""
+    if type(value) is float:
+        yield value
+    elif isinstance(value, tuple | list) and value and not isinstance(value[0], torch.Tensor):
+        yield from (v for v in value if type(v) is float)
+    elif isinstance(value, torch.Tensor) and value.numel() == 1 and value.device.type == "cpu" \
+            and value.is_floating_point():
+        yield float(value)
+
+
+def hyperparameters_finite(optimizer: Any) -> bool:
+    """Whether every floating hyperparameter of every param group is finite: one pass over
+    the groups' entries, on the host (each step's health row carries the answer). A sum of
+    finite hyperparameters stays finite (they are rates, decays and epsilons, nowhere near
+    1e308), and a NaN or an Inf anywhere makes it non-finite."""
+    total = 0.0
+    for group in optimizer.param_groups:
+        for key, value in group.items():
+            if key != "params":
+                total += sum(_floats(value))
+    return math.isfinite(total)
+
+
+def poisoned_hyperparameters(optimizer: Any) -> list[tuple[int, str, float]]:
+    """``(param group, key, value)`` of every non-finite hyperparameter (``betas[1]`` for an
+    element of a tuple), for a report or a refusal."""
+    out: list[tuple[int, str, float]] = []
+    for g, group in enumerate(optimizer.param_groups):
+        for key, value in group.items():
+            if key == "params":
+                continue
+            if isinstance(value, tuple | list):
+                out.extend((g, f"{key}[{i}]", v) for i, v in enumerate(value)
+                           if type(v) is float and not math.isfinite(v))
+            else:
+                out.extend((g, key, v) for v in _floats(value) if not math.isfinite(v))
+    return out
+
+
+def describe_hyperparameters(found: Sequence[tuple[int, str, float]]) -> str:
+    """``param group 0's lr is nan, param group 1's betas[1] is inf`` (at most 8 named)."""
+    words = [f"param group {g}'s {key} is {value}" for g, key, value in found[:8]]
+    more = f", and {len(found) - 8} more" if len(found) > 8 else ""
+    return ", ".join(words) + more
