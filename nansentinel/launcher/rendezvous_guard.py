@@ -263,8 +263,8 @@ class GuardedRendezvousHandler:
         if detail is None:
             return
         timed_out = "timeout" in detail.lower() or "timed out" in detail.lower()
-        how = ("stopped answering" if timed_out else "is gone (its process died or was "
-               "killed)")
+        how = ("stopped answering (its process is frozen, or this host is cut off from it)"
+               if timed_out else "is gone (its process died or was killed)")
         self.store_gone = (
             f"the rendezvous store at {self.endpoint or '--rdzv-endpoint'} {how}: "
             f"{detail}. Without it no host can restart, leave or join, so the launchers "
