@@ -73,6 +73,18 @@ def slurm() -> Iterator[SlurmCluster]:
         shutil.rmtree(work, ignore_errors=True)
 
 
+@pytest.fixture(autouse=True)
+def _put_back(slurm: SlurmCluster) -> Iterator[None]:
+    """Whatever a test did or failed to do, the next one finds no job running and every node
+    up: a job left running is cancelled, a drained node resumed."""
+    yield
+    jobs = slurm.run(["squeue", "-h", "-o", "%i"], check=False).stdout.split()
+    if jobs:
+        slurm.run(["scancel", *jobs], check=False)
+    if jobs or slurm.idle_nodes() != set(slurm.nodes):
+        slurm.resume(*slurm.drain_reasons())
+
+
 def _job_env(slurm: SlurmCluster, **extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("NANSENTINEL_", "SLURM_"))}
     env.update(PYTHONPATH=str(REPO), GLOO_SOCKET_IFNAME="eth0", NPROC_PER_NODE="2",
@@ -483,8 +495,8 @@ def test_a_killed_store_is_named_and_started_again(slurm: SlurmCluster, tmp_path
     while not (out / "ckpt.pt").exists():  # training is under way
         assert time.monotonic() < deadline, slurm.job(job)
         time.sleep(0.2)
-    [store] = [pid for pid, cmd in slurm.processes("node1").items()
-               if "nansentinel store" in cmd and "python" in cmd]
+    [store] = [pid for pid, cmd in slurm.processes("node1").items()  # this job's store
+               if "nansentinel store" in cmd and f"/{job}/rendezvous.port" in cmd]
     os.kill(store, signal.SIGKILL)
     info = slurm.wait_job(job, JOB_TIMEOUT)
     log = (out / "job.out").read_text(errors="replace")

@@ -372,7 +372,7 @@ _FAKES = {
 case $1 in
   excluded) echo "${FAKE_SKIP:-}" ;;
   store) for a in "$@"; do case $a in --port-file=*) echo 29400 > "${a#--port-file=}";; esac
-         done; echo $$ > "$FAKE_DIR/store.pid"; exec sleep 60 ;;
+         done; echo $$ > "$FAKE_DIR/store.pid"; trap '' TERM; exec sleep 60 ;;
 esac
 """,
     "scontrol": """#!/bin/bash
@@ -394,6 +394,7 @@ touch "$FAKE_DIR/stop"
 """,
     "srun": """#!/bin/bash
 if [ -n "${FAKE_SRUN_WAITS:-}" ]; then  # trains until the step is signalled, or 3 s
+  trap 'touch "$FAKE_DIR/stop"' TERM
   touch "$FAKE_DIR/srun-started"
   for _ in $(seq 30); do [ -e "$FAKE_DIR/stop" ] && break; sleep 0.1; done
 fi
@@ -474,32 +475,37 @@ def test_a_store_that_died_mid_run_is_started_again_or_the_log_says_how(
                 "again") in done.stderr
 
 
-@pytest.mark.parametrize("state", ["RUNNING", "TIMEOUT"])
+@pytest.mark.parametrize("to", ["script", "job"])
 def test_sigterm_to_the_script_alone_is_passed_once_to_the_training(
-    tmp_path: Path, state: str
+    tmp_path: Path, to: str
 ) -> None:
-    """Slurm's early warning (--signal=B:TERM) reaches the script alone while the job runs:
-    it signals the training's step (not the batch step) once. At a time limit or scancel
-    (the job no longer RUNNING) every process got the SIGTERM already: nothing is sent."""
+    """Slurm's early warning (--signal=B:TERM) reaches the script alone: it signals the
+    training's step (not the batch step) once. At a time limit or scancel every process of
+    the job gets SIGTERM (here: the script's process group), the script's canary too, and
+    the script sends nothing more."""
     bin_dir = _fake_tools(tmp_path)
     env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "FAKE_DIR": str(tmp_path), "FAKE_CODES": "143 143",
-           "FAKE_SRUN_WAITS": "1", "FAKE_STATE": state, "SLURM_JOB_ID": "7",
-           "SLURM_JOB_NODELIST": "node1,node2", "SLURM_NNODES": "2", "NPROC_PER_NODE": "1",
-           "SHARED": str(tmp_path / "shared"), "USER": "u"}
+           "FAKE_SRUN_WAITS": "1", "SLURM_JOB_ID": "7", "SLURM_JOB_NODELIST": "node1,node2",
+           "SLURM_NNODES": "2", "NPROC_PER_NODE": "1", "SHARED": str(tmp_path / "shared"),
+           "USER": "u"}
     script = subprocess.Popen(["bash", str(SBATCH), "train.py"], env=env, text=True,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              start_new_session=True)
     try:
         deadline = time.monotonic() + 30
         while not (tmp_path / "srun-started").exists():
             assert time.monotonic() < deadline and script.poll() is None
             time.sleep(0.05)
-        script.send_signal(signal.SIGTERM)
+        if to == "script":
+            script.send_signal(signal.SIGTERM)
+        else:
+            os.killpg(script.pid, signal.SIGTERM)
         _, err = script.communicate(timeout=30)
     finally:
         if script.poll() is None:
-            script.kill()
+            os.killpg(script.pid, signal.SIGKILL)
     assert script.returncode == 143, err
-    if state == "RUNNING":
+    if to == "script":
         assert (tmp_path / "scancel-args").read_text() == "--signal=TERM 7.0\n"
         assert ("received SIGTERM with 1:59 left (Slurm's early warning, --signal=B:TERM@SECONDS)"
                 in err), err
