@@ -158,15 +158,12 @@ class BucketNorms:
         """One L2 norm of the bucket's local gradients (fp32 accumulation, NaN and Inf
         propagate): of the flat buffer (one read, one kernel), or, with ``keep``, of the
         per-parameter norms taken in one fused multi-tensor pass over the same bytes. A sparse
-        gradient's bucket is that gradient alone, its buffer (DDP lists no
-        ``gradients()`` for it): normed through its stored values."""
-        buffer = bucket.buffer()
+        gradient's bucket is that gradient alone, as its buffer (DDP lists no ``gradients()``
+        for it): normed through its stored values."""
         if not keep:
-            return checks.tensor_norm(buffer)
-        if buffer.layout != torch.strided:
-            norms = checks.tensor_norm(buffer).reshape(1)
-        else:
-            norms = checks.grad_norms(bucket.gradients())
+            return checks.tensor_norm(bucket.buffer())
+        grads = bucket.gradients()
+        norms = checks.grad_norms(grads) if grads else checks.tensor_norm(bucket.buffer())[None]
         if self.kept is None:
             self.kept = KeptNorms()
         self.kept.add([self.names.get(id(p), "<unnamed>") for p in bucket.parameters()], norms)

@@ -12,7 +12,6 @@ kernel). About 15 s on 2 cores: one process group for all scenarios."""
 from __future__ import annotations
 
 import math
-from pathlib import Path
 
 import pytest
 import torch
@@ -24,7 +23,7 @@ from tests.distributed.workers_layouts import (
     HOOK_RANK,
     HOOK_STEP,
     SCENARIOS,
-    _build,
+    build,
     every_layout,
 )
 
@@ -38,7 +37,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("name", [n for n in SCENARIOS if n != "sparse_drop"])
 def test_each_layout_is_checked_blamed_and_named(runs: list[dict], name: str) -> None:
-    poisoned = _build(name)[2]
+    poisoned = build(name)[2]
     for rank, out in enumerate(r[name] for r in runs):
         records = out["records"]
         assert [r["applied"] for r in records] == [True, False, False, True], (rank, records)
@@ -68,7 +67,7 @@ def test_each_layout_is_checked_blamed_and_named(runs: list[dict], name: str) ->
 
 @pytest.mark.timeout(180)
 def test_a_sparse_model_under_drop_leaves_the_poisoned_rank_out(runs: list[dict]) -> None:
-    for rank, out in enumerate(r["sparse_drop"] for r in runs):
+    for out in (r["sparse_drop"] for r in runs):
         records = out["records"]
         assert [r["outcome"] for r in records] == ["applied", "dropped", "applied", "applied"]
         assert records[DRILL_STEP]["bad_ranks"] == [DRILL_RANK], records

@@ -60,7 +60,7 @@ class Bag(nn.Module):
         return self.bag(batch["bags"])
 
 
-def _build(name: str) -> tuple[nn.Module, dict[str, Any], str]:
+def build(name: str) -> tuple[nn.Module, dict[str, Any], str]:
     """The scenario's model (seeded: every rank and the plain copy start alike), its DDP
     keywords, and the parameter the test poisons."""
     torch.manual_seed(0)
@@ -113,7 +113,7 @@ def _weights(net: nn.Module) -> torch.Tensor:
 def _watched(rank: int, name: str, report_dir: str) -> dict[str, Any]:
     """Four steps under the sentinel: each step's result, the gradients' layouts seen, the
     weights."""
-    net, ddp_kwargs, poisoned = _build(name)
+    net, ddp_kwargs, poisoned = build(name)
     model = DDP(net, **ddp_kwargs)
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     drop = name == "sparse_drop"
@@ -166,7 +166,7 @@ def _replay(module: nn.Module, batch: Any) -> torch.Tensor:
 def _plain(rank: int, world: int, name: str, applied: list[int]) -> torch.Tensor:
     """Plain DDP from the same weights on the steps the sentinel applied (``sparse_drop``:
     the dropped step with rank 1's loss zeroed and the sum divided by the kept ranks)."""
-    net, ddp_kwargs, _ = _build(name)
+    net, ddp_kwargs, _ = build(name)
     model = DDP(net, **ddp_kwargs)
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     for step in applied:
@@ -187,7 +187,7 @@ def _by_hand(rank: int, world: int, report_dir: str) -> dict[str, Any]:
     """The sparse model without DDP: ``check_grads()``, then the loop's own all-reduce of
     each gradient (gloo sums a sparse one into it in place) and its mean, then ``step()``;
     the same drill (into the first local gradient, the embedding's sparse one) and poison."""
-    net, _, poisoned = _build("sparse")
+    net, _, poisoned = build("sparse")
     opt = torch.optim.SGD(net.parameters(), lr=LR)
     env = {**os.environ, "NANSENTINEL_INJECT": f"kind=grad,rank={DRILL_RANK},step={DRILL_STEP}"}
     s = nansentinel.Sentinel(net, opt, env=env, report_dir=report_dir, hostname=f"node{rank}",

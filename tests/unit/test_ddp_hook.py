@@ -258,3 +258,19 @@ def test_sparse_gradients_are_ddps_own_rule_and_keep_the_comm_hook() -> None:
     assert ddp_seam.seam_for("nccl", as_view=False, per_reduction=False) == ddp_seam.END_OF_BACKWARD
     assert ddp_seam.seam_for("nccl", as_view=False, per_reduction=False,
                              sparse=True) == ddp_seam.HOOK
+
+
+def test_a_sparse_buckets_norm_is_kept_under_its_parameters_name() -> None:
+    """DDP's bucket for a sparse gradient lists no ``gradients()``: its buffer is the
+    gradient, and the device gate's kept norms name it by the bucket's one parameter."""
+    from nansentinel.engines.local import BucketNorms
+
+    wrapper = SimpleNamespace(module=torch.nn.ModuleDict({"emb": torch.nn.Embedding(4, 2)}))
+    norms = BucketNorms(wrapper)  # type: ignore[arg-type]
+    grad = torch.sparse_coo_tensor([[1, 1], [0, 1]], [3.0, math.nan], (4, 2))
+    bucket = SimpleNamespace(buffer=lambda: grad, gradients=lambda: [],
+                             parameters=lambda: [wrapper.module["emb"].weight])
+    assert math.isnan(norms.norm(bucket, keep=False))
+    assert math.isnan(norms.norm(bucket, keep=True))
+    kept = norms.take()
+    assert kept is not None and kept.poisoned() == ["emb.weight"]
