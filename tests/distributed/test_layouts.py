@@ -1,7 +1,8 @@
 """Every gradient layout a model can hold, on DDP over 3 gloo ranks (issue 68): dense
 contiguous, channels_last (non-contiguous strides), ``gradient_as_bucket_view=True``, sparse
 COO from ``nn.Embedding(sparse=True)`` and ``nn.EmbeddingBag(sparse=True)`` (uncoalesced,
-each DDP's bucket of its own; alone, the drill's first bucket is one), complex parameters, and
+each DDP's bucket of its own; beside dense bucket views; alone, the drill's first bucket is
+one), complex parameters, and
 sparse gradients under ``policy="drop"``. In each, the healthy steps are applied with a finite
 gradient norm and weights bit-identical to plain DDP's; a grad drill on rank 1 and a NaN the
 test writes into one local gradient on rank 2 (a sparse one's stored values) are each blamed

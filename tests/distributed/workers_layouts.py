@@ -30,8 +30,8 @@ DRILL_STEP, HOOK_STEP = 1, 2
 DRILL_RANK, HOOK_RANK = 1, 2
 LR = 0.1
 VOCAB = 40
-SCENARIOS = ("dense", "channels_last", "bucket_view", "sparse", "sparse_alone", "complex",
-             "sparse_drop")
+SCENARIOS = ("dense", "channels_last", "bucket_view", "sparse", "sparse_view", "sparse_alone",
+             "complex", "sparse_drop")
 
 
 class Sparse(nn.Module):
@@ -74,7 +74,7 @@ def build(name: str) -> tuple[nn.Module, dict[str, Any], str]:
         return nn.Linear(3, 2).to(torch.complex64), {}, "weight"
     if name == "sparse_alone":
         return Bag(), {}, "bag.weight"
-    return Sparse(), {}, "emb.weight"
+    return Sparse(), {"gradient_as_bucket_view": name == "sparse_view"}, "emb.weight"
 
 
 def _batch(name: str, rank: int, step: int) -> Any:
