@@ -387,6 +387,12 @@ def stored_values(t: torch.Tensor) -> torch.Tensor:
 _COMPRESSED = (torch.sparse_csr, torch.sparse_csc, torch.sparse_bsr, torch.sparse_bsc)
 
 
+def coo_indices(t: torch.Tensor) -> torch.Tensor:
+    """A COO tensor's raw indices (``_indices()``: ``indices()`` refuses an uncoalesced one),
+    one column per stored value of :func:`stored_values`."""
+    return t._indices()
+
+
 # --- foreach kernels (torch._foreach_*) --------------------------------------------------------
 
 

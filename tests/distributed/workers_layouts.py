@@ -1,7 +1,8 @@
 """DDP loops over every gradient layout a model can hold (importable by spawned gloo ranks; the
 test is in test_layouts.py).
 
-Each scenario trains a small model under the sentinel for four steps: a healthy one, a grad
+Each scenario trains a small model (SGD with momentum, the replica fingerprints every second
+step) under the sentinel for four steps: a healthy one, a grad
 drill on rank 1 (``NANSENTINEL_INJECT``, written into DDP's first bucket), a NaN the test
 writes into one parameter's local gradient on rank 2 inside the backward (a tensor hook: for
 a sparse gradient, into its stored values), and a healthy one. Then a plain DDP copy with the
@@ -29,6 +30,8 @@ STEPS = 4
 DRILL_STEP, HOOK_STEP = 1, 2
 DRILL_RANK, HOOK_RANK = 1, 2
 LR = 0.1
+#: SGD's momentum buffer of a sparse gradient is sparse: the replica fingerprints read it.
+MOMENTUM = 0.9
 VOCAB = 40
 SCENARIOS = ("dense", "channels_last", "bucket_view", "sparse", "sparse_view", "sparse_alone",
              "complex", "sparse_drop")
@@ -115,14 +118,14 @@ def _watched(rank: int, name: str, report_dir: str) -> dict[str, Any]:
     weights."""
     net, ddp_kwargs, poisoned = build(name)
     model = DDP(net, **ddp_kwargs)
-    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
     drop = name == "sparse_drop"
     env = dict(os.environ)
     if not drop:
         env["NANSENTINEL_INJECT"] = f"kind=grad,rank={DRILL_RANK},step={DRILL_STEP}"
     s = nansentinel.Sentinel(model, opt, env=env, report_dir=report_dir,
                              hostname=f"node{rank}", metrics_port=0, replay=_replay,
-                             policy="drop" if drop else "skip")
+                             policy="drop" if drop else "skip", fingerprint_every=2)
     param = dict(net.named_parameters())[poisoned]
     seen: list[tuple[str, bool | None]] = []
 
@@ -168,7 +171,7 @@ def _plain(rank: int, world: int, name: str, applied: list[int]) -> torch.Tensor
     the dropped step with rank 1's loss zeroed and the sum divided by the kept ranks)."""
     net, ddp_kwargs, _ = build(name)
     model = DDP(net, **ddp_kwargs)
-    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
     for step in applied:
         loss = _loss(model(_batch(name, rank, step)))
         dropped = name == "sparse_drop" and step == DRILL_STEP
