@@ -364,6 +364,36 @@ def reduce_scatter_into() -> Callable[..., Any]:
     return getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
+# --- sparse layouts ------------------------------------------------------------------------------
+
+
+def stored_values(t: torch.Tensor) -> torch.Tensor:
+    """The values a sparse tensor stores, as a dense tensor sharing its memory (a write lands
+    in ``t``); a strided tensor as it is.
+
+    COO: ``_values()``, its raw entries, because ``values()`` refuses an uncoalesced tensor
+    (``nn.Embedding(sparse=True)``'s gradients are uncoalesced: a repeated token is an entry
+    per occurrence); CSR, CSC, BSR, BSC: ``values()``. The zeros a sparse tensor leaves out
+    are finite, so these values hold every non-finite element it has. Another layout
+    (``torch._mkldnn``) is returned as it is, for the caller to refuse by name."""
+    layout = t.layout
+    if layout == torch.strided:
+        return t
+    if layout == torch.sparse_coo:
+        return t._values()
+    return t.values() if layout in _COMPRESSED else t
+
+
+#: The compressed sparse layouts, whose ``values()`` are their stored values.
+_COMPRESSED = (torch.sparse_csr, torch.sparse_csc, torch.sparse_bsr, torch.sparse_bsc)
+
+
+def coo_indices(t: torch.Tensor) -> torch.Tensor:
+    """A COO tensor's raw indices (``_indices()``: ``indices()`` refuses an uncoalesced one),
+    one column per stored value of :func:`stored_values`."""
+    return t._indices()
+
+
 # --- foreach kernels (torch._foreach_*) --------------------------------------------------------
 
 

@@ -157,10 +157,13 @@ class BucketNorms:
     def norm(self, bucket: Any, keep: bool) -> torch.Tensor:
         """One L2 norm of the bucket's local gradients (fp32 accumulation, NaN and Inf
         propagate): of the flat buffer (one read, one kernel), or, with ``keep``, of the
-        per-parameter norms taken in one fused multi-tensor pass over the same bytes."""
+        per-parameter norms taken in one fused multi-tensor pass over the same bytes. A sparse
+        gradient's bucket is that gradient alone, as its buffer (DDP lists no ``gradients()``
+        for it): normed through its stored values."""
         if not keep:
             return checks.tensor_norm(bucket.buffer())
-        norms = checks.grad_norms(bucket.gradients())
+        grads = bucket.gradients()
+        norms = checks.grad_norms(grads) if grads else checks.tensor_norm(bucket.buffer())[None]
         if self.kept is None:
             self.kept = KeptNorms()
         self.kept.add([self.names.get(id(p), "<unnamed>") for p in bucket.parameters()], norms)
