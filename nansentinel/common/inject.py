@@ -176,7 +176,8 @@ def drill_targets(module: torch.nn.Module, optimizer: Any) -> list[tuple[str, to
         state = states.get(p, {}) if isinstance(states, dict) else {}
         for key in sorted(state, key=str):
             value = state[key]
-            if isinstance(value, torch.Tensor) and value.is_floating_point() and value.numel():
+            if isinstance(value, torch.Tensor) and value.is_floating_point() and \
+                    value.layout == torch.strided and value.numel():
                 found.setdefault("optimizer_state", _own(value))
     for b in module.buffers():
         if b.is_floating_point() and b.numel():

@@ -106,7 +106,11 @@ def _flatten(obj: Any, path: tuple[Any, ...], out: list[tuple[tuple[Any, ...], t
              ) -> Any:
     """``obj`` with every tensor replaced by a :class:`_Hole` (appended to ``out`` with its
     path) and everything else deep-copied: later changes to the live state (a scheduler's LR)
-    must not reach the snapshot."""
+    must not reach the snapshot. A sparse tensor (SGD's momentum of a sparse embedding) has no
+    fixed layout to keep a buffer for: it is copied whole into host memory at each save, and a
+    rollback hands the copy back (the optimizer moves it to its parameter's device)."""
+    if isinstance(obj, torch.Tensor) and obj.layout != torch.strided:
+        return obj.detach().to("cpu", copy=True)
     if isinstance(obj, torch.Tensor):
         out.append((path, obj))
         return _Hole(len(out) - 1)

@@ -10,7 +10,9 @@ same initial weights applies the two healthy steps' batches, so the sentinel's w
 compared with plain DDP's bit for bit (its comm hook averages as DDP's default does, a sparse
 gradient included). ``sparse_drop`` is the sparse model under ``policy="drop"`` with rank 1's
 loss non-finite at step 1, against plain DDP with that rank's loss zeroed and the gradient
-rescaled to the kept ranks' mean.
+rescaled to the kept ranks' mean. ``sparse_rollback`` is the sparse model under
+``policy="rollback"`` (a snapshot every step, no batches discarded) with only the hook's NaN:
+the step rolls back to a snapshot holding SGD's sparse momentum.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ LR = 0.1
 MOMENTUM = 0.9
 VOCAB = 40
 SCENARIOS = ("dense", "channels_last", "bucket_view", "sparse", "sparse_view", "sparse_alone",
-             "complex", "sparse_drop")
+             "complex", "sparse_drop", "sparse_rollback")
 
 
 class Sparse(nn.Module):
@@ -119,13 +121,16 @@ def _watched(rank: int, name: str, report_dir: str) -> dict[str, Any]:
     net, ddp_kwargs, poisoned = build(name)
     model = DDP(net, **ddp_kwargs)
     opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
-    drop = name == "sparse_drop"
+    drop, rollback = name == "sparse_drop", name == "sparse_rollback"
     env = dict(os.environ)
-    if not drop:
+    if not (drop or rollback):
         env["NANSENTINEL_INJECT"] = f"kind=grad,rank={DRILL_RANK},step={DRILL_STEP}"
+    policy: dict[str, Any] = ({"policy": "drop"} if drop else {
+        "policy": "rollback", "snapshot_every": 1, "rollback_skip_batches": 0} if rollback
+        else {"policy": "skip"})
     s = nansentinel.Sentinel(model, opt, env=env, report_dir=report_dir,
                              hostname=f"node{rank}", metrics_port=0, replay=_replay,
-                             policy="drop" if drop else "skip", fingerprint_every=2)
+                             fingerprint_every=2, **policy)
     param = dict(net.named_parameters())[poisoned]
     seen: list[tuple[str, bool | None]] = []
 
