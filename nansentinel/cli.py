@@ -1,5 +1,5 @@
 """The ``nansentinel`` command: ``run`` (torchrun wrapper), ``demo``, ``excluded``,
-``incidents``.
+``incidents``, ``files``.
 
 ``nansentinel demo`` is the first thing to run on a fresh machine: 4 CPU ranks (gloo) train a
 small transformer on synthetic data with one injected fault, and rank 0 prints each step and
@@ -17,7 +17,7 @@ from typing import Any
 
 from nansentinel.config import DEFAULT_REPORT_DIR, ConfigError, SentinelConfig, env_var
 
-USAGE = """usage: nansentinel {run,demo,excluded,incidents,store} ...
+USAGE = """usage: nansentinel {run,demo,excluded,incidents,files,store} ...
 
   run        launch a training script like torchrun does, with the sentinel's options
              (nansentinel run --help)
@@ -25,8 +25,11 @@ USAGE = """usage: nansentinel {run,demo,excluded,incidents,store} ...
   excluded   list the hosts excluded from runs (and --clear HOST to lift one)
   incidents  list the incident reports, newest first; `incidents show ID` explains one
              (--html OUT: a page with its loss and gradient-norm curves)
+  files      write the files the package ships (Slurm script, Kubernetes examples,
+             Prometheus rules, Alertmanager routing, Grafana dashboard, runbook) under a
+             folder: nansentinel files SET DIR; without arguments, list the sets
   store      serve the c10d rendezvous store in a process of its own, so that any
-             training host may leave the job (launch/slurm/nansentinel.sbatch)
+             training host may leave the job (nansentinel files slurm: nansentinel.sbatch)
   --version  print the version
 """
 
@@ -75,6 +78,10 @@ def _dispatch(argv: list[str]) -> int:
         from nansentinel.launcher.excluded_command import excluded_main
 
         return excluded_main(rest)
+    if command == "files":
+        from nansentinel.files import files_main
+
+        return files_main(rest)
     if command == "store":
         from nansentinel.launcher.store_server import store_main
 

@@ -12,10 +12,10 @@ The folders of ``nansentinel/`` are layers, from the bottom up (docs/design.md):
     step/                       the step in progress, its states, the gates, the Sentinel
     the top level               the public API and the integrations (lightning, transformers, ...)
 
-A module imports only modules of its own layer or of the layers below it. Two sides stand
-apart: the launcher (``launcher/``, run in torchrun's agent) and the reading side
-(``reading/``, ``nansentinel incidents``) import only the contracts and themselves, and the
-worker side never imports them. Only ``wire/`` and ``engines/`` import ``torch.distributed``
+A module imports only modules of its own layer or of the layers below it. Three sides stand
+apart: the launcher (``launcher/``, run in torchrun's agent), the reading side (``reading/``,
+``nansentinel incidents``) and the shipped files (``files/``, ``nansentinel files``) import
+only the contracts and themselves, and the worker side never imports them. Only ``wire/`` and ``engines/`` import ``torch.distributed``
 (and the launcher, which wraps ``torch.distributed.run``, and the demo, a training script).
 """
 
@@ -36,7 +36,7 @@ LEVELS = {
 }
 TOP = 10  # the rest of the top level: the public API and the integrations
 COMMAND = 11  # cli.py and __main__.py: the command dispatches to both sides
-SIDES = {"launcher", "reading"}  # import only the contracts (levels 0-2) and themselves
+SIDES = {"launcher", "reading", "files"}  # import only the contracts (levels 0-2) and themselves
 #: Where ``torch.distributed`` may be imported, beside wire/ and engines/: the launcher wraps
 #: ``torch.distributed.run``; the demo is a training script that starts its process group.
 DISTRIBUTED_OK = {"wire", "engines", "launcher", "demo"}
