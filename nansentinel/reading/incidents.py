@@ -28,8 +28,9 @@ from nansentinel.result import KINDS
 #: A report's file name (incident.py's stem; ``-N`` when a re-run found the name taken).
 REPORT_NAME = re.compile(r"^incident-(?P<job>.+)-step(?P<step>\d{8})(-\d+)?\.json$")
 
-#: The runbook the "what to do next" steps come from (deploy/ in the repository).
-RUNBOOK = "deploy/runbook.md"
+#: The runbook the "what to do next" steps come from (``nansentinel files monitoring DIR``
+#: writes it out; nansentinel/files/monitoring/ in the repository).
+RUNBOOK = "runbook.md"
 
 _KIND_WORDS = {
     "batch": "the input batch",

@@ -308,7 +308,7 @@ def alertmanager_config(
 
 
 def adapt_alertmanager_config(path: Path, webhook_url: str, wait: str = "1s") -> str:
-    """A deployable Alertmanager config (``deploy/alertmanager/alertmanager.yml``) made
+    """A deployable Alertmanager config (``alertmanager/alertmanager.yml`` of the monitoring set) made
     testable: every webhook receiver posts to ``webhook_url``/<receiver name>, other
     integrations (PagerDuty, e-mail) are dropped, and every route waits ``wait`` instead of
     its production timing, so that a test exercises the real routing and inhibition quickly.
