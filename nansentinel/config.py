@@ -137,7 +137,7 @@ class SentinelConfig:
     metrics_linger: float = 20.0
     """Seconds the exporter stays up after the sentinel stops the run (abort or exclusion),
     so that Prometheus scrapes the final state and the page fires; longer than the scrape
-    interval (15 s in deploy/). Only applies while the exporter is on."""
+    interval (15 s in the shipped prometheus.yml). Only applies while the exporter is on."""
 
     host_strikes: int = 3
     """A host blamed this many times within ``strike_window`` steps is excluded."""

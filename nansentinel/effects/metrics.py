@@ -7,9 +7,10 @@ Prometheus joins them with ``nansentinel_rank_info`` (``* on(job, instance) grou
 rank) nansentinel_rank_info``) to put a host and a rank on every series, and with DCGM's
 exporter through ``hostname`` and ``gpu_uuid``.
 
-The metric names are a contract: the alert rules, the runbook and the Grafana dashboard in
-``deploy/`` depend on them. Labels are bounded (kinds, outcomes, host names; never step numbers
-or free text), so a long run does not grow the series count.
+The metric names are a contract: the alert rules, the runbook and the Grafana dashboard of the
+monitoring set (``nansentinel files monitoring``) depend on them. Labels are bounded (kinds,
+outcomes, host names; never step numbers or free text), so a long run does not grow the series
+count.
 
 Cost: :meth:`SentinelMetrics.observe_step` is a handful of pre-resolved counter and gauge
 updates. Scrapes never reach the training process: a refresher thread renders the registry
