@@ -12,6 +12,7 @@ import argparse
 import contextlib
 import os
 import sys
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +49,10 @@ def main(argv: list[str] | None = None) -> int:
             os.dup2(devnull, sys.stdout.fileno())
             os.close(devnull)
         return EXIT_BROKEN_PIPE
+
+
+#: What torch 2.x warns at import without numpy (the start of the message).
+NUMPY_WARNING = "Failed to initialize NumPy"
 
 
 #: The exit code of a command whose reader closed the pipe (128 + SIGPIPE, as the shell
@@ -104,6 +109,12 @@ DEFAULT_INJECT = "kind=grad,rank=2,step=5,value=nan"
 
 def demo(argv: list[str]) -> int:
     """Run the demo job under torchrun, in this process."""
+    with warnings.catch_warnings():  # this process imports torch too (below: the ranks)
+        warnings.filterwarnings("ignore", message=NUMPY_WARNING)
+        return _demo(argv)
+
+
+def _demo(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="nansentinel demo", description=demo.__doc__)
     p.add_argument("--nproc", type=int, default=4, help="CPU ranks (default 4)")
     p.add_argument("--steps", type=int, default=20, help="training steps (default 20)")
@@ -167,6 +178,11 @@ def demo(argv: list[str]) -> int:
         # One thread per CPU rank: the ranks share the machine, and torchrun otherwise prints its
         # OMP_NUM_THREADS banner to a first-time user. A value you exported is kept.
         os.environ.setdefault("OMP_NUM_THREADS", "1")
+        # torch warns "Failed to initialize NumPy" at import where numpy is not installed (an
+        # optional dependency of torch that nansentinel does not use): not a first-time user's
+        # concern. The launcher here and the ranks (through the environment) pass it over.
+        os.environ["PYTHONWARNINGS"] = ",".join(
+            filter(None, (os.environ.get("PYTHONWARNINGS"), f"ignore:{NUMPY_WARNING}")))
         from nansentinel.launcher.run import main as run
 
         print(

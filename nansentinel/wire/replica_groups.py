@@ -25,6 +25,7 @@ from torch.distributed import ReduceOp
 
 from nansentinel.checks.health import constant
 from nansentinel.result import KINDS
+from nansentinel.wire.collectives import Peers
 from nansentinel.wire.schema import G, GroupTotals, R
 
 #: Bytes of one group's identity on a detection (JSON: group, rank, host, step, kinds).
@@ -134,8 +135,7 @@ def shared_in_group(group: Any, names: list[dict[str, Any]]) -> list[dict[str, A
     on its own ring of groups, shared inside the group (one small all-gather over the group's
     own process group), so that every rank of every group names every culprit. Without
     repeats, a group's entry saying it leaves kept over one that does not."""
-    gathered: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(gathered, names, group=group)
+    gathered = _everyone(group, names)
     merged: dict[str, dict[str, Any]] = {}
     for name in (n for part in gathered for n in part or []):
         key = json.dumps([name.get("group"), name.get("culprits")])
@@ -154,7 +154,17 @@ def excluded_in_group(group: Any, mine: dict[str, Any] | None
     group of one process (the list is ``[mine]``)."""
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
         return [mine]
-    gathered: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(gathered, mine, group=group)
     return [{str(k): str(v) for k, v in found.items()} if isinstance(found, dict) else None
-            for found in gathered]
+            for found in _everyone(group, mine)]
+
+
+def _everyone(group: Any, mine: object) -> list[Any]:
+    """Every rank's JSON-able ``mine`` in the group's rank order, on every rank: the rare
+    path's gather (:meth:`Peers.gather_from`, every rank a speaker), not ``all_gather_object``,
+    which reads its bytes back through numpy, an optional dependency of torch that nansentinel
+    does not require. Under NCCL on this process's CUDA device, as ``all_gather_object``."""
+    device = (torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available()
+              else torch.device("cpu"))
+    peers = Peers(group, device)
+    said = peers.gather_from(list(range(peers.world_size)), mine)
+    return [said[rank] for rank in range(peers.world_size)]

@@ -189,6 +189,19 @@ def test_the_room_issues_no_collective() -> None:
     assert not called & collectives
 
 
+def test_no_module_calls_an_object_collective() -> None:
+    """torch's object collectives (``all_gather_object``, ...) read their bytes back through
+    numpy, an optional dependency of torch that the package does not require: on an install
+    without it they fail with "Numpy is not available". The rare path's ``Peers`` gathers
+    JSON instead (wire/collectives.py)."""
+    objects = {"all_gather_object", "gather_object", "broadcast_object_list",
+               "scatter_object_list", "send_object_list", "recv_object_list"}
+    found = sorted(f"{name}:{node.lineno} {node.func.attr}" for name, path in MODULES.items()
+                   for node in ast.walk(_tree(path)) if isinstance(node, ast.Call)
+                   and isinstance(node.func, ast.Attribute) and node.func.attr in objects)
+    assert not found, found
+
+
 def test_the_top_level_is_the_public_api() -> None:
     top = sorted(p.stem for p in PACKAGE.glob("*.py"))
     assert len(top) <= MAX_TOP_LEVEL, top
