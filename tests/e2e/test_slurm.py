@@ -1,4 +1,5 @@
-"""nansentinel/files/slurm/ on a real Slurm 22.05: three namespace hosts, slurmctld, munge (e2e/slurm.py).
+"""nansentinel/files/slurm/ on a real Slurm 22.05: three namespace hosts, slurmctld, munge
+(e2e/slurm.py).
 
 The shipped batch script is submitted as a user would, with the overrides a CPU cluster needs
 (``--gpus-per-node=0 --cpus-per-task=1``, ``NPROC_PER_NODE=2``), and settings that only make it
