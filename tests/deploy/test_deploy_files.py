@@ -1,4 +1,5 @@
-"""The shipped monitoring and Kubernetes files are code: lint it with the real tools and keep its pieces consistent with each other.
+"""The shipped monitoring and Kubernetes files are code: lint them with the real tools and keep
+their pieces consistent with each other.
 
 promtool (Prometheus) and amtool (Alertmanager) come from Debian's ``prometheus`` and
 ``prometheus-alertmanager`` packages (tests/run.sh installs them); a test that needs one is
@@ -188,7 +189,8 @@ def test_prometheusrule_carries_the_same_groups_as_the_rules_file() -> None:
     assert rule["kind"] == "PrometheusRule"
     assert rule["apiVersion"] == "monitoring.coreos.com/v1"
     assert rule["spec"]["groups"] == load_yaml(RULES)["groups"], (
-        "nansentinel/files/kubernetes/prometheusrule.yaml is out of date; regenerate it (see its header)"
+        "nansentinel/files/kubernetes/prometheusrule.yaml is out of date; regenerate it (see its "
+        "header)"
     )
 
 

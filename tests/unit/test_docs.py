@@ -33,7 +33,7 @@ PAGES = [README, *sorted(DOCS.glob("*.md"))]
 LANGUAGES = {"python", "bash", "console", "text"}
 #: Modules a python block may import: the package, torch, the project's dependencies and
 #: extras (pyproject.toml), and the standard library. Extras not installed are skipped.
-CORE = {"nansentinel", "torch", "psutil", "prometheus_client", "numpy"}
+CORE = {"nansentinel", "torch", "psutil", "prometheus_client"}
 EXTRAS = {"lightning", "transformers", "accelerate", "torchtitan", "matplotlib", "deepspeed",
           "torchft"}
 PLACEHOLDERS = {"…", "..."}
@@ -554,7 +554,8 @@ def test_the_metrics_table_lists_every_metric_and_the_docs_no_other() -> None:
 
 
 def test_alerts_named_are_the_rules_alerts() -> None:
-    rules = (ROOT / "nansentinel/files/monitoring/prometheus/rules/nansentinel.rules.yml").read_text(encoding="utf-8")
+    rules = (ROOT / "nansentinel/files/monitoring/prometheus/rules/nansentinel.rules.yml"
+             ).read_text(encoding="utf-8")
     alerts = set(re.findall(r"^\s*- alert: (\w+)", rules, flags=re.M))
     assert alerts
     named = set(re.findall(r"\bNanSentinel[A-Z]\w*", _text()))

@@ -15,8 +15,9 @@ The folders of ``nansentinel/`` are layers, from the bottom up (docs/design.md):
 A module imports only modules of its own layer or of the layers below it. Three sides stand
 apart: the launcher (``launcher/``, run in torchrun's agent), the reading side (``reading/``,
 ``nansentinel incidents``) and the shipped files (``files/``, ``nansentinel files``) import
-only the contracts and themselves, and the worker side never imports them. Only ``wire/`` and ``engines/`` import ``torch.distributed``
-(and the launcher, which wraps ``torch.distributed.run``, and the demo, a training script).
+only the contracts and themselves, and the worker side never imports them. Only ``wire/`` and
+``engines/`` import ``torch.distributed`` (and the launcher, which wraps
+``torch.distributed.run``, and the demo, a training script).
 """
 
 from __future__ import annotations

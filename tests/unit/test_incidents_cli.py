@@ -205,7 +205,8 @@ def test_what_to_do_next_comes_from_a_runbook_section_that_exists(
     incident = incidents.load(put(tmp_path, {**sample_report(), **changes}))
     todo = incidents.advice(incident)
     assert todo.section == section and any(words in s for s in todo.steps), todo
-    headings = re.findall(r"^## (.+)$", (REPO / "nansentinel/files/monitoring" / incidents.RUNBOOK).read_text(), re.M)
+    runbook = REPO / "nansentinel" / "files" / "monitoring" / incidents.RUNBOOK
+    headings = re.findall(r"^## (.+)$", runbook.read_text(), re.M)
     assert section in headings
     text = incidents.render(incidents.explain(incident))
     assert f'"{section}"' in text and words in text
