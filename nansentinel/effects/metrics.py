@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING, Any
 import psutil
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 from prometheus_client.core import GaugeMetricFamily
-from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4, generate_latest
+from prometheus_client.exposition import generate_latest
 from prometheus_client.registry import Collector
 
 from nansentinel.config import env_var
@@ -53,6 +53,9 @@ if TYPE_CHECKING:
 log = logging.getLogger("nansentinel")
 
 PREFIX = "nansentinel"
+#: The exposition format ``generate_latest`` writes (text 0.0.4, in every prometheus-client
+#: release the package allows; the client's own name for it came only in 0.23).
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 #: Values of the ``outcome`` label of ``nansentinel_steps_total``: every
 #: :class:`~nansentinel.result.Outcome`, created at start so each series exists from zero.
@@ -416,7 +419,7 @@ class SentinelMetrics:
             raise ValueError("certfile and keyfile must be given together for TLS")
         bind = addr or "0.0.0.0"
         args = [sys.executable, "-I", str(_SERVER_SCRIPT), bind, str(port)]
-        args += [CONTENT_TYPE_PLAIN_0_0_4, *((certfile, keyfile) if certfile and keyfile else ())]
+        args += [CONTENT_TYPE, *((certfile, keyfile) if certfile and keyfile else ())]
         server = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
         # The first frame: the server says ok only once it can serve it. (A server that could
         # not bind has exited: the broken pipe is answered by its status line below.)
