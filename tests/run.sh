@@ -29,7 +29,7 @@ fi
 # tests (tests/constraints.txt; the package itself declares ranges).
 python3 -m pip install -q -c tests/constraints.txt torch
 python3 -m pip install -q -c tests/constraints.txt -e '.[lightning,transformers,report]' \
-    -r tests/requirements.txt -r tests/requirements-frameworks.txt
+    -r tests/requirements.txt -r tests/requirements-main.txt
 
 python3 -m ruff check .
 python3 -m mypy

@@ -22,7 +22,7 @@ from tests.distributed.workers_deepspeed import run_cases
 
 if importlib.util.find_spec("deepspeed") is None:  # tests/constraints.txt pins it; not imported
     pytest.skip("deepspeed is not installed (pip install -c tests/constraints.txt "
-                "-r tests/requirements-frameworks.txt)", allow_module_level=True)
+                "-r tests/requirements-main.txt)", allow_module_level=True)
 
 ENV = {"DS_ACCELERATOR": "cpu"}
 STAGES = (0, 1, 2, 3)

@@ -15,7 +15,7 @@ from tests.frameworks import runner
 
 if importlib.util.find_spec("deepspeed") is None:  # tests/constraints.txt pins it; not imported
     pytest.skip("deepspeed is not installed (pip install -c tests/constraints.txt "
-                "-r tests/requirements-frameworks.txt)", allow_module_level=True)
+                "-r tests/requirements-main.txt)", allow_module_level=True)
 
 
 @pytest.mark.timeout(200)
