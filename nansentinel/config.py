@@ -21,6 +21,7 @@ from collections.abc import Mapping
 from typing import Any, Literal, get_args, get_origin
 
 from nansentinel.common import doors
+from nansentinel.result import NanSentinelError
 
 log = logging.getLogger("nansentinel")
 
@@ -132,7 +133,7 @@ def rule(**bounds: Any) -> dict[str, Rule]:
     return {"rule": Rule(**bounds)}
 
 
-class ConfigError(ValueError):
+class ConfigError(NanSentinelError, ValueError):
     """A configuration value is wrong; the message names the field or variable.
 
     ``field`` is the field at fault: given, or read from the message, which by convention

@@ -23,7 +23,7 @@ from typing import Any
 
 from nansentinel.common import untrusted
 from nansentinel.common.text import printable
-from nansentinel.result import KINDS
+from nansentinel.result import KINDS, NanSentinelError
 
 #: A report's file name (incident.py's stem; ``-N`` when a re-run found the name taken).
 REPORT_NAME = re.compile(r"^incident-(?P<job>.+)-step(?P<step>\d{8})(-\d+)?\.json$")
@@ -130,7 +130,7 @@ _OUTCOME_WORDS = {
 }
 
 
-class ReportError(Exception):
+class ReportError(NanSentinelError):
     """A report directory, file or id that cannot be read; the message names it."""
 
 
