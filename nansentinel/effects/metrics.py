@@ -45,7 +45,14 @@ from prometheus_client.exposition import generate_latest
 from prometheus_client.registry import Collector
 
 from nansentinel.config import env_var
-from nansentinel.result import KINDS, OUTCOMES, VERDICTS, RankIdentity, StepResult
+from nansentinel.result import (
+    KINDS,
+    OUTCOMES,
+    VERDICTS,
+    NanSentinelError,
+    RankIdentity,
+    StepResult,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -78,7 +85,7 @@ CHECK_SECONDS_BUCKETS = (
 )  # fmt: skip
 
 
-class MetricsPortError(RuntimeError):
+class MetricsPortError(NanSentinelError, RuntimeError):
     """The exporter could not bind its port; the message says which rank, host and port, and
     how to choose another one."""
 
