@@ -145,7 +145,7 @@ class SentinelTrainer(Trainer):
             # torchtitan's Trainer assigns loss_fn without an annotation mypy can follow
             self.loss_fn = _CheckedLoss(self.loss_fn, self.sentinel)  # type: ignore[has-type]
         # torchtitan's own `self.optimizers.step()` decides first (see the module docstring).
-        self._decide_hook = self.optimizers.register_step_pre_hook(self._decide)
+        self.optimizers.register_step_pre_hook(self._decide)
 
     def _watch(self, keywords: dict[str, Any]) -> Sentinel:
         """The sentinel on the built model and optimizers (under PP, on this rank's parts and

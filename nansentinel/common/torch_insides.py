@@ -17,8 +17,9 @@ Three rules:
   raises :class:`TorchTooOld`: the feature, the torch found and the minimum (the table
   :data:`FEATURES`, which docs/torch-support.md prints) — never an ``AttributeError`` from
   torch's insides, never a silent skip.
-- **Version gates are named constants** (:data:`TORCH_GE_2_13` ...), read with one grep and
-  deleted in one place when an old release is dropped.
+- **Version gates are named constants** (``TORCH_GE_2_X = _at_least("2.X")``, for a behaviour
+  no probe can tell), read with one grep and deleted in one place when an old release is
+  dropped; none is needed today.
 
 This module imports ``torch.distributed`` lazily, inside the accessors that need it: the
 launcher side imports it too (the rendezvous seams), and the checks import no collective.
@@ -47,10 +48,6 @@ def _at_least(version: str) -> bool:
     found = torch.__version__.split("+")[0]
     base = ".".join(found.split(".")[:2])
     return torch.torch_version.TorchVersion(base) >= version
-
-
-#: Version gates, for what no probe can tell (a behaviour, not an attribute).
-TORCH_GE_2_13 = _at_least("2.13")
 
 
 class TorchTooOld(SentinelUsageError):
