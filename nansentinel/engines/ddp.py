@@ -46,7 +46,7 @@ class DDPPath(BucketPath):
     """Checks DDP's local gradients before their all-reduce: at the end of backward under
     DDP's own all-reduce (NCCL), or in its communication hook (DDP allows one per model)."""
 
-    CAPS = Capabilities(label="DDP", wraps=True)
+    CAPS = Capabilities(label="DDP", wraps=True, order_watched=True)
     mesh_groups: tuple[Any, ...] = ()
 
     @staticmethod

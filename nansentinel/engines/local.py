@@ -99,7 +99,8 @@ def check_grads_now(model: torch.nn.Module, sink: GradientSink, *, keep: bool
 class LocalGradPath:
     """Checks the parameters' local ``.grad`` tensors on demand."""
 
-    CAPS = Capabilities(label="local gradients", reduces=False, replica_group=EXCHANGE)
+    CAPS = Capabilities(label="local gradients", reduces=False, replica_group=EXCHANGE,
+                        order_watched=True, loss_first=True)
     mesh_groups: tuple[Any, ...] = ()
 
     @staticmethod
