@@ -195,7 +195,7 @@ def assemble(model: torch.nn.Module | list[torch.nn.Module], asked: Asked,
         stepping = Stepping(optimizer, scaler, current.buffers, snaps, replicas)
         judge = StepJudge(ctx, stepping, detector, spikes)
         end: stop.RunEnd  # the usage reads whether it closed; it removes the usage's hooks
-        use = usage.Usage(watched.module, gradients.caps.label, lambda: end.closed)
+        use = usage.Usage(watched.module, gradients.caps, lambda: end.closed)
         undo.append(use.release)
         end = stop.RunEnd(ctx, judge, usage.chained(*undo))
         if ctx.exchange.world_size > 1:
