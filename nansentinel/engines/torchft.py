@@ -9,7 +9,7 @@ group (only there can a group be named), and the health must travel to every gro
 the same managed process group as the gradients, so that every group vetoes the same step.
 
 Two pieces here, where torchft reaches the gradients (what the groups tell each other is
-in wire/replica_groups.py, how they decide a step together in step/replica_groups.py):
+in wire/group_rows.py, how they decide a step together in step/group_scope.py):
 
 - :class:`DistributedDataParallel`: torchft's DDP, whose one communication hook (DDP allows
   one, and torchft's registers it in its constructor) checks each bucket once a sentinel

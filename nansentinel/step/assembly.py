@@ -5,7 +5,7 @@
 progress, the gradient path (and an engine's own step, adapted, where it steps its own
 optimizer), the rare path, the judge, the end, the gate, and an ordered tuple of agreement
 scopes: the ranks' exchange first (the one every step decides with), then any wider scope an
-integration adds (torchft's replica groups: step/replica_groups.py). The Sentinel
+integration adds (torchft's replica groups: step/group_scope.py). The Sentinel
 (sentinel.py) is the loop's calls over these parts; an integration adds a part (a
 :class:`Scope`), it does not subclass the Sentinel.
 """

@@ -3,7 +3,7 @@ veto on every replica group, and a poisoned group leaves live (docs/torchft.md).
 
 torchft's ``Manager.should_commit()`` agrees within one replica group only. Each rank's small
 health row (its non-finite flags) leaves with its last gradients, appended to the last DDP
-bucket or FSDP all-reduce hook call, through ``Manager.allreduce`` (wire/replica_groups.py),
+bucket or FSDP all-reduce hook call, through ``Manager.allreduce`` (wire/group_rows.py),
 and comes back summed over the same rank of every group; where a group cannot carry it
 (``policy="drop"``, a spike action ``skip``, gradients reduced by hand) every group sums one
 row of its own decision through ``Manager.allreduce`` at ``step()`` instead. A step that some
@@ -43,7 +43,7 @@ from nansentinel.result import (
     StepResult,
 )
 from nansentinel.step.usage import chained
-from nansentinel.wire.replica_groups import (
+from nansentinel.wire.group_rows import (
     agree,
     carried,
     device_row,
@@ -429,7 +429,7 @@ class ReplicaGroups:
         """What this poisoned group tells every group: the culprits (rank inside the group,
         host) its ranks agreed on, or none when it skipped without one (a spike, a
         quarantined batch). Bounded: it travels in
-        :data:`~nansentinel.wire.replica_groups.NAME_BYTES`."""
+        :data:`~nansentinel.wire.group_rows.NAME_BYTES`."""
         return {"group": self.group[:100], "step": self.began, "kinds": local.kinds,
                 "reason": local.reason[:80], "leaving": leaving, "strikes": strikes,
                 "culprits": [[rank, host[:100]] for rank, host in culprits[:3]]}
