@@ -570,3 +570,13 @@ def test_the_exit_code_table_is_the_contract() -> None:
 
     codes = {v for k, v in vars(exitcodes).items() if k.startswith("EXIT_")}
     assert {int(row[0]) for row in _table(DOCS / "launch.md", "| exit code |")} == codes
+
+
+def test_the_design_page_lists_every_engine_module() -> None:
+    """A new gradient path is a module of engines/: the layout of docs/design.md names it."""
+    text = (DOCS / "design.md").read_text(encoding="utf-8")
+    layout = text[text.index("\n  engines/"):text.index("\n  decide/")]
+    modules = {p.name for p in (ROOT / "nansentinel" / "engines").glob("*.py")}
+    assert {"fsdp1.py", "prehook.py"} <= modules
+    assert not {m for m in modules if m not in layout}, sorted(m for m in modules
+                                                             if m not in layout)
