@@ -520,6 +520,24 @@ def schedule_has_backward(schedule: Any) -> bool:
     return bool(schedule._has_backward)
 
 
+# --- torchft -----------------------------------------------------------------------------------
+
+
+def set_torchft_init_sync(manager: Any, on: bool) -> None:
+    """Whether a built torchft ``Manager`` syncs step 0 by healing every replica group from
+    one (its ``init_sync`` argument). torchtitan builds the Manager with torchft's default;
+    torchft 0.2.0 keeps the argument as ``_init_sync``, read at each quorum, so setting it
+    before the first quorum is the argument's effect. Probed: a torchft without it is
+    refused, naming the version nansentinel is tested with."""
+    if not isinstance(getattr(manager, "_init_sync", None), bool):
+        raise SentinelUsageError(
+            f"nansentinel: this torchft's Manager ({type(manager).__module__}) keeps no "
+            "_init_sync (torchft 0.2.0's), so fault_tolerance.init_sync=False cannot be "
+            "applied under torchtitan's trainer; leave it True (torchft's default) or use "
+            "torchft 0.2.0")
+    manager._init_sync = on
+
+
 # --- autograd ---------------------------------------------------------------------------------
 
 
