@@ -17,8 +17,9 @@ Three rules:
   raises :class:`TorchTooOld`: the feature, the torch found and the minimum (the table
   :data:`FEATURES`, which docs/torch-support.md prints) — never an ``AttributeError`` from
   torch's insides, never a silent skip.
-- **Version gates are named constants** (:data:`TORCH_GE_2_13` ...), read with one grep and
-  deleted in one place when an old release is dropped.
+- **Version gates are named constants** (``TORCH_GE_2_X = _at_least("2.X")``, for a behaviour
+  no probe can tell), read with one grep and deleted in one place when an old release is
+  dropped; none is needed today.
 
 This module imports ``torch.distributed`` lazily, inside the accessors that need it: the
 launcher side imports it too (the rendezvous seams), and the checks import no collective.
@@ -48,10 +49,6 @@ def _at_least(version: str) -> bool:
     found = torch.__version__.split("+")[0]
     base = ".".join(found.split(".")[:2])
     return torch.torch_version.TorchVersion(base) >= version
-
-
-#: Version gates, for what no probe can tell (a behaviour, not an attribute).
-TORCH_GE_2_13 = _at_least("2.13")
 
 
 class TorchTooOld(SentinelUsageError):
@@ -558,6 +555,24 @@ def set_schedule_loss_fn(schedule: Any, fn: Any) -> None:
 def schedule_has_backward(schedule: Any) -> bool:
     """False while the schedule runs an evaluation (``schedule.eval``)."""
     return bool(schedule._has_backward)
+
+
+# --- torchft -----------------------------------------------------------------------------------
+
+
+def set_torchft_init_sync(manager: Any, on: bool) -> None:
+    """Whether a built torchft ``Manager`` syncs step 0 by healing every replica group from
+    one (its ``init_sync`` argument). torchtitan builds the Manager with torchft's default;
+    torchft 0.2.0 keeps the argument as ``_init_sync``, read at each quorum, so setting it
+    before the first quorum is the argument's effect. Probed: a torchft without it is
+    refused, naming the version nansentinel is tested with."""
+    if not isinstance(getattr(manager, "_init_sync", None), bool):
+        raise SentinelUsageError(
+            f"nansentinel: this torchft's Manager ({type(manager).__module__}) keeps no "
+            "_init_sync (torchft 0.2.0's), so fault_tolerance.init_sync=False cannot be "
+            "applied under torchtitan's trainer; leave it True (torchft's default) or use "
+            "torchft 0.2.0")
+    manager._init_sync = on
 
 
 # --- autograd ---------------------------------------------------------------------------------

@@ -69,11 +69,6 @@ CLOSED = "closed"
 #: A verdict's outcome when a signal (``signal``: SIGTERM, SIGINT) asked the run to stop and
 #: every rank stopped after the same step (effects/stop.py): the launcher exits 128 + it.
 STOPPED = "stopped"
-#: The values of a verdict's ``outcome``: the two ways the cluster stops, a timeout, a stop a
-#: signal asked for, and the clean end.
-VERDICT_OUTCOMES = (
-    Outcome.ABORTED.value, Outcome.EXCLUDED.value, EXCHANGE_TIMEOUT, STOPPED, CLOSED,
-)
 
 VERDICTS_SUBDIR = "verdicts"
 _RANK_FILE = re.compile(r"^rank-(\d{1,9})\.json$")
@@ -86,8 +81,9 @@ class RankVerdict:
     rank: int
     """Global rank of the attempt that wrote it."""
     outcome: str
-    """One of :data:`VERDICT_OUTCOMES` (a later version may add words: they read as a plain
-    worker failure)."""
+    """The two ways the cluster stops (``aborted``, ``excluded``), a timeout
+    (:data:`EXCHANGE_TIMEOUT`), a stop a signal asked for (:data:`STOPPED`) or the clean end
+    (:data:`CLOSED`); a later version may add words: they read as a plain worker failure."""
     step: int
     """The step the sentinel stopped at."""
     message: str = ""

@@ -29,6 +29,7 @@ import torch
 from nansentinel.checks import local as _local
 from nansentinel.common import torch_insides as insides
 from nansentinel.engines.base import EXCHANGE
+from nansentinel.result import NanSentinelError
 from nansentinel.wire.collectives import dtensor_from_local
 
 if TYPE_CHECKING:
@@ -57,7 +58,7 @@ class SnapshotStore(Protocol):
         """Step of the last saved state (None: nothing saved yet)."""
 
 
-class SnapshotMemoryError(RuntimeError):
+class SnapshotMemoryError(NanSentinelError, RuntimeError):
     """A rollback snapshot does not fit in host memory, on this rank or on another one.
 
     Raised on every rank at the same save (the ranks agree on it in one small collective), so

@@ -41,17 +41,17 @@ from nansentinel.engines.ddp_seam import (
     seam_for,
     sparse_parameters,
 )
-from nansentinel.engines.local import BucketNorms, check_local_grads
+from nansentinel.engines.local import BucketNorms, BucketPath, check_local_grads
 from nansentinel.result import SentinelUsageError
 
 log = logging.getLogger("nansentinel")
 
 
-class DDPPath:
+class DDPPath(BucketPath):
     """Checks DDP's local gradients before their all-reduce: at the end of backward under
     DDP's own all-reduce (NCCL), or in its communication hook (DDP allows one per model)."""
 
-    CAPS = Capabilities(label="DDP", wraps=True)
+    CAPS = Capabilities(label="DDP", wraps=True, order_watched=True)
     mesh_groups: tuple[Any, ...] = ()
 
     @staticmethod
@@ -171,17 +171,9 @@ class DDPPath:
                 self.sink.step_index)
         check_local_grads(self.model.parameters(), self.sink)
 
-    def take_norms(self) -> KeptNorms | None:
-        return self._norms.take()
-
-    def naming_detail(self, poisoned: bool, peers: Any,
-                      kept: KeptNorms | None = None) -> dict[str, Any]:
-        return self._norms.naming_detail(poisoned, kept)
-
     def reset(self) -> None:
-        self.buckets = 0
+        super().reset()
         self.at_last = False
-        self._norms.kept = None
         if self._end is not None:
             self._end.queued = self._end.missed = False
 

@@ -99,7 +99,8 @@ def check_grads_now(model: torch.nn.Module, sink: GradientSink, *, keep: bool
 class LocalGradPath:
     """Checks the parameters' local ``.grad`` tensors on demand."""
 
-    CAPS = Capabilities(label="local gradients", reduces=False, replica_group=EXCHANGE)
+    CAPS = Capabilities(label="local gradients", reduces=False, replica_group=EXCHANGE,
+                        order_watched=True, loss_first=True)
     mesh_groups: tuple[Any, ...] = ()
 
     @staticmethod
@@ -180,3 +181,23 @@ class BucketNorms:
         scan shows its own (and, with several poisoned ranks, theirs too)."""
         return naming_detail(self.wrapper.named_parameters(), poisoned, prefix="module.",
                              kept=kept)
+
+
+class BucketPath:
+    """The calls a gradient path whose communication hook sees DDP's buckets (DDP, torchft's
+    DDP) answers alike, from its :class:`BucketNorms` (``_norms``) and the step's bucket count
+    (``buckets``): written once for both."""
+
+    _norms: BucketNorms
+    buckets: int
+
+    def take_norms(self) -> KeptNorms | None:
+        return self._norms.take()
+
+    def naming_detail(self, poisoned: bool, peers: Any,
+                      kept: KeptNorms | None = None) -> dict[str, Any]:
+        return self._norms.naming_detail(poisoned, kept)
+
+    def reset(self) -> None:
+        self.buckets = 0
+        self._norms.kept = None

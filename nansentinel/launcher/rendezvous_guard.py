@@ -23,6 +23,7 @@ from nansentinel.common.bounded import OneAtATime
 from nansentinel.common.exclusion import ExclusionRecord, ExclusionStore
 from nansentinel.common.verdicts import RankVerdict, archive_verdicts, read_verdicts
 from nansentinel.launcher.console import say
+from nansentinel.result import NanSentinelError
 
 #: The rendezvous backend name under which the exclusion guard is registered.
 GUARD_BACKEND = "nansentinel"
@@ -39,7 +40,7 @@ POLL_BOUND_S = 5.0
 SHUTDOWN_MARGIN_S = 5.0
 
 
-class HostExcludedExit(Exception):
+class HostExcludedExit(NanSentinelError):
     """Raised inside torchrun's agent when this host must not join the next rendezvous."""
 
     def __init__(self, record: ExclusionRecord) -> None:

@@ -46,8 +46,6 @@ from nansentinel.wire.context import Context, Watched
 
 log = logging.getLogger("nansentinel")
 
-#: What happens after a divergence (config ``divergence_action``).
-ACTIONS = ("repair", "abort", "warn")
 #: The entry of ``StepResult.kinds``. Not ``divergence``: that word is already a replay
 #: verdict (a global divergence, which earns no host strike); this is one replica's fault.
 KIND = "replica"
