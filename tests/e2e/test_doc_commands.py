@@ -134,7 +134,11 @@ def test_the_incident_commands_run(folder: Path) -> None:
     _run_blocks(other, [drills])
     reports = [json.loads(p.read_text()) for p in (other / "nansentinel_reports").glob(
         "incident-*.json")]
-    assert sorted(r["step"] for r in reports) == [5, 7], sorted(r["step"] for r in reports)
+    # grad at 5, loss at 7, then the state drill: rank 1's weight at 4, repaired from rank 0
+    assert sorted(r["step"] for r in reports) == [4, 5, 7], sorted(r["step"] for r in reports)
+    state = next(r for r in reports if r["step"] == 4)
+    assert state["verdict"] == "state" and state["state_action"] == "repaired", state
+    assert list(state["poisoned_state"]) == ["1"], state["poisoned_state"]
 
 
 def test_the_replica_drill_runs(folder: Path) -> None:
