@@ -5,7 +5,7 @@ Two replica groups of one process each, as threads of this process (as torchft's
 integration tests run them), a lighthouse in-process, gloo on the CPU. The arms alternate
 round by round, each round with a fresh lighthouse, so that a busy machine weighs on both.
 Printed: the median step time of each arm, and the median of the health row's own all-reduce
-(``nansentinel.wire.replica_groups.agree``, as step/replica_groups.py calls it) where it takes
+(``nansentinel.wire.group_rows.agree``, as step/group_scope.py calls it) where it takes
 one; on nansentinel's torchft DDP the row rides with the last bucket and takes none.
 
     python bench/torchft_overhead.py                 # 3 rounds of 80 steps, ~30 s
@@ -30,7 +30,7 @@ from torchft.manager import Manager
 from torchft.optim import OptimizerWrapper
 from torchft.process_group import ProcessGroupGloo
 
-import nansentinel.step.replica_groups as ft_groups
+import nansentinel.step.group_scope as ft_groups
 import nansentinel.torchft as nft
 
 ARMS = ("torchft", "sentinel")

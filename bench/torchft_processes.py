@@ -7,7 +7,7 @@ process (spawned) with its own store and gloo group, a 4-layer 256-wide MLP on t
 arms (torchft's DDP and ``OptimizerWrapper``; ``nansentinel.torchft``) alternate round by round,
 each round with a fresh lighthouse and fresh processes, so a busy machine weighs on both. Each
 process times its steps after a warm-up (wall, and its main thread's CPU time) and, in the
-sentinel arm, the health row's own all-reduce (``wire.replica_groups.agree``), which a healthy
+sentinel arm, the health row's own all-reduce (``wire.group_rows.agree``), which a healthy
 step pays only where the row cannot ride with the gradients (docs/torchft.md).
 
     python bench/torchft_processes.py                      # 3 groups, 2 rounds of 60 steps
@@ -79,7 +79,7 @@ def _group(address: str, gid: int, groups: int, arm: str, steps: int, layout: st
     from torchft.process_group import ProcessGroupGloo
     from torchft_overhead import plain_step, watched_step  # the very steps both benches time
 
-    import nansentinel.step.replica_groups as ft_groups
+    import nansentinel.step.group_scope as ft_groups
     import nansentinel.torchft as nft
 
     logging.basicConfig(level=logging.ERROR)
@@ -269,9 +269,9 @@ PARTS = (
      "launch_exchange (health row, pack)"),
     ("nansentinel.step.current", None, "pack", "  pack"),
     ("nansentinel.checks.health", "LocalHealth", "host_row", "  health row (host floats)"),
-    ("nansentinel.step.replica_groups", "ReplicaGroups", "row", "ride-along row"),
+    ("nansentinel.step.group_scope", "ReplicaGroups", "row", "ride-along row"),
     ("nansentinel.step.sentinel", "Sentinel", "_decide", "the ranks' decision (_decide)"),
-    ("nansentinel.step.replica_groups", "ReplicaGroups", "agree",
+    ("nansentinel.step.group_scope", "ReplicaGroups", "agree",
      "the groups' decision (agree, with should_commit and the optimizer)"),
     ("torchft.manager", "Manager", "should_commit", "  torchft should_commit"),
 )

@@ -1,5 +1,5 @@
 """The ``nansentinel`` command: ``run`` (torchrun wrapper), ``demo``, ``excluded``,
-``incidents``.
+``incidents``, ``files``.
 
 ``nansentinel demo`` is the first thing to run on a fresh machine: 4 CPU ranks (gloo) train a
 small transformer on synthetic data with one injected fault, and rank 0 prints each step and
@@ -12,12 +12,13 @@ import argparse
 import contextlib
 import os
 import sys
+import warnings
 from pathlib import Path
 from typing import Any
 
 from nansentinel.config import DEFAULT_REPORT_DIR, ConfigError, SentinelConfig, env_var
 
-USAGE = """usage: nansentinel {run,demo,excluded,incidents,store} ...
+USAGE = """usage: nansentinel {run,demo,excluded,incidents,files,store} ...
 
   run        launch a training script like torchrun does, with the sentinel's options
              (nansentinel run --help)
@@ -25,8 +26,11 @@ USAGE = """usage: nansentinel {run,demo,excluded,incidents,store} ...
   excluded   list the hosts excluded from runs (and --clear HOST to lift one)
   incidents  list the incident reports, newest first; `incidents show ID` explains one
              (--html OUT: a page with its loss and gradient-norm curves)
+  files      write the files the package ships (Slurm script, Kubernetes examples,
+             Prometheus rules, Alertmanager routing, Grafana dashboard, runbook) under a
+             folder: nansentinel files SET DIR; without arguments, list the sets
   store      serve the c10d rendezvous store in a process of its own, so that any
-             training host may leave the job (launch/slurm/nansentinel.sbatch)
+             training host may leave the job (nansentinel files slurm: nansentinel.sbatch)
   --version  print the version
 """
 
@@ -45,6 +49,10 @@ def main(argv: list[str] | None = None) -> int:
             os.dup2(devnull, sys.stdout.fileno())
             os.close(devnull)
         return EXIT_BROKEN_PIPE
+
+
+#: What torch 2.x warns at import without numpy (the start of the message).
+NUMPY_WARNING = "Failed to initialize NumPy"
 
 
 #: The exit code of a command whose reader closed the pipe (128 + SIGPIPE, as the shell
@@ -75,6 +83,10 @@ def _dispatch(argv: list[str]) -> int:
         from nansentinel.launcher.excluded_command import excluded_main
 
         return excluded_main(rest)
+    if command == "files":
+        from nansentinel.files import files_main
+
+        return files_main(rest)
     if command == "store":
         from nansentinel.launcher.store_server import store_main
 
@@ -97,6 +109,12 @@ DEFAULT_INJECT = "kind=grad,rank=2,step=5,value=nan"
 
 def demo(argv: list[str]) -> int:
     """Run the demo job under torchrun, in this process."""
+    with warnings.catch_warnings():  # this process imports torch too (below: the ranks)
+        warnings.filterwarnings("ignore", message=NUMPY_WARNING)
+        return _demo(argv)
+
+
+def _demo(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="nansentinel demo", description=demo.__doc__)
     p.add_argument("--nproc", type=int, default=4, help="CPU ranks (default 4)")
     p.add_argument("--steps", type=int, default=20, help="training steps (default 20)")
@@ -160,6 +178,11 @@ def demo(argv: list[str]) -> int:
         # One thread per CPU rank: the ranks share the machine, and torchrun otherwise prints its
         # OMP_NUM_THREADS banner to a first-time user. A value you exported is kept.
         os.environ.setdefault("OMP_NUM_THREADS", "1")
+        # torch warns "Failed to initialize NumPy" at import where numpy is not installed (an
+        # optional dependency of torch that nansentinel does not use): not a first-time user's
+        # concern. The launcher here and the ranks (through the environment) pass it over.
+        os.environ["PYTHONWARNINGS"] = ",".join(
+            filter(None, (os.environ.get("PYTHONWARNINGS"), f"ignore:{NUMPY_WARNING}")))
         from nansentinel.launcher.run import main as run
 
         print(

@@ -21,6 +21,7 @@ from collections.abc import Mapping
 from typing import Any, Literal, get_args, get_origin
 
 from nansentinel.common import doors
+from nansentinel.result import NanSentinelError
 
 log = logging.getLogger("nansentinel")
 
@@ -34,10 +35,6 @@ Policy = Literal["skip", "abort", "rollback", "drop"]
 SpikeAction = Literal["warn", "skip", "rollback"]
 Gate = Literal["auto", "device", "host"]
 DivergenceAction = Literal["repair", "abort", "warn"]
-POLICIES: tuple[Policy, ...] = get_args(Policy)
-SPIKE_ACTIONS: tuple[SpikeAction, ...] = get_args(SpikeAction)
-GATES: tuple[Gate, ...] = get_args(Gate)
-DIVERGENCE_ACTIONS: tuple[DivergenceAction, ...] = get_args(DivergenceAction)
 SpikePreset = Literal["warn", "recover"]
 CollapseAction = Literal["warn", "skip"]
 SPIKE_PRESETS: dict[str, dict[str, Any]] = {
@@ -64,8 +61,79 @@ SPIKE_PRESETS: dict[str, dict[str, Any]] = {
 }
 DEFAULT_METRICS_PORT = 9410
 DEFAULT_REPORT_DIR = "nansentinel_reports"
+#: The largest value of a numeric setting whose rule names none (steps, counts): a 32-bit
+#: signed integer, or 1e9 for a float. A value past a maximum is a typo or a probe, never a
+#: run: an infinite timeout hangs the watchdog's fit, an infinite linger overflows
+#: ``time.sleep``, a window of 10**40 overflows ``deque``.
+INT_MAX = 2**31 - 1
+FLOAT_MAX = 1e9
 
-class ConfigError(ValueError):
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Rule:
+    """What a field's value must be, beside its type (the annotation, checked first): kept in
+    the field's metadata (:func:`rule`) and checked for every field by one loop
+    (:func:`_check_rules`), so that a field's bounds live in its declaration alone.
+
+    A ``Literal`` annotation's choices are the field's choices; ``what`` names them in the
+    message ("a gate"), or, for a string, asks it to be non-empty ("a non-empty path").
+    Numbers are finite, at least ``minimum`` (or above ``above``), below ``below`` and at most
+    ``maximum`` (:data:`INT_MAX`/:data:`FLOAT_MAX` when not given); ``off`` is a value taken
+    outside the bounds that turns the setting off; ``unit`` and ``why`` end the message.
+    """
+
+    minimum: float | None = None
+    above: float | None = None
+    below: float | None = None
+    maximum: float | None = None
+    off: float | None = None
+    unit: str = ""
+    what: str = ""
+    why: str = ""
+
+    def problem(self, name: str, value: Any, hint: Any) -> str | None:
+        """Why ``value`` breaks the rule of field ``name`` (annotated ``hint``), or None. The
+        message starts ``name=value`` (:class:`ConfigError` reads the field from it)."""
+        given = f"{name}={shown(value)}"
+        choices = next((get_args(a) for a in (hint, *get_args(hint))
+                        if get_origin(a) is Literal), None)
+        if choices is not None:
+            if value in choices:
+                return None
+            return f"{given} is not {self.what}; expected one of {', '.join(choices)}"
+        if isinstance(value, str):
+            return f"{given} must be {self.what}" if self.what and not value else None
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            return None  # None where the annotation allows it
+        if isinstance(value, float) and not math.isfinite(value):
+            return f"{given} must be a finite number"
+        top = self.maximum if self.maximum is not None else (
+            INT_MAX if isinstance(value, int) and hint is int else FLOAT_MAX)
+        if value > top:
+            return f"{given} is above its maximum, {top:g}"
+        if value == self.off:
+            return None
+        low = ((self.minimum is not None and value < self.minimum)
+               or (self.above is not None and not value > self.above)
+               or (self.below is not None and not value < self.below))
+        if not low:
+            return None
+        bounds = " and ".join(
+            f"{sign} {bound:g}" for sign, bound in ((">=", self.minimum), (">", self.above),
+                                                    ("<", self.below))
+            if bound is not None)
+        off = f"{self.off:g} (off) or " if self.off is not None else ""
+        unit = f" {self.unit}" if self.unit else ""
+        why = f": {self.why}" if self.why else ""
+        return f"{given} must be {off}{bounds}{unit}{why}"
+
+
+def rule(**bounds: Any) -> dict[str, Rule]:
+    """A field's metadata holding its :class:`Rule`."""
+    return {"rule": Rule(**bounds)}
+
+
+class ConfigError(NanSentinelError, ValueError):
     """A configuration value is wrong; the message names the field or variable.
 
     ``field`` is the field at fault: given, or read from the message, which by convention
@@ -91,7 +159,7 @@ class SentinelConfig:
     uses only the keywords and the defaults.
     """
 
-    policy: Policy = "skip"
+    policy: Policy = dataclasses.field(default="skip", metadata=rule(what="a known policy"))
     """``skip``: no rank applies the step, gradients are discarded; ``abort``: every rank
     raises :class:`nansentinel.NonFiniteError` at the same step; ``rollback``: every rank
     restores the last-good snapshot, lowers the learning rate and skips ahead; ``drop``: the
@@ -99,29 +167,34 @@ class SentinelConfig:
     non-finite before their gradients left and they are at most ``max_dropped`` (drop.py),
     else skipped as under ``skip``."""
 
-    max_dropped: float = 0.125
+    max_dropped: float = dataclasses.field(default=0.125, metadata=rule(
+        above=0, below=1,
+        why="a fraction of the data-parallel ranks (at least one rank is always droppable)"))
     """Under ``policy="drop"``: the largest fraction of the data-parallel ranks whose
     contribution one step may leave out (at least one rank). More poisoned ranks than that
     point at a cause that is not local, so the step is skipped instead."""
 
-    report_dir: str = DEFAULT_REPORT_DIR
+    report_dir: str = dataclasses.field(
+        default=DEFAULT_REPORT_DIR, metadata=rule(what="a non-empty path"))
     """Directory for incident reports (JSON) and the saved offending batch."""
 
-    max_consecutive_skips: int = 5
+    max_consecutive_skips: int = dataclasses.field(
+        default=5, metadata=rule(minimum=1, maximum=1_000_000))
     """After this many skipped steps in a row the skip policy escalates to abort: a run that
     skips every step is not training, and the operator should know. A ``skip`` spike action
     stops after this many spiking steps in a row instead (the next applies and the spike
     references restart; ``policy="abort"``: abort): a skipped step changes nothing, so a
     level the run has left would be skipped to the end (issue 60)."""
 
-    hostname: str | None = None
+    hostname: str | None = dataclasses.field(default=None, metadata=rule(what="a non-empty string"))
     """Host identity used in blame, reports and metrics. ``None`` means: ``NODE_NAME``
     (Kubernetes downward API), else the machine's hostname."""
 
     inject: str | None = None
     """Fire-drill fault spec, e.g. ``kind=grad,rank=2,step=5,value=nan`` (see inject.py)."""
 
-    metrics_port: int = DEFAULT_METRICS_PORT
+    metrics_port: int = dataclasses.field(
+        default=DEFAULT_METRICS_PORT, metadata=rule(minimum=0, maximum=65535))
     """Base port of the per-rank Prometheus exporter; the rank serves on base + LOCAL_RANK.
     0 disables the exporter."""
 
@@ -134,18 +207,20 @@ class SentinelConfig:
     metrics_keyfile: str | None = None
     """TLS private key for the exporter."""
 
-    metrics_linger: float = 20.0
+    metrics_linger: float = dataclasses.field(
+        default=20.0, metadata=rule(minimum=0, maximum=3600, unit="seconds"))
     """Seconds the exporter stays up after the sentinel stops the run (abort or exclusion),
     so that Prometheus scrapes the final state and the page fires; longer than the scrape
-    interval (15 s in deploy/). Only applies while the exporter is on."""
+    interval (15 s in the shipped prometheus.yml). Only applies while the exporter is on."""
 
-    host_strikes: int = 3
+    host_strikes: int = dataclasses.field(default=3, metadata=rule(minimum=1, maximum=1_000_000))
     """A host blamed this many times within ``strike_window`` steps is excluded."""
 
-    strike_window: int = 100
+    strike_window: int = dataclasses.field(default=100, metadata=rule(minimum=1))
     """Window, in steps, over which host strikes are counted."""
 
-    exchange_timeout: float = 300.0
+    exchange_timeout: float = dataclasses.field(
+        default=300.0, metadata=rule(above=0, maximum=86400, unit="seconds"))
     """Seconds a rank waits for the others at the health exchange before it names the ranks
     that did not answer and raises, so that a dead or frozen rank never hangs the job."""
 
@@ -158,52 +233,56 @@ class SentinelConfig:
     run_dir: str | None = None
     """Directory shared with the ``nansentinel run`` launcher for per-rank verdicts."""
 
-    loss_spike_action: SpikeAction = "warn"
+    loss_spike_action: SpikeAction = dataclasses.field(
+        default="warn", metadata=rule(what="a spike action"))
     """On a loss spike: ``warn`` (report, apply), ``skip`` the step, or ``rollback``."""
 
-    grad_spike_action: SpikeAction = "warn"
+    grad_spike_action: SpikeAction = dataclasses.field(
+        default="warn", metadata=rule(what="a spike action"))
     """On a gradient-norm spike: ``warn``, ``skip`` or ``rollback``."""
 
-    spikes: SpikePreset = "warn"
+    spikes: SpikePreset = dataclasses.field(default="warn", metadata=rule(what="a spike preset"))
     """What to do about loss and gradient-norm spikes, as one setting: ``warn`` (report them,
     apply the step: the fields below as they are) or ``recover`` (roll back on a spike, with
     the fields of ``SPIKE_PRESETS["recover"]``). A field given by keyword or by its own
     variable wins over the preset."""
 
-    spike_ratio: float = 10.0
+    spike_ratio: float = dataclasses.field(default=10.0, metadata=rule(above=1, maximum=1e6))
     """A value spikes at this multiple of its rolling median (and ``spike_zscore``)."""
 
-    loss_spike_ratio: float | None = None
+    loss_spike_ratio: float | None = dataclasses.field(
+        default=None, metadata=rule(above=1, maximum=1e6))
     """The loss's own ``spike_ratio`` (None: ``spike_ratio``). A language model's loss starts
     near ln V and cannot jump 10x: 1.5-3x is already ruin there."""
 
-    spike_patience: int = 1
+    spike_patience: int = dataclasses.field(default=1, metadata=rule(minimum=1, maximum=1_000_000))
     """Spiking steps in a row before a ``rollback`` spike action rolls back; the ones before
     it are skipped. 2 lets one noisy step or bad batch cost a skip, not a rollback."""
 
-    spike_zscore: float = 6.0
+    spike_zscore: float = dataclasses.field(default=6.0, metadata=rule(above=0, maximum=1e6))
     """... and at this robust z-score (distance from the median in 1.4826 x MAD units)."""
 
-    spike_window: int = 100
+    spike_window: int = dataclasses.field(default=100, metadata=rule(minimum=3, maximum=1_000_000))
     """Values per rank in the rolling reference."""
 
-    spike_warmup: int = 20
+    spike_warmup: int = dataclasses.field(default=20, metadata=rule(minimum=1, maximum=1_000_000))
     """Values needed before a series is judged."""
 
-    snapshot_every: int = 50
+    snapshot_every: int = dataclasses.field(default=50, metadata=rule(minimum=1))
     """Healthy steps between last-good snapshots (kept only when a rollback is possible)."""
 
-    rollback_lr_factor: float = 0.5
+    rollback_lr_factor: float = dataclasses.field(default=0.5, metadata=rule(above=0, maximum=1))
     """Learning-rate multiplier after a rollback (compounds on repeated rollbacks)."""
 
-    rollback_lr_steps: int = 500
+    rollback_lr_steps: int = dataclasses.field(default=500, metadata=rule(minimum=0))
     """Steps the lowered learning rate stays in force."""
 
-    rollback_skip_batches: int = 10
+    rollback_skip_batches: int = dataclasses.field(
+        default=10, metadata=rule(minimum=0, maximum=1_000_000))
     """Batches discarded after a rollback (PaLM's remedy: step past the data that led in),
     doubled on each further rollback to the same snapshot."""
 
-    max_rollbacks: int = 3
+    max_rollbacks: int = dataclasses.field(default=3, metadata=rule(minimum=1, maximum=1000))
     """Rollbacks to the same snapshot before the run aborts: it keeps diverging there."""
 
     # --- the learning rate after a rollback and at a jump (issue 52, docs/recovery.md) -------
@@ -214,7 +293,7 @@ class SentinelConfig:
     ``rollback_lr_factor`` x the highest rate applied since (the rise is suspect).
     ``spikes="recover"``: True."""
 
-    lr_jump_ratio: float = 0.0
+    lr_jump_ratio: float = dataclasses.field(default=0.0, metadata=rule(above=1, off=0))
     """A param group asking more than this multiple of the highest learning rate it has applied
     so far steps at its last applied rate instead (held: a log line, a report, the
     ``nansentinel_lr_held_steps_total`` metric); 0: off. ``spikes="recover"``: 4."""
@@ -223,7 +302,7 @@ class SentinelConfig:
     """Loading the sentinel's ``state_dict`` drops the checkpoint's learning-rate reference: a
     deliberate change of the learning rate on resume is taken, not held."""
 
-    rollback_lr_quiet_steps: int = 0
+    rollback_lr_quiet_steps: int = dataclasses.field(default=0, metadata=rule(minimum=0))
     """The backoff after a rollback ends once this many applied steps in a row were quiet, under
     the known-good learning rate and no larger an update than a known-good one (at the latest
     after ``rollback_lr_steps``); 0: it lasts ``rollback_lr_steps``. ``spikes="recover"``: 20."""
@@ -234,24 +313,25 @@ class SentinelConfig:
     is never kept as good. ``spikes="recover"``: True."""
 
     # --- collapses and the bounds of a recovery (issue 60, docs/recovery.md) ----------------
-    collapse_action: CollapseAction = "warn"
+    collapse_action: CollapseAction = dataclasses.field(
+        default="warn", metadata=rule(what="a collapse action"))
     """What a collapse (the cluster mean's loss or gradient norm far below its running level:
     degenerate data) does besides being reported: ``warn`` (the step applies; no snapshot is
     kept while it lasts) or ``skip``."""
 
-    rollback_check_steps: int = 0
+    rollback_check_steps: int = dataclasses.field(default=0, metadata=rule(minimum=0))
     """After a rollback, the cluster's loss must come back into its normal band (the level
     saved with the snapshot) within this many steps; if it does not, that snapshot is not
     restored again, and the next spike that would roll back to it ends the recovery instead
     (the steps apply, the references restart; ``policy="abort"``: abort). 0: not checked.
     ``spikes="recover"``: 5."""
 
-    snapshot_keep: int = 1
+    snapshot_keep: int = dataclasses.field(default=1, metadata=rule(minimum=1))
     """Snapshots kept in host memory (each a full one): a rollback whose snapshot did not
     bring the loss back (``rollback_check_steps``) goes on to the older one.
     ``spikes="recover"``: 2."""
 
-    max_lost_steps: int = 0
+    max_lost_steps: int = dataclasses.field(default=0, metadata=rule(minimum=0))
     """The most steps one recovery may leave unapplied (skipped, rolled back over, discarded
     after a rollback) before it ends the same way; a recovery ends when a new snapshot is
     kept. 0: no bound. ``spikes="recover"``: 60."""
@@ -263,7 +343,7 @@ class SentinelConfig:
     replay_anomaly: bool = False
     """Run the replay under ``torch.autograd.set_detect_anomaly`` to name the operation."""
 
-    gate: Gate = "auto"
+    gate: Gate = dataclasses.field(default="auto", metadata=rule(what="a gate"))
     """Where a poisoned step is skipped, and when the host reads the cluster's totals.
     ``auto`` (the default): on CUDA, where the optimizer can skip on the device (torch's fused
     Adam, AdamW, Adagrad, SGD) and the gradient path allows it (DDP, FSDP2, the local path;
@@ -278,10 +358,11 @@ class SentinelConfig:
     ``step()`` returns a ``PendingResult`` whose flagged fields raise ``ResultPending`` until
     then (a read never runs a collective)."""
 
-    quarantine_size: int = 64
+    quarantine_size: int = dataclasses.field(
+        default=64, metadata=rule(minimum=1, maximum=1_000_000))
     """Most batches kept in the quarantine (verdict ``data``); one more drops the oldest."""
 
-    quarantine_steps: int = 100_000
+    quarantine_steps: int = dataclasses.field(default=100_000, metadata=rule(minimum=1))
     """Steps after its verdict a quarantined batch is still recognised and skipped."""
 
     skip_list: str | None = None
@@ -293,36 +374,21 @@ class SentinelConfig:
     incident can be reproduced. The batch is the user's training data: files are created
     0600 in 0700 directories; False keeps it off disk (the report says so)."""
 
-    fingerprint_every: int = 200
+    fingerprint_every: int = dataclasses.field(default=200, metadata=rule(minimum=0))
     """Steps between two replica fingerprint checks (replicas.py): after the optimizer step
     every replica (DDP ranks, an HSDP replicate group) must hold bit-identical weights and
     optimizer state, so a difference is silent data corruption. 0 disables the check."""
 
-    divergence_action: DivergenceAction = "repair"
+    divergence_action: DivergenceAction = dataclasses.field(
+        default="repair", metadata=rule(what="an action"))
     """When replicas diverged: ``repair`` (overwrite the diverged ones from a majority rank of
     their group, in process, and strike the host; without a majority: abort), ``abort``, or
     ``warn``."""
 
     def __post_init__(self) -> None:
         _check_types(self)
-        _check_ranges(self)
-        if self.policy not in POLICIES:
-            raise ConfigError(
-                f"policy={shown(self.policy)} is not a known policy; expected one of "
-                f"{', '.join(POLICIES)}"
-            )
-        if not 0 < self.max_dropped < 1:
-            raise ConfigError(
-                f"max_dropped={shown(self.max_dropped)} must be a fraction of the data-parallel "
-                "ranks, above 0 and below 1 (at least one rank is always droppable)"
-            )
-        if not self.report_dir:
-            raise ConfigError(f"report_dir={shown(self.report_dir)} must be a non-empty path")
+        _check_rules(self)
         _check_paths(self)
-        _require_int("max_consecutive_skips", self.max_consecutive_skips, minimum=1)
-        _require_int("metrics_port", self.metrics_port, minimum=0)
-        if self.metrics_port > 65535:
-            raise ConfigError(f"metrics_port={self.metrics_port} is above 65535")
         if (self.metrics_certfile is None) != (self.metrics_keyfile is None):
             raise ConfigError(
                 "metrics_certfile and metrics_keyfile must be given together "
@@ -330,62 +396,14 @@ class SentinelConfig:
                 field="metrics_certfile" if self.metrics_certfile else "metrics_keyfile",
                 related=("metrics_certfile", "metrics_keyfile"),
             )
-        _require_int("host_strikes", self.host_strikes, minimum=1)
-        _require_int("strike_window", self.strike_window, minimum=1)
-        if not self.exchange_timeout > 0:
-            raise ConfigError(
-                f"exchange_timeout={shown(self.exchange_timeout)} must be > 0 seconds")
-        if not self.metrics_linger >= 0:
-            raise ConfigError(f"metrics_linger={shown(self.metrics_linger)} must be >= 0 seconds")
-        if self.hostname is not None and not self.hostname:
-            raise ConfigError(f"hostname={shown(self.hostname)} must be a non-empty string")
-        for name in ("loss_spike_action", "grad_spike_action"):
-            if getattr(self, name) not in SPIKE_ACTIONS:
-                raise ConfigError(
-                    f"{name}={shown(getattr(self, name))} is not a spike action; expected one of "
-                    f"{', '.join(SPIKE_ACTIONS)}"
-                )
-        _require_positive("spike_ratio", self.spike_ratio, above=1.0)
-        _require_positive("spike_zscore", self.spike_zscore, above=0.0)
-        _require_int("spike_window", self.spike_window, minimum=3)
-        _require_int("spike_warmup", self.spike_warmup, minimum=1)
-        _require_int("spike_patience", self.spike_patience, minimum=1)
-        if self.loss_spike_ratio is not None:
-            _require_positive("loss_spike_ratio", self.loss_spike_ratio, above=1.0)
-        if self.spikes not in SPIKE_PRESETS:
-            raise ConfigError(
-                f"spikes={shown(self.spikes)} is not a spike preset; expected one of "
-                f"{', '.join(SPIKE_PRESETS)}", "spikes")
         if self.spike_warmup > self.spike_window:
             raise ConfigError(
                 f"spike_warmup={self.spike_warmup} must not exceed "
                 f"spike_window={self.spike_window}",
                 related=("spike_window",),
             )
-        _require_int("snapshot_every", self.snapshot_every, minimum=1)
-        if not 0 < self.rollback_lr_factor <= 1:
-            raise ConfigError(
-                f"rollback_lr_factor={shown(self.rollback_lr_factor)} must be in (0, 1]")
-        _require_int("rollback_lr_steps", self.rollback_lr_steps, minimum=0)
-        _require_int("rollback_skip_batches", self.rollback_skip_batches, minimum=0)
-        _require_int("max_rollbacks", self.max_rollbacks, minimum=1)
-        _check_lr_rules(self)
-        _check_recovery_bounds(self)
-        _require_int("quarantine_size", self.quarantine_size, minimum=1)
-        _require_int("quarantine_steps", self.quarantine_steps, minimum=1)
-        if self.gate not in GATES:
-            raise ConfigError(
-                f"gate={shown(self.gate)} is not a gate; expected one of {', '.join(GATES)}"
-            )
-        _require_int("fingerprint_every", self.fingerprint_every, minimum=0)
-        if self.divergence_action not in DIVERGENCE_ACTIONS:
-            raise ConfigError(
-                f"divergence_action={shown(self.divergence_action)} is not an action; expected one "
-                f"of {', '.join(DIVERGENCE_ACTIONS)}"
-            )
         if self.inject is not None:
             from nansentinel.common.inject import parse_inject  # local: inject imports config
-
             try:
                 parse_inject(self.inject)
             except ValueError as exc:
@@ -463,6 +481,9 @@ def _parser_of(annotation: object) -> str:
 
 #: Each field's type, from its annotation: what :func:`_check_types` holds every value to.
 _HINTS: dict[str, Any] = doors.hints(SentinelConfig)
+#: Each field's :class:`Rule`, from its metadata (an empty rule where it declares none).
+_RULES: dict[str, Rule] = {
+    f.name: f.metadata.get("rule", Rule()) for f in dataclasses.fields(SentinelConfig)}
 #: The fields that name a file or a directory: an ``os.PathLike`` is taken as its string.
 PATH_FIELDS = frozenset({"report_dir", "exclusion_file", "run_dir", "skip_list",
                          "metrics_certfile", "metrics_keyfile"})
@@ -569,52 +590,21 @@ def _parse_env(var: str, raw: str, kind: str) -> Any:
         ) from None
 
 
-#: The largest value of each numeric setting (docs/configuration.md, "Ranges"). A value past
-#: these is a typo or a probe, never a run: an infinite timeout hangs the watchdog's fit, an
-#: infinite linger overflows ``time.sleep``, a window of 10**40 overflows ``deque``.
-MAXIMA: dict[str, float] = {
-    "max_consecutive_skips": 1_000_000,
-    "metrics_port": 65535,
-    "metrics_linger": 3600.0,
-    "host_strikes": 1_000_000,
-    "exchange_timeout": 86400.0,
-    "spike_ratio": 1e6,
-    "loss_spike_ratio": 1e6,
-    "spike_zscore": 1e6,
-    "spike_window": 1_000_000,
-    "spike_warmup": 1_000_000,
-    "spike_patience": 1_000_000,
-    "rollback_skip_batches": 1_000_000,
-    "max_rollbacks": 1000,
-    "quarantine_size": 1_000_000,
-}
-#: The largest value of a numeric setting not in :data:`MAXIMA` (steps, counts): a 32-bit
-#: signed integer, or 1e9 for a float.
-INT_MAX = 2**31 - 1
-FLOAT_MAX = 1e9
-
-
 def maximum(field: str) -> float:
-    """The largest value numeric setting ``field`` accepts."""
-    default = FLOAT_MAX if _PARSERS.get(field) == "float" else INT_MAX
-    return MAXIMA.get(field, default)
+    """The largest value numeric setting ``field`` accepts (docs/configuration.md, "Ranges")."""
+    top = _RULES[field].maximum
+    if top is not None:
+        return top
+    return FLOAT_MAX if _PARSERS.get(field) == "float" else INT_MAX
 
 
-def _check_ranges(cfg: SentinelConfig) -> None:
-    """Every numeric setting is finite and at most its :func:`maximum`, checked in one place
-    (from the field's own annotation, so a field added later is covered too); the lower
-    bounds and the types are each field's own check."""
-    for field in dataclasses.fields(cfg):
-        value = getattr(cfg, field.name)
-        if _PARSERS.get(field.name) not in ("int", "float") or isinstance(value, bool) or (
-            not isinstance(value, int | float)
-        ):
-            continue
-        if isinstance(value, float) and not math.isfinite(value):
-            raise ConfigError(f"{field.name}={shown(value)} must be a finite number")
-        top = maximum(field.name)
-        if value > top:
-            raise ConfigError(f"{field.name}={shown(value)} is above its maximum, {top:g}")
+def _check_rules(cfg: SentinelConfig) -> None:
+    """Every field's :class:`Rule` (its metadata), in one loop: a field added later is held to
+    the rule it declares, and a field without one to its type's maximum."""
+    for name, field_rule in _RULES.items():
+        problem = field_rule.problem(name, getattr(cfg, name), _HINTS[name])
+        if problem is not None:
+            raise ConfigError(problem, name)
 
 
 def shown(value: object, limit: int = 60) -> str:
@@ -624,36 +614,6 @@ def shown(value: object, limit: int = 60) -> str:
         return f"<an integer of {value.bit_length()} bits>"
     text = repr(value)
     return text if len(text) <= limit else f"{text[:limit]}...({len(text)} characters)"
-
-
-def _check_lr_rules(config: SentinelConfig) -> None:
-    """The learning-rate rules' fields (issue 52)."""
-    ratio = config.lr_jump_ratio
-    if not (ratio == 0 or 1 < ratio < float("inf")):
-        raise ConfigError(f"lr_jump_ratio={shown(ratio)} must be 0 (off) or a finite number > 1")
-    _require_int("rollback_lr_quiet_steps", config.rollback_lr_quiet_steps, minimum=0)
-
-
-def _check_recovery_bounds(config: SentinelConfig) -> None:
-    """The collapse and recovery-bound fields (issue 60)."""
-    if config.collapse_action not in get_args(CollapseAction):
-        raise ConfigError(f"collapse_action={config.collapse_action!r} is not a collapse "
-                          f"action; expected one of {', '.join(get_args(CollapseAction))}")
-    _require_int("rollback_check_steps", config.rollback_check_steps, minimum=0)
-    _require_int("max_lost_steps", config.max_lost_steps, minimum=0)
-    _require_int("snapshot_keep", config.snapshot_keep, minimum=1)
-
-
-def _require_int(field: str, value: object, *, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ConfigError(f"{field}={shown(value)} must be an integer")
-    if value < minimum:
-        raise ConfigError(f"{field}={shown(value)} must be >= {minimum}")
-
-
-def _require_positive(field: str, value: object, *, above: float) -> None:
-    if isinstance(value, bool) or not isinstance(value, int | float) or not value > above:
-        raise ConfigError(f"{field}={shown(value)} must be a number > {above:g}")
 
 
 def _did_you_mean(word: str, choices: object) -> str:

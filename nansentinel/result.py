@@ -234,7 +234,16 @@ class FTStepResult(StepResult):
     exclusion record and the logs name the step by."""
 
 
-class NonFiniteError(RuntimeError):
+class NanSentinelError(Exception):
+    """The base of every error the package raises: ``except nansentinel.NanSentinelError``
+    catches each refusal (a bad setting, a call out of order, a torch too old), abort and
+    exclusion. Each error keeps the builtin base callers already catch (``ConfigError`` is a
+    ``ValueError``, ``NonFiniteError`` a ``RuntimeError``, ...). Not :class:`StopRequested`:
+    a stop is a ``SystemExit`` that ends the process cleanly, which ``except Exception`` must
+    not catch."""
+
+
+class NonFiniteError(NanSentinelError, RuntimeError):
     """Raised on every rank, at the same step, when the policy aborts the run.
 
     The message names step, ranks, hosts and kinds; ``result`` carries the full decision.
@@ -257,7 +266,7 @@ class NonFiniteStateError(NonFiniteError):
     the tensors, ranks, hosts and element counts; ``nansentinel run`` exits 6."""
 
 
-class ExchangeTimeoutError(RuntimeError):
+class ExchangeTimeoutError(NanSentinelError, RuntimeError):
     """The step's collectives failed or did not complete in time; the message names the ranks
     (and hosts) that did not answer, ``missing`` lists them."""
 
@@ -279,7 +288,7 @@ class StopRequested(SystemExit):
         self.signal, self.step = signum, step
 
 
-class SentinelUsageError(RuntimeError):
+class SentinelUsageError(NanSentinelError, RuntimeError):
     """The training loop called the sentinel in an order it cannot honour."""
 
 

@@ -5,8 +5,8 @@ torchft's ``Manager.should_commit()`` agrees within one replica group only. A Na
 NaN-averaged gradients, and at the next quorum group 1 heals *from* them: the run is lost on
 every group. :func:`Sentinel` closes that hole (the recipe: docs/torchft.md): it builds the
 core Sentinel with one more agreement scope, torchft's replica groups
-(step/replica_groups.py), whose health travels through ``Manager.allreduce``
-(wire/replica_groups.py); each group's batch, loss and gradients are checked before they
+(step/group_scope.py), whose health travels through ``Manager.allreduce``
+(wire/group_rows.py); each group's batch, loss and gradients are checked before they
 leave it (engines/torchft.py's hook). Its results are :class:`FTStepResult` (result.py).
 """
 
@@ -19,7 +19,7 @@ import torch
 
 from nansentinel import engines
 from nansentinel.result import FTStepResult, PoisonedGroup, SentinelUsageError
-from nansentinel.step.replica_groups import ReplicaGroups
+from nansentinel.step.group_scope import ReplicaGroups
 from nansentinel.step.sentinel import Sentinel as _Sentinel
 
 try:

@@ -75,6 +75,8 @@ import torch
 try:
     import tyro
     from torchtitan.components.optimizer import OptimizersContainer
+    from torchtitan.experiments.torchft.config.job_config import FaultTolerance
+    from torchtitan.experiments.torchft.manager import TorchFTManager
     from torchtitan.experiments.torchft.optimizer import TorchFTOptimizersContainer
     from torchtitan.experiments.torchft.trainer import FaultTolerantTrainer
     from torchtitan.trainer import Trainer
@@ -145,7 +147,7 @@ class SentinelTrainer(Trainer):
             # torchtitan's Trainer assigns loss_fn without an annotation mypy can follow
             self.loss_fn = _CheckedLoss(self.loss_fn, self.sentinel)  # type: ignore[has-type]
         # torchtitan's own `self.optimizers.step()` decides first (see the module docstring).
-        self._decide_hook = self.optimizers.register_step_pre_hook(self._decide)
+        self.optimizers.register_step_pre_hook(self._decide)
 
     def _watch(self, keywords: dict[str, Any]) -> Sentinel:
         """The sentinel on the built model and optimizers (under PP, on this rank's parts and
@@ -250,6 +252,29 @@ class SentinelFTOptimizers(TorchFTOptimizersContainer):
         OptimizersContainer.zero_grad(self, *args, **kwargs)
 
 
+class SentinelFTManager(TorchFTManager):
+    """torchtitan's ``TorchFTManager`` with torchft's ``init_sync`` as a setting
+    (``--fault_tolerance.init_sync``), which torchtitan does not offer: torchft syncs step 0
+    by healing every replica group from one, and under torchtitan's trainer the serving
+    group's state dict is taken in torchft's quorum thread while its first forward runs,
+    where FSDP2's state_dict hooks reshard the parameters under it (seen on CPU: "aten.mm got
+    mixed torch.Tensor and DTensor"). Off, the groups start alike from the same seed
+    (``--debug.seed``), as torchft's DDP examples do. :func:`with_sentinel` makes the fault
+    tolerance config this one's (the same fields)."""
+
+    @dataclasses.dataclass(kw_only=True, slots=True)
+    class Config(FaultTolerance):
+        init_sync: bool = True
+        """torchft's step-0 sync (``Manager(init_sync=...)``): every replica group healed
+        from one before the first step. False: start every group from the same seed
+        (``debug.seed``) instead."""
+
+    def __init__(self, config: Config) -> None:
+        super().__init__(config)
+        if self.enabled and not config.init_sync:
+            insides.set_torchft_init_sync(self.manager, False)
+
+
 class SentinelFTTrainer(SentinelTrainer, FaultTolerantTrainer):
     """torchtitan's fault-tolerant trainer (``torchtitan/experiments/torchft``) under the
     sentinel: :class:`SentinelTrainer`'s calls, and with ``--fault_tolerance.enable`` a
@@ -264,6 +289,10 @@ class SentinelFTTrainer(SentinelTrainer, FaultTolerantTrainer):
             default_factory=dict
         )
         """As :attr:`SentinelTrainer.Config.sentinel`."""
+        fault_tolerance: SentinelFTManager.Config = dataclasses.field(
+            default_factory=SentinelFTManager.Config)
+        """torchtitan's fault tolerance settings, and torchft's ``init_sync``
+        (:class:`SentinelFTManager`)."""
 
     def _watch(self, keywords: dict[str, Any]) -> Sentinel:
         if not self.ft_manager.enabled:
@@ -377,6 +406,10 @@ def with_sentinel(config: Trainer.Config, **overrides: Any
     fields = {f.name: getattr(config, f.name) for f in dataclasses.fields(config) if f.init}
     fields["sentinel"] = {**fields.get("sentinel", {}), **overrides}
     fields["training"] = dataclasses.replace(config.training, disable_cuda_graphs=True)
+    if ft and not isinstance(config.fault_tolerance, SentinelFTManager.Config):
+        fields["fault_tolerance"] = SentinelFTManager.Config(**{
+            f.name: getattr(config.fault_tolerance, f.name)
+            for f in dataclasses.fields(config.fault_tolerance) if f.init})
     if ft and type(config.optimizer) is TorchFTOptimizersContainer.Config:
         fields["optimizer"] = SentinelFTOptimizers.Config(**{
             f.name: getattr(config.optimizer, f.name)

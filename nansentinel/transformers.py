@@ -51,7 +51,6 @@ from transformers import TrainerCallback
 from nansentinel import engines
 from nansentinel.accelerate import mark_skipped, require_one_world
 from nansentinel.callbacks import SentinelState
-from nansentinel.engines import fsdp, fsdp1
 from nansentinel.result import SentinelUsageError
 from nansentinel.step.sentinel import Sentinel
 from nansentinel.wire.collectives import job_rank, job_size
@@ -89,7 +88,7 @@ class SentinelCallback(SentinelState, TrainerCallback):
         # step hooks are not torch's: the sentinel works on the optimizer underneath.
         self._model, self._raw = model, getattr(optimizer, "optimizer", optimizer)
         self._scaler = getattr(optimizer, "scaler", None)
-        if fsdp.is_fsdp(model) or fsdp1.is_fsdp1(model):  # the Trainer hands FSDP's root over
+        if engines.sharded_in_place(model):  # the Trainer hands FSDP's root over
             self._build(model)
         elif job_size() > 1 or getattr(args, "deepspeed_plugin", None) is not None:
             self._finder = torch.nn.modules.module.register_module_forward_pre_hook(

@@ -24,9 +24,12 @@ if ((${#need[@]})); then
         $(printf '%s\n' "${need[@]}" | sort -u) >/dev/null
 fi
 
-# The pinned CPU build of torch first (an unpinned torch pulls a multi-GB CUDA build), then us.
-python3 -m pip install -q torch==2.13.0
-python3 -m pip install -q -e '.[test]'
+# The pinned CPU build of torch first (an unpinned torch pulls a multi-GB CUDA build), then us
+# with the extras, the test tools and the frameworks the suite runs under, at the versions CI
+# tests (tests/constraints.txt; the package itself declares ranges).
+python3 -m pip install -q -c tests/constraints.txt torch
+python3 -m pip install -q -c tests/constraints.txt -e '.[lightning,transformers,report]' \
+    -r tests/requirements.txt -r tests/requirements-main.txt
 
 python3 -m ruff check .
 python3 -m mypy

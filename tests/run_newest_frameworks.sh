@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The frameworks' newest releases against our integrations: the test extras pin transformers,
-# accelerate, lightning, deepspeed and torchtitan for reproducibility; this check puts the
+# The frameworks' newest releases against our integrations: tests/constraints.txt pins
+# transformers, accelerate, lightning, deepspeed and torchtitan for reproducibility; this check puts the
 # newest release of each (that installs beside the main lane's torch 2.13.0) in a cached venv
 # that sees the main lane's packages, prints what it got, and runs the framework cells
 # (tests/frameworks: the HF Trainer, Accelerate, Lightning, DeepSpeed on 2 gloo ranks).

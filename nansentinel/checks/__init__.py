@@ -29,6 +29,9 @@ from nansentinel.common import torch_insides as insides
 from nansentinel.result import ArgumentTypeError, SentinelUsageError
 
 _HALF = (torch.float16, torch.bfloat16)
+#: The layouts the checks read: strided, and the sparse ones through their stored values.
+_READABLE = (torch.strided, torch.sparse_coo, torch.sparse_csr, torch.sparse_csc,
+             torch.sparse_bsr, torch.sparse_bsc)
 #: The largest finite fp32: a Python number past it is recorded as what fp32 makes of it, inf.
 _FLOAT32_MAX = float(torch.finfo(torch.float32).max)
 
@@ -105,10 +108,25 @@ def tensor_norm(t: torch.Tensor) -> torch.Tensor:
     norm is its local tensor's (:func:`local`), a plain tensor on this rank's device. Detached:
     a check's norm of a tensor that requires grad (an activation) must not join the autograd
     graph, which would keep the tensor alive with it.
+
+    A sparse tensor (COO, CSR, CSC, BSR, BSC) is normed through the values it stores
+    (:func:`~nansentinel.common.torch_insides.stored_values`), never densified: the zeros it
+    leaves out add nothing to a norm and are finite. Coalesced, that is the tensor's own norm.
+    Uncoalesced (a COO gradient of ``nn.Embedding(sparse=True)`` holds an entry per
+    occurrence of a token), an index stored ``m`` times is the sum of its ``m`` entries, and
+    the norm read is of the entries, not of their sums: the tensor's norm is at most
+    ``sqrt(m)`` times it (Cauchy-Schwarz), ``m`` the most times one index repeats. Finiteness
+    is exact either way: a non-finite entry makes its sum non-finite, and entries large enough
+    for their sum to overflow (~3.4e38 in fp32) overflow the norm's squares long before
+    (~1.8e19). The one gap is half precision, whose norm accumulates in fp32: fp16 entries
+    each under 65504 whose sum passes it read finite here and overflow where the tensor is
+    coalesced.
     """
     t = local(t)
     if t.requires_grad:  # a detach is a dispatch of its own: only where it is needed
         t = t.detach()
+    if t.layout != torch.strided:
+        t = insides.stored_values(t)
     if t.is_complex():
         t = torch.view_as_real(t)
     if t.dtype in _HALF:
@@ -128,8 +146,6 @@ def batch_norms(batch: object, device: torch.device) -> list[torch.Tensor]:
     """
     norms = []
     for n, t in enumerate(float_tensors(batch)):
-        if t.layout != torch.strided:
-            t = _stored_values(t)
         unreadable = _unreadable(t, device)
         if unreadable:
             raise ArgumentTypeError(f"nansentinel: check_batch(batch): its floating-point "
@@ -138,19 +154,15 @@ def batch_norms(batch: object, device: torch.device) -> list[torch.Tensor]:
     return norms
 
 
-def _stored_values(t: torch.Tensor) -> torch.Tensor:
-    """The values a sparse tensor stores (COO, CSR, CSC, BSR, BSC), dense."""
-    return t._values() if t.layout == torch.sparse_coo else t.values()
-
-
-def _unreadable(t: torch.Tensor, device: torch.device) -> str | None:
+def _unreadable(t: torch.Tensor, device: torch.device,
+                layouts: tuple[torch.layout, ...] = _READABLE) -> str | None:
     """Why the checks cannot read ``t``'s values for a rank on ``device`` (a meta tensor has
     none, unless the rank itself is on meta: shapes only, as the device tests run; a layout
-    other than strided or sparse), or None."""
+    not in ``layouts``), or None."""
     if t.is_meta and device.type != "meta":
         return ("a meta tensor (shapes only, no values to check: materialise it with "
                 "to_empty() and load its weights first)")
-    if t.layout != torch.strided:
+    if t.layout not in layouts:
         return f"a tensor of layout {t.layout}, which the checks cannot read"
     return None
 
@@ -204,7 +216,7 @@ def as_loss(loss: object, device: torch.device, where: str) -> torch.Tensor:
     if not isinstance(loss, torch.Tensor):
         raise ArgumentTypeError(f"nansentinel: check_loss expects a tensor or a number, got "
                                 f"{type(loss).__name__} ({where})")
-    unreadable = _unreadable(loss, device)
+    unreadable = _unreadable(loss, device, (torch.strided,))  # a sparse loss is no loss
     if unreadable:
         raise ArgumentTypeError(f"nansentinel: check_loss expects a tensor it can read, got "
                                 f"{unreadable} ({where})")
@@ -225,13 +237,31 @@ def grad_norms(grads: Sequence[torch.Tensor], *, plain: bool = False) -> torch.T
     are normed through their local tensors (:func:`local`): this rank's own, before any
     reduction. ``plain``: the caller knows none is a DTensor (a look-up per tensor saved, on
     the DDP hook's last bucket).
+
+    Sparse gradients (``nn.Embedding(sparse=True)``) are normed through their stored values
+    (:func:`tensor_norm` says what that norm is), never densified; the fused kernel has no
+    sparse kernel. A caller that sorts them apart (DDP's path, by DDP's own rule, once at
+    construction) hands a group whose first gradient is sparse, and its values are normed in
+    one fused call. A sparse gradient inside a group of dense ones (gradients reduced by hand,
+    where any parameter may get one) fails the fused call, and the group is normed again
+    through each gradient's stored values: that is paid only where a sparse gradient is, so a
+    dense step does no work per tensor it did not do before.
     """
     if not grads:
         return torch.zeros(0, dtype=torch.float32)
     if not plain:
         grads = [local(g) for g in grads]
+    if grads[0].layout != torch.strided:  # a group sorted apart: every one is sparse
+        grads = [insides.stored_values(g) for g in grads]
     dtype = torch.float32 if grads[0].dtype in _HALF else None
-    return torch.stack(insides.foreach_norm(grads, dtype)).to(torch.float32)
+    try:
+        norms = insides.foreach_norm(grads, dtype)
+    except RuntimeError:  # NotImplementedError too: a sparse gradient among dense ones?
+        values = [insides.stored_values(g) for g in grads]
+        if all(v is g for v, g in zip(values, grads, strict=True)):
+            raise  # all strided: the failure is not the layout's
+        norms = insides.foreach_norm(values, dtype)
+    return torch.stack(norms).to(torch.float32)
 
 
 def grouped_norms(tensors: Sequence[torch.Tensor]) -> list[tuple[list[int], torch.Tensor]]:
@@ -239,7 +269,8 @@ def grouped_norms(tensors: Sequence[torch.Tensor]) -> list[tuple[list[int], torc
 
     Returns ``(indices, norms)`` per group: ``norms[j]`` is the norm of ``tensors[indices[j]]``,
     so a caller can name the tensor behind a non-finite norm (only after a detection).
-    DTensors are grouped by their local tensors' device and dtype.
+    DTensors are grouped by their local tensors' device and dtype; sparse tensors with the
+    dense ones of their dtype (:func:`grad_norms` reads them through their stored values).
     """
     tensors = [local(t) for t in tensors]
     groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}

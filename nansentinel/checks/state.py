@@ -89,10 +89,7 @@ def named_state(
 def _values(t: torch.Tensor) -> torch.Tensor:
     """What is read of ``t``: a sparse tensor's stored values (its zeros are finite), a complex
     tensor as its real pairs."""
-    if t.layout == torch.sparse_coo:
-        t = t._values()
-    elif t.layout != torch.strided:
-        t = t.values()
+    t = insides.stored_values(t)
     return torch.view_as_real(t) if t.is_complex() else t
 
 

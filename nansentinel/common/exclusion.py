@@ -41,6 +41,7 @@ from typing import Any
 from nansentinel.common import untrusted
 from nansentinel.common.tempfiles import sweep
 from nansentinel.common.text import finite_json
+from nansentinel.result import NanSentinelError
 
 log = logging.getLogger("nansentinel")
 
@@ -114,7 +115,7 @@ class ExclusionRecord:
 MAX_TIME = 253402300799.0
 
 
-class ExclusionWriteError(OSError):
+class ExclusionWriteError(NanSentinelError, OSError):
     """An exclusion record could not be written; the message names the file and the step
     that failed (its folder, its lock, the append, the sync). An ``OSError``, with the
     cause's ``errno``."""

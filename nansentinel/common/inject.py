@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 
+from nansentinel.common.torch_insides import stored_values
 from nansentinel.result import KINDS
 
 _VALUES = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
@@ -146,14 +147,16 @@ class Injector:
 
         A DTensor's (tensor parallel) fault goes into this rank's local tensor, the data this
         rank holds: indexing a sharded DTensor would all-gather it first, a collective issued
-        by the drilled rank alone (a hang). Called on every step: nothing but a look at the
-        faults unless one is due."""
+        by the drilled rank alone (a hang). A sparse tensor's goes into its first stored value
+        (none stored: nothing to write, and it does not fire). Called on every
+        step: nothing but a look at the faults unless one is due."""
         value = self.value_for(kind, step) if self.faults else None
         if value is None or tensor is None:
             return False
         with torch.no_grad():
             if hasattr(tensor, "to_local"):  # duck-typed: the launcher side imports this
                 tensor = tensor.to_local()
+            tensor = stored_values(tensor)
             if tensor.numel() == 0:
                 return False
             tensor[(0,) * tensor.dim()] = value
@@ -173,7 +176,8 @@ def drill_targets(module: torch.nn.Module, optimizer: Any) -> list[tuple[str, to
         state = states.get(p, {}) if isinstance(states, dict) else {}
         for key in sorted(state, key=str):
             value = state[key]
-            if isinstance(value, torch.Tensor) and value.is_floating_point() and value.numel():
+            if isinstance(value, torch.Tensor) and value.is_floating_point() and \
+                    value.layout == torch.strided and value.numel():
                 found.setdefault("optimizer_state", _own(value))
     for b in module.buffers():
         if b.is_floating_point() and b.numel():

@@ -17,8 +17,9 @@ Three rules:
   raises :class:`TorchTooOld`: the feature, the torch found and the minimum (the table
   :data:`FEATURES`, which docs/torch-support.md prints) — never an ``AttributeError`` from
   torch's insides, never a silent skip.
-- **Version gates are named constants** (:data:`TORCH_GE_2_13` ...), read with one grep and
-  deleted in one place when an old release is dropped.
+- **Version gates are named constants** (``TORCH_GE_2_X = _at_least("2.X")``, for a behaviour
+  no probe can tell), read with one grep and deleted in one place when an old release is
+  dropped; none is needed today.
 
 This module imports ``torch.distributed`` lazily, inside the accessors that need it: the
 launcher side imports it too (the rendezvous seams), and the checks import no collective.
@@ -48,10 +49,6 @@ def _at_least(version: str) -> bool:
     found = torch.__version__.split("+")[0]
     base = ".".join(found.split(".")[:2])
     return torch.torch_version.TorchVersion(base) >= version
-
-
-#: Version gates, for what no probe can tell (a behaviour, not an attribute).
-TORCH_GE_2_13 = _at_least("2.13")
 
 
 class TorchTooOld(SentinelUsageError):
@@ -364,6 +361,36 @@ def reduce_scatter_into() -> Callable[..., Any]:
     return getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
+# --- sparse layouts ------------------------------------------------------------------------------
+
+
+def stored_values(t: torch.Tensor) -> torch.Tensor:
+    """The values a sparse tensor stores, as a dense tensor sharing its memory (a write lands
+    in ``t``); a strided tensor as it is.
+
+    COO: ``_values()``, its raw entries, because ``values()`` refuses an uncoalesced tensor
+    (``nn.Embedding(sparse=True)``'s gradients are uncoalesced: a repeated token is an entry
+    per occurrence); CSR, CSC, BSR, BSC: ``values()``. The zeros a sparse tensor leaves out
+    are finite, so these values hold every non-finite element it has. Another layout
+    (``torch._mkldnn``) is returned as it is, for the caller to refuse by name."""
+    layout = t.layout
+    if layout == torch.strided:
+        return t
+    if layout == torch.sparse_coo:
+        return t._values()
+    return t.values() if layout in _COMPRESSED else t
+
+
+#: The compressed sparse layouts, whose ``values()`` are their stored values.
+_COMPRESSED = (torch.sparse_csr, torch.sparse_csc, torch.sparse_bsr, torch.sparse_bsc)
+
+
+def coo_indices(t: torch.Tensor) -> torch.Tensor:
+    """A COO tensor's raw indices (``_indices()``: ``indices()`` refuses an uncoalesced one),
+    one column per stored value of :func:`stored_values`."""
+    return t._indices()
+
+
 # --- foreach kernels (torch._foreach_*) --------------------------------------------------------
 
 
@@ -528,6 +555,24 @@ def set_schedule_loss_fn(schedule: Any, fn: Any) -> None:
 def schedule_has_backward(schedule: Any) -> bool:
     """False while the schedule runs an evaluation (``schedule.eval``)."""
     return bool(schedule._has_backward)
+
+
+# --- torchft -----------------------------------------------------------------------------------
+
+
+def set_torchft_init_sync(manager: Any, on: bool) -> None:
+    """Whether a built torchft ``Manager`` syncs step 0 by healing every replica group from
+    one (its ``init_sync`` argument). torchtitan builds the Manager with torchft's default;
+    torchft 0.2.0 keeps the argument as ``_init_sync``, read at each quorum, so setting it
+    before the first quorum is the argument's effect. Probed: a torchft without it is
+    refused, naming the version nansentinel is tested with."""
+    if not isinstance(getattr(manager, "_init_sync", None), bool):
+        raise SentinelUsageError(
+            f"nansentinel: this torchft's Manager ({type(manager).__module__}) keeps no "
+            "_init_sync (torchft 0.2.0's), so fault_tolerance.init_sync=False cannot be "
+            "applied under torchtitan's trainer; leave it True (torchft's default) or use "
+            "torchft 0.2.0")
+    manager._init_sync = on
 
 
 # --- autograd ---------------------------------------------------------------------------------

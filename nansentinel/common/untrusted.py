@@ -27,6 +27,8 @@ import stat
 from pathlib import Path
 from typing import Any
 
+from nansentinel.result import NanSentinelError
+
 #: The most bytes read from one file from outside (documented in docs/configuration.md).
 MAX_BYTES = 64 * 1024 * 1024
 #: The most digits of an integer in a file from outside (Python's own limit for ``int(str)``
@@ -39,13 +41,13 @@ MAX_DEPTH = 100
 ENCODING_ERRORS = "surrogateescape"
 
 
-class InputFileError(OSError):
+class InputFileError(NanSentinelError, OSError):
     """A file from outside cannot be read: not a regular file, too large, or unreadable. The
     message names the path. An ``OSError``, so callers that already report an unreadable file
     report this one the same way."""
 
 
-class JsonInputError(ValueError):
+class JsonInputError(NanSentinelError, ValueError):
     """Text from outside is not the JSON it should be; the message says what was wrong (and
     where, when the caller gave a name)."""
 

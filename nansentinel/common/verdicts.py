@@ -76,12 +76,6 @@ STOPPED = "stopped"
 #: gone (its process died or stops answering): every rank stopped after the same step, as for
 #: a signal, and the launcher exits 5. The launcher says so first (:func:`write_stop_cause`).
 STORE_GONE = "store_gone"
-#: The values of a verdict's ``outcome``: the two ways the cluster stops, a timeout, a stop a
-#: signal asked for, a stop for a lost store, and the clean end.
-VERDICT_OUTCOMES = (
-    Outcome.ABORTED.value, Outcome.EXCLUDED.value, EXCHANGE_TIMEOUT, STOPPED, STORE_GONE,
-    CLOSED,
-)
 
 VERDICTS_SUBDIR = "verdicts"
 _RANK_FILE = re.compile(r"^rank-(\d{1,9})\.json$")
@@ -96,8 +90,9 @@ class RankVerdict:
     rank: int
     """Global rank of the attempt that wrote it."""
     outcome: str
-    """One of :data:`VERDICT_OUTCOMES` (a later version may add words: they read as a plain
-    worker failure)."""
+    """The two ways the cluster stops (``aborted``, ``excluded``), a timeout
+    (:data:`EXCHANGE_TIMEOUT`), a stop a signal asked for (:data:`STOPPED`) or the clean end
+    (:data:`CLOSED`); a later version may add words: they read as a plain worker failure."""
     step: int
     """The step the sentinel stopped at."""
     message: str = ""
@@ -258,7 +253,7 @@ def stop_cause(run_dir: str | Path | None) -> tuple[str, str] | None:
         data = untrusted.parse_json(untrusted.read_text(path, what="launcher's stop cause"))
     except (OSError, ValueError):
         return None
-    if not isinstance(data, dict) or data.get("outcome") not in VERDICT_OUTCOMES:
+    if not isinstance(data, dict) or data.get("outcome") != STORE_GONE:  # the one cause
         return None
     return str(data["outcome"]), str(data.get("message") or "")
 

@@ -1,5 +1,5 @@
 """The step as every torchft replica group decided it, from this group's own decision and the
-poisoned groups' names (pure: step/replica_groups.py runs the collectives and acts)."""
+poisoned groups' names (pure: step/group_scope.py runs the collectives and acts)."""
 
 from __future__ import annotations
 

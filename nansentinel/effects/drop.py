@@ -89,12 +89,13 @@ def withhold(local_grads: torch.Tensor, flag: torch.Tensor) -> None:
     On a CPU device the flag is a host value already computed (CPU kernels run synchronously),
     and reading it waits for nothing: a healthy step then runs no kernel at all (a broadcast
     ``masked_fill_`` on CPU is a scalar loop, measured 6x a ``mul_`` over the same bucket). On
-    an accelerator the select runs on the device, in stream order before the collective."""
+    an accelerator the select runs on the device, in stream order before the collective, on
+    a sparse gradient's stored values (a sparse tensor has no ``masked_fill_``)."""
     if flag.device.type == "cpu" and local_grads.device.type == "cpu":
         if bool(flag):
             local_grads.zero_()
         return
-    local_grads.masked_fill_(flag.to(local_grads.device), 0)
+    insides.stored_values(local_grads).masked_fill_(flag.to(local_grads.device), 0)
 
 
 def rescale(optimizer: torch.optim.Optimizer, factor: float) -> None:

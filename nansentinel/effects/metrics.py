@@ -7,43 +7,36 @@ Prometheus joins them with ``nansentinel_rank_info`` (``* on(job, instance) grou
 rank) nansentinel_rank_info``) to put a host and a rank on every series, and with DCGM's
 exporter through ``hostname`` and ``gpu_uuid``.
 
-The metric names are a contract: the alert rules, the runbook and the Grafana dashboard in
-``deploy/`` depend on them. Labels are bounded (kinds, outcomes, host names; never step numbers
-or free text), so a long run does not grow the series count.
+The metric names are a contract: the alert rules, the runbook and the Grafana dashboard of the
+monitoring set (``nansentinel files monitoring``) depend on them. Labels are bounded (kinds,
+outcomes, host names; never step numbers or free text), so a long run does not grow the series
+count.
 
-Cost: :meth:`SentinelMetrics.observe_step` is a handful of pre-resolved counter and gauge
-updates. Scrapes never reach the training process: a refresher thread renders the registry
-once a second (host health -- CPU, memory, device memory -- is read then) and hands the bytes
-to a small HTTP server process beside the rank (``metrics_server.py``), which answers every
-scrape from the latest bytes. So the rank pays one render a second, whatever the number of
-scrapers, and a scrape sees values at most a refresh interval old.
+This module declares the metrics and records each step into them; how they leave the process
+is the exporter's (exporter.py). Cost: :meth:`SentinelMetrics.observe_step` is a handful of
+pre-resolved counter and gauge updates. Scrapes never reach the training process: a refresher
+thread renders the registry once a second (host health -- CPU, memory, device memory -- is
+read then) and hands the bytes to a small HTTP server process beside the rank
+(``metrics_server.py``), which answers every scrape from the latest bytes. So the rank pays
+one render a second, whatever the number of scrapers, and a scrape sees values at most a
+refresh interval old.
 """
 
 from __future__ import annotations
 
-import atexit
-import contextlib
-import errno
 import logging
 import math
-import os
-import select
-import subprocess
-import sys
 import threading
 import time
-import weakref
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import psutil
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 from prometheus_client.core import GaugeMetricFamily
-from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4, generate_latest
 from prometheus_client.registry import Collector
 
-from nansentinel.config import env_var
+from nansentinel.effects.exporter import REFRESH_SECONDS, Exporter
 from nansentinel.result import (
     KINDS,
     OUTCOMES,
@@ -69,21 +62,10 @@ REPORT_FILES = ("report", "batch", "skip_list", "detail")
 
 #: ``check_seconds`` buckets: the sentinel's own time per step spans ~10 µs (a flag read on a
 #: small model) to ~1 s (a detection that writes an incident report).
-#: Seconds between two renders of the registry for the server process.
-REFRESH_SECONDS = 1.0
-#: Seconds the server process may take to bind before the exporter gives up.
-START_TIMEOUT_S = 30.0
-_SERVER_SCRIPT = Path(__file__).with_name("metrics_server.py")
-
 CHECK_SECONDS_BUCKETS = (
     1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3,
     0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
 )  # fmt: skip
-
-
-class MetricsPortError(RuntimeError):
-    """The exporter could not bind its port; the message says which rank, host and port, and
-    how to choose another one."""
 
 
 def normalize_gpu_uuid(uuid: str) -> str:
@@ -196,12 +178,8 @@ class SentinelMetrics:
         self.registry: CollectorRegistry = registry if registry is not None else CollectorRegistry()
         self.cluster_view = identity.rank == 0 if cluster_view is None else cluster_view
         self._clock = clock
-        self._refresh = refresh
-        self._server: subprocess.Popen[bytes] | None = None
-        self._thread: threading.Thread | None = None
-        self._stop = threading.Event()
-        self._send_lock = threading.Lock()
-        self._port: int | None = None
+        #: The server process that answers the scrapes, and the thread that feeds it.
+        self.exporter = Exporter(self.registry, identity, refresh)
         r = self.registry
 
         nonfinite = Counter(
@@ -421,147 +399,21 @@ class SentinelMetrics:
     def serve(
         self, addr: str, port: int, certfile: str | None = None, keyfile: str | None = None
     ) -> int:
-        """Serve ``/metrics`` over HTTP (HTTPS when ``certfile`` and ``keyfile`` are given).
-
-        ``addr`` ``''`` means all IPv4 interfaces; ``port`` 0 picks a free port. Returns the
-        bound port. A port that cannot be bound raises :class:`MetricsPortError` naming the
-        rank, host and port, because with one port per local rank a clash is usually two jobs
-        on one host, and the user needs to know which variable moves it.
-        """
-        if self._server is not None:
-            raise RuntimeError(
-                f"rank {self.identity.rank}: metrics are already served on port {self._port}"
-            )
-        if (certfile is None) != (keyfile is None):
-            raise ValueError("certfile and keyfile must be given together for TLS")
-        bind = addr or "0.0.0.0"
-        args = [sys.executable, "-I", str(_SERVER_SCRIPT), bind, str(port)]
-        args += [CONTENT_TYPE_PLAIN_0_0_4, *((certfile, keyfile) if certfile and keyfile else ())]
-        server = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
-        # The first frame: the server says ok only once it can serve it. (A server that could
-        # not bind has exited: the broken pipe is answered by its status line below.)
-        self._send(server, generate_latest(self.registry))
-        status = _first_line(server, START_TIMEOUT_S)
-        if not status.startswith("ok "):
-            server.kill()
-            server.wait()
-            server.stdout.close()  # type: ignore[union-attr]
-            with contextlib.suppress(OSError):
-                server.stdin.close()  # type: ignore[union-attr]
-            _, code, message = [*status.split(" ", 2), "", ""][:3]
-            ident = self.identity
-            reason = (
-                "is already in use" if code == str(errno.EADDRINUSE)
-                else f"failed: {message or 'the server process did not start'}"
-            )
-            raise MetricsPortError(
-                f"rank {ident.rank} (local rank {ident.local_rank}) on host {ident.hostname}: "
-                f"binding the metrics exporter to {bind}:{port} {reason}. Each rank serves on "
-                f"{env_var('metrics_port')} + LOCAL_RANK; set {env_var('metrics_port')} to a free "
-                f"base port (or 0 to disable the exporter)."
-            )
-        self._server = server
-        self._port = int(status.split()[1])
-        self._stop.clear()
-        self._thread = threading.Thread(
-            target=self._refresher, name=f"nansentinel-metrics-{self._port}", daemon=True
-        )
-        self._thread.start()
-        _SERVING.add(self)  # closed at exit, before the interpreter stops its thread
-        log.info(
-            "rank %d: metrics on %s://%s:%d/metrics",
-            self.identity.rank,
-            "https" if certfile else "http",
-            bind,
-            self._port,
-        )
-        return self._port
+        """Serve this registry on ``/metrics``: :meth:`Exporter.serve` (the bound port)."""
+        return self.exporter.serve(addr, port, certfile, keyfile)
 
     @property
     def port(self) -> int | None:
         """The port being served, or None when not serving."""
-        return self._port
+        return self.exporter.port
 
     def flush(self) -> None:
-        """Render the registry now and hand it to the server process, which serves it as soon
-        as its reader swaps it in (the refresher does this every ``refresh`` seconds; the stop
-        path calls it so the final state is served within moments)."""
-        server = self._server
-        if server is None:
-            return
-        error = self._send(server, generate_latest(self.registry))
-        if error is not None and not self._stop.is_set():  # the server process is gone
-            log.warning(
-                "rank %d: the metrics server process stopped (%s); no more scrapes",
-                self.identity.rank, error,
-            )
-            self._stop.set()
-
-    def _send(self, server: subprocess.Popen[bytes], body: bytes) -> Exception | None:
-        """Write one frame to the server process; the error if it could not take it."""
-        with self._send_lock:
-            try:
-                assert server.stdin is not None
-                server.stdin.write(b"%d\n" % len(body) + body)
-                server.stdin.flush()
-            except (OSError, ValueError) as exc:
-                return exc
-        return None
-
-    def _refresher(self) -> None:
-        while not self._stop.wait(self._refresh):
-            try:
-                self.flush()
-            except Exception:  # a collector failed: keep serving the last good render
-                log.exception("rank %d: rendering the metrics failed", self.identity.rank)
+        """Hand the server process this registry's values now (:meth:`Exporter.flush`)."""
+        self.exporter.flush()
 
     def close(self) -> None:
-        """Stop the refresher and the server process (if any) and release its port; safe to
-        call twice."""
-        server, thread = self._server, self._thread
-        self._stop.set()
-        if thread is not None and thread is not threading.current_thread():
-            thread.join(timeout=5)
-        self._server = self._thread = None
-        self._port = None
-        _SERVING.discard(self)
-        if server is None:
-            return
-        with self._send_lock:
-            if server.stdin is not None:
-                with contextlib.suppress(OSError):
-                    server.stdin.close()  # end of input: the server stops and exits
-        try:
-            server.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            server.kill()
-            server.wait()
-        if server.stdout is not None:
-            server.stdout.close()
-
-
-def _first_line(server: subprocess.Popen[bytes], timeout: float) -> str:
-    """The server process's status line (``ok PORT`` / ``error ERRNO MESSAGE``), or an
-    ``error`` of our own when it says nothing in time or exits."""
-    assert server.stdout is not None
-    fd = server.stdout.fileno()
-    deadline = time.monotonic() + timeout
-    line = b""
-    while not line.endswith(b"\n"):
-        left = deadline - time.monotonic()
-        if left <= 0 or not select.select([fd], [], [], left)[0]:
-            return f"error 0 no answer from the server process within {timeout:g} s"
-        chunk = os.read(fd, 256)
-        if not chunk:
-            return f"error 0 the server process exited with {server.wait()} before binding"
-        line += chunk
-    return line.decode(errors="replace").strip()
-
-
-#: Exporters still serving; shut down at interpreter exit, so that the refresher is not inside
-#: the registry's collectors (psutil, torch.cuda) while the interpreter finalizes, and the
-#: server process ends with its rank.
-_SERVING: weakref.WeakSet[SentinelMetrics] = weakref.WeakSet()
+        """Stop serving (:meth:`Exporter.close`); safe to call twice."""
+        self.exporter.close()
 
 
 def serve_rank(identity: RankIdentity, config: Any, registry: CollectorRegistry | None,
@@ -571,9 +423,3 @@ def serve_rank(identity: RankIdentity, config: Any, registry: CollectorRegistry 
     metrics.serve(config.metrics_addr, config.metrics_port + identity.local_rank,
                   config.metrics_certfile, config.metrics_keyfile)
     return metrics
-
-
-@atexit.register
-def _close_all() -> None:
-    for metrics in list(_SERVING):
-        metrics.close()

@@ -29,6 +29,7 @@ import torch
 from nansentinel.checks import local as _local
 from nansentinel.common import torch_insides as insides
 from nansentinel.engines.base import EXCHANGE
+from nansentinel.result import NanSentinelError
 from nansentinel.wire.collectives import dtensor_from_local
 
 if TYPE_CHECKING:
@@ -57,7 +58,7 @@ class SnapshotStore(Protocol):
         """Step of the last saved state (None: nothing saved yet)."""
 
 
-class SnapshotMemoryError(RuntimeError):
+class SnapshotMemoryError(NanSentinelError, RuntimeError):
     """A rollback snapshot does not fit in host memory, on this rank or on another one.
 
     Raised on every rank at the same save (the ranks agree on it in one small collective), so
@@ -106,7 +107,11 @@ def _flatten(obj: Any, path: tuple[Any, ...], out: list[tuple[tuple[Any, ...], t
              ) -> Any:
     """``obj`` with every tensor replaced by a :class:`_Hole` (appended to ``out`` with its
     path) and everything else deep-copied: later changes to the live state (a scheduler's LR)
-    must not reach the snapshot."""
+    must not reach the snapshot. A sparse tensor (SGD's momentum of a sparse embedding) has no
+    fixed layout to keep a buffer for: it is copied whole into host memory at each save, and a
+    rollback hands the copy back (the optimizer moves it to its parameter's device)."""
+    if isinstance(obj, torch.Tensor) and obj.layout != torch.strided:
+        return obj.detach().to("cpu", copy=True)
     if isinstance(obj, torch.Tensor):
         out.append((path, obj))
         return _Hole(len(out) - 1)

@@ -47,6 +47,7 @@ from nansentinel.engines.paths import (
     exchange_group,
     recognize,
     registry,
+    sharded_in_place,
     steps_of,
     takes_replay,
     wrapper_of,
@@ -55,5 +56,5 @@ from nansentinel.engines.paths import (
 __all__ = [
     "EXCHANGE", "PIPELINE_DROP", "PIPELINE_GATE", "PIPELINE_REPLICAS", "Capabilities", "Given",
     "GradPath", "GradientSink", "KeptNorms", "adapter_of", "attach", "exchange_group",
-    "recognize", "registry", "steps_of", "takes_replay", "wrapper_of",
+    "recognize", "registry", "sharded_in_place", "steps_of", "takes_replay", "wrapper_of",
 ]

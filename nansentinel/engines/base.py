@@ -132,6 +132,16 @@ class Capabilities:
     """Why there are no replica fingerprints (None: :attr:`replica_group` holds the replicas)."""
     pipelined: bool = False
     """This rank holds pipeline stages (:meth:`staged`): their refusals come first."""
+    sharded: bool = False
+    """The engine shards the user's module in place (FSDP2's ``fully_shard``, an FSDP1 root):
+    the module a framework hands over is the one to watch, not a wrapper still to come."""
+    order_watched: bool = False
+    """The parameters' own ``.grad`` hold this rank's gradients after each backward, so the
+    order of the loop's calls is watched on them (step/usage.py: a backward before each
+    ``step()``)."""
+    loss_first: bool = False
+    """Nothing reduces before ``step()``: a ``check_loss()`` after the step's first backward
+    is refused there (its flag would describe a step already taken)."""
     replica_group: Any = None
     """The process group of this rank's replicas when :attr:`fingerprints` is None:
     :data:`EXCHANGE` for the exchange's own group (the user reduces by hand, so the ranks of

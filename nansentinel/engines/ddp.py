@@ -26,7 +26,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Container, Iterable
 from typing import Any
 
 import torch
@@ -35,18 +35,23 @@ from torch.nn.parallel import DistributedDataParallel
 
 from nansentinel import checks
 from nansentinel.engines.base import Capabilities, GradientSink, KeptNorms
-from nansentinel.engines.ddp_seam import END_OF_BACKWARD, EndOfBackward, seam_for
-from nansentinel.engines.local import BucketNorms, check_local_grads
+from nansentinel.engines.ddp_seam import (
+    END_OF_BACKWARD,
+    EndOfBackward,
+    seam_for,
+    sparse_parameters,
+)
+from nansentinel.engines.local import BucketNorms, BucketPath, check_local_grads
 from nansentinel.result import SentinelUsageError
 
 log = logging.getLogger("nansentinel")
 
 
-class DDPPath:
+class DDPPath(BucketPath):
     """Checks DDP's local gradients before their all-reduce: at the end of backward under
     DDP's own all-reduce (NCCL), or in its communication hook (DDP allows one per model)."""
 
-    CAPS = Capabilities(label="DDP", wraps=True)
+    CAPS = Capabilities(label="DDP", wraps=True, order_watched=True)
     mesh_groups: tuple[Any, ...] = ()
 
     @staticmethod
@@ -73,7 +78,9 @@ class DDPPath:
         #: :meth:`_own_ends`).
         self.divides = False
         self._as_view = bool(getattr(model, "gradient_as_bucket_view", False))
-        self._probe = next((p for p in model.parameters() if p.requires_grad), None)
+        sparse = sparse_parameters(model.module)  # sorted apart once (ddp_seam.py)
+        self._probe = next((p for p in model.parameters()
+                            if p.requires_grad and id(p) not in sparse), None)
         self.buckets = 0
         #: This step's check waits for the last bucket (:meth:`check_at_last`); False: each
         #: bucket is checked in its own call (gradients that are bucket views, a drill).
@@ -81,8 +88,10 @@ class DDPPath:
         self.keep_norms = False
         self._norms = BucketNorms(model)
         #: The trainable parameters by (device, dtype), each group one fused norm at the last
-        #: bucket; DTensor parameters (tensor parallel) are normed through their local tensors.
-        self._groups = grouped(p for p in model.module.parameters() if p.requires_grad)
+        #: bucket; DTensor parameters (tensor parallel) are normed through their local tensors,
+        #: sparse gradients in groups of their own through their stored values.
+        self._groups = grouped((p for p in model.module.parameters() if p.requires_grad),
+                               sparse)
         self._dtensors = any(hasattr(p, "to_local") for p in model.parameters())
         # DDP's own collectives in its forward (the buffer broadcast, the bucket rebuild) lie
         # between its forward hooks and its module's: bracketed, they are left out of the
@@ -98,7 +107,8 @@ class DDPPath:
         self.released = False
         #: Where the step is checked (ddp_seam.py): DDP's C++ all-reduce and one callback at
         #: the end of backward, or this path's comm hook on every bucket.
-        self.seam = seam_for(backend, as_view=self._as_view, per_reduction=sink.per_reduction)
+        self.seam = seam_for(backend, as_view=self._as_view, per_reduction=sink.per_reduction,
+                             sparse=bool(sparse))
         self._end: EndOfBackward | None = None
         self._warned = False
         if self.seam == END_OF_BACKWARD:
@@ -161,17 +171,9 @@ class DDPPath:
                 self.sink.step_index)
         check_local_grads(self.model.parameters(), self.sink)
 
-    def take_norms(self) -> KeptNorms | None:
-        return self._norms.take()
-
-    def naming_detail(self, poisoned: bool, peers: Any,
-                      kept: KeptNorms | None = None) -> dict[str, Any]:
-        return self._norms.naming_detail(poisoned, kept)
-
     def reset(self) -> None:
-        self.buckets = 0
+        super().reset()
         self.at_last = False
-        self._norms.kept = None
         if self._end is not None:
             self._end.queued = self._end.missed = False
 
@@ -214,12 +216,14 @@ class DDPPath:
         return self._norms.norm(bucket, self.keep_norms)
 
 
-def grouped(params: Iterable[torch.Tensor]) -> list[list[torch.Tensor]]:
-    """``params`` by (device, dtype) of their local values, in order: one fused norm each."""
-    groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+def grouped(params: Iterable[torch.Tensor], sparse: Container[int] = ()
+            ) -> list[list[torch.Tensor]]:
+    """``params`` by (device, dtype) of their local values, in order: one fused norm each;
+    those whose ids are in ``sparse`` (their gradients are sparse) in groups of their own."""
+    groups: dict[tuple[torch.device, torch.dtype, bool], list[torch.Tensor]] = {}
     for p in params:
         t = checks.local(p)
-        groups.setdefault((t.device, t.dtype), []).append(p)
+        groups.setdefault((t.device, t.dtype, id(p) in sparse), []).append(p)
     return list(groups.values())
 
 
@@ -296,9 +300,12 @@ def _comm_hook(state, bucket):
     path.buckets += 1
     if not path.at_last:
         sink.add_grad_norm(path.bucket_norm(bucket))
+    sparse = buffer.layout != torch.strided
+    if sparse:  # the bucket is the .grad itself, summed in place: reduce a copy (ddp_seam.py)
+        buffer = buffer.clone()
     sink.withhold(buffer)  # policy="drop": a poisoned rank sends zeros (drop.py)
-    if path.averaging == SCALE_THEN_SUM:
-        scale(buffer, path.world_size, path.divides)
+    if path.averaging == SCALE_THEN_SUM:  # DDP divides a sparse gradient
+        scale(buffer, path.world_size, path.divides or sparse)
     work = dist.all_reduce(buffer, group=path.group, async_op=True)
     # A failure (a peer died) becomes the step's one diagnosis, naming the missing ranks.
     future = sink.diagnosed(work.get_future(), sink.step_index, buffer)

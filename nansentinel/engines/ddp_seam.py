@@ -13,9 +13,10 @@ finalisation, which DDP queues when its last bucket is ready.
 That seam is :func:`seam_for`'s choice on NCCL. A comm hook stays where a bucket must pass
 through the sentinel (``policy="drop"`` zeroes a poisoned rank's buckets; a grad drill writes
 into one), where the gradients are the buckets' own views (the all-reduce overwrites them in
-place), and on gloo, where the hook's future turns a dead peer's "connection reset" into the
-diagnosis that names it (on NCCL that future completes at enqueue and can carry no error: the
-watchdog names a dead peer there either way).
+place, and so are sparse gradients, each DDP's bucket of its own: :func:`sparse_parameters`),
+and on gloo, where the hook's future turns a dead peer's "connection reset" into the diagnosis
+that names it (on NCCL that future completes at enqueue and can carry no error: the watchdog
+names a dead peer there either way).
 """
 
 from __future__ import annotations
@@ -32,12 +33,38 @@ from nansentinel.common import torch_insides as insides
 HOOK, END_OF_BACKWARD = "comm hook", "end of backward"
 
 
-def seam_for(backend: str, *, as_view: bool, per_reduction: bool) -> str:
+def seam_for(backend: str, *, as_view: bool, per_reduction: bool, sparse: bool = False) -> str:
     """:data:`END_OF_BACKWARD` on NCCL where no bucket must pass through the sentinel and
-    ``.grad`` stays local until DDP's end of backward; else :data:`HOOK`."""
-    if backend == "nccl" and not as_view and not per_reduction:
+    ``.grad`` stays local until DDP's end of backward; else :data:`HOOK`. ``sparse``: some
+    gradient is sparse, and DDP's own all-reduce writes its sum into that ``.grad`` in place
+    (:func:`sparse_parameters`)."""
+    if backend == "nccl" and not as_view and not per_reduction and not sparse:
         return END_OF_BACKWARD
     return HOOK
+
+
+def sparse_parameters(module: torch.nn.Module) -> set[int]:
+    """The ids of the parameters whose gradients DDP reduces as sparse: DDP's own rule
+    (``DistributedDataParallel._build_params_for_reducer``), a trainable parameter of an
+    ``nn.Embedding`` or ``nn.EmbeddingBag`` built with ``sparse=True``, judged by the first
+    module that holds it (a weight tied to a later ``nn.Linear`` counts as the embedding's).
+    DDP refuses a sparse gradient anywhere else, so the set is exact, and the path sorts these
+    apart once, here, instead of looking at every gradient's layout every step.
+
+    DDP gives each such gradient a bucket of its own whose buffer is the ``.grad`` tensor
+    itself (no copy, no ``bucket.gradients()``), and its all-reduce (gloo's; NCCL has none)
+    writes the coalesced sum back into it: so the comm hook reduces a copy of it, and the
+    check reads ``.grad`` through its stored values like any other local gradient."""
+    seen: set[int] = set()
+    sparse: set[int] = set()
+    for mod in module.modules():
+        for p in mod.parameters(recurse=False):
+            if id(p) in seen or not p.requires_grad:
+                continue
+            seen.add(id(p))
+            if isinstance(mod, torch.nn.Embedding | torch.nn.EmbeddingBag) and mod.sparse:
+                sparse.add(id(p))
+    return sparse
 
 
 def queue_callback(fn: Callable[[], None]) -> None:

@@ -156,7 +156,7 @@ class FSDPPath:
     """Installs a :class:`CheckedReduceScatter` on every FSDP group of an FSDP2 model."""
 
     CAPS = Capabilities(
-        label="FSDP2",
+        label="FSDP2", sharded=True,
         replay="its backward would reduce-scatter through the gradient path being judged",
         fingerprints="pure FSDP (no replicate dimension: every rank holds a different shard)",
     )

@@ -87,7 +87,7 @@ class FSDP1Path:
     # Not ``wraps``: the sentinel watches the FSDP1 root itself (its state_dict() is FSDP1's,
     # which a rollback needs), and a model that only holds FSDP1 units inside is recognised too.
     CAPS = Capabilities(
-        label="FSDP1",
+        label="FSDP1", sharded=True,
         replay="its backward would reduce through the gradient path being judged",
         fingerprints="FSDP1 sharding without replicas (FULL_SHARD / SHARD_GRAD_OP: every rank "
                      "holds a different shard)",

@@ -99,7 +99,8 @@ def check_grads_now(model: torch.nn.Module, sink: GradientSink, *, keep: bool
 class LocalGradPath:
     """Checks the parameters' local ``.grad`` tensors on demand."""
 
-    CAPS = Capabilities(label="local gradients", reduces=False, replica_group=EXCHANGE)
+    CAPS = Capabilities(label="local gradients", reduces=False, replica_group=EXCHANGE,
+                        order_watched=True, loss_first=True)
     mesh_groups: tuple[Any, ...] = ()
 
     @staticmethod
@@ -157,10 +158,13 @@ class BucketNorms:
     def norm(self, bucket: Any, keep: bool) -> torch.Tensor:
         """One L2 norm of the bucket's local gradients (fp32 accumulation, NaN and Inf
         propagate): of the flat buffer (one read, one kernel), or, with ``keep``, of the
-        per-parameter norms taken in one fused multi-tensor pass over the same bytes."""
+        per-parameter norms taken in one fused multi-tensor pass over the same bytes. A sparse
+        gradient's bucket is that gradient alone, as its buffer (DDP lists no ``gradients()``
+        for it): normed through its stored values."""
         if not keep:
             return checks.tensor_norm(bucket.buffer())
-        norms = checks.grad_norms(bucket.gradients())
+        grads = bucket.gradients()
+        norms = checks.grad_norms(grads) if grads else checks.tensor_norm(bucket.buffer())[None]
         if self.kept is None:
             self.kept = KeptNorms()
         self.kept.add([self.names.get(id(p), "<unnamed>") for p in bucket.parameters()], norms)
@@ -177,3 +181,23 @@ class BucketNorms:
         scan shows its own (and, with several poisoned ranks, theirs too)."""
         return naming_detail(self.wrapper.named_parameters(), poisoned, prefix="module.",
                              kept=kept)
+
+
+class BucketPath:
+    """The calls a gradient path whose communication hook sees DDP's buckets (DDP, torchft's
+    DDP) answers alike, from its :class:`BucketNorms` (``_norms``) and the step's bucket count
+    (``buckets``): written once for both."""
+
+    _norms: BucketNorms
+    buckets: int
+
+    def take_norms(self) -> KeptNorms | None:
+        return self._norms.take()
+
+    def naming_detail(self, poisoned: bool, peers: Any,
+                      kept: KeptNorms | None = None) -> dict[str, Any]:
+        return self._norms.naming_detail(poisoned, kept)
+
+    def reset(self) -> None:
+        self.buckets = 0
+        self._norms.kept = None

@@ -94,6 +94,14 @@ def wrapper_of(module: torch.nn.Module, model: torch.nn.Module | None) -> bool:
             and getattr(module, "module", None) is model)
 
 
+def sharded_in_place(model: Any) -> bool:
+    """True for a model whose engine shards it in place (``caps.sharded``: FSDP2, FSDP1): a
+    framework that hands its callbacks that model (the Hugging Face Trainer hands FSDP's root
+    over) builds the Sentinel on it at once, instead of waiting for a wrapper's first
+    forward (:func:`wrapper_of`)."""
+    return bool(recognize(model).CAPS.sharded)
+
+
 def takes_replay(model: Any) -> bool:
     """False for a model whose gradient path cannot run a replay (``caps.replay`` says why: a
     DeepSpeed engine's gradient hooks, FSDP2's reduce-scatter would reduce, in a replay's

@@ -213,8 +213,10 @@ class PreHookPath:
             self.sink.before_reduction(given[0])
             if self.keep_norms:
                 self._kept = KeptNorms()
-                self._names = {p.grad.data_ptr(): n for n, p in self.model.named_parameters()
-                               if p.grad is not None}
+                named = [(n, p.grad) for n, p in self.model.named_parameters()
+                         if p.grad is not None]
+                self._names = dict(zip(addresses([g for _, g in named]),
+                                       [n for n, _ in named], strict=True))
         self.checked += 1
         what = f"{API_NAMES.get(name, name.lower())} on group {pg.group_name}"
         if len(given) == 1 and self._kept is None:
@@ -229,8 +231,8 @@ class PreHookPath:
             parts.append(norm)
             if self._kept is not None:
                 names = self._names or {}
-                self._kept.add([names.get(given[i].data_ptr(), f"<buffer of collective "
-                                f"#{self.checked}>") for i in idx], norms)
+                self._kept.add([names.get(a, f"<buffer of collective #{self.checked}>")
+                                for a in addresses([given[i] for i in idx])], norms)
         # One place per collective (several dtypes or devices: one more tiny norm).
         self._grad_sends.append((what, parts[0] if len(parts) == 1 else torch.linalg.vector_norm(
             torch.stack([p.to(parts[0].device) for p in parts]))))
@@ -312,6 +314,16 @@ class PreHookPath:
                 insides.unregister_pre_hook(pg, HOOK_ID)
         self._hooked.clear()
         self.closed = True
+
+
+def addresses(tensors: list[torch.Tensor]) -> list[int]:
+    """Each tensor's data pointer, the key that names a sent buffer by the gradient it is (or
+    begins): a sparse gradient's is its stored values' (it has no storage of its own, and
+    ``data_ptr()`` raises), looked up only where a plain read failed."""
+    try:
+        return [t.data_ptr() for t in tensors]
+    except RuntimeError:
+        return [insides.stored_values(t).data_ptr() for t in tensors]
 
 
 def _first_nonfinite(sends: list[tuple[str, torch.Tensor | None]]) -> tuple[int, str] | None:

@@ -9,7 +9,7 @@ group (only there can a group be named), and the health must travel to every gro
 the same managed process group as the gradients, so that every group vetoes the same step.
 
 Two pieces here, where torchft reaches the gradients (what the groups tell each other is
-in wire/replica_groups.py, how they decide a step together in step/replica_groups.py):
+in wire/group_rows.py, how they decide a step together in step/group_scope.py):
 
 - :class:`DistributedDataParallel`: torchft's DDP, whose one communication hook (DDP allows
   one, and torchft's registers it in its constructor) checks each bucket once a sentinel
@@ -34,8 +34,8 @@ from torchft.optim import OptimizerWrapper
 
 from nansentinel import checks
 from nansentinel.common import torch_insides as insides
-from nansentinel.engines.base import Capabilities, GradientSink, KeptNorms
-from nansentinel.engines.local import BucketNorms, check_local_grads
+from nansentinel.engines.base import Capabilities, GradientSink
+from nansentinel.engines.local import BucketNorms, BucketPath, check_local_grads
 from nansentinel.result import SentinelUsageError
 
 
@@ -49,7 +49,7 @@ class _HookState:
         self.path: TorchFTPath | None = None
 
 
-class TorchFTPath:
+class TorchFTPath(BucketPath):
     """Checks the buckets of :class:`DistributedDataParallel` in its communication hook."""
 
     CAPS = Capabilities(
@@ -100,17 +100,6 @@ class TorchFTPath:
     def check_now(self) -> None:
         """No bucket was reduced this step: check the local gradients as they are."""
         check_local_grads(self.model.parameters(), self.sink)
-
-    def take_norms(self) -> KeptNorms | None:
-        return self._norms.take()
-
-    def naming_detail(self, poisoned: bool, peers: Any,
-                      kept: KeptNorms | None = None) -> dict[str, Any]:
-        return self._norms.naming_detail(poisoned, kept)
-
-    def reset(self) -> None:
-        self.buckets = 0
-        self._norms.kept = None
 
     def take_withheld(self) -> bool:
         """Whether this step's buckets went as zeros (one host read of the flag); forgets it."""

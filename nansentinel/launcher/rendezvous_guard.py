@@ -29,6 +29,7 @@ from nansentinel.common.verdicts import (
     write_stop_cause,
 )
 from nansentinel.launcher.console import say
+from nansentinel.result import NanSentinelError
 
 #: The rendezvous backend name under which the exclusion guard is registered.
 GUARD_BACKEND = "nansentinel"
@@ -51,7 +52,7 @@ SHUTDOWN_MARGIN_S = 5.0
 STORE_GONE_GRACE_S = 2.0
 
 
-class HostExcludedExit(Exception):
+class HostExcludedExit(NanSentinelError):
     """Raised inside torchrun's agent when this host must not join the next rendezvous."""
 
     def __init__(self, record: ExclusionRecord) -> None:

@@ -89,9 +89,9 @@ def describe(view: ClusterView, decision: Decision, result: StepResult, spikes: 
         "spike" if spikes else "collapse" if spikes.collapsed else "recovery")
     injected = " (injected by NANSENTINEL_INJECT)" if view.injected else ""
     verdict = f"; verdict: {result.verdict}" if result.verdict else ""
-    named = f": {'; '.join(parts)}" if parts else ""
+    listed = f": {'; '.join(parts)}" if parts else ""
     return (
-        f"nansentinel: {what} at step {view.step}{injected}{named}{verdict} "
+        f"nansentinel: {what} at step {view.step}{injected}{listed}{verdict} "
         f"— {nxt}" + (f" ({decision.reason})" if decision.reason else "")
     )
 

@@ -39,6 +39,7 @@ from nansentinel import checks
 from nansentinel.checks.quarantine import signature
 from nansentinel.common import torch_insides as insides
 from nansentinel.decide.spikes import Spikes
+from nansentinel.result import NanSentinelError
 from nansentinel.wire.collective_inputs import InputFlags, is_collective
 from nansentinel.wire.collectives import Peers, plain
 from nansentinel.wire.view import ClusterView, RankHealth
@@ -193,7 +194,7 @@ def replay(module: torch.nn.Module, batch: Any, fn: ReplayFn, mode: Mode = Mode(
     return result
 
 
-class _PeerFailed(Exception):
+class _PeerFailed(NanSentinelError):
     """Raised inside a rank's replay when another rank's replay failed: stop here too."""
 
 

@@ -46,8 +46,6 @@ from nansentinel.wire.context import Context, Watched
 
 log = logging.getLogger("nansentinel")
 
-#: What happens after a divergence (config ``divergence_action``).
-ACTIONS = ("repair", "abort", "warn")
 #: The entry of ``StepResult.kinds``. Not ``divergence``: that word is already a replay
 #: verdict (a global divergence, which earns no host strike); this is one replica's fault.
 KIND = "replica"
@@ -99,9 +97,24 @@ def _hashes(tensors: list[torch.Tensor], where: torch.device, target: torch.devi
     in one copy."""
     # An empty local shard (FSDP2 shards a bias of 1 over 2 ranks) cannot be hashed: 0.
     zero = torch.zeros((), dtype=torch.uint64, device=where)
-    here = torch.stack([torch.hash_tensor(t.detach()) if t.numel() else zero
+    here = torch.stack([_hash(t.detach(), zero) if t.numel() else zero
                         for t in tensors]).view(torch.int64)
     return checks.moved(here, target)
+
+
+def _hash(t: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
+    """``hash_tensor`` of ``t``, which has no complex and no sparse kernel: a complex tensor
+    as its real pairs; a sparse one (SGD's momentum buffer of an embedding's sparse gradient)
+    as its stored values' and indices' hashes XORed, so that a flipped bit in either shows
+    (``zero`` where it stores nothing). Replicas hold the same sparse representation, coalesced
+    or not: the same operations on the same reduced gradients."""
+    if t.layout != torch.strided:
+        coo = t if t.layout == torch.sparse_coo else t.to_sparse_coo()
+        values = insides.stored_values(coo)
+        if not values.numel():
+            return zero
+        return _hash(values, zero) ^ torch.hash_tensor(insides.coo_indices(coo))
+    return torch.hash_tensor(torch.view_as_real(t) if t.is_complex() else t)
 
 
 def comparand(fp: torch.Tensor) -> torch.Tensor:

@@ -157,7 +157,10 @@ class StateCheck:
             return not by_global, str(self.no_replicas)
         members = self._members()
         poisoned_here = {g: ps for g, ps in by_global.items() if g in members}
+        layouts = {name: t.layout for name, _, t in named_state(self.module, self.optimizer)}
         for name in sorted({p.name for ps in poisoned_here.values() for p in ps}):
+            if layouts.get(name, torch.strided) != torch.strided:
+                return False, f"{name} is a sparse tensor (its replicas' structure may differ)"
             holders = [g for g, ps in poisoned_here.items() if any(p.name == name for p in ps)]
             if len(holders) == len(members):
                 return False, f"every replica of rank(s) {sorted(holders)} holds {name} non-finite"

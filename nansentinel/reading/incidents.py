@@ -23,13 +23,14 @@ from typing import Any
 
 from nansentinel.common import untrusted
 from nansentinel.common.text import printable
-from nansentinel.result import KINDS
+from nansentinel.result import KINDS, NanSentinelError
 
 #: A report's file name (incident.py's stem; ``-N`` when a re-run found the name taken).
 REPORT_NAME = re.compile(r"^incident-(?P<job>.+)-step(?P<step>\d{8})(-\d+)?\.json$")
 
-#: The runbook the "what to do next" steps come from (deploy/ in the repository).
-RUNBOOK = "deploy/runbook.md"
+#: The runbook the "what to do next" steps come from (``nansentinel files monitoring DIR``
+#: writes it out; nansentinel/files/monitoring/ in the repository).
+RUNBOOK = "runbook.md"
 
 _KIND_WORDS = {
     "batch": "the input batch",
@@ -158,7 +159,7 @@ _OUTCOME_WORDS = {
 }
 
 
-class ReportError(Exception):
+class ReportError(NanSentinelError):
     """A report directory, file or id that cannot be read; the message names it."""
 
 

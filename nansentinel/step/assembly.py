@@ -5,7 +5,7 @@
 progress, the gradient path (and an engine's own step, adapted, where it steps its own
 optimizer), the rare path, the judge, the end, the gate, and an ordered tuple of agreement
 scopes: the ranks' exchange first (the one every step decides with), then any wider scope an
-integration adds (torchft's replica groups: step/replica_groups.py). The Sentinel
+integration adds (torchft's replica groups: step/group_scope.py). The Sentinel
 (sentinel.py) is the loop's calls over these parts; an integration adds a part (a
 :class:`Scope`), it does not subclass the Sentinel.
 """
@@ -201,7 +201,7 @@ def assemble(model: torch.nn.Module | list[torch.nn.Module], asked: Asked,
         stepping = Stepping(optimizer, scaler, current.buffers, snaps, replicas, state)
         judge = StepJudge(ctx, stepping, detector, spikes)
         end: stop.RunEnd  # the usage reads whether it closed; it removes the usage's hooks
-        use = usage.Usage(watched.module, gradients.caps.label, lambda: end.closed)
+        use = usage.Usage(watched.module, gradients.caps, lambda: end.closed)
         undo.append(use.release)
         end = stop.RunEnd(ctx, judge, usage.chained(*undo))
         if ctx.exchange.world_size > 1:

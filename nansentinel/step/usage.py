@@ -21,10 +21,8 @@ from typing import Any
 import torch
 
 from nansentinel.common import doors
+from nansentinel.engines.base import Capabilities
 from nansentinel.result import ArgumentTypeError, SentinelUsageError
-
-#: The gradient paths whose gradients are the parameters' own ``.grad`` (engines' labels).
-GRAD_PATHS = ("local gradients", "DDP")
 
 
 def check_objects(model: object, optimizer: object) -> None:
@@ -96,13 +94,15 @@ class Usage:
 
     Args:
         module: the unwrapped model.
-        label: the gradient path's label; the order is watched on :data:`GRAD_PATHS` only.
+        caps: the gradient path's capabilities: the order is watched where
+            ``order_watched`` (the gradients are the parameters' own ``.grad``), a late
+            ``check_loss`` refused where ``loss_first``.
         closed: whether the run is closed (the sentinel's end).
     """
 
-    def __init__(self, module: torch.nn.Module, label: str, closed: Any) -> None:
+    def __init__(self, module: torch.nn.Module, caps: Capabilities, closed: Any) -> None:
         trainable = [p for p in module.parameters() if p.requires_grad]
-        watched = label in GRAD_PATHS and bool(trainable)
+        watched = caps.order_watched and bool(trainable)
         self._trainable = trainable if watched else []
         probes = {id(p): p for p in (trainable[:1] + trainable[-1:])} if watched else {}
         self._handles: list[Any] = []
@@ -113,7 +113,7 @@ class Usage:
             self.release()
             self._trainable = []
         self._closed = closed
-        self._local = label == "local gradients"
+        self._local = caps.loss_first
         self._backwards = 0
         self._at_step = 0
         self._loss_checked = False

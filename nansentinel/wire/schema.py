@@ -188,7 +188,7 @@ class Totals:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class GroupTotals:
-    """The row torchft's replica groups sum each step (wire/replica_groups.py), through
+    """The row torchft's replica groups sum each step (wire/group_rows.py), through
     torchft's managed all-reduce, beside the ranks' exchange: counts over the groups."""
 
     bad: int = 0

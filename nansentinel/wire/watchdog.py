@@ -103,7 +103,6 @@ class Watchdog:
         self._armed: tuple[int, float, float, float] | None = None
         self._late_done: int | None = None
         self._stop = threading.Event()
-        self.expired: int | None = None
         self._late_thread: threading.Thread | None = None
         self._thread = threading.Thread(target=self._run, name="nansentinel-watchdog", daemon=True)
         self._thread.start()
@@ -170,7 +169,6 @@ class Watchdog:
                 if self.settled():
                     self._armed = None
                     continue
-                self.expired = armed[0]
                 self.on_expire(armed[0])
                 return
 

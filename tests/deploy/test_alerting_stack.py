@@ -145,7 +145,7 @@ def test_bad_host_page_reaches_the_pager_naming_host_and_rank(stack: Stack) -> N
     description = alert["annotations"]["description"]
     assert f"Rank {BAD_RANK} on host node-bad" in description, description
     assert "on 2 steps in the last 10 minutes" in description, description
-    assert alert["annotations"]["runbook_url"] == "deploy/runbook.md#nansentinelbadhost"
+    assert alert["annotations"]["runbook_url"] == "runbook.md#nansentinelbadhost"
     # The healthy host is never paged.
     for p in stack.hook.payloads:
         assert prom.firing(p, "NanSentinelBadHost", hostname="node-good") is None, p

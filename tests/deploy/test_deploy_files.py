@@ -1,4 +1,5 @@
-"""deploy/ is code: lint it with the real tools and keep its pieces consistent with each other.
+"""The shipped monitoring and Kubernetes files are code: lint them with the real tools and keep
+their pieces consistent with each other.
 
 promtool (Prometheus) and amtool (Alertmanager) come from Debian's ``prometheus`` and
 ``prometheus-alertmanager`` packages (tests/run.sh installs them); a test that needs one is
@@ -23,7 +24,8 @@ from nansentinel.effects.metrics import HostCollector, SentinelMetrics
 from nansentinel.result import RankIdentity, StepResult
 
 ROOT = Path(__file__).resolve().parents[2]
-DEPLOY = ROOT / "deploy"
+FILES = ROOT / "nansentinel" / "files"  # the sets `nansentinel files` writes out
+DEPLOY = FILES / "monitoring"
 PROMETHEUS_DIR = DEPLOY / "prometheus"
 RULES = PROMETHEUS_DIR / "rules" / "nansentinel.rules.yml"
 RULE_TESTS = sorted((PROMETHEUS_DIR / "tests").glob("*.test.yml"))
@@ -136,7 +138,7 @@ def test_alerts_have_severity_annotations_and_runbook_anchors() -> None:
         text = notes["summary"] + notes["description"]
         assert "hostname" in text and "rank" in text.lower(), f"{name} must name host and rank"
         url = notes["runbook_url"]
-        assert url.startswith("deploy/runbook.md#"), url
+        assert url.startswith("runbook.md#"), url
         assert url.split("#", 1)[1] in anchors, f"{name}: no runbook section for {url}"
 
 
@@ -185,16 +187,17 @@ def test_every_metric_used_in_deploy_is_exported(monkeypatch: pytest.MonkeyPatch
 
 
 def test_prometheusrule_carries_the_same_groups_as_the_rules_file() -> None:
-    rule = load_yaml(DEPLOY / "kubernetes" / "prometheusrule.yaml")
+    rule = load_yaml(FILES / "kubernetes" / "prometheusrule.yaml")
     assert rule["kind"] == "PrometheusRule"
     assert rule["apiVersion"] == "monitoring.coreos.com/v1"
     assert rule["spec"]["groups"] == load_yaml(RULES)["groups"], (
-        "deploy/kubernetes/prometheusrule.yaml is out of date; regenerate it (see its header)"
+        "nansentinel/files/kubernetes/prometheusrule.yaml is out of date; regenerate it (see its "
+        "header)"
     )
 
 
 def test_podmonitor_scrapes_one_named_port_per_local_rank_as_job_nansentinel() -> None:
-    monitor = load_yaml(DEPLOY / "kubernetes" / "podmonitor.yaml")
+    monitor = load_yaml(FILES / "kubernetes" / "podmonitor.yaml")
     assert monitor["kind"] == "PodMonitor"
     endpoints = monitor["spec"]["podMetricsEndpoints"]
     assert [e["port"] for e in endpoints] == [f"metrics-{i}" for i in range(8)]

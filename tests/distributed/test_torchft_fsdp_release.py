@@ -112,7 +112,7 @@ def _g0(grank: int, address: str, ports: list[int], exclusion: str, tmp: str,
     import nansentinel
     import nansentinel.torchft as nft
     from nansentinel.config import ConfigError
-    from nansentinel.effects.metrics import MetricsPortError
+    from nansentinel.effects.exporter import MetricsPortError
     from nansentinel.result import HostExcludedError, SentinelUsageError
 
     out: dict[str, Any] = {}

@@ -308,12 +308,12 @@ def alertmanager_config(
 
 
 def adapt_alertmanager_config(path: Path, webhook_url: str, wait: str = "1s") -> str:
-    """A deployable Alertmanager config (``deploy/alertmanager/alertmanager.yml``) made
-    testable: every webhook receiver posts to ``webhook_url``/<receiver name>, other
+    """A deployable Alertmanager config (the monitoring set's ``alertmanager/alertmanager.yml``)
+    made testable: every webhook receiver posts to ``webhook_url``/<receiver name>, other
     integrations (PagerDuty, e-mail) are dropped, and every route waits ``wait`` instead of
     its production timing, so that a test exercises the real routing and inhibition quickly.
     """
-    import yaml  # the test extra; only this helper needs it
+    import yaml  # tests/requirements.txt; only this helper needs it
 
     config = yaml.safe_load(Path(path).read_text())
     for receiver in config.get("receivers", []):

@@ -1,6 +1,6 @@
 """A real Slurm cluster on one machine: slurmctld, munge and one slurmd per namespace host.
 
-The Slurm launch files (launch/slurm/) are only proven on a real Slurm: sbatch's directives,
+The Slurm files (nansentinel/files/slurm/) are only proven on a real Slurm: sbatch's directives,
 srun's exit code, ``scontrol update ... state=drain`` with a user's rights, an Epilog run as
 root, a time limit's SIGTERM. Debian's ``slurm-wlm`` 22.05 and ``munge`` run a whole cluster
 here in seconds: one ``munged`` with its own key and socket, ``slurmctld`` on the bridge's own

@@ -1,6 +1,6 @@
 """A real run, watched as users watch it: two torchrun agents ("hosts" node-good and node-bad,
 2 CPU ranks each) train the demo with a persistent fault on rank 2; real Prometheus scrapes all
-four exporters with the deploy/ rules; real Alertmanager routes the page to a webhook.
+four exporters with the shipped rules; real Alertmanager routes the page to a webhook.
 
 Checks, in the order a user meets them: a healthy scrape has every metric with sane values;
 the bad-host page arrives naming node-bad and rank 2; every Grafana panel query returns data

@@ -261,7 +261,7 @@ def test_snapshot_memory_benchmark_shows_a_sharded_snapshot_per_rank(tmp_path: P
 def test_deepspeed_overhead_benchmark_tiny_run(tmp_path: Path) -> None:
     """``overhead.py --deepspeed 2``: DeepSpeed alone against the same engine under the
     sentinel, toy-sized; both variants timed, the sentinel applied every step (same weights)."""
-    if importlib.util.find_spec("deepspeed") is None:  # pinned in the test extra
+    if importlib.util.find_spec("deepspeed") is None:  # pinned in tests/constraints.txt
         pytest.skip("deepspeed is not installed")
     out = tmp_path / "deepspeed.json"
     cmd = [sys.executable, str(ROOT / "bench" / "overhead.py"), "--deepspeed", "2", "--tiny",

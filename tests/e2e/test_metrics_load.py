@@ -2,7 +2,7 @@
 
 Scrapers run in another process (as Prometheus does), each scraping once a second — sixty-four
 times a production scrape rate of 15 s, times 15. The exporter answers them from its own server
-process (see metrics.py), so all the training process pays is one render a second. Training
+process (see exporter.py), so all the training process pays is one render a second. Training
 alternates 3 s windows with and without scrapers, and each loaded window is compared with
 the quiet windows on either side of it, so that a shared machine's drift cancels out.
 
@@ -35,7 +35,7 @@ import torch
 from prometheus_client import CollectorRegistry
 
 import nansentinel
-from nansentinel.effects import metrics
+from nansentinel.effects import exporter
 
 pytestmark = pytest.mark.e2e
 
@@ -81,13 +81,13 @@ def test_64_scrapers_do_not_slow_training_and_all_succeed(
     # Every render of the registry in this (the training) process, and whether scrapers ran.
     renders: list[bool] = []
     scraping = [False]
-    render = metrics.generate_latest
+    render = exporter.generate_latest
 
     def counted(registry: CollectorRegistry) -> bytes:
         renders.append(scraping[0])
         return render(registry)
 
-    monkeypatch.setattr(metrics, "generate_latest", counted)
+    monkeypatch.setattr(exporter, "generate_latest", counted)
     torch.manual_seed(0)
     torch.set_num_threads(1)
     model = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.ReLU(),
@@ -171,7 +171,7 @@ def test_64_scrapers_do_not_slow_training_and_all_succeed(
     # One render a refresh interval, loaded or not (+1 a window for a render in flight at the
     # switch): a render per scrape would be ~64 a second here.
     loaded_renders = sum(renders)
-    allowed = seconds[True] / metrics.REFRESH_SECONDS + len(cpu_ratios) + 2
+    allowed = seconds[True] / exporter.REFRESH_SECONDS + len(cpu_ratios) + 2
     print(f"renders in the training process: {loaded_renders} in {seconds[True]:.0f} s loaded, "
           f"{len(renders) - loaded_renders} in {seconds[False]:.0f} s quiet")
     assert loaded_renders <= allowed, (

@@ -1,4 +1,5 @@
-"""launch/slurm/ on a real Slurm 22.05: three namespace hosts, slurmctld, munge (e2e/slurm.py).
+"""nansentinel/files/slurm/ on a real Slurm 22.05: three namespace hosts, slurmctld, munge
+(e2e/slurm.py).
 
 The shipped batch script is submitted as a user would, with the overrides a CPU cluster needs
 (``--gpus-per-node=0 --cpus-per-task=1``, ``NPROC_PER_NODE=2``), and settings that only make it
@@ -38,8 +39,8 @@ from .slurm import SlurmCluster, unavailable_reason
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
 
 REPO = Path(__file__).resolve().parents[2]
-SBATCH = REPO / "launch" / "slurm" / "nansentinel.sbatch"
-DRAIN = REPO / "launch" / "slurm" / "nansentinel-drain"
+SBATCH = REPO / "nansentinel" / "files" / "slurm" / "nansentinel.sbatch"
+DRAIN = REPO / "nansentinel" / "files" / "slurm" / "nansentinel-drain"
 WORKER = Path(__file__).resolve().parent / "workers" / "sentinel_worker.py"
 #: What a CPU cluster needs on top of the script's directives; nothing else is overridden.
 CPU_OVERRIDES = ["--gpus-per-node=0", "--cpus-per-task=1"]

@@ -177,6 +177,8 @@ def test_with_sentinel_through_torchtitans_config_manager(tmp_path: Path) -> Non
     assert got["ft_optimizer"] == "SentinelFTOptimizers.Config"
     assert got["ft_optimizer_owner"] == "SentinelFTOptimizers" and got["ft_param_groups"]
     assert got["ft_replica"] == [1, 2] and got["ft_off"] == "no error"
+    assert got["ft_init_sync"] is True and got["ft_no_init_sync"] is False
+    assert got["ft_manager_owner"] == "SentinelFTManager"
     for key, method in (("ft_diloco", "diloco"), ("ft_cli_local_sgd", "local_sgd")):
         assert f"fault_tolerance.semi_sync_method='{method}'" in got[key], got[key]
         assert "semi_sync_method=None" in got[key]

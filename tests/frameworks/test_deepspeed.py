@@ -13,8 +13,9 @@ import pytest
 
 from tests.frameworks import runner
 
-if importlib.util.find_spec("deepspeed") is None:  # the test extra pins it; not imported here
-    pytest.skip("deepspeed is not installed (pip install -e '.[test]')", allow_module_level=True)
+if importlib.util.find_spec("deepspeed") is None:  # tests/constraints.txt pins it; not imported
+    pytest.skip("deepspeed is not installed (pip install -c tests/constraints.txt "
+                "-r tests/requirements-main.txt)", allow_module_level=True)
 
 
 @pytest.mark.timeout(200)

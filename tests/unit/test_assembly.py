@@ -1,5 +1,5 @@
 """One assembly builds the Sentinel's parts (step/assembly.py); an integration adds a scope
-instead of subclassing the Sentinel (torchft's replica groups: step/replica_groups.py)."""
+instead of subclassing the Sentinel (torchft's replica groups: step/group_scope.py)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import nansentinel
 from nansentinel.config import ConfigError, SentinelConfig
 from nansentinel.result import FTStepResult, NonFiniteError, StepResult
 from nansentinel.step.assembly import Parts
-from nansentinel.step.replica_groups import ReplicaGroups
+from nansentinel.step.group_scope import ReplicaGroups
 
 
 def _model() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
@@ -149,7 +149,8 @@ def test_replica_groups_refuse_what_fsdp2_groups_cannot_do() -> None:
 def test_the_torchft_sentinel_is_the_core_one_with_a_scope() -> None:
     """nansentinel.torchft.Sentinel builds the core Sentinel (no subclass) with torchft's
     replica groups as its wider scope; FTStepResult is result.py's."""
-    nft = pytest.importorskip("nansentinel.torchft")
+    pytest.importorskip("torchft")
+    import nansentinel.torchft as nft
     assert not isinstance(nft.Sentinel, type)
     assert nft.FTStepResult is FTStepResult
     from torchft.optim import OptimizerWrapper
@@ -164,7 +165,7 @@ def test_the_torchft_sentinel_is_the_core_one_with_a_scope() -> None:
 def test_the_replica_groups_row_is_the_wire_schemas() -> None:
     """One bad group's row, summed with a healthy one's, decodes through the schema's
     GroupTotals: its count, kinds, participating rank and drop."""
-    from nansentinel.wire.replica_groups import health_row
+    from nansentinel.wire.group_rows import health_row
     from nansentinel.wire.schema import G, GroupTotals
 
     bad = health_row(True, ["loss", "grad"], replica_rank=2, dropped=True)

@@ -45,7 +45,7 @@ def test_help_prints_usage_and_exits_0(flag: str, capsys: pytest.CaptureFixture[
     assert cli.main([flag]) == exitcodes.EXIT_OK
     out = capsys.readouterr().out
     assert out == cli.USAGE
-    assert out.startswith("usage: nansentinel {run,demo,excluded,incidents,store} ...\n")
+    assert out.startswith("usage: nansentinel {run,demo,excluded,incidents,files,store} ...\n")
     for command in ("run", "demo", "excluded", "incidents", "store"):
         assert f"\n  {command}  " in out
 

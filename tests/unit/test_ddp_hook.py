@@ -239,3 +239,38 @@ def test_the_nccl_seam_finds_outputs_in_dataclasses_and_says_when_it_finds_none(
     said = [r.message for r in caplog.records if "checked after DDP reduced" in r.message]
     assert len(said) == (1 if opaque else 0)
     s.close()
+
+
+def test_sparse_gradients_are_ddps_own_rule_and_keep_the_comm_hook() -> None:
+    """DDP reduces as sparse the gradients of ``nn.Embedding``/``nn.EmbeddingBag(sparse=True)``
+    parameters, judged by the first module holding one (a head tied to the embedding counts
+    as the embedding's); and since its own all-reduce writes a sparse sum into ``.grad`` in
+    place, a model that holds one keeps the comm hook on NCCL too."""
+    emb = torch.nn.Embedding(5, 3, sparse=True)
+    head = torch.nn.Linear(3, 5, bias=False)
+    head.weight = emb.weight  # tied
+    frozen = torch.nn.EmbeddingBag(5, 3, sparse=True).requires_grad_(False)
+    model = torch.nn.ModuleDict({"emb": emb, "head": head, "frozen": frozen,
+                                 "dense": torch.nn.Embedding(5, 3)})
+    assert ddp_seam.sparse_parameters(model) == {id(emb.weight)}
+    tied_first = torch.nn.ModuleDict({"head": head, "emb": emb})
+    assert ddp_seam.sparse_parameters(tied_first) == set()  # DDP expects it dense then
+    assert ddp_seam.seam_for("nccl", as_view=False, per_reduction=False) == ddp_seam.END_OF_BACKWARD
+    assert ddp_seam.seam_for("nccl", as_view=False, per_reduction=False,
+                             sparse=True) == ddp_seam.HOOK
+
+
+def test_a_sparse_buckets_norm_is_kept_under_its_parameters_name() -> None:
+    """DDP's bucket for a sparse gradient lists no ``gradients()``: its buffer is the
+    gradient, and the device gate's kept norms name it by the bucket's one parameter."""
+    from nansentinel.engines.local import BucketNorms
+
+    wrapper = SimpleNamespace(module=torch.nn.ModuleDict({"emb": torch.nn.Embedding(4, 2)}))
+    norms = BucketNorms(wrapper)  # type: ignore[arg-type]
+    grad = torch.sparse_coo_tensor([[1, 1], [0, 1]], [3.0, math.nan], (4, 2))
+    bucket = SimpleNamespace(buffer=lambda: grad, gradients=lambda: [],
+                             parameters=lambda: [wrapper.module["emb"].weight])
+    assert math.isnan(norms.norm(bucket, keep=False))
+    assert math.isnan(norms.norm(bucket, keep=True))
+    kept = norms.take()
+    assert kept is not None and kept.poisoned() == ["emb.weight"]

@@ -191,6 +191,15 @@ def test_withhold_zeroes_only_a_flagged_contribution_and_rescale_divides() -> No
     opt = torch.optim.SGD([a, b], lr=0.1)  # b has no gradient this step
     drop.rescale(opt, 4 / 3)
     assert torch.allclose(a.grad, torch.tensor([1.0, 2.0])) and b.grad is None
+    # A sparse gradient (an embedding's: DDP's bucket of its own) withheld and rescaled.
+    sparse = torch.sparse_coo_tensor([[1, 1]], [math.nan, 2.0], (4,))
+    drop.withhold(sparse, torch.tensor(True))
+    assert torch.equal(sparse.to_dense(), torch.zeros(4))
+    emb = torch.nn.Parameter(torch.ones(4))
+    emb.grad = torch.sparse_coo_tensor([[1, 1]], [0.75, 0.75], (4,))
+    drop.rescale(torch.optim.SGD([emb], lr=0.1), 4 / 3)
+    assert emb.grad.is_sparse and torch.allclose(emb.grad.to_dense(),
+                                                 torch.tensor([0.0, 2.0, 0.0, 0.0]))
 
 
 def _caps(path_class: Any, **fields: Any) -> Any:

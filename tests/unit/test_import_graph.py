@@ -12,11 +12,12 @@ The folders of ``nansentinel/`` are layers, from the bottom up (docs/design.md):
     step/                       the step in progress, its states, the gates, the Sentinel
     the top level               the public API and the integrations (lightning, transformers, ...)
 
-A module imports only modules of its own layer or of the layers below it. Two sides stand
-apart: the launcher (``launcher/``, run in torchrun's agent) and the reading side
-(``reading/``, ``nansentinel incidents``) import only the contracts and themselves, and the
-worker side never imports them. Only ``wire/`` and ``engines/`` import ``torch.distributed``
-(and the launcher, which wraps ``torch.distributed.run``, and the demo, a training script).
+A module imports only modules of its own layer or of the layers below it. Three sides stand
+apart: the launcher (``launcher/``, run in torchrun's agent), the reading side (``reading/``,
+``nansentinel incidents``) and the shipped files (``files/``, ``nansentinel files``) import
+only the contracts and themselves, and the worker side never imports them. Only ``wire/`` and
+``engines/`` import ``torch.distributed`` (and the launcher, which wraps
+``torch.distributed.run``, and the demo, a training script).
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ LEVELS = {
 }
 TOP = 10  # the rest of the top level: the public API and the integrations
 COMMAND = 11  # cli.py and __main__.py: the command dispatches to both sides
-SIDES = {"launcher", "reading"}  # import only the contracts (levels 0-2) and themselves
+SIDES = {"launcher", "reading", "files"}  # import only the contracts (levels 0-2) and themselves
 #: Where ``torch.distributed`` may be imported, beside wire/ and engines/: the launcher wraps
 #: ``torch.distributed.run``; the demo is a training script that starts its process group.
 DISTRIBUTED_OK = {"wire", "engines", "launcher", "demo"}
@@ -189,6 +190,19 @@ def test_the_room_issues_no_collective() -> None:
     assert not called & collectives
 
 
+def test_no_module_calls_an_object_collective() -> None:
+    """torch's object collectives (``all_gather_object``, ...) read their bytes back through
+    numpy, an optional dependency of torch that the package does not require: on an install
+    without it they fail with "Numpy is not available". The rare path's ``Peers`` gathers
+    JSON instead (wire/collectives.py)."""
+    objects = {"all_gather_object", "gather_object", "broadcast_object_list",
+               "scatter_object_list", "send_object_list", "recv_object_list"}
+    found = sorted(f"{name}:{node.lineno} {node.func.attr}" for name, path in MODULES.items()
+                   for node in ast.walk(_tree(path)) if isinstance(node, ast.Call)
+                   and isinstance(node.func, ast.Attribute) and node.func.attr in objects)
+    assert not found, found
+
+
 def test_the_top_level_is_the_public_api() -> None:
     top = sorted(p.stem for p in PACKAGE.glob("*.py"))
     assert len(top) <= MAX_TOP_LEVEL, top
@@ -196,8 +210,10 @@ def test_the_top_level_is_the_public_api() -> None:
 
 #: The public constructor keeps its keywords; every other function takes at most this many.
 MAX_PARAMETERS = 6
-#: Names of the engines, as a comparison outside ``engines/`` would spell them.
-ENGINE_NAMES = {"ddp", "fsdp", "fsdp2", "hsdp", "deepspeed", "local", "local_grads", "pipeline"}
+#: Names of the engines, as a comparison outside ``engines/`` would spell them: short names,
+#: and every path's label (``Capabilities.label``: words for messages, not a key).
+ENGINE_NAMES = {"ddp", "fsdp", "fsdp1", "fsdp2", "hsdp", "deepspeed", "local", "local_grads",
+                "pipeline", "prehook", "torchft ddp", "local gradients", "collective pre-hooks"}
 
 
 def _functions() -> list[tuple[str, ast.FunctionDef | ast.AsyncFunctionDef]]:
@@ -236,18 +252,31 @@ def test_no_function_takes_more_than_six_parameters() -> None:
     assert not long, long
 
 
+def _strings(node: ast.AST) -> list[str]:
+    """The string constants ``node`` is, or holds as a literal collection's elements."""
+    elements = node.elts if isinstance(node, ast.Tuple | ast.List | ast.Set) else [node]
+    return [e.value for e in elements if isinstance(e, ast.Constant) and isinstance(e.value, str)]
+
+
 def _engine_names_compared(tree: ast.AST) -> list[int]:
+    """Lines comparing with an engine's name: a string written in the comparison, a name
+    bound to one (``GRAD_PATHS = ("DDP", ...)`` then ``label in GRAD_PATHS``), or a path's
+    ``.label``, whatever it is compared with."""
+    named = {target.id for node in ast.walk(tree)
+             if isinstance(node, ast.Assign | ast.AnnAssign) and node.value is not None
+             and any(s.lower() in ENGINE_NAMES for s in _strings(node.value))
+             for target in (node.targets if isinstance(node, ast.Assign) else [node.target])
+             if isinstance(target, ast.Name)}
     lines = []
     for node in ast.walk(tree):
         if not isinstance(node, ast.Compare):
             continue
-        strings = []
         for side in (node.left, *node.comparators):
-            elements = side.elts if isinstance(side, (ast.Tuple, ast.List, ast.Set)) else [side]
-            strings += [e.value for e in elements
-                        if isinstance(e, ast.Constant) and isinstance(e.value, str)]
-        if any(s.lower() in ENGINE_NAMES for s in strings):
-            lines.append(node.lineno)
+            if (any(s.lower() in ENGINE_NAMES for s in _strings(side))
+                    or (isinstance(side, ast.Name) and side.id in named)
+                    or (isinstance(side, ast.Attribute) and side.attr == "label")):
+                lines.append(node.lineno)
+                break
     return lines
 
 
@@ -257,7 +286,18 @@ def test_no_module_outside_the_engines_compares_an_engine_name() -> None:
     found = {name: lines for name, path in MODULES.items() if _unit(name) != "engines"
              if (lines := _engine_names_compared(_tree(path)))}
     assert not found, found
-    assert _engine_names_compared(ast.parse('if path.name in ("ddp", "x"): pass'))  # it can fail
+    # it can fail: a name written in, one bound to a constant, a label compared
+    assert _engine_names_compared(ast.parse('if path.name in ("ddp", "x"): pass'))
+    assert _engine_names_compared(ast.parse('PATHS = ("local gradients", "DDP")\n'
+                                            'if label in PATHS: pass'))
+    assert _engine_names_compared(ast.parse('if caps.label == wanted: pass'))
+    assert not _engine_names_compared(ast.parse('KINDS = ("grad", "loss")\nif k in KINDS: pass'))
+
+
+def test_the_engine_names_hold_every_label() -> None:
+    from nansentinel.engines import registry
+
+    assert {path.CAPS.label.lower() for path in registry()} <= ENGINE_NAMES
 
 
 def test_the_graph_reader_sees_imports() -> None:

@@ -172,7 +172,7 @@ def test_show_explains_what_where_what_was_done_and_next(
     assert code == 0 and err == ""
     titles = [line for line in out.splitlines() if line and not line.startswith(" ")]
     assert titles == ["Incident", "What was non-finite", "Where", "What the sentinel did",
-                      "Verdict", 'What to do next (deploy/runbook.md, "NanSentinelBadHost")',
+                      "Verdict", 'What to do next (runbook.md, "NanSentinelBadHost")',
                       "Numbers"]
     assert "Incident at step 120 of job job-a" in out
     assert "Non-finite values in the local gradients (before their all-reduce) on 1 of 8 " \
@@ -213,7 +213,8 @@ def test_what_to_do_next_comes_from_a_runbook_section_that_exists(
     incident = incidents.load(put(tmp_path, {**sample_report(), **changes}))
     todo = incidents.advice(incident)
     assert todo.section == section and any(words in s for s in todo.steps), todo
-    headings = re.findall(r"^## (.+)$", (REPO / incidents.RUNBOOK).read_text(), re.M)
+    runbook = REPO / "nansentinel" / "files" / "monitoring" / incidents.RUNBOOK
+    headings = re.findall(r"^## (.+)$", runbook.read_text(), re.M)
     assert section in headings
     text = incidents.render(incidents.explain(incident))
     assert f'"{section}"' in text and words in text

@@ -53,3 +53,17 @@ def test_injector_matches_rank_host_and_step_range() -> None:
     assert on_b.poison("loss", 4, t) and t[0, 0] == math.inf and t[1, 1] == 1
     assert on_b.fired == [(4, "loss")]
     assert not on_b.poison("loss", 9, t)
+
+
+def test_a_grad_drill_writes_into_a_sparse_gradients_stored_values() -> None:
+    """DDP hands a sparse gradient as its own bucket: the drill goes into its first stored
+    value (which the gradient itself holds); one that stores none has nothing to write."""
+    drill = Injector(parse_inject("kind=grad,step=1"), rank=0, host="a")
+    grad = torch.sparse_coo_tensor([[3, 3, 7]], [1.0, 2.0, 3.0], (2 ** 40,))
+    assert drill.poison("grad", 1, grad)
+    assert math.isnan(grad._values()[0]) and grad._values()[1:].tolist() == [2.0, 3.0]
+    csr = torch.eye(3).to_sparse_csr()
+    assert drill.poison("grad", 1, csr) and math.isnan(csr.values()[0])
+    empty = torch.sparse_coo_tensor(torch.zeros(1, 0, dtype=torch.long), [], (5,))
+    assert not drill.poison("grad", 1, empty)
+    assert drill.fired == [(1, "grad"), (1, "grad")]

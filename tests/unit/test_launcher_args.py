@@ -273,9 +273,13 @@ def test_exit_codes_are_the_documented_contract() -> None:
     assert signal_exit_code(signal.SIGINT) == exitcodes.EXIT_SIGINT
 
 
+#: The sets `nansentinel files` writes out.
+LAUNCH = Path(__file__).parents[2] / "nansentinel" / "files"
+
+
 def test_torchrun_wrapper_script_forwards_arguments(tmp_path: Path) -> None:
-    """launch/torchrun-wrapper.sh runs ``python -m nansentinel run`` with every argument."""
-    script = Path(__file__).parents[2] / "launch" / "torchrun-wrapper.sh"
+    """The torchrun set's wrapper runs ``python -m nansentinel run`` with every argument."""
+    script = LAUNCH / "torchrun" / "torchrun-wrapper.sh"
     fake = tmp_path / "python"
     fake.write_text('#!/bin/sh\nfor a in "$@"; do printf "<%s>" "$a"; done\n')
     fake.chmod(0o755)
@@ -295,9 +299,7 @@ def test_sentinel_flags_are_exactly_the_documented_ones() -> None:
     assert all(f in (launcher.__doc__ or "") for f in documented)
 
 
-# -- launch/ scripts -----------------------------------------------------------------------------
-
-LAUNCH = Path(__file__).parents[2] / "launch"
+# -- the shipped launch scripts ------------------------------------------------------------------
 
 
 def test_slurm_script_runs_one_launcher_per_node_with_the_right_options(tmp_path: Path) -> None:

@@ -24,10 +24,10 @@ import pytest
 import torch
 from prometheus_client import CollectorRegistry
 
+from nansentinel.effects.exporter import MetricsPortError
 from nansentinel.effects.metrics import (
     STEP_OUTCOMES,
     HostCollector,
-    MetricsPortError,
     SentinelMetrics,
     normalize_gpu_uuid,
 )
@@ -458,7 +458,7 @@ def test_the_server_process_ends_with_its_rank(tmp_path: Path) -> None:
         "from nansentinel.result import RankIdentity\n"
         "m = SentinelMetrics(RankIdentity(0, 0, 1, 'node-a', 'cpu'))\n"
         "port = m.serve('127.0.0.1', 0)\n"
-        "print(port, m._server.pid, flush=True)\n"
+        "print(port, m.exporter._server.pid, flush=True)\n"
         "time.sleep(300)\n"
     )
     rank = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)

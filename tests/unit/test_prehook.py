@@ -13,7 +13,7 @@ from torch import nn
 
 from nansentinel.common import torch_insides as insides
 from nansentinel.engines import KeptNorms
-from nansentinel.engines.prehook import API_NAMES, REDUCTIONS, contributed, sent
+from nansentinel.engines.prehook import API_NAMES, REDUCTIONS, addresses, contributed, sent
 from nansentinel.rare import live_trace
 from nansentinel.rare.replay import NO_COLLECTIVE
 
@@ -25,6 +25,12 @@ def test_only_reductions_send_gradients_and_only_floating_buffers_count() -> Non
     # Values already reduced (a reduce-scatter's shards gathered back), or parameters.
     assert sent("ALLGATHER_BASE", [g]) == [] and sent("BROADCAST", [g]) == []
     assert {"ALLREDUCE", "ALLTOALL_BASE", "REDUCE"} <= REDUCTIONS
+
+
+def test_a_sent_buffer_is_keyed_by_its_memory_a_sparse_one_by_its_stored_values() -> None:
+    dense, sparse = torch.ones(3), torch.tensor([0.0, 2.0]).to_sparse()
+    assert addresses([dense]) == [dense.data_ptr()]
+    assert addresses([dense, sparse]) == [dense.data_ptr(), sparse._values().data_ptr()]
 
 
 def test_a_forward_collective_counts_what_this_rank_contributes() -> None:

@@ -45,6 +45,26 @@ def test_one_flipped_bit_changes_the_fingerprint_and_only_its_slot() -> None:
     assert disagreeing(_max_reduce(fp, fingerprint(copy), fp)) == [1]
 
 
+def test_sparse_and_complex_state_tensors_are_fingerprinted() -> None:
+    """SGD's momentum buffer of an embedding's sparse gradient is sparse (``hash_tensor`` has
+    no sparse kernel: the fingerprint pass ended every rank): a changed value or index
+    changes its slot alone; a CSR one too; one that stores nothing hashes as an empty one."""
+    buf = torch.sparse_coo_tensor([[1, 4, 1]], [0.5, -2.0, 0.25], (2 ** 40,))
+    dense = torch.randn(3)
+    csr = torch.eye(2).to_sparse_csr()
+    fp = fingerprint([dense, buf, csr])
+    assert torch.equal(fp, fingerprint([dense.clone(), buf.clone(), csr.clone()]))
+    moved = torch.sparse_coo_tensor([[1, 5, 1]], [0.5, -2.0, 0.25], (2 ** 40,))
+    changed = buf.clone()
+    changed._values()[2] = 0.5
+    for other in (moved, changed):
+        assert disagreeing(_max_reduce(fp, fingerprint([dense, other, csr]), fp)) == [1]
+    empty = torch.sparse_coo_tensor(torch.zeros(1, 0, dtype=torch.long), [], (5,))
+    assert fingerprint([empty]).tolist() == fingerprint([torch.zeros(0)]).tolist() == [0]
+    cplx = torch.tensor([1.0 + 2.0j, -3.0j])  # a complex parameter (no complex hash kernel)
+    assert fingerprint([cplx]).tolist() == fingerprint([torch.view_as_real(cplx)]).tolist()
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float64])
 def test_bit_flip_stays_finite_in_every_float_dtype(dtype: torch.dtype) -> None:
     t = torch.full((4,), 1.5, dtype=dtype)

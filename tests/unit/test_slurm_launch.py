@@ -26,7 +26,7 @@ from nansentinel.launcher import hostlist
 from nansentinel.launcher.excluded_command import excluded_main
 
 REPO = Path(__file__).resolve().parents[2]
-DRAIN = REPO / "launch" / "slurm" / "nansentinel-drain"
+DRAIN = REPO / "nansentinel" / "files" / "slurm" / "nansentinel-drain"
 
 
 def _drain_module() -> ModuleType:
@@ -364,7 +364,7 @@ def test_the_store_names_a_bad_port(capsys: pytest.CaptureFixture[str]) -> None:
 
 # -- the batch script's exit code ------------------------------------------------------------
 
-SBATCH = REPO / "launch" / "slurm" / "nansentinel.sbatch"
+SBATCH = REPO / "nansentinel" / "files" / "slurm" / "nansentinel.sbatch"
 #: Stand-ins for the tools the script calls: `srun` leaves each node's launcher code as the
 #: real per-node wrapper does (FAKE_CODES, one per node; "-" leaves none, as a killed one).
 _FAKES = {

@@ -1,6 +1,6 @@
 """The pure parts of the torchft replica groups' blame and ride-along row: which culprit a group
 names (its agreed blame, not the naming rank's position), how the names become the step's
-result, and the row that travels with the gradients (wire/replica_groups.py)."""
+result, and the row that travels with the gradients (wire/group_rows.py)."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ import torch
 
 from nansentinel.decide.groups import Decided, group_result
 from nansentinel.result import Outcome, StepResult
-from nansentinel.step.replica_groups import ReplicaGroups
-from nansentinel.wire.replica_groups import carried, device_row, row_on_device
+from nansentinel.step.group_scope import ReplicaGroups
+from nansentinel.wire.group_rows import carried, device_row, row_on_device
 from nansentinel.wire.schema import GroupTotals, R
 
 

@@ -23,7 +23,7 @@ def test_fires_once_for_a_stuck_step() -> None:
     dog.arm(8)  # already armed: the first deadline stands
     assert wait_for(lambda: fired == [7])
     time.sleep(0.2)
-    assert fired == [7] and dog.expired == 7
+    assert fired == [7]
     dog.close()
 
 
@@ -38,7 +38,7 @@ def test_disarmed_and_settled_steps_do_not_fire() -> None:
     settled = Watchdog(0.1, fired.append, poll=0.02, settled=lambda: True)
     settled.arm(2)
     time.sleep(0.3)
-    assert fired == [] and settled.expired is None
+    assert fired == []
     settled.close()
 
 

@@ -114,6 +114,12 @@ def fault_tolerant() -> dict[str, Any]:
     out["ft_param_groups"] = (parsed.optimizer.param_groups
                               == llama3_torchft_debugmodel().optimizer.param_groups)
     out["ft_replica"] = [parsed.fault_tolerance.replica_id, parsed.fault_tolerance.group_size]
+    # torchft's init_sync: on by default, off with the docs' flag (torchtitan has none).
+    out["ft_init_sync"] = parsed.fault_tolerance.init_sync
+    out["ft_no_init_sync"] = ConfigManager().parse_args([
+        "--module", "torchtitan_registry", "--config", "sentinel_ft_debugmodel",
+        "--fault_tolerance.no-init-sync"]).fault_tolerance.init_sync
+    out["ft_manager_owner"] = type(parsed.fault_tolerance)._owner.__qualname__
     out["ft_diloco"] = error(lambda: with_sentinel(llama3_torchft_debugmodel()))
     plain = synchronous()
     plain.optimizer = OptimizersContainer.Config(param_groups=plain.optimizer.param_groups)

@@ -131,7 +131,6 @@ def _ft_base() -> Any:
     if not _hooked:  # once a process: the test's arms share it (torchtitan_train.py)
         _hooked.append(True)
         _report_weights(group)
-        _no_step0_sync()
     return config
 
 
@@ -205,31 +204,46 @@ def _start_together() -> None:
     Manager.start_quorum = together  # type: ignore[method-assign]
 
 
-def _no_step0_sync() -> None:
-    """torchft syncs step 0 by healing every group from one (``init_sync``): the healthy
-    group's state dict is taken in torchft's quorum thread while that group's own first
-    forward runs, and FSDP2's state_dict pre-hook reshards the parameters under it ("aten.mm
-    got mixed torch.Tensor and DTensor", seen here on CPU with and without the sentinel).
-    Off: the groups start alike from the same seed (``debug.seed``)."""
+def _step0_sync(on: bool) -> None:
+    """torchft syncs step 0 by healing every group from one (``init_sync``, its default): the
+    healthy group's state dict is taken in torchft's quorum thread while that group's own
+    first forward runs, and FSDP2's state_dict pre-hook reshards the parameters under it
+    ("aten.mm got mixed torch.Tensor and DTensor", seen here on CPU with and without the
+    sentinel). torchtitan's own trainer has no setting for it: the bare arm turns it off
+    here (``on=False``); the sentinel's arm puts torchft's own back and turns it off with
+    the setting SentinelFTTrainer adds (``fault_tolerance.init_sync``). The groups start
+    alike from the same seed (``debug.seed``)."""
     from torchft import Manager
 
-    init = Manager.__init__
+    init = _MANAGER_INIT.setdefault("init", Manager.__init__)
 
     def no_sync(self: Any, *args: Any, **kwargs: Any) -> None:
         init(self, *args, **{**kwargs, "init_sync": False})
 
-    Manager.__init__ = no_sync  # type: ignore[method-assign]
+    Manager.__init__ = init if on else no_sync  # type: ignore[method-assign]
+
+
+#: torchft's own ``Manager.__init__``, kept while the bare arm replaces it.
+_MANAGER_INIT: dict[str, Any] = {}
 
 
 def ft_bare() -> Any:
     """torchtitan's fault-tolerant trainer alone: group 1's NaN reaches every group."""
+    _step0_sync(False)
     return _ft_base()
 
 
 def ft_fault() -> Any:
     """The same under the sentinel, a host name per rank (``node{group}r{rank}``)."""
+    import dataclasses
+
     group, rank = os.environ["REPLICA_GROUP_ID"], os.environ["RANK"]
-    return with_sentinel(_ft_base(), hostname=f"node{group}r{rank}")
+    _step0_sync(True)
+    config = with_sentinel(_ft_base(), hostname=f"node{group}r{rank}")
+    # docs/torchft.md's --fault_tolerance.no-init-sync, set in the registry here because the
+    # bare arm's config (torchtitan's own) has no such field and both arms share the argv.
+    config.fault_tolerance = dataclasses.replace(config.fault_tolerance, init_sync=False)
+    return config
 
 
 def sentinel_ft_debugmodel() -> Any:
