@@ -60,12 +60,12 @@ class HostExcludedExit(NanSentinelError):
         self.record = record
 
 
-class TooFewHostsExit(Exception):
+class TooFewHostsExit(NanSentinelError):
     """Raised inside torchrun's agent when the hosts excluded at one step leave fewer than
     ``--nnodes``'s minimum: the next round could only wait out its join timeout."""
 
 
-class RendezvousStoreGone(Exception):
+class RendezvousStoreGone(NanSentinelError):
     """Raised inside torchrun's agent when the rendezvous store died or stopped answering:
     no restart, no exclusion and no new host can happen without it, so the job stops."""
 
