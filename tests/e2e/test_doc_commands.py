@@ -149,6 +149,20 @@ def test_the_replica_drill_runs(folder: Path) -> None:
     assert reports, text[-3000:]
 
 
+def test_the_launch_commands_run(folder: Path) -> None:
+    """launch.md's exclusion commands, on a file holding two hosts' records."""
+    from nansentinel.common.exclusion import ExclusionRecord, ExclusionStore
+
+    store = ExclusionStore(folder / "shared" / "job" / "excluded.jsonl")
+    for host in ("node3", "node7"):
+        store.add(ExclusionRecord(host=host, reason=f"{host} poisoned the grads", step=5))
+    out = _run_blocks(folder, blocks("test_the_launch_commands_run"))
+    listed = next(v for k, v in out.items() if k.rstrip().endswith("excluded.jsonl"))
+    assert "node3" in listed and "node7" in listed, listed
+    hostlist = next(v for k, v in out.items() if "--hostlist" in k)
+    assert hostlist.strip() == "node7", hostlist  # node3 cleared by the line before it
+
+
 def test_the_files_commands_run(folder: Path) -> None:
     out = _run_blocks(folder, blocks("test_the_files_commands_run"))
     assert (folder / "monitoring" / "prometheus" / "rules" / "nansentinel.rules.yml").is_file()
