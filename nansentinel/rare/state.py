@@ -141,10 +141,12 @@ class StateCheck:
         hosts = {r: str(rows[r]["host"]) for r in rows}
         by_global = {int(rows[r]["global"]): found[r] for r in rows}
         ok, why = self._repairable_here(by_global)
+        world = self.peers.world_size
         with self.ctx.guarded():  # repairable only where every group is (the same answer)
-            repairable = self.peers.max_floats([0.0 if ok else 1.0])[0] == 0.0
-        if not repairable and ok:
-            why = "another replica group holds no finite copy of its poisoned tensors"
+            first = self.peers.min_ints([world if ok else self.peers.rank])[0]
+            repairable = first == world
+            if not repairable:  # why, in the words of the first rank that knows (the same)
+                why = str(self.peers.gather_from([first], why).get(first, why))
         findings = StateFindings(step, found, hosts, repairable, "" if repairable else why)
         self._poisoned = by_global
         self.found.append(findings)
