@@ -121,7 +121,9 @@ class StateCheck:
                             bad_ranks=ranks, bad_hosts=sorted({h for h, _ in rows.values()}),
                             kinds=[KIND], local_kinds=[KIND] if mine or hyper else [],
                             local_loss=None, local_grad_norm=None, consecutive_skips=0,
-                            verdict=VERDICT, reason=message)
+                            verdict=VERDICT, reason=message,
+                            poisoned_state={r: words for r, (_, words) in rows.items()},
+                            state_action=str(Outcome.ABORTED))
         raise NonFiniteStateError(message, result)
 
     def examine(self, step: int) -> StateFindings | None:
