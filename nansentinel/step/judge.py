@@ -214,10 +214,18 @@ class StepJudge:
         return found
 
     def _hyper(self, totals: Totals) -> str:
-        """This rank's non-finite hyperparameters in words, where some rank had one."""
+        """The non-finite hyperparameters in words, where some rank had one: the first such
+        rank's, on every rank (a rare path's two small collectives, every rank alike: the
+        reason and rank 0's report name them even where rank 0's own are finite)."""
         if not totals.bad_hyper:
             return ""
-        return describe_hyperparameters(poisoned_hyperparameters(self.optimizer))
+        mine = describe_hyperparameters(poisoned_hyperparameters(self.optimizer))
+        peers = self.ctx.peers
+        with self.guarded():
+            first = peers.min_ints([peers.rank if mine else peers.world_size])[0]
+            if first == peers.world_size:  # read finite since: nothing to name
+                return ""
+            return str(peers.gather_from([first], mine).get(first, mine))
 
     def _snapshot_choice(self) -> int | None:
         """The snapshot a rollback would restore: the newest kept that a rollback has not
