@@ -181,7 +181,9 @@ class StateCheck:
         """Overwrite this replica group's poisoned tensors from a finite copy: for each tensor
         poisoned on some member, a broadcast from the lowest member holding it finite (only the
         groups with a poisoned member broadcast; every member of such a group takes part, in
-        the same order). Returns the names repaired here."""
+        the same order). Only the members holding it poisoned take the copy: the others
+        receive into a scratch tensor and keep their own (a floating buffer is each rank's
+        own where nothing broadcasts it). Returns the names repaired here."""
         if self.replicas is None or not findings.repairable:
             return []
         members = self._members()
@@ -193,17 +195,19 @@ class StateCheck:
         comm = self.replicas.comm_device
         if self.before_write is not None:
             self.before_write()
+        mine = self._poisoned.get(self.peers.global_rank, [])
+        held = {p.name for p in mine}
         with self.ctx.guarded():
             for name in names:
                 source = next(g for g in members if not any(
                     p.name == name for p in poisoned_here.get(g, [])))
                 tensor = state[name]
-                buf = tensor if tensor.device == comm and tensor.is_contiguous() else (
-                    tensor.to(comm).contiguous())
+                takes = name in held
+                buf = tensor if takes and tensor.device == comm and tensor.is_contiguous() else (
+                    tensor.to(comm, copy=True).contiguous())
                 self.replicas.broadcast_in_place(buf, source)
-                if buf is not tensor:
+                if takes and buf is not tensor:
                     tensor.copy_(buf)
-        mine = self._poisoned.get(self.peers.global_rank, [])
         if mine:
             log.error("nansentinel: rank %d on host %s: its %s repaired from a finite replica at "
                       "step %d", self.identity.rank, self.identity.hostname,
