@@ -18,7 +18,11 @@ from nansentinel.checks.buffers import FloatingBuffers
 from nansentinel.checks.health import LocalHealth, to_device
 from nansentinel.checks.pipeline import StageWatch
 from nansentinel.checks.quarantine import Quarantine
-from nansentinel.checks.state import hyperparameters_finite
+from nansentinel.checks.state import (
+    describe_hyperparameters,
+    hyperparameters_finite,
+    poisoned_hyperparameters,
+)
 from nansentinel.common.inject import STATE_KINDS, Injector, drill_targets
 from nansentinel.decide.spikes import SpikeDetector
 from nansentinel.effects import drop
@@ -247,6 +251,9 @@ class CurrentStep:
             self.local.injected = True
         self.local.hyper_bad = self.optimizer is not None and not hyperparameters_finite(
             self.optimizer)
+        if self.local.hyper_bad:  # the rare case: named now, while they are as stepped
+            self.local.hyper = describe_hyperparameters(
+                poisoned_hyperparameters(self.optimizer))
         # On the CPU the row is read as host floats and packed as such (schema.pack).
         row = self.local.host_row() if self.device.type == "cpu" else self.local.row()
         self.host_row = row if isinstance(row, list) else None

@@ -25,11 +25,8 @@ from typing import Any
 import torch
 
 from nansentinel.checks.buffers import FloatingBuffers
-from nansentinel.checks.state import (
-    StateFindings,
-    describe_hyperparameters,
-    poisoned_hyperparameters,
-)
+from nansentinel.checks.health import LocalHealth
+from nansentinel.checks.state import StateFindings
 from nansentinel.decide.policy import (
     DROP,
     HYPER,
@@ -155,7 +152,7 @@ class StepJudge:
         snapshot_step = self._snapshot_choice()
         evidence = Evidence(self.amp, spikes, verdict, snapshot_step,
                             near=self.spikes.near(totals, self._level), state=state,
-                            hyper=self._hyper(totals))
+                            hyper=self._hyper(totals, local))
         decision = decide(view, self.history, self.config, evidence)
         self.history.record(view, decision, self.config, evidence)
         rolled_back_to, restored, not_ours = self._act(decision, view, own, record,
@@ -213,17 +210,17 @@ class StepJudge:
             self._finite_at = view.step
         return found
 
-    def _hyper(self, totals: Totals) -> str:
+    def _hyper(self, totals: Totals, local: LocalHealth) -> str:
         """The non-finite hyperparameters in words, where some rank had one: the first such
-        rank's, on every rank (a rare path's two small collectives, every rank alike: the
-        reason and rank 0's report name them even where rank 0's own are finite)."""
+        rank's as its row left (the device gate decides at the next call, after the schedule
+        wrote the next rate), on every rank (a rare path's two small collectives, every rank
+        alike: the reason and rank 0's report name them where rank 0's own were finite)."""
         if not totals.bad_hyper:
             return ""
-        mine = describe_hyperparameters(poisoned_hyperparameters(self.optimizer))
-        peers = self.ctx.peers
+        mine, peers = local.hyper, self.ctx.peers
         with self.guarded():
             first = peers.min_ints([peers.rank if mine else peers.world_size])[0]
-            if first == peers.world_size:  # read finite since: nothing to name
+            if first == peers.world_size:
                 return ""
             return str(peers.gather_from([first], mine).get(first, mine))
 
