@@ -140,6 +140,10 @@ FSDP_CASES: dict[str, tuple[Case, Expect | None]] = {
     "HSDP weight drill, every rank, rollback": (
         dict(engine="hsdp", inject="kind=weight,step=3", policy="rollback", steps=6),
         Expect(3, (0, 1, 2, 3), "weight inp.weight (1 of 64", "rolled_back")),
+    # (test_fingerprints_let_a_finite_replica_win_over_a_nan_majority)
+    "DDP on 4 ranks, optimizer state written on 3, fingerprints every step": (
+        dict(engine="ddp", write=_written(3, "optimizer_state", [1, 2, 3]), steps=6,
+             config={"fingerprint_every": 1}), None),
 }
 
 #: DeepSpeed, 2 ranks: no snapshot (rollbacks are refused), no replica of a partition.
@@ -444,6 +448,29 @@ def test_fsdp2_rolls_back_or_stops_and_hsdp_repairs_within_its_replica_group(
     reached, are not struck; both replicas of a shard poisoned stop; every rank poisoned rolls
     back."""
     _check_all(fsdp, FSDP_CASES)
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "rare/replicas.py (issue 68, deliverable 4): the fingerprints' majority vote takes three "
+    "NaN replicas for the truth, strikes host0 and overwrites its finite copy with NaN; the "
+    "run then stops at step 4, exit 6"))
+@pytest.mark.timeout(240)
+def test_fingerprints_let_a_finite_replica_win_over_a_nan_majority(
+    fsdp: dict[str, list[dict[str, Any]]],
+) -> None:
+    """DDP on 4 ranks, fingerprints every step, Adam's exp_avg_sq poisoned on ranks 1-3: the
+    step applies and their weights turn NaN, where the fingerprint pass reads them first.
+    Non-finite loses to finite: ranks 1-3 are repaired from rank 0 and their hosts struck, and
+    the run goes on with every replica finite and identical."""
+    ranks = fsdp["DDP on 4 ranks, optimizer state written on 3, fingerprints every step"]
+    _alike("a NaN majority", ranks)
+    for out in ranks:
+        assert out["error"] is None, out["error"]
+        assert sorted(out["strikes"]) == ["host1", "host2", "host3"], out["strikes"]
+    for key in ("params", "optimizer"):
+        tensors = [out["state"][key] for out in ranks]
+        assert all(_nonfinite(t) == 0 for t in tensors), key
+        assert all(torch.equal(t, tensors[0]) for t in tensors), key
 
 
 @pytest.mark.timeout(300)
