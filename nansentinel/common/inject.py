@@ -13,8 +13,9 @@
   the value into the model's own state as the step begins, before its forward (a memory fault
   between two steps, a bad restore): the first element of the first weight, of the first
   optimizer-state tensor (once the optimizer has stepped) or of the first floating buffer;
-  ``hyperparameter`` writes param group 0's ``lr`` for that step and puts the user's value
-  back once the step is decided (rare/state.py, docs/recovery.md)
+  ``hyperparameter`` writes param group 0's ``lr`` for that step as its health leaves (where
+  the hyperparameters are read: a schedule written earlier would write over it) and puts the
+  user's value back once the step is decided (rare/state.py, docs/recovery.md)
 - ``rank=R`` or ``host=NAME``: where (neither: every rank — a divergence drill)
 - ``step=S`` or ``steps=A-B`` (inclusive): when, counted like ``StepResult.step`` (required)
 - ``value``: ``nan`` (default) | ``inf`` | ``-inf``
