@@ -106,6 +106,9 @@ DDP_CASES: dict[str, tuple[Case, Expect | None]] = {
         dict(write=_written(3, "weight", None), spikes="recover", steps=7),
         Expect(3, (0, 1), "weight inp.weight (1 of 128", "rolled_back")),
     "hyperparameter drill": (dict(inject="kind=hyperparameter,step=3", steps=6), None),
+    "hyperparameter drill on rank 1, device gate": (
+        dict(inject="kind=hyperparameter,rank=1,step=3", combo={"optimizer": "adamw_fused"},
+             config={"gate": "device"}, steps=6), None),
     "lr NaN from step 3 on": (
         dict(lr_nan_from=3, config={"max_consecutive_skips": 3}, steps=9), None),
     "refused at construction": (dict(run="refuse", what="weight", ranks=[1]), None),
@@ -362,13 +365,18 @@ def test_a_poisoned_state_rolls_back_once_to_the_same_snapshot(
 def test_a_nan_learning_rate_is_skipped_then_applied_or_stops_named(
     ddp: dict[str, list[dict[str, Any]]], zero: dict[str, list[dict[str, Any]]],
 ) -> None:
-    """The hyperparameter drill (one step, every rank; DDP and ZeRO-3's engine step) skips
-    that step with the param group and the hyperparameter named, puts the schedule's rate
-    back and applies the next; a schedule that keeps returning NaN stops after
-    max_consecutive_skips (3) with the same words: exit 3, the schedule's to fix."""
+    """The hyperparameter drill (one step, every rank; DDP and ZeRO-3's engine step; and on
+    rank 1 alone under DDP's device gate, which decides at the next call) skips that step on
+    every rank with the param group and the hyperparameter named alike (rank 0's report too),
+    puts the schedule's rate back and applies the next; a schedule that keeps returning NaN
+    stops after max_consecutive_skips (3) with the same words: exit 3, the schedule's to fix."""
     for name, ranks, at in (("DDP", ddp["hyperparameter drill"], 3),
+                            ("DDP, rank 1, device gate",
+                             ddp["hyperparameter drill on rank 1, device gate"], 3),
                             ("ZeRO-3", zero["ZeRO-3 hyperparameter drill"], 2)):
         _alike(name, ranks)
+        assert [out["gate"] for out in ranks] == ["device" if "gate" in name else "host"] * len(
+            ranks), name
         for out in ranks:
             assert out["error"] is None, (name, out["error"])
             for rec in out["records"]:

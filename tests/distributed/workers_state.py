@@ -191,8 +191,10 @@ def _sentinel(run: Run, case: Case, rank: int, report_dir: Path, run_dir: Path
         snapshot_every=case.get("snapshot_every", 2), **case.get("config", {}))
 
 
-def _combo(engine: str) -> dict[str, Any]:
-    return dict(PLAIN, engine=engine, batchnorm=True)
+def _combo(case: Case) -> dict[str, Any]:
+    """What the builder takes: the matrix's plain setup with a BatchNorm (its floating
+    buffers), and the case's ``combo`` (the optimizer, say)."""
+    return dict(PLAIN, engine=case["engine"], batchnorm=True, **case.get("combo", {}))
 
 
 def _finish(run: Run, sentinel: nansentinel.Sentinel | None, rank: int, out: dict[str, Any],
@@ -217,11 +219,11 @@ def train(rank: int, world: int, case: Case, report_dir: Path, run_dir: Path
     """Train ``case["steps"]`` steps with the case's faults: ``write`` maps a step to
     ``{"what": kind, "ranks": [..] (None: every rank)}``, written as the step begins (before
     its batch); ``lr_nan_from``: the loop's schedule returns NaN from that step on."""
-    run = RUNS[case["engine"]](_combo(case["engine"]), rank, world)
+    run = RUNS[case["engine"]](_combo(case), rank, world)
     sentinel = _sentinel(run, case, rank, report_dir, run_dir)
     groups = _groups(run)
     base = groups[0]["lr"]
-    records: list[dict[str, Any]] = []
+    results: list[Any] = []
     error = None
     try:
         for step in range(case["steps"]):
@@ -234,21 +236,28 @@ def train(rank: int, world: int, case: Case, report_dir: Path, run_dir: Path
             sentinel.check_loss(loss)
             run.backward(loss)
             run.reduce(sentinel)
-            result = sentinel.step()
-            records.append(_record(result))
+            results.append(sentinel.step())
             run.zero_grad()
     except nansentinel.NonFiniteError as exc:
         error = _error(exc)
-    out = {"records": records, "error": error, "lr": [g["lr"] for g in groups],
-           "base_lr": base}
-    return _finish(run, sentinel, rank, out, report_dir, run_dir)
+    out = {"error": error, "lr": [g["lr"] for g in groups], "base_lr": base,
+           "gate": "device" if sentinel.device_gate is not None else "host"}
+    out = _finish(run, sentinel, rank, out, report_dir, run_dir)
+    # Read once every step is decided (the device gate decides a step at the next call).
+    out["records"] = []
+    for r in results:
+        try:
+            out["records"].append(_record(r))
+        except nansentinel.NonFiniteError:  # a device-gated step whose decision stopped it
+            assert error is not None and error["step"] == r.step
+    return out
 
 
 def refuse(rank: int, world: int, case: Case, report_dir: Path, run_dir: Path
            ) -> dict[str, Any]:
     """A checkpoint restored with a NaN (``case["what"]`` on ``case["ranks"]``, None: every
     rank) before the Sentinel is built: its construction raises on every rank."""
-    run = RUNS[case["engine"]](_combo(case["engine"]), rank, world)
+    run = RUNS[case["engine"]](_combo(case), rank, world)
     if case["ranks"] is None or rank in case["ranks"]:
         write_fault(run, case["what"])
     error = None
@@ -269,7 +278,7 @@ def restore(rank: int, world: int, case: Case, report_dir: Path, run_dir: Path
     and one more step."""
     import copy
 
-    run = RUNS[case["engine"]](_combo(case["engine"]), rank, world)
+    run = RUNS[case["engine"]](_combo(case), rank, world)
     sentinel = _sentinel(run, case, rank, report_dir, run_dir)
     assert run.optimizer is not None
     records: list[dict[str, Any]] = []
