@@ -127,6 +127,9 @@ class LocalHealth:
         model has none."""
         self.hyper_bad = False
         """An optimizer hyperparameter is non-finite (read as the row is packed)."""
+        self.hyper = ""
+        """Those hyperparameters in words, as they were then (a report names them after the
+        schedule, or a drill, may have written the next step's)."""
 
     @contextlib.contextmanager
     def timed(self) -> Iterator[None]:

@@ -65,25 +65,51 @@ def named_state(
 ) -> list[tuple[str, str, torch.Tensor]]:
     """``(name, kind, local tensor)`` of every parameter, floating buffer and floating tensor
     of each parameter's optimizer state, in the same order on every replica (a DTensor's local
-    shard; the parameters named in ``skip`` left out). Optimizer state is named
-    ``param.state_key``; a parameter the optimizer does not hold has none."""
+    shard, a ZeRO-3 parameter's partition; the parameters named in ``skip`` left out).
+    Optimizer state is named ``param.state_key``; a parameter the optimizer does not hold has
+    none. Tensors the optimizer holds that the module does not (DeepSpeed ZeRO's flat fp32
+    partitions, the keys of its state) are named by their place: ``optimizer.0`` (a weight)
+    and ``optimizer.0.exp_avg``."""
     skipped = set(skip)
     state = getattr(optimizer, "state", None) if optimizer is not None else None
+    held_by = state if isinstance(state, dict) else {}
     out: list[tuple[str, str, torch.Tensor]] = []
+    seen: set[int] = set()
     for name, p in module.named_parameters():
+        seen.add(id(p))
         if name in skipped:
             continue
-        out.append((name, WEIGHT, local(p).detach()))
-        held = state.get(p, {}) if isinstance(state, dict) else {}
-        for key in sorted(held, key=str):
-            value = held[key]
-            if isinstance(value, torch.Tensor) and (value.is_floating_point()
-                                                    or value.is_complex()):
-                out.append((f"{name}.{key}", OPTIMIZER_STATE, local(value).detach()))
+        out.append((name, WEIGHT, _own(p)))
+        out.extend(_optimizer_state(name, held_by.get(p, {})))
+    others = [key for key in held_by if isinstance(key, torch.Tensor) and id(key) not in seen]
+    for i, key in enumerate(others):
+        out.append((f"optimizer.{i}", WEIGHT, _own(key)))
+        out.extend(_optimizer_state(f"optimizer.{i}", held_by[key]))
     if buffers:
         out.extend((name, BUFFER, local(b).detach()) for name, b in module.named_buffers()
                    if b.is_floating_point() or b.is_complex())
     return out
+
+
+def _optimizer_state(name: str, held: Any) -> list[tuple[str, str, torch.Tensor]]:
+    """The floating tensors of one parameter's optimizer state, by key."""
+    out = []
+    for key in sorted(held, key=str):
+        value = held[key]
+        if isinstance(value, torch.Tensor) and (value.is_floating_point() or value.is_complex()):
+            out.append((f"{name}.{key}", OPTIMIZER_STATE, local(value).detach()))
+    return out
+
+
+def _own(p: torch.Tensor) -> torch.Tensor:
+    """What this rank holds of a parameter: a DTensor's local shard; a DeepSpeed ZeRO-3
+    parameter's partition (``ds_tensor``) while the parameter itself is released (empty: the
+    forward gathers it from the partitions); any other tensor as it is."""
+    own = local(p).detach()
+    partition = getattr(p, "ds_tensor", None)  # duck-typed: checks import no engine
+    if own.numel() == 0 and isinstance(partition, torch.Tensor):
+        return partition.detach()
+    return own
 
 
 def _values(t: torch.Tensor) -> torch.Tensor:

@@ -13,8 +13,9 @@
   the value into the model's own state as the step begins, before its forward (a memory fault
   between two steps, a bad restore): the first element of the first weight, of the first
   optimizer-state tensor (once the optimizer has stepped) or of the first floating buffer;
-  ``hyperparameter`` writes param group 0's ``lr`` for that step and puts the user's value
-  back once the step is decided (rare/state.py, docs/recovery.md)
+  ``hyperparameter`` writes param group 0's ``lr`` for that step as its health leaves (where
+  the hyperparameters are read: a schedule written earlier would write over it) and puts the
+  user's value back once the step is decided (rare/state.py, docs/recovery.md)
 - ``rank=R`` or ``host=NAME``: where (neither: every rank — a divergence drill)
 - ``step=S`` or ``steps=A-B`` (inclusive): when, counted like ``StepResult.step`` (required)
 - ``value``: ``nan`` (default) | ``inf`` | ``-inf``
@@ -167,13 +168,18 @@ class Injector:
 def drill_targets(module: torch.nn.Module, optimizer: Any) -> list[tuple[str, torch.Tensor]]:
     """``(kind, tensor)`` a state drill writes into (:data:`DRILLED_STATE`): the first
     non-empty weight, optimizer-state tensor and floating buffer of this rank (a DTensor's
-    local shard), where it has one."""
+    local shard, a ZeRO-3 parameter's partition), where it has one. The optimizer state of
+    tensors the module does not hold (DeepSpeed ZeRO's flat partitions) counts after the
+    module's parameters' (checks/state.py names it so too)."""
     found: dict[str, torch.Tensor] = {}
     states = getattr(optimizer, "state", None)
-    for p in module.parameters():
-        if _own(p).numel():
+    states = states if isinstance(states, dict) else {}
+    params = list(module.parameters())
+    ids = {id(p) for p in params}
+    for p in [*params, *(k for k in states if isinstance(k, torch.Tensor) and id(k) not in ids)]:
+        if id(p) in ids and _own(p).numel():
             found.setdefault("weight", _own(p))
-        state = states.get(p, {}) if isinstance(states, dict) else {}
+        state = states.get(p, {})
         for key in sorted(state, key=str):
             value = state[key]
             if isinstance(value, torch.Tensor) and value.is_floating_point() and \
@@ -187,9 +193,14 @@ def drill_targets(module: torch.nn.Module, optimizer: Any) -> list[tuple[str, to
 
 
 def _own(t: torch.Tensor) -> torch.Tensor:
-    """This rank's values of ``t`` (a DTensor's local shard; duck-typed, no import)."""
+    """This rank's values of ``t`` (a DTensor's local shard; a released ZeRO-3 parameter's
+    partition; duck-typed, no import)."""
     to_local = getattr(t, "to_local", None)
-    return to_local() if to_local is not None else t
+    own = to_local() if to_local is not None else t
+    partition = getattr(t, "ds_tensor", None)
+    if own.numel() == 0 and isinstance(partition, torch.Tensor):
+        return partition
+    return own
 
 
 def _int(where: str, key: str, text: str) -> int:

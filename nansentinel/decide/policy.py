@@ -283,14 +283,15 @@ class History:
 
 
 def struck_hosts(view: ClusterView, decision: Decision, evidence: Evidence) -> list[str]:
-    """Hosts that earn a strike at this step: :func:`blamed_hosts`, and those whose memory
-    held a poisoned state that a finite replica repaired (a hardware suspect; where every
-    replica was poisoned the cause is the checkpoint or the numbers, and no host is struck)."""
-    hosts = blamed_hosts(view, decision, evidence.verdict)
+    """Hosts that earn a strike at this step: :func:`blamed_hosts`, or, where a finite
+    replica repaired a poisoned state, the hosts whose memory held it alone (a hardware
+    suspect): the ranks it only reached are not struck (FSDP's all-gather carries one rank's
+    poisoned shard into its whole shard group's forward). Where every replica was poisoned
+    the cause is the checkpoint or the numbers, and no host is struck for the state."""
     state = evidence.state
     if state is not None and state.repairable and not decision.stops:
-        hosts = sorted({*hosts, *state.bad_hosts})
-    return hosts
+        return state.bad_hosts
+    return blamed_hosts(view, decision, evidence.verdict)
 
 
 def blamed_hosts(view: ClusterView, decision: Decision, verdict: str | None = None) -> list[str]:
@@ -561,8 +562,8 @@ def _poisoned_state(
     if config.policy == "abort":
         return dataclasses.replace(provisional, action=ABORT, reason=f"{what}; policy is abort")
     if state.repairable:
-        hosts = sorted({*state.bad_hosts, *blamed_hosts(view, provisional, STATE)})
-        excluding = _excluding(provisional, hosts, history, config, view.step)
+        # not the ranks it only reached (struck_hosts): the hosts that held it
+        excluding = _excluding(provisional, state.bad_hosts, history, config, view.step)
         if excluding is not None:
             return dataclasses.replace(excluding, reason=f"{what}; {excluding.reason}")
         repaired = f"{what}; repaired from a finite replica"

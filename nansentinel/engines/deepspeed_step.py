@@ -99,6 +99,12 @@ class EngineStep:
     def param_groups(self) -> list[dict[str, Any]]:
         return self.engine.optimizer.param_groups
 
+    @property
+    def state(self) -> Any:
+        """The optimizer state this rank holds (ZeRO's: keyed by its flat fp32 partitions),
+        what a read of the model's state reads (checks/state.py)."""
+        return getattr(self.engine.optimizer, "state", {})
+
     def step(self) -> None:
         self.engine.step()
 

@@ -121,7 +121,9 @@ class StateCheck:
                             bad_ranks=ranks, bad_hosts=sorted({h for h, _ in rows.values()}),
                             kinds=[KIND], local_kinds=[KIND] if mine or hyper else [],
                             local_loss=None, local_grad_norm=None, consecutive_skips=0,
-                            verdict=VERDICT, reason=message)
+                            verdict=VERDICT, reason=message,
+                            poisoned_state={r: words for r, (_, words) in rows.items()},
+                            state_action=str(Outcome.ABORTED))
         raise NonFiniteStateError(message, result)
 
     def examine(self, step: int) -> StateFindings | None:
@@ -141,10 +143,12 @@ class StateCheck:
         hosts = {r: str(rows[r]["host"]) for r in rows}
         by_global = {int(rows[r]["global"]): found[r] for r in rows}
         ok, why = self._repairable_here(by_global)
+        world = self.peers.world_size
         with self.ctx.guarded():  # repairable only where every group is (the same answer)
-            repairable = self.peers.max_floats([0.0 if ok else 1.0])[0] == 0.0
-        if not repairable and ok:
-            why = "another replica group holds no finite copy of its poisoned tensors"
+            first = self.peers.min_ints([world if ok else self.peers.rank])[0]
+            repairable = first == world
+            if not repairable:  # why, in the words of the first rank that knows (the same)
+                why = str(self.peers.gather_from([first], why).get(first, why))
         findings = StateFindings(step, found, hosts, repairable, "" if repairable else why)
         self._poisoned = by_global
         self.found.append(findings)
@@ -180,7 +184,9 @@ class StateCheck:
         """Overwrite this replica group's poisoned tensors from a finite copy: for each tensor
         poisoned on some member, a broadcast from the lowest member holding it finite (only the
         groups with a poisoned member broadcast; every member of such a group takes part, in
-        the same order). Returns the names repaired here."""
+        the same order). Only the members holding it poisoned take the copy: the others
+        receive into a scratch tensor and keep their own (a floating buffer is each rank's
+        own where nothing broadcasts it). Returns the names repaired here."""
         if self.replicas is None or not findings.repairable:
             return []
         members = self._members()
@@ -192,17 +198,19 @@ class StateCheck:
         comm = self.replicas.comm_device
         if self.before_write is not None:
             self.before_write()
+        mine = self._poisoned.get(self.peers.global_rank, [])
+        held = {p.name for p in mine}
         with self.ctx.guarded():
             for name in names:
                 source = next(g for g in members if not any(
                     p.name == name for p in poisoned_here.get(g, [])))
                 tensor = state[name]
-                buf = tensor if tensor.device == comm and tensor.is_contiguous() else (
-                    tensor.to(comm).contiguous())
+                takes = name in held
+                buf = tensor if takes and tensor.device == comm and tensor.is_contiguous() else (
+                    tensor.to(comm, copy=True).contiguous())
                 self.replicas.broadcast_in_place(buf, source)
-                if buf is not tensor:
+                if takes and buf is not tensor:
                     tensor.copy_(buf)
-        mine = self._poisoned.get(self.peers.global_rank, [])
         if mine:
             log.error("nansentinel: rank %d on host %s: its %s repaired from a finite replica at "
                       "step %d", self.identity.rank, self.identity.hostname,

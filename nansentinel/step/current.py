@@ -18,7 +18,11 @@ from nansentinel.checks.buffers import FloatingBuffers
 from nansentinel.checks.health import LocalHealth, to_device
 from nansentinel.checks.pipeline import StageWatch
 from nansentinel.checks.quarantine import Quarantine
-from nansentinel.checks.state import hyperparameters_finite
+from nansentinel.checks.state import (
+    describe_hyperparameters,
+    hyperparameters_finite,
+    poisoned_hyperparameters,
+)
 from nansentinel.common.inject import DRILLED_STATE, Injector, drill_targets
 from nansentinel.decide.spikes import SpikeDetector
 from nansentinel.effects import drop
@@ -169,8 +173,8 @@ class CurrentStep:
     def _state_drills(self) -> bool:
         """The state drills due at this step, written as it begins (before its forward), as a
         memory fault between two steps would be: one element of the first weight, optimizer
-        state tensor or floating buffer (inject.py); a hyperparameter drill writes param group
-        0's ``lr`` for the step and puts the user's value back once the step is decided."""
+        state tensor or floating buffer (inject.py). The user's ``lr`` a hyperparameter drill
+        wrote over at the step before is put back (see :meth:`_hyperparameter_drill`)."""
         held, self._held_lr = self._held_lr, None
         groups = getattr(self.optimizer, "param_groups", None) or []
         if held is not None and groups and groups[0].get("lr") is held[1]:
@@ -179,13 +183,22 @@ class CurrentStep:
         if any(self.injector.value_for(kind, self.index) is not None for kind in DRILLED_STATE):
             for kind, tensor in drill_targets(self.module, self.optimizer):
                 fired = self.injector.poison(kind, self.index, tensor) or fired
-        value = self.injector.value_for(HYPERPARAMETER, self.index)
-        if value is not None and groups and "lr" in groups[0]:
-            self.injector.fired.append((self.index, HYPERPARAMETER))
-            self._held_lr = (groups[0]["lr"], value)
-            groups[0]["lr"] = value
-            fired = True
         return fired
+
+    def _hyperparameter_drill(self) -> bool:
+        """A hyperparameter drill due at this step writes param group 0's ``lr`` as the row
+        leaves (where the hyperparameters are read), not as the step begins: a loop's
+        schedule writes the rate after the step before (``scheduler.step()``) or at the top
+        of the iteration, and would write over a drill written earlier. The user's value is
+        put back once the step is decided (:meth:`_state_drills`, at the next step)."""
+        value = self.injector.value_for(HYPERPARAMETER, self.index)
+        groups = getattr(self.optimizer, "param_groups", None) or []
+        if value is None or not groups or "lr" not in groups[0]:
+            return False
+        self.injector.fired.append((self.index, HYPERPARAMETER))
+        self._held_lr = (groups[0]["lr"], value)
+        groups[0]["lr"] = value
+        return True
 
     # --- engines.GradientSink ---------------------------------------------------------------
 
@@ -234,8 +247,13 @@ class CurrentStep:
             watch.fold(self.local)
         self.local.stop_signal = stop_requested()  # a signal so far travels with this row
         self.local.buffers = self.buffers.norms()  # the model's own state travels with it too
+        if self.injector.faults and self._hyperparameter_drill():
+            self.local.injected = True
         self.local.hyper_bad = self.optimizer is not None and not hyperparameters_finite(
             self.optimizer)
+        if self.local.hyper_bad:  # the rare case: named now, while they are as stepped
+            self.local.hyper = describe_hyperparameters(
+                poisoned_hyperparameters(self.optimizer))
         # On the CPU the row is read as host floats and packed as such (schema.pack).
         row = self.local.host_row() if self.device.type == "cpu" else self.local.row()
         self.host_row = row if isinstance(row, list) else None

@@ -25,11 +25,8 @@ from typing import Any
 import torch
 
 from nansentinel.checks.buffers import FloatingBuffers
-from nansentinel.checks.state import (
-    StateFindings,
-    describe_hyperparameters,
-    poisoned_hyperparameters,
-)
+from nansentinel.checks.health import LocalHealth
+from nansentinel.checks.state import StateFindings
 from nansentinel.decide.policy import (
     DROP,
     HYPER,
@@ -157,7 +154,7 @@ class StepJudge:
         snapshot_step = self._snapshot_choice()
         evidence = Evidence(self.amp, spikes, verdict, snapshot_step,
                             near=self.spikes.near(totals, self._level), state=state,
-                            hyper=self._hyper(totals))
+                            hyper=self._hyper(totals, local))
         decision = decide(view, self.history, self.config, evidence)
         self.history.record(view, decision, self.config, evidence)
         rolled_back_to, restored, not_ours = self._act(decision, view, own, record,
@@ -217,11 +214,19 @@ class StepJudge:
             self._finite_at = view.step
         return found
 
-    def _hyper(self, totals: Totals) -> str:
-        """This rank's non-finite hyperparameters in words, where some rank had one."""
+    def _hyper(self, totals: Totals, local: LocalHealth) -> str:
+        """The non-finite hyperparameters in words, where some rank had one: the first such
+        rank's as its row left (the device gate decides at the next call, after the schedule
+        wrote the next rate), on every rank (a rare path's two small collectives, every rank
+        alike: the reason and rank 0's report name them where rank 0's own were finite)."""
         if not totals.bad_hyper:
             return ""
-        return describe_hyperparameters(poisoned_hyperparameters(self.optimizer))
+        mine, peers = local.hyper, self.ctx.peers
+        with self.guarded():
+            first = peers.min_ints([peers.rank if mine else peers.world_size])[0]
+            if first == peers.world_size:
+                return ""
+            return str(peers.gather_from([first], mine).get(first, mine))
 
     def _snapshot_choice(self) -> int | None:
         """The snapshot a rollback would restore: the newest kept that a rollback has not

@@ -63,7 +63,9 @@ DIMENSIONS: dict[str, tuple[Any, ...]] = {
     "replay": (False, True),
     "fingerprint": (False, True),
     "rank0_reads": (False, True),
-    "fault": ("batch", "loss", "activation", "backward"),
+    # issue 68: what the model holds, poisoned as a step begins (the state drills)
+    "fault": ("batch", "loss", "activation", "backward",
+              "weight", "optimizer_state", "buffer", "hyperparameter"),
     "faulty_ranks": (1, 2),
 }
 #: The setup every engine must take (the probe's): nothing any capability refuses.
@@ -75,6 +77,9 @@ PLAIN: dict[str, Any] = {
 STEPS = 8
 #: The steps a combination's fault hits (each followed by healthy steps).
 FAULT_STEPS = (3, 5)
+#: The faults written into the model's own state (its weights, optimizer state, floating
+#: buffers: NANSENTINEL_INJECT's state drills); ``hyperparameter`` writes param group 0's lr.
+STATE_FAULTS = ("weight", "optimizer_state", "buffer")
 #: Rollbacks need a snapshot before the first fault.
 SNAPSHOT_EVERY = 2
 #: The healthy step whose learning rate the loop's schedule blows up (x100, issue 52): held at
@@ -97,7 +102,12 @@ def every_combo(engine: str | None = None) -> list[Combo]:
     dims = dict(DIMENSIONS, engine=(engine,)) if engine is not None else DIMENSIONS
     names = list(dims)
     combos = (dict(zip(names, values, strict=True)) for values in itertools.product(*dims.values()))
-    return [c for c in combos if BUILDERS[c["engine"]].exists(c)]
+    return [c for c in combos if BUILDERS[c["engine"]].exists(c) and meaningful(c)]
+
+
+def meaningful(combo: Combo) -> bool:
+    """A buffer fault needs a floating buffer (the BatchNorm): without one it hits nothing."""
+    return combo["fault"] != "buffer" or combo["batchnorm"]
 
 
 class _NanGrad(torch.autograd.Function):
@@ -176,7 +186,7 @@ def faults_of(combo: Combo, world: int) -> dict[int, list[int]]:
 
 
 def _inject_spec(combo: Combo, faults: dict[int, list[int]]) -> str:
-    if combo["fault"] not in ("batch", "loss"):
+    if combo["fault"] not in ("batch", "loss", *STATE_FAULTS, "hyperparameter"):
         return ""
     return ";".join(f"kind={combo['fault']},rank={r},step={s}"
                     for s, ranks in faults.items() for r in ranks)
@@ -548,7 +558,10 @@ def _outcome(result: Any) -> dict[str, Any]:
     return {"step": result.step, "outcome": str(result.outcome), "applied": result.applied,
             "bad_ranks": list(result.bad_ranks), "buffers_restored": result.buffers_restored,
             "report_path": result.report_path, "reason": result.reason,
-            "rolled_back_to": result.rolled_back_to, "lr_held": result.lr_held}
+            "rolled_back_to": result.rolled_back_to, "lr_held": result.lr_held,
+            "kinds": list(result.kinds), "verdict": result.verdict,
+            "poisoned": sorted(int(r) for r in result.poisoned_state),
+            "state_action": result.state_action}
 
 
 def _anywhere(flag: bool) -> bool:
@@ -598,12 +611,13 @@ def run_one(rank: int, world: int, combo: Combo, report_dir: Path, *, faulty: bo
     steps = [s for s in range(STEPS) if faulty or s not in faults]
     if stop_before is not None:
         steps = [s for s in steps if s < stop_before]
-    groups = sentinel.optimizer.param_groups
-    base = [g["lr"] for g in groups]
+    base = [g["lr"] for g in sentinel.optimizer.param_groups]
     planned: list[Any] = []
     try:
         for step in steps:
-            for g, lr in zip(groups, base, strict=True):  # the loop's schedule, and its jump
+            # The loop's schedule, and its jump, into the optimizer's groups as they are now (a
+            # rollback's optimizer.load_state_dict gives it new ones, as a scheduler reads).
+            for g, lr in zip(sentinel.optimizer.param_groups, base, strict=True):
                 g["lr"] = lr * 100 if step == JUMP_STEP else lr
             hit = faulty and rank in faults.get(step, ()) and combo["fault"] in (
                 "activation", "backward")
@@ -635,7 +649,8 @@ def run_one(rank: int, world: int, combo: Combo, report_dir: Path, *, faulty: bo
             run.zero_grad()
         sentinel.close()
     except nansentinel.NonFiniteError as exc:
-        error = {"type": type(exc).__name__, "step": exc.result.step}
+        error = {"type": type(exc).__name__, "step": exc.result.step,
+                 **{k: v for k, v in _outcome(exc.result).items() if k != "report_path"}}
         sentinel.close()
     outcomes = []
     for step, r in zip(steps, results, strict=False):
