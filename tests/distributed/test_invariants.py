@@ -168,26 +168,11 @@ def _engines() -> tuple[list[type], list[str]]:
     return chosen, notes
 
 
-def known_failure(combo: dict[str, Any], caps: Capabilities) -> str | None:
-    """Why a combination is left out of the matrix until the package keeps its invariants
-    there (None: it is in), with the test that shows the failure (a strict xfail)."""
-    if (combo["fingerprint"] and combo["faulty_ranks"] > 1 and caps.fingerprints is None
-            and combo["fault"] in ("weight", "optimizer_state")):
-        # The fingerprint pass can see a poisoned state before any incident does (an
-        # optimizer state's update applied, or the device gate's late decision).
-        return ("the replica fingerprints' majority of NaN replicas overwrites the finite one "
-                "(test_state.py::test_fingerprints_let_a_finite_replica_win_over_a_nan_majority)")
-    return None
-
-
 def _strata(paths: list[type]) -> dict[tuple[str, bool], list[dict[str, Any]]]:
-    """Every combination of each engine, split by whether its declared ``CAPS`` refuse it
-    (those of :func:`known_failure` left out)."""
+    """Every combination of each engine, split by whether its declared ``CAPS`` refuse it."""
     strata: dict[tuple[str, bool], list[dict[str, Any]]] = {}
     for path in paths:
         for combo in every_combo(path.__name__):
-            if known_failure(combo, path.CAPS) is not None:
-                continue
             refused = bool(allowance(combo, path.CAPS).refusals)
             strata.setdefault((path.__name__, refused), []).append(combo)
     return strata

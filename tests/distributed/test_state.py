@@ -458,10 +458,6 @@ def test_fsdp2_rolls_back_or_stops_and_hsdp_repairs_within_its_replica_group(
     _check_all(fsdp, FSDP_CASES)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "rare/replicas.py (issue 68, deliverable 4): the fingerprints' majority vote takes three "
-    "NaN replicas for the truth, strikes host0 and overwrites its finite copy with NaN; the "
-    "run then stops at step 4, exit 6"))
 @pytest.mark.timeout(240)
 def test_fingerprints_let_a_finite_replica_win_over_a_nan_majority(
     fsdp: dict[str, list[dict[str, Any]]],
