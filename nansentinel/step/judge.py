@@ -388,9 +388,13 @@ class StepJudge:
         spikes = evidence.spikes if evidence.spikes is not None else Spikes()
         state, kinds = evidence.state, decision.kinds
         bad_ranks, bad_hosts = decision.bad_ranks, decision.bad_hosts
-        if state is not None:  # the ranks holding it are named too, if no value showed it
-            bad_ranks = sorted({*bad_ranks, *state.ranks})
-            bad_hosts = sorted({*bad_hosts, *state.bad_hosts})
+        if state is not None:
+            # Blame goes to the ranks that held the poisoned state: a NaN in one rank's FSDP
+            # shard reaches every rank's loss through the all-gather, and only its holder is
+            # at fault. A rank whose own batch was non-finite beside it keeps its blame.
+            batch = [r for r in decision.bad if "batch" in r.kinds]
+            bad_ranks = sorted({*state.ranks, *(r.rank for r in batch)})
+            bad_hosts = sorted({*state.bad_hosts, *(r.identity.hostname for r in batch)})
             kinds = [*kinds, STATE]
         if view.totals.bad_hyper:
             kinds = [*kinds, HYPER]

@@ -257,6 +257,8 @@ def check_state_fault(name: str, ranks: list[dict[str, Any]], expect: Expect) ->
     for rank, tensors in found["poisoned_state"].items():
         assert any(expect.tensor in t for t in tensors) == (rank in holders), (name, tensors)
         assert rank in found["bad_ranks"] and f"host{rank}" in found["bad_hosts"], (name, found)
+    # Blamed: the ranks holding it, not those its shard only reached through an all-gather.
+    assert found["bad_ranks"] == list(expect.ranks), (name, found["bad_ranks"])
     assert found["state_action"] == expect.action, (name, found)
     assert expect.tensor in found["reason"], (name, found["reason"])
     # Never a divergence, and only that step named the state.
