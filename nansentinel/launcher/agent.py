@@ -57,7 +57,17 @@ def launch(
         run_hook(hook, exc.record.host, exc.record.reason)
         return EXIT_HOST_EXCLUDED
     except RendezvousStoreGone as exc:
-        print_summary(guard, {}, read_verdicts(guard.run_dir), EXIT_EXCHANGE_TIMEOUT, str(exc))
+        verdicts = read_verdicts(guard.run_dir)
+        leaving = guard.others_excluded | {h for v in verdicts.values() for h in v.excludes}
+        if leaving:  # the store left with a host the sentinel excluded: that is the cause
+            print_summary(guard, {}, verdicts, EXIT_NONFINITE_ABORT, (
+                f"the job ended on host {guard.hostname} after host(s) "
+                f"{', '.join(sorted(leaving))} were excluded: the rendezvous store went with "
+                f"them ({exc}). If the excluded host ran the rendezvous store "
+                "(--rdzv-endpoint), run the store on a host that trains nothing; see the "
+                "README."))
+            return EXIT_NONFINITE_ABORT
+        print_summary(guard, {}, verdicts, EXIT_EXCHANGE_TIMEOUT, str(exc))
         return EXIT_EXCHANGE_TIMEOUT
     except TooFewHostsExit as exc:
         print_summary(guard, {}, read_verdicts(guard.run_dir), EXIT_NONFINITE_ABORT, str(exc))
