@@ -45,11 +45,16 @@ class FloatingBuffers:
     reassigns (``module.to()``, a cache rebuilt) is followed, not a stale tensor.
     """
 
-    def __init__(self, module: torch.nn.Module, source: torch.nn.Module | None = None) -> None:
-        self._where = [
-            (mod, name) for mod in module.modules() for name, b in mod._buffers.items()
-            if b is not None and b.is_floating_point()
-        ]
+    def __init__(self, module: torch.nn.Module, source: torch.nn.Module | None = None,
+                 constants: frozenset[str] = frozenset()) -> None:
+        named = [(f"{prefix}.{name}" if prefix else name, mod, name)
+                 for prefix, mod in module.named_modules() for name, b in mod._buffers.items()
+                 if b is not None and b.is_floating_point()]
+        self._where = [(mod, name) for _, mod, name in named]
+        #: Buffers holding +-Inf by design (checks/state.py ``constant_buffers``: an additive
+        #: attention mask): only a NaN in them counts; the others are read whole.
+        self._constant = [i for i, (qualified, _, _) in enumerate(named)
+                          if qualified in constants]
         self._saved: list[torch.Tensor] | None = None
         #: The copies as flat tensors, one per (dtype, device): the buffers' indices, the flat
         #: copy, and a flat staging area of the same size for :meth:`restore_where`, with its
@@ -70,7 +75,7 @@ class FloatingBuffers:
         return len(self._where)
 
     def _live(self) -> list[torch.Tensor]:
-        return [mod._buffers[name] for mod, name in self._where]  # type: ignore[misc]
+        return [mod._buffers[name] for mod, name in self._where]
 
     def _before_forward(self, *_: Any) -> None:
         if self._taken:
@@ -84,7 +89,8 @@ class FloatingBuffers:
         assert self._saved is not None
         insides.foreach_copy_(self._saved, live)
         self._taken = True
-        self._own = _max_abs([flat for _, flat, _, _ in self._flats])
+        self._own = (_max_abs([flat for _, flat, _, _ in self._flats]) if not self._constant
+                     else self._norm_of(self._saved))
         self._arrived = None
 
     def _as_arrived(self, *_: Any) -> None:
@@ -93,9 +99,19 @@ class FloatingBuffers:
             self._arrived = self._live_norm()
 
     def _live_norm(self) -> torch.Tensor:
-        live = self._live()
-        return _max_abs([torch.stack(insides.foreach_max_abs([live[i] for i in indices]))
-                         for indices, _, _, _ in self._flats])
+        return self._norm_of(self._live())
+
+    def _norm_of(self, tensors: list[torch.Tensor]) -> torch.Tensor:
+        """One max-abs over ``tensors`` (the buffers, live or copied), fused per dtype and
+        device; a constant buffer's +-Inf counts for nothing, its NaN as NaN."""
+        constant = set(self._constant)
+        parts = [torch.stack(insides.foreach_max_abs(group))
+                 for indices, _, _, _ in self._flats
+                 if (group := [tensors[i] for i in indices if i not in constant])]
+        for i in self._constant:
+            t = tensors[i]
+            parts.append(torch.where(t.isnan().any(), math.nan, 0.0).to(t.device).reshape(1))
+        return _max_abs(parts)
 
     def norms(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
         """The buffers' max-abs as the step leaves them, this rank's own as it began, and as

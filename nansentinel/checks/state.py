@@ -119,18 +119,22 @@ def _values(t: torch.Tensor) -> torch.Tensor:
     return torch.view_as_real(t) if t.is_complex() else t
 
 
-def poisoned(named: Sequence[tuple[str, str, torch.Tensor]]) -> list[Poisoned]:
-    """The tensors of ``named`` (:func:`named_state`) holding a non-finite element, in order.
+def poisoned(named: Sequence[tuple[str, str, torch.Tensor]],
+             constants: frozenset[str] = frozenset()) -> list[Poisoned]:
+    """The tensors of ``named`` (:func:`named_state`) holding a non-finite element, in order;
+    a buffer of ``constants`` (:func:`constant_buffers`) only where it holds a NaN.
 
     One fused max-abs norm per (device, dtype) group and one host read per group; the
     non-finite elements are counted only in the tensors found (a detection's or a restore's
     cost, never a healthy step's). A meta tensor holds no values: skipped."""
     groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
     values = [_values(t) for _, _, t in named]
+    masked = [i for i, (name, kind, _) in enumerate(named)
+              if kind == BUFFER and name in constants]
     for i, t in enumerate(values):
-        if t.numel() and not t.is_meta:
+        if t.numel() and not t.is_meta and i not in masked:
             groups.setdefault((t.device, t.dtype), []).append(i)
-    found: list[int] = []
+    found = [i for i in masked if bool(values[i].isnan().any())]
     for indices in groups.values():
         norms = insides.foreach_max_abs([values[i] for i in indices])
         finite = torch.isfinite(torch.stack(list(norms))).tolist()
@@ -139,8 +143,25 @@ def poisoned(named: Sequence[tuple[str, str, torch.Tensor]]) -> list[Poisoned]:
     for i in sorted(found):
         name, kind, t = named[i]
         v = values[i]
-        out.append(Poisoned(name, kind, int((~torch.isfinite(v)).sum()), v.numel()))
+        bad = v.isnan() if i in masked else ~torch.isfinite(v)
+        out.append(Poisoned(name, kind, int(bad.sum()), v.numel()))
     return out
+
+
+def constant_buffers(module: torch.nn.Module) -> frozenset[str]:
+    """The floating buffers that hold +-Inf by design, read once at construction: an additive
+    attention mask of ``-inf`` (``torch.full((T, T), -inf).triu(1)``), a running minimum
+    started at ``+inf``. Their infinities are the model's own, not a fault, and only a NaN in
+    them is (:func:`poisoned`, the health row's buffer norms). A buffer holding a NaN at
+    construction is not one of them: it is refused. One host read per buffer, once."""
+    out = set()
+    for name, b in module.named_buffers():
+        if not (b.is_floating_point() or b.is_complex()) or not b.numel() or b.is_meta:
+            continue
+        v = _values(local(b))
+        if bool(torch.isinf(v).any()) and not bool(torch.isnan(v).any()):
+            out.add(name)
+    return frozenset(out)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -62,10 +62,13 @@ class StateCheck:
             holds a copy of this rank's state (FSDP, ZeRO, pipelines, torchft's groups).
     """
 
-    def __init__(self, ctx: Context, watched: Watched, caps: Capabilities) -> None:
+    def __init__(self, ctx: Context, watched: Watched, caps: Capabilities, *,
+                 constants: frozenset[str] = frozenset()) -> None:
         self.ctx, self.peers, self.identity = ctx, ctx.peers, ctx.identity
         self.module, self.optimizer = watched.module, watched.optimizer
         self.skip = watched.unreplicated
+        #: Floating buffers holding +-Inf by design (an attention mask): only a NaN counts.
+        self.constants = constants
         group = caps.replica_group if caps.fingerprints is None else None
         replicas: Peers | None = None
         if group is EXCHANGE or (group is not None and group is self.peers.group):
@@ -88,7 +91,7 @@ class StateCheck:
 
     def local(self) -> list[Poisoned]:
         """This rank's non-finite state tensors (one pass over the whole state)."""
-        return poisoned(named_state(self.module, self.optimizer))
+        return poisoned(named_state(self.module, self.optimizer), self.constants)
 
     def refuse(self, when: str, step: int) -> None:
         """At construction or at a documented restore, on every rank: raise
@@ -217,7 +220,3 @@ class StateCheck:
                       ", ".join(p.describe() for p in mine[:SHOWN]), findings.step)
         return names
 
-
-def state_check(ctx: Context, watched: Watched, caps: Capabilities) -> StateCheck:
-    """The run's state check (every run has one: it costs nothing until asked)."""
-    return StateCheck(ctx, watched, caps)

@@ -24,6 +24,7 @@ from nansentinel import engines
 from nansentinel.checks import pipeline
 from nansentinel.checks.health import identify, local_device
 from nansentinel.checks.quarantine import Quarantine
+from nansentinel.checks.state import constant_buffers
 from nansentinel.common import doors
 from nansentinel.common import torch_insides as insides
 from nansentinel.common.inject import Injector, parse_inject
@@ -180,6 +181,7 @@ def assemble(model: torch.nn.Module | list[torch.nn.Module], asked: Asked,
                         ctx.identity.hostname)
     current = CurrentStep(ctx, injector, quarantine, watched.module, spikes)
     current.optimizer = optimizer  # its hyperparameters travel with each row (checks/state.py)
+    current.constants = constant_buffers(watched.module)  # a -inf attention mask is no fault
     gradients = engines.attach(model, current, staged=bool(pipelined))
     # Installed on the model from here: a refusal below gives it back as it was (the
     # user may fix the setting and build a Sentinel on the same model).
@@ -193,7 +195,7 @@ def assemble(model: torch.nn.Module | list[torch.nn.Module], asked: Asked,
         replicas = replica_check(ctx, watched, gradients.caps,
                                  inject=functools.partial(injector.due, "bitflip"),
                                  incidents=incidents)
-        state = StateCheck(ctx, watched, gradients.caps)
+        state = StateCheck(ctx, watched, gradients.caps, constants=current.constants)
         if isinstance(snaps, MemorySnapshots | SnapshotRing):  # a repair waits for the copies
             state.before_write = snaps.copies.hold
             if replicas is not None:

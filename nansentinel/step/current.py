@@ -75,6 +75,9 @@ class CurrentStep:
         #: This step's record (step/record.py): OPEN until the exchange leaves.
         self.record = StepRecord(self.index, self.local)
         self.gradients: Any = None
+        #: Floating buffers holding +-Inf by design (an attention mask: checks/state.py
+        #: ``constant_buffers``; the assembly sets them before :meth:`attach`).
+        self.constants: frozenset[str] = frozenset()
         #: The optimizer a step applies with (the assembly sets it): its hyperparameters are
         #: read as the row is packed (checks/state.py), and the state drills write into it.
         self.optimizer: Any = None
@@ -91,9 +94,9 @@ class CurrentStep:
             drop.refuse_unsupported(gradients.caps, world_size=self.exchange.world_size,
                                     rank=self.rank)
         self.gradients = gradients
-        if gradients.caps.buffers_from is not None:
-            self.buffers.close()
-            self.buffers = FloatingBuffers(self.module, source=gradients.caps.buffers_from)
+        self.buffers.close()  # copied before the path's broadcast where it has one
+        self.buffers = FloatingBuffers(self.module, source=gradients.caps.buffers_from,
+                                       constants=self.constants)
         self.stages = [StageWatch(s, self.device) for s in stages]
         self.forward = ForwardCollectives(exclude=quiet_groups(list(gradients.mesh_groups),
                                                                stages))

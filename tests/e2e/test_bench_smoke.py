@@ -151,7 +151,7 @@ def test_gpu_correctness_runs_on_the_cpu_and_every_check_that_can_passes() -> No
     out = proc.stdout
     assert "FAIL" not in out and "Traceback" not in proc.stderr, f"{out}\n{proc.stderr}"
     assert proc.returncode == 0, f"{out}\n{proc.stderr}"
-    ran = {"gate_stream", "ddp_world1", "ddp_scale", "group_timeout"}
+    ran = {"gate_stream", "ddp_world1", "ddp_scale", "group_timeout", "state_reads"}
     nccl_only = {"flight_recorder", "nccl_future"}
     if not torch.cuda.is_available():
         assert {line.split()[1].rstrip(":") for line in out.splitlines()

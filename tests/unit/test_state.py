@@ -123,3 +123,30 @@ def test_a_non_finite_hyperparameter_is_counted_and_skips_but_blames_no_rank() -
     totals = Totals.from_values(pack(row, NO_REF, 3, amp=False).tolist())
     assert totals.bad_hyper == 1 and totals.blamed == 0 and totals.flagged == 0
     assert totals.device_skips
+
+
+def test_a_buffer_holding_inf_by_design_counts_only_its_nan() -> None:
+    """An additive attention mask of -inf (bench/recovery.py's model, many transformers) is
+    the model's own: not refused at construction, not flagged in any step's row; a NaN in it
+    still is."""
+    from nansentinel.checks.buffers import FloatingBuffers
+    from nansentinel.checks.state import constant_buffers
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4))
+    model.register_buffer("mask", torch.full((3, 3), -math.inf).triu(1))
+    model.register_buffer("running_min", torch.tensor(math.inf))
+    constants = constant_buffers(model)
+    assert constants == {"mask", "running_min"}
+    assert poisoned(named_state(model), constants) == []
+    buffers = FloatingBuffers(model, constants=constants)
+    model(torch.randn(5, 4))
+    norms = buffers.norms()
+    assert norms is not None and all(math.isfinite(float(n)) for n in norms)
+    with torch.no_grad():
+        model.mask[2, 0] = math.nan
+        model[1].running_var[1] = math.inf
+    found = poisoned(named_state(model), constants)
+    assert [(p.name, p.bad) for p in found] == [("mask", 1), ("1.running_var", 1)]
+    assert not math.isfinite(float(buffers.norms()[0]))  # type: ignore[index]
+    # A NaN at construction makes no constant: refused, like any poisoned buffer.
+    assert "mask" not in constant_buffers(model)
