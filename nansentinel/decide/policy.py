@@ -731,8 +731,10 @@ def _rollback(history: History, config: SentinelConfig, skip: Decision,
             skip, action=ABORT,
             reason=f"{done} rollbacks to the snapshot of step {snapshot_step} did not help "
                    f"(max_rollbacks={config.max_rollbacks})")
+    which = ("the oldest snapshot kept from before it" if skip.cause == STRETCH
+             and history.returning() else "the newest snapshot kept")
     return dataclasses.replace(
         skip, action=ROLLBACK,
-        reason=f"{skip.reason}: restoring step {snapshot_step} (the newest snapshot kept"
+        reason=f"{skip.reason}: restoring step {snapshot_step} ({which}"
                + (f"; not restored: {', '.join(map(str, history.failed))}" if history.failed
                   else "") + ")")

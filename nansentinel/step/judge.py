@@ -250,17 +250,24 @@ class StepJudge:
     def _snapshot_choice(self) -> int | None:
         """The snapshot a rollback would restore: the newest kept that a rollback has not
         already failed to bring the loss back from (``History.failed``); when every one has,
-        the newest (the policy then ends the recovery). While a stretch of low loss lasts,
-        only those from before it (``History.stretch``, issue 70)."""
+        the newest (the policy then ends the recovery); after a rollback that failed, only an
+        older one. While a stretch of low loss lasts, only those from before it, and once it
+        is marked the oldest of them (``History.stretch``, issue 70): the weights begin to
+        learn degenerate rows before the loss leaves its band (a shard's rows mixed in, a
+        batch memorised), so the newest snapshot before it can hold part of the damage."""
         snaps = self.snapshots
         if snaps is None:
             return None
         kept = snaps.steps if isinstance(snaps, SnapshotRing) else (
             [snaps.step] if snaps.step is not None else [])
-        stretch = self.history.stretch
-        if stretch is not None:
-            kept = [s for s in kept if s < stretch[0]]
-        fresh = [s for s in kept if s not in self.history.failed]
+        history = self.history
+        if history.stretch is not None:
+            kept = [s for s in kept if s < history.stretch[0]]
+        if history.retry and history.failed:
+            kept = [s for s in kept if s < history.failed[-1]]
+        fresh = [s for s in kept if s not in history.failed]
+        if history.returning() and fresh:
+            return fresh[-1]
         return fresh[0] if fresh else (kept[0] if kept else None)
 
     def _relative(self, totals: Totals, snapshot_step: int | None) -> float | None:

@@ -726,9 +726,9 @@ def close(a: float | None, b: float | None) -> bool:
 # --- the recovery's states (issue 60) ------------------------------------------------------
 
 #: The loss the loop hands the sentinel, per step (:func:`level_loss`): a collapse (degenerate
-#: data) from COLLAPSE, real data back at SPIKE twice as high, then out of its band without
-#: spiking (no snapshot brings it back: the older one is tried), then spiking again from
-#: RESPIKE on with no snapshot left (the recovery ends).
+#: data) from COLLAPSE, real data back at SPIKE twice as high for two steps (a rollback), then
+#: out of its band without spiking (no snapshot brings it back: the older one is tried), then
+#: spiking again from RESPIKE on with no snapshot left (the recovery ends).
 COLLAPSE, SPIKE, RESPIKE, RECOVERY_STEPS = range(20, 25), 25, 38, 50
 
 
@@ -753,25 +753,27 @@ def run_recovery_states(rank: int, world: int, *, runs: list[tuple[str, str]], r
 
 def recovery_states(rank: int, world: int, *, engine: str, policy: str, report_dir: str
                     ) -> dict[str, Any]:
-    """One engine under ``spikes="recover"`` through the states of issue 60: a collapse
-    (reported, no snapshot), a rollback when real data returns (re-anchored to the
-    snapshot's references; since issue 70 the stretch's own), a rollback that does not help
-    (the older snapshot), and the recovery's end (applied, or aborted under
-    ``policy="abort"``). The learning rate is tiny and the loss rescaled to the schedule
-    (:func:`level_loss`). Per step: the decision, the recovery's account, and the cluster's
-    loss reference after it (the same on every rank)."""
+    """One engine under ``spikes="recover"`` and issue 60's ``collapse_action="warn"``
+    (issue 70's stretch rule: :func:`stretch_states`) through the states of issue 60: a
+    collapse (reported, no snapshot), a rollback when real data returns (re-anchored to the
+    snapshot's references), a rollback that does not help (the older snapshot), and the
+    recovery's end (applied, or aborted under ``policy="abort"``). The learning rate is tiny
+    and the loss rescaled to the schedule (:func:`level_loss`). Per step: the decision, the
+    recovery's account, and the cluster's loss reference after it (the same on every
+    rank)."""
     run = BUILDERS[engine](dict(PLAIN, engine=engine), rank, world)
     for group in (run.optimizer.param_groups if run.optimizer is not None else ()):
         group["lr"] = 1e-5
     sentinel = run.sentinel(report_dir=report_dir, env={}, hostname=f"host{rank}",
                             metrics_port=0, spikes="recover", policy=policy, spike_window=20,
-                            spike_warmup=6, snapshot_every=2, lr_jump_ratio=0)
+                            spike_warmup=6, snapshot_every=2, lr_jump_ratio=0,
+                            collapse_action="warn")
     judge = sentinel._parts.judge
     steps: list[dict[str, Any]] = []
     error = None
     try:
         for step in range(RECOVERY_STEPS):
-            scale = (1e-3 if step in COLLAPSE else 2.0 if step == SPIKE else
+            scale = (1e-3 if step in COLLAPSE else 2.0 if step in (SPIKE, SPIKE + 1) else
                      1.35 if SPIKE < step < RESPIKE else 20.0 if step >= RESPIKE else 1.0)
             batch = sentinel.check_batch(batch_for(rank, step, 0))
             loss = level_loss(run.loss(batch), scale)

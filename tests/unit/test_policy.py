@@ -303,6 +303,7 @@ def test_a_stretch_is_dated_from_the_band_and_rolled_back_over_when_it_returns_w
     (back,) = _stretch(h, RECOVER, [("in", 1.5)], first=8)
     assert back.action == ROLLBACK and back.cause == STRETCH, back
     assert "stretch of steps 4-7" in back.reason and "1.50x the level" in back.reason
+    assert "the oldest snapshot kept from before it" in back.reason
     assert h.stretch is None and h.skip_batches == 0 and h.rollbacks == {3: 1}
     assert h.watch == [3, RECOVER.rollback_check_steps, 1]
     assert h.lost == 4 + 1  # the stretch's four applied steps undone, and the return's own
