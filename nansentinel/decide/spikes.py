@@ -41,6 +41,12 @@ the z-score), so no snapshot is kept then. A collapse that lasts ``window // 2``
 the run's new level (a phase change, a new curriculum stage): the references restart from the
 collapsed values, and the collapse ends.
 
+A stretch of degenerate data begins before it collapses (issue 70): :meth:`SpikeDetector.low`
+says when the cluster's loss left its band below, :meth:`SpikeDetector.level` where the loss
+stood when a snapshot was kept (the median of its recent values), and :func:`above` when a
+loss is clearly above such a level; the policy dates, judges and undoes the stretch from
+them (policy.py).
+
 The reference (median and MAD) is recomputed every tenth of a window, not every step.
 """
 
