@@ -77,7 +77,8 @@ def above(relative: float | None, ratio: float) -> bool:
     must bring the loss under (the level saved with its snapshot, issue 60), and the one a
     degenerate stretch's return is judged by against the level it went in at (issue 70): on
     the bench, runs whose weights learned a stretch came back at 1.29-5.7 times that level,
-    runs whose weights did not at 0.9-1.17 times (docs/recovery.md)."""
+    runs whose weights did not at 0.85-1.11 times (at most 1.17 within five steps)
+    (docs/recovery.md)."""
     return relative is not None and relative >= math.sqrt(ratio)
 
 
