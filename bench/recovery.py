@@ -34,6 +34,19 @@ cases
   padding     a shard of padding (inputs and labels all the pad token), 28 steps from 150.
   padding_late  the same, 30 steps from step 220 (little time left to recover).
   copied      the inputs copied into the labels (a shift forgotten), 24 steps from 150.
+  degenerate data (issue 70), whole batches from the first step unless said:
+  constant_burst  every label one token, 15 steps from step 40 (early, short: the loss still
+              falls fast).
+  constant_late_long  the same, 45 steps from step 200 (late, long).
+  half        every label one token in half of each batch, 50 steps from step 150 (the rows
+              cannot be told apart: the loss first rises, then sits near its level).
+  stuck       a loader serving one real batch again and again, 40 steps from step 150: the
+              loss sinks as the weights memorise it (a slow collapse).
+  stuck_early the same, 25 steps from step 60.
+  boilerplate one real sequence in half of each batch (a header every document repeats), 40
+              steps from step 100: a partial collapse.
+  constant_past_bound  every label one token, 80 steps from step 120: longer than a rollback
+              may undo (max_lost_steps, 60).
 
 arms
   none      the loop as it is (the fp16 case keeps its GradScaler).
@@ -53,6 +66,9 @@ arms
             moment), and Adam's moments reset when the grad norm is 6 sigma out.
   palm      PaLM's remedy: on a loss 6 sigma out, restart from a checkpoint ~20 steps back and
             skip the next 30 batches (PaLM: ~100 steps back, 200-500 batches).
+
+(The model's causal mask is a boolean buffer: a floating one holding -inf is a non-finite
+state to the sentinel since issue 68, which refuses it at construction.)
 
 Reported per case and arm, median and spread (min-max) over seeds: the held-out loss relative
 to the stable reference of the same seed (+% worse), steps whose update was lost (skipped,
@@ -78,7 +94,7 @@ import time
 from collections import deque
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -89,14 +105,36 @@ import nansentinel
 V, SEQ, BATCH, D_MODEL, LAYERS, HEADS = 32, 32, 16, 48, 2, 4
 STEPS, WARMUP, LR = 300, 20, 3e-3
 FAULT_AT = 150
-#: The degenerate-data family (issue 60): case -> (what the batches hold, first step, steps).
-#: The loss collapses on them (an easy target), then jumps when real data returns.
+
+
+class Stretch(NamedTuple):
+    """A stretch of degenerate data: what its rows hold, its first step, its length, and the
+    share of each batch it takes (None: a growing share, one more ``1 / RAMP`` a step, as a
+    loader interleaving shards brings a new one in)."""
+
+    kind: str
+    start: int
+    length: int
+    share: float | None = None
+
+
+#: The degenerate-data family (issues 60 and 70): the loss collapses on these stretches (an
+#: easy target), or sinks as the weights memorise them, then real data returns.
 DEGENERATE = {
-    "constant": ("constant", FAULT_AT, 24),
-    "constant_early": ("constant", 60, 20),
-    "padding": ("padding", FAULT_AT, 28),
-    "padding_late": ("padding", 220, 30),
-    "copied": ("copied", FAULT_AT, 24),
+    "constant": Stretch("constant", FAULT_AT, 24),
+    "constant_early": Stretch("constant", 60, 20),
+    "padding": Stretch("padding", FAULT_AT, 28),
+    "padding_late": Stretch("padding", 220, 30),
+    "copied": Stretch("copied", FAULT_AT, 24),
+    # issue 70: whole batches at once, early and short, or late and long; part of each batch;
+    # a loader re-serving one real batch; repeated boilerplate; a stretch past max_lost_steps.
+    "constant_burst": Stretch("constant", 40, 15, 1.0),
+    "constant_late_long": Stretch("constant", 200, 45, 1.0),
+    "half": Stretch("constant", FAULT_AT, 50, 0.5),
+    "stuck": Stretch("stuck", FAULT_AT, 40, 1.0),
+    "stuck_early": Stretch("stuck", 60, 25, 1.0),
+    "boilerplate": Stretch("boilerplate", 100, 40, 0.5),
+    "constant_past_bound": Stretch("constant", 120, 80, 1.0),
 }
 RAMP = 16  # steps until a degenerate shard fills whole batches
 CASES = ("stable", "lr_spike", "lr_long", "bad_shard", "fp16", "slow_climb", "lr_typo",
@@ -126,18 +164,24 @@ def corpus(seed: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
     return tokens, column
 
 
-def degenerate(kind: str, x: torch.Tensor, col: torch.Tensor, y: torch.Tensor
+def degenerate(kind: str, x: torch.Tensor, col: torch.Tensor, y: torch.Tensor,
+               fixed: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """A batch of degenerate data, as pipelines make it: every label the same token
     (``constant``: a label column filled by a bug), a shard of padding (``padding``: inputs and
-    labels all the pad token, its column zero), or the inputs copied into the labels
-    (``copied``: a shift forgotten). Each is easy to fit: the loss falls far below its level."""
+    labels all the pad token, its column zero), the inputs copied into the labels
+    (``copied``: a shift forgotten), or ``fixed`` rows in every batch (``stuck``: a loader
+    re-serving one real batch; ``boilerplate``: one real sequence in every row, a header every
+    document repeats). Each is easy to fit: the loss falls far below its level, at once or as
+    the weights memorise the rows."""
     if kind == "constant":
         return x, col, torch.full_like(y, 3)
     if kind == "padding":
         return torch.zeros_like(x), torch.zeros_like(col), torch.zeros_like(y)
     if kind == "copied":
         return x, col, x.clone()
+    if kind in ("stuck", "boilerplate") and fixed is not None:
+        return fixed
     raise ValueError(f"unknown degenerate data {kind!r}")
 
 
@@ -163,14 +207,29 @@ class Data:
             col *= 1e5  # enough to overflow a float16 residual stream
         y = tokens[idx[:, 1:]]
         if case in DEGENERATE:
-            kind, start, length = DEGENERATE[case]
+            kind, start, length, share = DEGENERATE[case]
             if start <= step < start + length:
-                # the shard's rows take a growing share of the batch as the others run out
-                rows = min(BATCH, BATCH * (step - start + 1) // RAMP)
-                bx, bcol, by = degenerate(kind, x, col, y)
+                # the shard's rows take a growing share of the batch as the others run out,
+                # or a fixed one
+                rows = (min(BATCH, BATCH * (step - start + 1) // RAMP) if share is None
+                        else round(BATCH * share))
+                bx, bcol, by = degenerate(kind, x, col, y, self._fixed(kind, start, case))
                 x, col, y = x.clone(), col.clone(), y.clone()
                 x[:rows], col[:rows], y[:rows] = bx[:rows], bcol[:rows], by[:rows]
         return {"x": x, "col": col, "y": y}
+
+    def _fixed(self, kind: str, start: int, case: str
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """The rows served again and again: the stretch's first real batch (``stuck``), or
+        one real sequence in every row (``boilerplate``)."""
+        if kind == "stuck":
+            first = self.batch(start - 1, "stable")  # any real batch: the one before
+            return first["x"], first["col"], first["y"]
+        if kind == "boilerplate":
+            tokens, column = self.train
+            idx = torch.arange(SEQ + 1).expand(BATCH, -1)
+            return tokens[idx[:, :-1]], column[idx[:, :-1]], tokens[idx[:, 1:]]
+        return None
 
     def val_batches(self) -> Iterator[dict[str, torch.Tensor]]:
         tokens, column = self.val
@@ -207,7 +266,9 @@ class TinyGPT(nn.Module):
         self.blocks = nn.ModuleList(Block() for _ in range(LAYERS))
         self.ln, self.head = nn.LayerNorm(D_MODEL), nn.Linear(D_MODEL, V)
         self.half_residual = half_residual
-        self.register_buffer("mask", torch.triu(torch.full((SEQ, SEQ), -math.inf), 1))
+        # A boolean mask (True: not attended), which attention turns into the same -inf: a
+        # floating buffer holding -inf is refused as a non-finite state (issue 68).
+        self.register_buffer("mask", torch.ones(SEQ, SEQ, dtype=torch.bool).triu(1))
 
     def forward(self, x: torch.Tensor, col: torch.Tensor) -> torch.Tensor:
         h = self.tok(x) + self.pos.weight[: x.shape[1]] + self.col(col[..., None])

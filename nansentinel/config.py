@@ -36,7 +36,7 @@ SpikeAction = Literal["warn", "skip", "rollback"]
 Gate = Literal["auto", "device", "host"]
 DivergenceAction = Literal["repair", "abort", "warn"]
 SpikePreset = Literal["warn", "recover"]
-CollapseAction = Literal["warn", "skip"]
+CollapseAction = Literal["warn", "skip", "rollback"]
 SPIKE_PRESETS: dict[str, dict[str, Any]] = {
     # Today's behaviour: spikes are reported (incident, metrics) and the step applied.
     "warn": {},
@@ -57,6 +57,9 @@ SPIKE_PRESETS: dict[str, dict[str, Any]] = {
         # issue 60: a rollback that does not bring the loss back within 5 steps is not
         # repeated to the same snapshot, and a recovery leaves at most 60 steps unapplied.
         "rollback_check_steps": 5, "max_lost_steps": 60, "snapshot_keep": 2,
+        # issue 70: a collapse's stretch that leaves the run worse than it went in is rolled
+        # back over at its end.
+        "collapse_action": "rollback",
     },
 }
 DEFAULT_METRICS_PORT = 9410
@@ -317,7 +320,9 @@ class SentinelConfig:
         default="warn", metadata=rule(what="a collapse action"))
     """What a collapse (the cluster mean's loss or gradient norm far below its running level:
     degenerate data) does besides being reported: ``warn`` (the step applies; no snapshot is
-    kept while it lasts) or ``skip``."""
+    kept while it lasts), ``skip``, or ``rollback``: the stretch it marks (from the step the
+    loss left its band) is judged when real data returns, and rolled back over when the loss
+    comes back worse than the level before it. ``spikes="recover"``: ``rollback``."""
 
     rollback_check_steps: int = dataclasses.field(default=0, metadata=rule(minimum=0))
     """After a rollback, the cluster's loss must come back into its normal band (the level
@@ -408,6 +413,13 @@ class SentinelConfig:
                 parse_inject(self.inject)
             except ValueError as exc:
                 raise ConfigError(f"inject={shown(self.inject)}: {str(exc)[:300]}") from None
+
+    @property
+    def rolls_back(self) -> bool:
+        """Some rule may roll back (the policy, a spike action or the collapse action): the
+        snapshots are kept, and a gradient path that cannot restore one refuses the config."""
+        return "rollback" in (self.policy, self.loss_spike_action, self.grad_spike_action,
+                              self.collapse_action)
 
     @classmethod
     def from_env(

@@ -13,6 +13,7 @@ On resume, a loader leaves them out::
 
 from nansentinel.rare.samples import (
     MAX_IDS,
+    MAX_STRETCH_IDS,
     SampleId,
     SkipSampler,
     append,
@@ -27,6 +28,7 @@ from nansentinel.rare.samples import (
 
 __all__ = [
     "MAX_IDS",
+    "MAX_STRETCH_IDS",
     "SampleId",
     "SkipSampler",
     "append",

@@ -444,7 +444,7 @@ def refuse_unsupported(config: Trainer.Config, settings: SentinelConfig) -> None
                 "forwards would count into the next training step's health. Validate "
                 "without the sentinel (a separate run from a checkpoint), or without PP."
             )
-    for field in ("policy", "loss_spike_action", "grad_spike_action"):
+    for field in ("policy", "loss_spike_action", "grad_spike_action", "collapse_action"):
         if getattr(settings, field) == "rollback":
             raise SentinelUsageError(
                 f"nansentinel: {field}='rollback' is not supported under torchtitan's "

@@ -15,7 +15,7 @@ from typing import Any
 
 from nansentinel.checks.state import StateFindings
 from nansentinel.config import SentinelConfig
-from nansentinel.decide.spikes import Spikes
+from nansentinel.decide.spikes import Spikes, above
 from nansentinel.result import ACTIVATION, ALL_KINDS, BUFFER, HYPERPARAMETER, STATE, Outcome
 from nansentinel.wire.schema import Totals
 from nansentinel.wire.view import ClusterView, RankHealth
@@ -27,6 +27,8 @@ APPLY, SKIP, OVERFLOW, ABORT, EXCLUDE, ROLLBACK, DROP = (
 NONFINITE, SPIKE, QUARANTINE, AFTER_ROLLBACK = "nonfinite", "spike", "quarantine", "after_rollback"
 # issue 60: a collapse skipped (collapse_action="skip"); a recovery that ended (the step applies).
 COLLAPSE, RECOVERY_OVER = "collapse", "recovery_over"
+# issue 70: a degenerate stretch rolled back over at its end (collapse_action="rollback").
+STRETCH = "stretch"
 # issue 68: a step decided on the model's own state (rare/state.py), or on a non-finite
 # optimizer hyperparameter; the verdict of the former.
 HYPER = HYPERPARAMETER
@@ -48,6 +50,7 @@ class Decision:
     reason: str = ""
     cause: str = ""
     """``nonfinite``, ``spike``, ``quarantine``, ``after_rollback``, ``collapse``,
+    ``stretch`` (a degenerate stretch that left the run worse, rolled back over),
     ``recovery_over`` (applied: a recovery that did not help ended), ``state`` (the model's
     own state was non-finite: repaired, rolled back over or stopped for), ``hyperparameter``
     (an optimizer hyperparameter was non-finite: skipped) or empty (applied)."""
@@ -123,13 +126,23 @@ class History:
     """Snapshots a rollback to which did not bring the loss back (``rollback_check_steps``):
     never restored again."""
     watch: list[int] | None = None
-    """``[snapshot step, steps left]`` while a rollback's effect is checked."""
+    """``[snapshot step, steps left, 1 if it undid a stretch]`` while a rollback's effect is
+    checked."""
     retry: bool = False
     """The last rollback's check just failed: the next step rolls back to an older snapshot
     (if one is kept that did not fail)."""
+    retry_stretch: bool = False
+    """... and that rollback undid a stretch: so does the next (no batch discarded after it,
+    the learning rate as it was)."""
     state_restored: list[int] = dataclasses.field(default_factory=list)
     """Snapshots restored because the model's state was poisoned: never restored for that
     again (a rollback that leads back into the same poisoned update is not repeated)."""
+    stretch: list[int] | None = None
+    """``[first step, marked, steps back in band]`` while a stretch of low loss lasts
+    (``collapse_action="rollback"``): dated from the step the cluster's loss left its band,
+    marked once a collapse came within it, and judged on each of its first
+    ``rollback_check_steps`` steps back in band (its return) against the level saved with
+    the last snapshot before it. No snapshot is kept while it lasts."""
 
     def state_dict(self) -> dict[str, Any]:
         """What a checkpoint keeps of the history (JSON-able; keys as saved since 0.1)."""
@@ -146,7 +159,9 @@ class History:
             "failed_snapshots": list(self.failed),
             "watch": list(self.watch) if self.watch else None,
             "retry": self.retry,
+            "retry_stretch": self.retry_stretch,
             "state_restored": list(self.state_restored),
+            "stretch": list(self.stretch) if self.stretch else None,
         }
 
     @classmethod
@@ -166,7 +181,9 @@ class History:
             failed=[int(s) for s in state.get("failed_snapshots", [])],
             watch=[int(x) for x in state["watch"]] if state.get("watch") else None,
             retry=bool(state.get("retry", False)),
+            retry_stretch=bool(state.get("retry_stretch", False)),
             state_restored=[int(s) for s in state.get("state_restored", [])],
+            stretch=[int(x) for x in state["stretch"]] if state.get("stretch") else None,
         )
 
     def snapshot_kept(self, step: int, applied_after: int, kept: int = 4) -> None:
@@ -243,14 +260,46 @@ class History:
         if decision.cause == AFTER_ROLLBACK:
             self.skip_batches -= 1
         self._account(decision, config, evidence)
+        self._track_stretch(view.step, decision, config, evidence)
         if decision.action == ROLLBACK and decision.cause == STATE and snapshot_step is not None:
             self.state_restored.append(snapshot_step)
         if decision.action == ROLLBACK and snapshot_step is not None and \
                 decision.cause != STATE:  # a poisoned state was not the batches' doing
             n = self.rollbacks[snapshot_step] = self.rollbacks.get(snapshot_step, 0) + 1
             # The window widens on a repeat: the data (or the schedule) that led in lasted
-            # longer than the batches skipped (PaLM skipped 200-500 at once).
-            self.skip_batches = config.rollback_skip_batches * 2 ** min(n - 1, 10)
+            # longer than the batches skipped (PaLM skipped 200-500 at once). A stretch's
+            # batches are behind the run already: the rollback itself discarded them.
+            self.skip_batches = (0 if decision.cause == STRETCH
+                                 else config.rollback_skip_batches * 2 ** min(n - 1, 10))
+
+    def _track_stretch(self, step: int, decision: Decision, config: SentinelConfig,
+                       evidence: Evidence) -> None:
+        """Open, mark or close the stretch of low loss (:attr:`stretch`, :func:`reading`):
+        opened by a step below the band (or collapsed), marked by a collapse; closed by a
+        rollback, by the recovery's end, by its first ``rollback_check_steps`` steps back in
+        band (unmarked, a dip of the loss as a fast descent makes: the first), or unmarked
+        after ``max_lost_steps`` steps (``spike_window`` without a bound)."""
+        if config.collapse_action != "rollback":
+            return
+        out, learned, _ = reading(evidence, config)
+        stretch = self.stretch
+        if decision.action == ROLLBACK or decision.cause == RECOVERY_OVER:
+            self.stretch = None
+        elif out:
+            if stretch is None:
+                stretch = self.stretch = [step, 0, 0]
+            stretch[1], stretch[2] = int(stretch[1] or learned), 0
+        elif stretch is not None:
+            stretch[2] += 1
+            if not stretch[1] or stretch[2] >= max(1, config.rollback_check_steps):
+                self.stretch = None
+        if self.stretch is not None and not self.stretch[1] and \
+                step - self.stretch[0] >= (config.max_lost_steps or config.spike_window):
+            self.stretch = None
+
+    def returning(self) -> bool:
+        """A marked stretch is open: its return is judged."""
+        return self.stretch is not None and bool(self.stretch[1])
 
     def _account(self, decision: Decision, config: SentinelConfig, evidence: Evidence) -> None:
         """Count the steps a recovery leaves unapplied, and check what a rollback did: the
@@ -263,11 +312,14 @@ class History:
         if self.watch is not None and decision.action != ROLLBACK:
             if evidence.near:
                 self.watch = None
+            elif evidence.spikes:  # the restored state meets batches it cannot fit: the
+                pass               # data's (it lasts), not the snapshot's: the check waits
             else:
                 self.watch[1] -= 1
                 if self.watch[1] <= 0:
                     if self.watch[0] not in self.failed:
                         self.failed.append(self.watch[0])
+                    self.retry_stretch = len(self.watch) > 2 and bool(self.watch[2])
                     self.watch, self.retry = None, True
         target = evidence.snapshot_step
         if decision.applies:
@@ -277,7 +329,8 @@ class History:
             self.lost += undone + 1
             self.applied -= undone
             if config.rollback_check_steps:
-                self.watch = [target, config.rollback_check_steps]
+                self.watch = [target, config.rollback_check_steps,
+                              int(decision.cause == STRETCH)]
         elif not decision.stops:
             self.lost += 1
 
@@ -339,6 +392,10 @@ class Evidence:
         verdict: the replay verdict, when a replay ran.
         snapshot_step: the step of the snapshot a rollback would restore (None: none yet).
         near: the cluster's loss is in its normal band (a rollback's check, issue 60).
+        low: the cluster's loss is below its normal band (a stretch of degenerate data
+            begins or lasts, issue 70).
+        relative: the cluster's loss over the level saved with the snapshot a rollback would
+            restore (the one before the stretch in progress, issue 70); None: no level.
         state: what the ranks hold that is not finite, where the state was examined and
             something was found (an incident, a snapshot about to be kept: rare/state.py).
         hyper: this rank's non-finite hyperparameters, in words (the reason of their skip).
@@ -349,6 +406,8 @@ class Evidence:
     verdict: str | None = None
     snapshot_step: int | None = None
     near: bool = True
+    low: bool = False
+    relative: float | None = None
     state: StateFindings | None = None
     hyper: str = ""
 
@@ -388,8 +447,12 @@ def decide(view: ClusterView, history: History, config: SentinelConfig,
     if history.retry and snapshot_step is not None and snapshot_step not in history.failed:
         return _rollback(history, config, Decision(
             SKIP, (), f"the rollback to step {history.failed[-1]} did not bring the loss back "
-            f"into its band within {config.rollback_check_steps} steps", SPIKE, overflow),
-            snapshot_step)
+            f"into its band within {config.rollback_check_steps} steps",
+            STRETCH if history.retry_stretch else SPIKE, overflow), snapshot_step)
+    if history.returning() and snapshot_step is not None and history.stretch is not None:
+        stretched = _stretch(view, history, config, evidence, overflow)
+        if stretched is not None:
+            return stretched
     if spikes:
         reason = "spike in " + ", ".join(spikes.signals())
         if history.skip_batches > 0:  # discarded anyway: no rollback over a rollback
@@ -427,6 +490,42 @@ def decide(view: ClusterView, history: History, config: SentinelConfig,
         return _bounded(history, config, Decision(
             SKIP, (), "collapse in " + ", ".join(spikes.collapsed), COLLAPSE, overflow))
     return Decision(OVERFLOW if overflow else APPLY, (), overflow=overflow)
+
+
+def reading(evidence: Evidence, config: SentinelConfig) -> tuple[bool, bool, bool]:
+    """What one step says of a stretch of degenerate data (issue 70): ``(low, collapsed,
+    worse)``. ``low``: the loss is below its band or some signal collapsed (the stretch
+    begins or lasts); ``collapsed``: the weights fit an easy target (it is marked);
+    ``worse``: back from below, the loss is :func:`~nansentinel.decide.spikes.above` the
+    level the stretch went in at (``evidence.relative``, by the loss's spike ratio)."""
+    spikes = evidence.spikes
+    collapsed = spikes is not None and bool(spikes.collapsed)
+    low = evidence.low or collapsed
+    return low, collapsed, not low and above(evidence.relative,
+                                             config.loss_spike_ratio or config.spike_ratio)
+
+
+def _stretch(view: ClusterView, history: History, config: SentinelConfig, evidence: Evidence,
+             overflow: bool) -> Decision | None:
+    """A marked stretch (``collapse_action="rollback"``) judged at this step: its return came
+    back :func:`reading` worse than the level it went in at (a rollback to the snapshot before
+    it, its batches discarded by it), or it has lasted longer than a rollback may undo within
+    ``max_lost_steps`` (the recovery ends: the run goes on from here). None: neither."""
+    assert history.stretch is not None and evidence.snapshot_step is not None
+    start, _, back = history.stretch
+    target = evidence.snapshot_step
+    if reading(evidence, config)[2]:
+        return _rollback(history, config, Decision(
+            SKIP, (), f"the loss came back from the degenerate stretch of steps {start}-"
+            f"{view.step - back - 1} (dated from the step it left its band) at "
+            f"{evidence.relative:.2f}x the level before it (the snapshot of step {target})",
+            STRETCH, overflow), target)
+    bound = config.max_lost_steps
+    if bound and history.lost + history.undone(target) + 1 > bound:
+        return _over(Decision(SKIP, (), "", STRETCH, overflow), config, (
+            f"the degenerate stretch from step {start} has lasted longer than a rollback to "
+            f"step {target} may undo (max_lost_steps={bound})"))
+    return None
 
 
 def _over(skip: Decision, config: SentinelConfig, why: str) -> Decision:
@@ -629,21 +728,22 @@ def _rollback(history: History, config: SentinelConfig, skip: Decision,
               snapshot_step: int | None) -> Decision:
     """A rollback to the snapshot at ``snapshot_step``, in place of ``skip`` (the step's
     skip: its blamed ranks, reason, cause and overflow)."""
+    finite = skip.cause in (SPIKE, STRETCH)  # the step's own numbers could apply
     if snapshot_step is None:
         return dataclasses.replace(skip, reason=f"{skip.reason}, but no snapshot yet: skipped")
-    if snapshot_step in history.failed and skip.cause != SPIKE:
+    if snapshot_step in history.failed and not finite:
         return dataclasses.replace(skip, reason=f"{skip.reason}; the snapshot of step "
                                    f"{snapshot_step} did not help before: skipped")
     if snapshot_step in history.failed:
         return _over(skip, config, f"{skip.reason}; the last rollback to the snapshot of step "
                      f"{snapshot_step} did not bring the loss back within "
                      f"{config.rollback_check_steps} steps, and no older snapshot is kept")
-    if skip.cause == SPIKE:
+    if finite:
         bounded = _bounded(history, config, skip, history.undone(snapshot_step) + 1)
         if bounded is not skip:
             return bounded
     bound, cost = config.max_lost_steps, history.undone(snapshot_step) + 1
-    if skip.cause != SPIKE and bound and history.lost + cost > bound:
+    if not finite and bound and history.lost + cost > bound:
         # A non-finite step cannot apply: the recovery that would pass its bound stops.
         return dataclasses.replace(skip, action=ABORT, reason=(
             f"{skip.reason}; the recovery has left {history.lost} steps unapplied, and a "
@@ -654,8 +754,10 @@ def _rollback(history: History, config: SentinelConfig, skip: Decision,
             skip, action=ABORT,
             reason=f"{done} rollbacks to the snapshot of step {snapshot_step} did not help "
                    f"(max_rollbacks={config.max_rollbacks})")
+    which = ("the oldest snapshot kept from before it" if skip.cause == STRETCH
+             and history.returning() else "the newest snapshot kept")
     return dataclasses.replace(
         skip, action=ROLLBACK,
-        reason=f"{skip.reason}: restoring step {snapshot_step} (the newest snapshot kept"
+        reason=f"{skip.reason}: restoring step {snapshot_step} ({which}"
                + (f"; not restored: {', '.join(map(str, history.failed))}" if history.failed
                   else "") + ")")

@@ -41,6 +41,12 @@ the z-score), so no snapshot is kept then. A collapse that lasts ``window // 2``
 the run's new level (a phase change, a new curriculum stage): the references restart from the
 collapsed values, and the collapse ends.
 
+A stretch of degenerate data begins before it collapses (issue 70): :meth:`SpikeDetector.low`
+says when the cluster's loss left its band below, :meth:`SpikeDetector.level` where the loss
+stood when a snapshot was kept (the median of its recent values), and :func:`above` when a
+loss is clearly above such a level; the policy dates, judges and undoes the stretch from
+them (policy.py).
+
 The reference (median and MAD) is recomputed every tenth of a window, not every step.
 """
 
@@ -62,7 +68,18 @@ DATA_RATIO = 3.0
 out) is itself anomalous. A normalised input pipeline moves its batch norm by a few percent
 from batch to batch; an unnormalised column moves it by orders of magnitude."""
 
-__all__ = ["CLUSTER", "SIGNALS", "Series", "SpikeDetector", "Spikes"]
+__all__ = ["CLUSTER", "SIGNALS", "Series", "SpikeDetector", "Spikes", "above"]
+
+
+def above(relative: float | None, ratio: float) -> bool:
+    """A value ``relative`` times a level it is judged against is clearly above it: at least
+    ``sqrt(ratio)`` times it, half-way (geometrically) to a spike over it. The bar a rollback
+    must bring the loss under (the level saved with its snapshot, issue 60), and the one a
+    degenerate stretch's return is judged by against the level it went in at (issue 70): on
+    the bench, runs whose weights learned a stretch came back at 1.29-5.7 times that level,
+    runs whose weights did not at 0.85-1.11 times (at most 1.17 within five steps)
+    (docs/recovery.md)."""
+    return relative is not None and relative >= math.sqrt(ratio)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -136,6 +153,13 @@ class Series:
         end (``1 / sqrt(ratio)`` x the median and a quarter of the z-score under it)."""
         ref = self.ref
         return ref is None or x is None or not math.isfinite(x) or x > ref[4]
+
+    def level(self, n: int) -> float | None:
+        """The median of the last ``n`` values (None: none yet): where the series stands now,
+        robust to one batch's noise, and not lagging as the whole window's median does while
+        the value descends."""
+        recent = sorted(list(self._values)[-n:])
+        return recent[len(recent) // 2] if recent else None
 
     def ratio_of(self, x: float) -> float:
         """``x`` over the running median (inf for a non-positive median)."""
@@ -278,14 +302,25 @@ class SpikeDetector:
     def near(self, totals: Totals, level: float | None = None) -> bool:
         """The cluster mean's loss is in its normal band, neither half-way up to a spike nor
         down to a collapse, and (given the ``level`` saved with the snapshot restored) not
-        half-way (geometrically) up to a spike over that level either: after a rollback, the
-        restored state does what it was known to."""
+        :func:`above` that level either: after a rollback, the restored state does what it
+        was known to."""
         series, mean = self.cluster["loss"], totals.mean("loss")
         if mean is None:
             return True
-        if level is not None and level > 0 and mean >= math.sqrt(series.ratio) * level:
+        if level is not None and level > 0 and above(mean / level, series.ratio):
             return False
         return series.quiet(mean) and series.in_band(mean)
+
+    def level(self) -> float | None:
+        """Where the cluster's loss stands now: the median of its last ``refresh`` values in
+        the reference (a step's own loss is one batch's, as noisy as the batches are)."""
+        return self.cluster["loss"].level(self.refresh)
+
+    def low(self, totals: Totals) -> bool:
+        """The cluster mean's loss is below its normal band (half-way down to a collapse, or
+        further): where a degenerate stretch begins, before it collapses (a loader serving
+        one batch again: the loss sinks as the weights learn it)."""
+        return not self.cluster["loss"].in_band(totals.mean("loss"))
 
     def ratios(self, own: OwnRow) -> dict[str, float]:
         """Signal -> this rank's value over its running median, for the signals it spiked on."""

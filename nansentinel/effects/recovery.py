@@ -20,7 +20,7 @@ import dataclasses
 import logging
 import socket
 from collections import OrderedDict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from typing import TYPE_CHECKING, Any, Protocol
 
 import psutil
@@ -605,9 +605,13 @@ class SnapshotRing:
     def unsharded_bytes(self) -> int:
         return sum(s.unsharded_bytes for s in self.stores)
 
-    def save(self, step: int) -> None:
+    def save(self, step: int, stale: Collection[int] = ()) -> None:
+        """Keep the state of ``step`` in place of an empty slot, else of a ``stale`` snapshot
+        (one a rollback did not help from: never restored again), else of the oldest."""
         empty = [s for s in self.stores if s.step is None]
-        target = empty[0] if empty else min(self.stores, key=lambda s: s.step or 0)
+        failed = [s for s in self.stores if s.step in stale]
+        target = empty[0] if empty else failed[0] if failed else min(
+            self.stores, key=lambda s: s.step or 0)
         target.save(step)
 
     def load(self, step: int | None = None) -> int:
@@ -705,7 +709,7 @@ def snapshot_store(snapshots: tuple[Any, Any] | SnapshotStore | None, ctx: Conte
         return UserSnapshots(*snapshots)
     if snapshots is not None:
         return snapshots
-    if "rollback" not in (config.policy, config.loss_spike_action, config.grad_spike_action):
+    if not config.rolls_back:
         return None
     from nansentinel.wire.collectives import Peers
 

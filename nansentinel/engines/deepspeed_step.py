@@ -203,8 +203,7 @@ def refusal_of(given: Given, config: SentinelConfig) -> str | None:
     caps = DeepSpeedPath.CAPS
     if given.replay is not None:
         return f"replay= is not supported: {caps.replay}; pass no replay"
-    if given.snapshots is not None or "rollback" in (
-            config.policy, config.loss_spike_action, config.grad_spike_action):
+    if given.snapshots is not None or config.rolls_back:
         return (f"rollbacks are not supported ({caps.rollback}); use policy='skip' or 'abort' "
                 "and restore with engine.load_checkpoint")
     if config.gate == "device":

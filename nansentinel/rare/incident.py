@@ -123,7 +123,9 @@ class Case:
     result and the step's spikes (the same on every rank but ``result``'s ``local_*``), and
     what this rank alone knows of its step: its share of the evidence (``detail``: the
     gradient path's parameter naming, the replay's findings), its last batch and its ids
-    (``[(batch, ids), …]``, every batch checked with ids this step)."""
+    (``[(batch, ids), …]``, every batch checked with ids this step), and the ids of the
+    batches a rollback over a degenerate stretch discarded (``discarded``: this rank's, each
+    rank appends its own to the skip list)."""
 
     view: ClusterView
     decision: Decision
@@ -132,6 +134,7 @@ class Case:
     detail: dict[str, Any] = dataclasses.field(default_factory=dict)
     batch: Any = None
     ids: Any = None
+    discarded: list[Any] | None = None
 
 
 def payload(
@@ -290,10 +293,14 @@ class IncidentWriter:
         result = dataclasses.replace(result, parameters=parameters)
         case = dataclasses.replace(case, result=result)
         message = describe(view, decision, result, case.spikes)
+        # A degenerate stretch's batches were every rank's: each rank appends its own line,
+        # never gathered (that would be every rank's ids on every rank).
+        discarded = self._skip(view.step, {rank: case.discarded}, "data") if (
+            case.discarded) else {}
         if rank == 0:
             path, _ = report.attempt(
                 "report", lambda: self._report(case, details, message, curves,
-                                               base / f"{stem}.json"),
+                                               base / f"{stem}.json", discarded),
                 rank=rank, step=view.step, failed=self.failed, where=base / f"{stem}.json",
             )
             if path is not None:
@@ -353,8 +360,9 @@ class IncidentWriter:
         return stem.parent
 
     def _report(self, case: Case, details: dict[int, dict[str, Any]], message: str,
-                curves: Curves | None, path: Path) -> Path:
-        """Rank 0: the report's content, the skip list's new lines, the file."""
+                curves: Curves | None, path: Path, discarded: dict[str, Any]) -> Path:
+        """Rank 0: the report's content, the skip list's new lines (and where its own
+        ``discarded`` ids of a stretch went), the file."""
         content = payload(case, details, message, job_id=self.ctx.job_id,
                           policy=self.config.policy)
         if curves is not None:
@@ -362,11 +370,13 @@ class IncidentWriter:
         skipped = skipped_ids(details, case.result.verdict)
         if skipped:
             content.update(self._skip(case.view.step, skipped, case.result.verdict))
+        content.update(discarded)
         return report.write_json(path, content)
 
     def _skip(self, step: int, skipped: dict[int, list[Any]], verdict: str | None
               ) -> dict[str, Any]:
-        """Append the ids at fault to the job's skip list (rank 0 alone writes it)."""
+        """Append the ids at fault to the job's skip list: rank 0 the gathered ranks', each
+        rank its own of a degenerate stretch rolled back over."""
         path = (Path(self.config.skip_list) if self.config.skip_list
                 else skip_list.default_path(self.config.report_dir, self.ctx.job_id))
         for r, ids in skipped.items():

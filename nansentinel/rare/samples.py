@@ -35,6 +35,9 @@ from nansentinel.config import DEFAULT_REPORT_DIR, env_var
 
 #: The most ids of one rank named in a report (a batch's rows beyond are counted, not listed).
 MAX_IDS = 4096
+#: The most ids of one rank a degenerate stretch rolled back over lists in the skip list (a
+#: 60-step stretch of 1,000-row batches); the stretch's later rows are not listed.
+MAX_STRETCH_IDS = 65_536
 
 SampleId = int | tuple[int, ...]
 

@@ -129,10 +129,11 @@ class ReplicaGroups:
                     field="policy")
             self.drop = True
             changes["policy"] = "skip"
-        if "rollback" in (config.policy, config.loss_spike_action, config.grad_spike_action):
+        if config.rolls_back:
             raise ConfigError(
                 f"policy={config.policy!r} (spike actions {config.loss_spike_action!r}, "
-                f"{config.grad_spike_action!r}) is refused on torchft (replica group "
+                f"{config.grad_spike_action!r}, collapse action {config.collapse_action!r}) "
+                f"is refused on torchft (replica group "
                 f"{self.group}, host {host}): {self.rollback}. Use policy='skip' and a spike "
                 "action 'skip' or 'warn'; nothing was started.", field="policy")
         self._refuse_excluded(config, host)

@@ -33,17 +33,20 @@ from nansentinel.decide.policy import (
     RECOVERY_OVER,
     ROLLBACK,
     STATE,
+    STRETCH,
     Decision,
     Evidence,
     History,
     blamed,
     decide,
+    reading,
     requested_stop,
 )
 from nansentinel.decide.spikes import SpikeDetector, Spikes
 from nansentinel.effects import drop, scaling
 from nansentinel.effects.learning_rate import LearningRates, Saved
 from nansentinel.effects.recovery import SnapshotRing, SnapshotStore
+from nansentinel.rare import samples as skip_list
 from nansentinel.rare.detection import Detector
 from nansentinel.rare.incident import Case
 from nansentinel.rare.replicas import ReplicaCheck
@@ -118,6 +121,8 @@ class StepJudge:
         self._finite_at: int | None = None
         #: The replica fingerprints found a non-finite value: the next step reads the state.
         self._read_state = False
+        #: This rank's sample ids of the stretch of low loss in progress (issue 70).
+        self._stretch: list[Any] = []
 
     @property
     def amp(self) -> bool:
@@ -153,17 +158,20 @@ class StepJudge:
             ) if bad or spikes else (None, {})
         snapshot_step = self._snapshot_choice()
         evidence = Evidence(self.amp, spikes, verdict, snapshot_step,
-                            near=self.spikes.near(totals, self._level), state=state,
-                            hyper=self._hyper(totals, local))
+                            near=self.spikes.near(totals, self._level),
+                            low=self.spikes.low(totals),
+                            relative=self._relative(totals, snapshot_step),
+                            state=state, hyper=self._hyper(totals, local))
         decision = decide(view, self.history, self.config, evidence)
         self.history.record(view, decision, self.config, evidence)
+        discarded = self._stretch_ids(decision, evidence, local.ids)
         rolled_back_to, restored, not_ours = self._act(decision, view, own, record,
                                                        optimizer_step, snapshot_step)
         result = self._result(view, own, decision, evidence, (rolled_back_to, restored))
         if (decision.bad or spikes or spikes.collapsed or decision.action == ROLLBACK
                 or decision.cause in (RECOVERY_OVER, STATE, HYPER)):
             result = self.detector.record(Case(view, decision, result, spikes, detail,
-                                               local.batch, local.ids))
+                                               local.batch, local.ids, discarded))
         record.view, record.decision, record.result = view, decision, result
         record.spent = local.seconds + time.perf_counter() - started - not_ours
         # The device gate stepped before the decision: its snapshot comes after the update.
@@ -214,6 +222,22 @@ class StepJudge:
             self._finite_at = view.step
         return found
 
+    def _stretch_ids(self, decision: Decision, evidence: Evidence, ids: list[Any]
+                     ) -> list[Any] | None:
+        """This rank's sample ids of the stretch of low loss in progress (each of its steps'
+        batches checked with ids, at most ``MAX_STRETCH_IDS``): kept while it lasts, handed
+        to the skip list when a rollback undoes it (returned then), forgotten when it ends."""
+        if decision.action == ROLLBACK and decision.cause == STRETCH:
+            kept, self._stretch = self._stretch, []
+            return kept
+        if self.history.stretch is None:
+            self._stretch = []
+        elif reading(evidence, self.config)[0] and len(self._stretch) < skip_list.MAX_STRETCH_IDS:
+            for _, batch_ids in ids:
+                self._stretch.extend(skip_list.as_ids(batch_ids))
+            del self._stretch[skip_list.MAX_STRETCH_IDS:]
+        return None
+
     def _hyper(self, totals: Totals, local: LocalHealth) -> str:
         """The non-finite hyperparameters in words, where some rank had one: the first such
         rank's as its row left (the device gate decides at the next call, after the schedule
@@ -231,14 +255,33 @@ class StepJudge:
     def _snapshot_choice(self) -> int | None:
         """The snapshot a rollback would restore: the newest kept that a rollback has not
         already failed to bring the loss back from (``History.failed``); when every one has,
-        the newest (the policy then ends the recovery)."""
+        the newest (the policy then ends the recovery); after a rollback that failed, only an
+        older one. While a stretch of low loss lasts, only those from before it, and once it
+        is marked the oldest of them (``History.stretch``, issue 70): the weights begin to
+        learn degenerate rows before the loss leaves its band (a shard's rows mixed in, a
+        batch memorised), so the newest snapshot before it can hold part of the damage."""
         snaps = self.snapshots
         if snaps is None:
             return None
         kept = snaps.steps if isinstance(snaps, SnapshotRing) else (
             [snaps.step] if snaps.step is not None else [])
-        fresh = [s for s in kept if s not in self.history.failed]
+        history = self.history
+        if history.stretch is not None:
+            kept = [s for s in kept if s < history.stretch[0]]
+        if history.retry and history.failed:
+            kept = [s for s in kept if s < history.failed[-1]]
+        fresh = [s for s in kept if s not in history.failed]
+        if history.returning() and fresh:
+            return fresh[-1]
         return fresh[0] if fresh else (kept[0] if kept else None)
+
+    def _relative(self, totals: Totals, snapshot_step: int | None) -> float | None:
+        """The cluster's loss over the level saved with ``snapshot_step`` (the one a rollback
+        would restore: from before the stretch in progress), or None."""
+        anchor = self._anchors.get(snapshot_step) if snapshot_step is not None else None
+        mean = totals.mean("loss")
+        level = anchor["level"] if anchor is not None else None
+        return mean / level if mean is not None and level else None
 
     def _act(self, decision: Decision, view: ClusterView, own: OwnRow, record: StepRecord,
              optimizer_step: bool, target: int | None = None
@@ -284,7 +327,7 @@ class StepJudge:
             snaps = self.snapshots
             rolled_back_to = (snaps.load(target) if isinstance(snaps, SnapshotRing)
                               else snaps.load())
-            if decision.cause != STATE:  # a poisoned state was not the rate's doing
+            if decision.cause not in (STATE, STRETCH):  # nor was the data the rate's doing
                 self.lr.rolled_back()
             anchor = self._anchors.get(rolled_back_to)
             if anchor is not None:  # re-anchored: judged against what that state did
@@ -341,10 +384,12 @@ class StepJudge:
         """Whether a step that applies would keep its state as the last good one now: every
         ``snapshot_every`` steps, with snapshots kept, after a healthy, quiet step; not while
         batches are discarded after a rollback, nor while a collapse lasts (degenerate data:
-        the weights learn an easy target), nor just after a rollback before a clean step
+        the weights learn an easy target) or the stretch of low loss around it is judged, nor
+        while a rollback's effect is checked, nor just after a rollback before a clean step
         (the learning-rate rules)."""
-        snaps = self.snapshots
-        if snaps is None or self.history.skip_batches > 0 or not self.spikes.quiet(view.totals):
+        snaps, history = self.snapshots, self.history
+        if snaps is None or history.skip_batches > 0 or history.stretch is not None or \
+                history.watch is not None or not self.spikes.quiet(view.totals):
             return False
         if self.spikes.collapsing or not self.lr.may_snapshot():
             return False
@@ -370,11 +415,14 @@ class StepJudge:
                     log.error("nansentinel: step %d's snapshot not kept: the model's state is "
                               "not finite: %s", view.step, found.describe())
                 return found
-        snaps.save(view.step)
+        if isinstance(snaps, SnapshotRing):
+            snaps.save(view.step, stale=self.history.failed)
+        else:
+            snaps.save(view.step)
         self.lr.snapshot_taken()
         self.history.snapshot_kept(view.step, applied_after, self.config.snapshot_keep)
         self._anchors[view.step] = {"spikes": self.spikes.state_dict(),
-                                    "level": view.totals.mean("loss")}
+                                    "level": self.spikes.level()}
         kept = set(snaps.steps if isinstance(snaps, SnapshotRing) else [view.step])
         self._anchors = {s: a for s, a in self._anchors.items() if s in kept}
         return None

@@ -65,16 +65,23 @@ from tests.distributed.workers_invariants import (
     COLLAPSE,
     FAULT_STEPS,
     JUMP_STEP,
+    LONG,
+    LOST_BOUND,
     PLAIN,
+    RESPIKE,
+    RETURN,
+    ROWS,
     SPIKE,
     STATE_FAULTS,
     STEPS,
+    STRETCH,
     drops,
     every_combo,
     faults_of,
     finite,
     run_combos,
     run_recovery_states,
+    run_stretch_states,
     same,
     sample_id,
 )
@@ -571,6 +578,7 @@ def test_the_recovery_states_on_every_engine(tmp_path: Path) -> None:
         rolled = [s for s in first["steps"] if s["outcome"] == "rolled_back"]
         assert len(rolled) == 2, (where, trail)
         one, two = rolled
+        assert one["step"] == SPIKE + 1 and two["step"] < RESPIKE, (where, trail)
         assert one["rolled_back_to"] < COLLAPSE[0], (where, one)  # no snapshot in the collapse
         assert one["reference"] == steps[one["rolled_back_to"]]["reference"], (
             f"{where}: not re-anchored")
@@ -592,3 +600,54 @@ def test_the_recovery_states_on_every_engine(tmp_path: Path) -> None:
         reports = [r["content"] for r in first["reports"]]
         assert any("collapse" in (c or {}).get("spikes", {}) for c in reports), where
         assert any((c or {}).get("recovery", {}).get("failed_snapshots") for c in reports), where
+
+
+@pytest.mark.timeout(600)
+def test_a_degenerate_stretch_is_judged_at_its_end_on_every_engine(tmp_path: Path) -> None:
+    """Issue 70's states on every engine that rolls back, 3 gloo ranks: a stretch dated from
+    the step its loss left the band (before it collapsed), judged when real data returns
+    twice as high (rolled back over to the snapshot before it, with no batch discarded and no
+    learning-rate backoff after it, each rank's ids of its batches in the skip list), and a
+    stretch that runs past max_lost_steps (the recovery ends there and nothing is rolled
+    back; policy abort: every rank aborts); every rank decides alike, the replicas' weights
+    stay identical."""
+    runs = _recovery_runs()
+    outs = values(run_ranks(run_stretch_states, WORLD, tmp_path, runs=runs,
+                            report_dir=str(tmp_path / "reports"),
+                            env={"DS_ACCELERATOR": "cpu"}, timeout=120 + 40 * len(runs)))
+    for i, (engine, policy) in enumerate(runs):
+        where = f"{engine}, policy {policy}"
+        ranks = [outs[r][i] for r in range(WORLD)]
+        first = ranks[0]
+        for out in ranks[1:]:
+            assert out["steps"] == first["steps"], where
+            assert out["error"] == first["error"], where
+            assert out["skipped"] == first["skipped"], where  # one skip list, every rank's
+            assert same(out["params"], first["params"]), f"{where}: replicas differ"
+        steps = {s["step"]: s for s in first["steps"]}
+        trail = [(s["step"], s["outcome"], s["reason"]) for s in first["steps"][STRETCH[0]:]]
+        assert not steps[STRETCH[0]]["collapsed"] and steps[STRETCH[1]]["collapsed"], where
+        rolled = [s for s in first["steps"] if s["outcome"] == "rolled_back"]
+        assert [s["step"] for s in rolled] == [RETURN], (where, trail)
+        back = rolled[0]
+        assert back["rolled_back_to"] < STRETCH[0], (where, back)
+        assert f"degenerate stretch of steps {STRETCH[0]}-{STRETCH[-1]}" in back["reason"], (
+            where, back["reason"])
+        assert back["lr_factor"] == 1.0 and steps[RETURN + 1]["applied"], (where, trail)
+        assert back["recovery"]["lost_steps"] == RETURN - back["rolled_back_to"] + 1, where
+        expected = {sample_id(r, s, 0, row) for r in range(WORLD) for s in STRETCH
+                    for row in range(ROWS)}
+        assert set(first["skipped"]) == expected, where
+        if policy == "abort":
+            assert first["error"] is not None and "aborting (policy is abort)" in (
+                first["error"]["reason"]), (where, trail)
+            assert "has lasted longer than a rollback" in first["error"]["reason"], where
+            continue
+        assert first["error"] is None, where
+        over = [s for s in first["steps"] if "has lasted longer than a rollback" in s["reason"]]
+        assert over and over[0]["applied"] and over[0]["step"] in LONG, (where, trail)
+        assert f"max_lost_steps={LOST_BOUND}" in over[0]["reason"], where
+        assert all(s["applied"] for s in first["steps"] if s["step"] > RETURN), (where, trail)
+        reports = [r["content"] or {} for r in first["reports"]]
+        assert any(c.get("outcome") == "rolled_back" and c.get("skip_list") for c in reports), (
+            where)

@@ -37,7 +37,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import nansentinel
-from nansentinel import engines
+from nansentinel import engines, skip_list
 from nansentinel.common import torch_insides as insides
 from nansentinel.config import ConfigError
 from nansentinel.engines import Capabilities
@@ -740,9 +740,19 @@ def close(a: float | None, b: float | None) -> bool:
 
 # --- the recovery's states (issue 60) ------------------------------------------------------
 
-#: The loss the loop hands the sentinel, scaled per step: a collapse (degenerate data) from
-#: COLLAPSE, then a spike on every step from SPIKE on (no snapshot brings it back).
-COLLAPSE, SPIKE, RECOVERY_STEPS = range(20, 25), 25, 50
+#: The loss the loop hands the sentinel, per step (:func:`level_loss`): a collapse (degenerate
+#: data) from COLLAPSE, real data back at SPIKE twice as high for two steps (a rollback), then
+#: out of its band without spiking (no snapshot brings it back: the older one is tried), then
+#: spiking again from RESPIKE on with no snapshot left (the recovery ends).
+COLLAPSE, SPIKE, RESPIKE, RECOVERY_STEPS = range(20, 25), 25, 38, 50
+
+
+def level_loss(loss: torch.Tensor, level: float) -> torch.Tensor:
+    """``loss`` rescaled to the value ``level`` on every rank (its gradients with it): the
+    cluster's loss is then exactly the schedule's, whatever the batch, so the sentinel's
+    thresholds (1.22x, 1.5x, 0.82x, 0.67x of a level under ``recover``) are met or not by
+    the schedule alone."""
+    return loss / loss.detach() * level
 
 
 def run_recovery_states(rank: int, world: int, *, runs: list[tuple[str, str]], report_dir: str
@@ -758,26 +768,30 @@ def run_recovery_states(rank: int, world: int, *, runs: list[tuple[str, str]], r
 
 def recovery_states(rank: int, world: int, *, engine: str, policy: str, report_dir: str
                     ) -> dict[str, Any]:
-    """One engine under ``spikes="recover"`` through the states of issue 60: a collapse
-    (reported, no snapshot), a rollback (re-anchored to the snapshot's references), a
-    rollback that does not help (the older snapshot), and the recovery's end (applied, or
-    aborted under ``policy="abort"``). The learning rate is tiny, so the loss's level is the
-    loop's scale alone. Per step: the decision, the recovery's account, and the cluster's loss
-    reference after it (the same on every rank)."""
+    """One engine under ``spikes="recover"`` and issue 60's ``collapse_action="warn"``
+    (issue 70's stretch rule: :func:`stretch_states`) through the states of issue 60: a
+    collapse (reported, no snapshot), a rollback when real data returns (re-anchored to the
+    snapshot's references), a rollback that does not help (the older snapshot), and the
+    recovery's end (applied, or aborted under ``policy="abort"``). The learning rate is tiny
+    and the loss rescaled to the schedule (:func:`level_loss`). Per step: the decision, the
+    recovery's account, and the cluster's loss reference after it (the same on every
+    rank)."""
     run = BUILDERS[engine](dict(PLAIN, engine=engine), rank, world)
     for group in (run.optimizer.param_groups if run.optimizer is not None else ()):
         group["lr"] = 1e-5
     sentinel = run.sentinel(report_dir=report_dir, env={}, hostname=f"host{rank}",
                             metrics_port=0, spikes="recover", policy=policy, spike_window=20,
-                            spike_warmup=6, snapshot_every=2, lr_jump_ratio=0)
+                            spike_warmup=6, snapshot_every=2, lr_jump_ratio=0,
+                            collapse_action="warn")
     judge = sentinel._parts.judge
     steps: list[dict[str, Any]] = []
     error = None
     try:
         for step in range(RECOVERY_STEPS):
-            scale = 1e-3 if step in COLLAPSE else 20.0 if step >= SPIKE else 1.0
+            scale = (1e-3 if step in COLLAPSE else 2.0 if step in (SPIKE, SPIKE + 1) else
+                     1.35 if SPIKE < step < RESPIKE else 20.0 if step >= RESPIKE else 1.0)
             batch = sentinel.check_batch(batch_for(rank, step, 0))
-            loss = run.loss(batch) * scale
+            loss = level_loss(run.loss(batch), scale)
             sentinel.check_loss(loss)
             run.backward(loss)
             run.reduce(sentinel)
@@ -793,4 +807,73 @@ def recovery_states(rank: int, world: int, *, engine: str, policy: str, report_d
         error = {"step": exc.result.step, "reason": exc.result.reason}
         sentinel.close()
     return {"steps": steps, "error": error, "params": run.state()["params"],
+            "reports": _reports(Path(report_dir)) if rank == 0 else None}
+
+
+# --- a degenerate stretch judged at its end (issue 70) -------------------------------------
+
+#: The loss per step (:func:`level_loss`): at its level, then a stretch that leaves the band
+#: at STRETCH[0] and collapses after it, real data back at RETURN twice as high (rolled back
+#: over), at its level again, then a collapse from LONG[0] that lasts past max_lost_steps
+#: (LOST_BOUND): the recovery ends instead.
+STRETCH, RETURN, LONG, STRETCH_STEPS, LOST_BOUND = range(21, 26), 26, range(40, 58), 58, 10
+
+
+def stretch_level(step: int) -> float:
+    """The schedule of :func:`stretch_states`."""
+    if step == STRETCH[0]:
+        return 0.75  # below the band (0.82x), not collapsed (0.67x): the stretch's first step
+    if step in STRETCH:
+        return 0.6 if step == STRETCH[1] else 0.05
+    return 2.0 if step == RETURN else 0.05 if step in LONG else 1.0
+
+
+def run_stretch_states(rank: int, world: int, *, runs: list[tuple[str, str]], report_dir: str
+                       ) -> list[dict[str, Any]]:
+    """:func:`stretch_states` for each ``(engine, policy)`` of ``runs``, in one process group."""
+    outs = []
+    for i, (engine, policy) in enumerate(runs):
+        outs.append(stretch_states(rank, world, engine=engine, policy=policy,
+                                   report_dir=str(Path(report_dir) / f"s{i}")))
+        dist.barrier()
+    return outs
+
+
+def stretch_states(rank: int, world: int, *, engine: str, policy: str, report_dir: str
+                   ) -> dict[str, Any]:
+    """One engine under ``spikes="recover"`` through the states of issue 70: a stretch
+    dated from the step its loss left the band, judged when real data returns (worse: rolled
+    back over, to the snapshot before it, each rank's ids of its batches in the skip list),
+    and a stretch that runs past ``max_lost_steps`` (the recovery ends; ``policy="abort"``:
+    aborts). Per step: the decision, its reason and the recovery's account."""
+    run = BUILDERS[engine](dict(PLAIN, engine=engine), rank, world)
+    for group in (run.optimizer.param_groups if run.optimizer is not None else ()):
+        group["lr"] = 1e-5
+    sentinel = run.sentinel(report_dir=report_dir, env={}, hostname=f"host{rank}",
+                            metrics_port=0, spikes="recover", policy=policy, spike_window=40,
+                            spike_warmup=6, snapshot_every=2, lr_jump_ratio=0,
+                            max_lost_steps=LOST_BOUND)
+    steps: list[dict[str, Any]] = []
+    error = None
+    try:
+        for step in range(STRETCH_STEPS):
+            batch = sentinel.check_batch(batch_for(rank, step, 0),
+                                         ids=[sample_id(rank, step, 0, i) for i in range(ROWS)])
+            loss = level_loss(run.loss(batch), stretch_level(step))
+            sentinel.check_loss(loss)
+            run.backward(loss)
+            run.reduce(sentinel)
+            result = sentinel.step()
+            steps.append({"step": step, "outcome": str(result.outcome),
+                          "applied": result.applied, "collapsed": sorted(result.collapsed),
+                          "rolled_back_to": result.rolled_back_to, "reason": result.reason,
+                          "lr_factor": result.lr_factor, "recovery": result.recovery})
+            run.zero_grad()
+        sentinel.close()
+    except nansentinel.NonFiniteError as exc:
+        error = {"step": exc.result.step, "reason": exc.result.reason}
+        sentinel.close()
+    lists = sorted(Path(report_dir).glob("skip-list-*.jsonl"))
+    return {"steps": steps, "error": error, "params": run.state()["params"],
+            "skipped": sorted(skip_list.load(lists[0])) if lists else [],
             "reports": _reports(Path(report_dir)) if rank == 0 else None}

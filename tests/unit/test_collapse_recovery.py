@@ -13,15 +13,17 @@ import pytest
 import torch
 
 import nansentinel
+from nansentinel import skip_list
 
 LR = 0.02
 
 
-def _train(tmp_path: Path, level: dict[int, float], steps: int, **kwargs: Any
-           ) -> tuple[list[Any], dict[int, Any]]:
+def _train(tmp_path: Path, level: dict[int, float], steps: int, rows: int = 64,
+           ids: bool = False, **kwargs: Any) -> tuple[list[Any], dict[int, Any]]:
     """A linear regression whose loss the loop scales by ``level[step]`` (1 if absent): 0.01
-    is a collapse (degenerate data), 6 a spike. Returns the results and, per step, the spike
-    references after it."""
+    is a collapse (degenerate data), 6 a spike. ``rows`` per batch (the loss's noise: 18% at
+    64, 2% at 4096); ``ids``: each row's sample id (step * rows + row) goes to check_batch.
+    Returns the results and, per step, the spike references after it."""
     torch.manual_seed(0)
     model = torch.nn.Linear(8, 1)
     opt = torch.optim.SGD(model.parameters(), lr=LR)
@@ -36,8 +38,10 @@ def _train(tmp_path: Path, level: dict[int, float], steps: int, **kwargs: Any
     results, refs = [], {}
     with sentinel:
         for step in range(steps):
-            x = torch.randn(64, 8)
-            batch = sentinel.check_batch({"x": x, "y": x @ w_true + 0.3 * torch.randn(64, 1)})
+            x = torch.randn(rows, 8)
+            batch = sentinel.check_batch(
+                {"x": x, "y": x @ w_true + 0.3 * torch.randn(rows, 1)},
+                ids=list(range(step * rows, (step + 1) * rows)) if ids else None)
             loss = torch.nn.functional.mse_loss(model(batch["x"]), batch["y"])
             loss = loss * level.get(step, 1.0)
             sentinel.check_loss(loss)
@@ -54,9 +58,11 @@ def _train(tmp_path: Path, level: dict[int, float], steps: int, **kwargs: Any
 
 def test_a_collapse_is_reported_keeps_snapshots_off_and_a_rollback_re_anchors(
         tmp_path: Path) -> None:
+    """Issue 60 under ``collapse_action="warn"``: the collapse only marks; the spike rule
+    rolls back when real data returns (issue 70's stretch rule would act a step earlier)."""
     collapse = range(40, 46)
     level = {s: 0.01 for s in collapse} | {46: 6.0, 47: 6.0}
-    results, refs = _train(tmp_path, level, 60)
+    results, refs = _train(tmp_path, level, 60, collapse_action="warn")
     by = {r.step: r for r in results}
     # Reported like a rise: the kind named in the result, the step applied (warn).
     for s in collapse:
@@ -87,9 +93,11 @@ def test_a_collapse_is_reported_keeps_snapshots_off_and_a_rollback_re_anchors(
 
 def test_a_rollback_that_does_not_help_goes_older_then_the_recovery_ends(
         tmp_path: Path) -> None:
-    # From step 40 on every step spikes: no snapshot brings the loss back.
-    level = {s: 6.0 for s in range(40, 120)}
-    results, _ = _train(tmp_path, level, 120)
+    # A spike at 40-41, then the loss stays out of its band without spiking (1.3x): no
+    # snapshot brings it back. From 60 on it spikes again, with no snapshot left to try.
+    level = {40: 6.0, 41: 6.0} | dict.fromkeys(range(42, 60), 1.35) | dict.fromkeys(
+        range(60, 120), 6.0)
+    results, _ = _train(tmp_path, level, 120, rows=4096)
     rolled = [r for r in results if r.outcome == "rolled_back"]
     assert len(rolled) == 2, [(r.step, r.outcome, r.reason) for r in results[38:]]
     first, second = rolled
@@ -150,3 +158,50 @@ def test_skip_spike_action_stops_skipping_after_max_consecutive_skips(tmp_path: 
     skipped = [r.step for r in results if not r.applied]
     assert skipped == [30, 31, 32, 33], skipped
     assert "max_consecutive_skips=4" in results[34].reason and results[34].applied
+
+
+# --- issue 70: a stretch judged at its end against its start -------------------------------
+
+
+def test_a_slow_collapse_is_dated_from_its_band_and_its_return_rolled_back_over(
+        tmp_path: Path) -> None:
+    """The loss sinks (a loader serving one batch again), leaves its band at step 41 and
+    collapses at 43; real data comes back at 47, twice the level before the stretch. The
+    stretch is dated from 41: the rollback restores a snapshot from before it, at once (not
+    after a spike's patience), discards nothing after it, and lists the ids of the batches of
+    steps 41-46 in the skip list."""
+    level = {40: 0.9, 41: 0.75, 42: 0.72, 43: 0.6, 44: 0.3, 45: 0.1, 46: 0.1, 47: 2.0}
+    results, refs = _train(tmp_path, level, 60, rows=4096, ids=True)
+    by = {r.step: r for r in results}
+    assert not by[41].collapsed and by[43].collapsed, "collapsed at 43, not before"
+    rolled = [r for r in results if r.outcome == "rolled_back"]
+    assert [r.step for r in rolled] == [47], [(r.step, r.outcome, r.reason) for r in results]
+    (back,) = rolled
+    assert back.rolled_back_to is not None and back.rolled_back_to < 41
+    assert "degenerate stretch of steps 41-46" in back.reason, back.reason
+    assert refs[47]["cluster"] == refs[back.rolled_back_to]["cluster"]  # re-anchored
+    assert back.recovery["lost_steps"] == 47 - back.rolled_back_to + 1
+    assert back.lr_factor == 1.0  # the data's doing, not the rate's: no backoff
+    assert all(by[s].applied for s in range(48, 60)), "nothing discarded after it"
+    listed = skip_list.load(tmp_path / "skip-list-local.jsonl")
+    assert listed == set(range(41 * 4096, 47 * 4096))
+    report = next(json.loads(p.read_text()) for p in tmp_path.glob("*0047.json"))
+    assert report["outcome"] == "rolled_back" and report["skip_list"].endswith(".jsonl")
+
+
+def test_a_stretch_longer_than_max_lost_steps_ends_the_recovery_and_is_not_undone(
+        tmp_path: Path) -> None:
+    """A collapse that lasts past what a rollback may undo (max_lost_steps=8) is the run's new
+    level: the recovery ends there, said in the result, and its return is not rolled back
+    over to before it (the references restart from there: the return is a spike against
+    them, rolled back to a snapshot after the end)."""
+    level = dict.fromkeys(range(40, 56), 0.05) | {56: 2.0, 57: 2.0}
+    results, _ = _train(tmp_path, level, 60, rows=4096, max_lost_steps=8)
+    over = [r for r in results if "has lasted longer than a rollback" in r.reason]
+    # The bound counts from the oldest snapshot before the stretch (38 or 39): past it by 49.
+    assert over and over[0].applied and 42 <= over[0].step <= 49, [
+        (r.step, r.outcome, r.reason) for r in results[38:]]
+    assert "max_lost_steps=8" in over[0].reason and over[0].recovery["lost_steps"] == 0
+    assert all(r.applied for r in results if r.step < 56), "nothing undone before the return"
+    assert not any("degenerate stretch of steps" in r.reason for r in results)
+    assert all(r.rolled_back_to > over[0].step for r in results if r.rolled_back_to is not None)

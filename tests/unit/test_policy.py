@@ -9,8 +9,11 @@ from nansentinel.decide.policy import (
     APPLY,
     EXCLUDE,
     OVERFLOW,
+    RECOVERY_OVER,
     ROLLBACK,
     SKIP,
+    STRETCH,
+    Decision,
     Evidence,
     History,
     decide,
@@ -117,7 +120,7 @@ def test_history_saves_its_own_state_under_the_checkpoint_keys() -> None:
     assert set(state) == {"consecutive_skips", "strikes", "excluded", "rollbacks",
                           "skip_batches", "spike_streak", "lost", "applied",
                           "snapshot_applied", "failed_snapshots", "watch", "retry",
-                          "state_restored"}
+                          "retry_stretch", "state_restored", "stretch"}
     # JSON-style keys (a checkpoint written as JSON turns int keys into strings) load too.
     state["rollbacks"] = {"10": 1}
     assert History.from_state_dict(state) == h
@@ -289,3 +292,115 @@ def test_a_non_finite_rollback_is_bounded_by_max_lost_steps() -> None:
     fresh = decide(view(12, {1: ("loss",)}), History(applied=10, snapshot_applied={5: 9}), cfg,
                    Evidence(snapshot_step=5))
     assert fresh.action == ROLLBACK
+
+
+# --- a degenerate stretch judged at its end (issue 70) ------------------------------------
+
+RECOVER = SentinelConfig.from_env({}, spikes="recover")  # ratio 1.5: clearly worse at 1.22x
+
+
+def _stretch(history: History, cfg: SentinelConfig, steps: list[tuple[str, float]],
+             snapshot: int = 3, first: int = 4) -> list[Decision]:
+    """Decide and record one step per ``(kind, relative)``, as the judge does: ``in`` (the
+    loss in its band), ``low`` (below it), ``collapse`` (collapsed), ``spike`` (the cluster's
+    loss spiked); ``relative``: the loss over the level saved with ``snapshot``."""
+    out = []
+    for step, (kind, relative) in enumerate(steps, start=first):
+        spikes = Spikes(collapsed={"loss": 0.1}) if kind == "collapse" else Spikes(
+            {"loss": [CLUSTER]}, {"loss": {CLUSTER: 2.0}}) if kind == "spike" else Spikes()
+        ev = Evidence(spikes=spikes, snapshot_step=snapshot, low=kind in ("low", "collapse"),
+                      relative=relative, near=relative < 1.22 and kind == "in")
+        d = decide(view(step, {}), history, cfg, ev)
+        history.record(view(step, {}), d, cfg, ev)
+        out.append(d)
+    return out
+
+
+def test_a_stretch_is_dated_from_the_band_and_rolled_back_over_when_it_returns_worse() -> None:
+    """The stretch opens when the loss leaves its band (step 4), not when it collapses (6);
+    its return (8) at 1.5x the level saved before it rolls back to that snapshot, with no
+    batch discarded after it (the rollback discarded the stretch's) and its check armed."""
+    h = History(applied=3, snapshot_applied={3: 3})
+    decisions = _stretch(h, RECOVER, [("low", 0.8), ("low", 0.7), ("collapse", 0.1),
+                                      ("collapse", 0.05)])
+    assert [d.action for d in decisions] == [APPLY] * 4  # marked, not acted on
+    assert h.stretch == [4, 1, 0]
+    (back,) = _stretch(h, RECOVER, [("in", 1.5)], first=8)
+    assert back.action == ROLLBACK and back.cause == STRETCH, back
+    assert "stretch of steps 4-7" in back.reason and "1.50x the level" in back.reason
+    assert "the oldest snapshot kept from before it" in back.reason
+    assert h.stretch is None and h.skip_batches == 0 and h.rollbacks == {3: 1}
+    assert h.watch == [3, RECOVER.rollback_check_steps, 1]
+    assert h.lost == 4 + 1  # the stretch's four applied steps undone, and the return's own
+
+
+def test_a_stretch_that_comes_back_no_worse_is_judged_on_its_first_steps_then_closes() -> None:
+    h = History(applied=3, snapshot_applied={3: 3})
+    _stretch(h, RECOVER, [("low", 0.8), ("collapse", 0.1)])
+    # Back at the level (a shard of padding: nothing learned that real data contradicts).
+    ok = _stretch(h, RECOVER, [("in", 1.0)] * 4, first=6)
+    assert [d.action for d in ok] == [APPLY] * 4 and h.stretch == [4, 1, 4]
+    # A return that worsens within rollback_check_steps is still the stretch's.
+    (late,) = _stretch(h, RECOVER, [("in", 1.3)], first=10)
+    assert late.action == ROLLBACK and "stretch of steps 4-5" in late.reason
+    # After rollback_check_steps calm steps the stretch is over: the next rise is a spike's.
+    h = History(applied=3, snapshot_applied={3: 3})
+    _stretch(h, RECOVER, [("collapse", 0.1)] + [("in", 1.0)] * 5)
+    assert h.stretch is None
+    assert _stretch(h, RECOVER, [("in", 1.3)], first=10)[0].action == APPLY
+
+
+def test_an_unmarked_dip_closes_at_once_and_a_warn_collapse_tracks_nothing() -> None:
+    """A fast descent dips below its band without collapsing: nothing is judged, the stretch
+    closes at the first step back (a snapshot may be kept again)."""
+    h = History()
+    assert [d.action for d in _stretch(h, RECOVER, [("low", 0.8), ("in", 1.4)])] == [APPLY] * 2
+    assert h.stretch is None
+    warn = SentinelConfig.from_env({}, spikes="recover", collapse_action="warn")
+    h = History()
+    decisions = _stretch(h, warn, [("collapse", 0.1), ("in", 2.0)])
+    assert [d.action for d in decisions] == [APPLY] * 2 and h.stretch is None
+
+
+def test_a_stretch_past_max_lost_steps_ends_the_recovery_instead_of_a_rollback() -> None:
+    """A stretch that has lasted longer than a rollback may undo is the run's new level: the
+    recovery ends there (the step applies, the references restart; policy abort: abort), and
+    its return is not rolled back over."""
+    cfg = SentinelConfig.from_env({}, spikes="recover", max_lost_steps=6)
+    h = History(applied=3, snapshot_applied={3: 3})
+    decisions = _stretch(h, cfg, [("low", 0.8)] + [("collapse", 0.1)] * 6)
+    over = decisions[-1]
+    assert [d.action for d in decisions] == [APPLY] * 7
+    assert over.cause == RECOVERY_OVER and "has lasted longer than a rollback to step 3" in (
+        over.reason) and "max_lost_steps=6" in over.reason
+    assert h.stretch is None
+    aborting = SentinelConfig.from_env({}, spikes="recover", max_lost_steps=6, policy="abort")
+    h = History(applied=3, snapshot_applied={3: 3})
+    assert _stretch(h, aborting, [("collapse", 0.1)] * 7)[-1].action == ABORT
+    # The same return within the bound rolls back.
+    h = History(applied=3, snapshot_applied={3: 3})
+    assert _stretch(h, cfg, [("collapse", 0.1)] * 4 + [("in", 2.0)])[-1].action == ROLLBACK
+
+
+def test_a_rollback_check_waits_while_the_restored_state_meets_spiking_batches() -> None:
+    """After a rollback the check counts the steps whose loss is out of its band but not
+    spiking: a spike on the batches after a known-good snapshot is the data's (degenerate
+    data that outlasts the discarded batches), not the snapshot's. A stretch's failed check
+    goes on to the older snapshot as a stretch's rollback: nothing discarded after it."""
+    h = History(applied=3, snapshot_applied={3: 3})
+    _stretch(h, RECOVER, [("collapse", 0.1), ("in", 2.0)])
+    assert h.watch == [3, 5, 1]
+    assert _stretch(h, RECOVER, [("spike", 3.0)], first=6)[0].action == SKIP
+    assert h.watch == [3, 5, 1] and h.failed == []  # spiking: the snapshot is not blamed
+    _stretch(h, RECOVER, [("in", 1.3)] * 5, first=7)  # not back, not spiking: it counts
+    assert h.watch is None and h.failed == [3] and h.retry and h.retry_stretch
+    retry = decide(view(12, {}), h, RECOVER, Evidence(snapshot_step=1, relative=1.3))
+    assert retry.action == ROLLBACK and retry.cause == STRETCH
+    assert "rollback to step 3 did not bring the loss back" in retry.reason
+    h.record(view(12, {}), retry, RECOVER, Evidence(snapshot_step=1, relative=1.3))
+    assert h.skip_batches == 0 and h.watch == [1, 5, 1]
+    # A spike rollback's check waits too, through the batches discarded after it.
+    h = History(applied=3, snapshot_applied={3: 3})
+    assert [d.action for d in _stretch(h, RECOVER, [("spike", 3.0)] * 12)] == [
+        SKIP, ROLLBACK] + [SKIP] * 10
+    assert h.watch == [3, 5, 0] and h.failed == [] and h.skip_batches == 0

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from nansentinel import SnapshotMemoryError
-from nansentinel.effects.recovery import Cooldown, MemorySnapshots, UserSnapshots
+from nansentinel.effects.recovery import Cooldown, MemorySnapshots, SnapshotRing, UserSnapshots
 from nansentinel.wire.context import Watched
 
 
@@ -34,6 +34,20 @@ def test_memory_snapshot_restores_model_and_optimizer() -> None:
     assert torch.equal(opt.state[model.weight]["exp_avg"], saved_m)
     opt.step()  # still a working optimizer
     assert snaps.load() == 7 and torch.equal(model.weight, saved_w)  # the snapshot is intact
+
+
+def test_the_ring_replaces_a_failed_snapshot_before_the_oldest() -> None:
+    """A snapshot a rollback did not help from is never restored again (History.failed): a
+    new one takes its slot, and the older one the run was restored to stays kept."""
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ring = SnapshotRing([MemorySnapshots(Watched(model, model, opt)) for _ in range(2)])
+    ring.save(10)
+    ring.save(15)
+    ring.save(20, stale=[15])
+    assert ring.steps == [20, 10]
+    ring.save(25)  # none stale: the oldest goes
+    assert ring.steps == [25, 20]
 
 
 def test_user_snapshots_call_the_pair() -> None:
