@@ -108,8 +108,8 @@ def device_gate_refusal(
     """Why the device gate cannot take this run (None: it can).
 
     The gate needs an optimizer that reads ``found_inf`` (torch's fused ones set
-    ``_step_supports_amp_scaling``), a decision the device can take (no spike action other than
-    ``warn``), no GradScaler (its own ``found_inf`` would have to be merged), a policy other
+    ``_step_supports_amp_scaling``), a decision the device can take (no spike or collapse action
+    other than ``warn``), no GradScaler (its own ``found_inf`` would have to be merged), a policy other
     than ``drop`` (whose dropped steps are rescaled on the host first), and a gradient path
     that allows it (``caps.device_gate``: DeepSpeed decides on the host; under a pipeline
     the stages make their next call at different points of the schedule, where a detection's
@@ -134,6 +134,9 @@ def device_gate_refusal(
         config.loss_spike_action, config.grad_spike_action
     ):
         return "a spike action can skip the step, and spikes are judged on the host"
+    if config.collapse_action != "warn":  # a collapse skipped, a stretch rolled back over
+        return (f"collapse_action={config.collapse_action!r} can skip or roll back the step, "
+                "and collapses are judged on the host")
     if config.policy == "drop":
         return ("policy drop rescales a dropped step's gradients on the host, after the "
                 "decision, before the optimizer steps")

@@ -85,6 +85,8 @@ def test_every_registered_engine_is_in_the_table() -> None:
 @pytest.mark.parametrize("setting, words", [
     ({"policy": "drop"}, "policy drop"), ({"loss_spike_action": "skip"}, "spike"),
     ({"spikes": "recover"}, "spike"), ({"gate": "host"}, "gate='host'"),
+    ({"collapse_action": "skip"}, "collapse_action='skip'"),
+    ({"collapse_action": "rollback"}, "collapses are judged on the host"),
 ])
 def test_the_setups_that_keep_the_host_gate_on_cuda(setting: dict[str, Any],
                                                      words: str) -> None:
