@@ -27,8 +27,9 @@ APPLY, SKIP, OVERFLOW, ABORT, EXCLUDE, ROLLBACK, DROP = (
 NONFINITE, SPIKE, QUARANTINE, AFTER_ROLLBACK = "nonfinite", "spike", "quarantine", "after_rollback"
 # issue 60: a collapse skipped (collapse_action="skip"); a recovery that ended (the step applies).
 COLLAPSE, RECOVERY_OVER = "collapse", "recovery_over"
-# issue 70: a degenerate stretch rolled back over at its end (collapse_action="rollback").
-STRETCH = "stretch"
+# issue 70: a degenerate stretch rolled back over at its end (collapse_action="rollback");
+# applied: the batches that spiked against a rollback's restored state ended (its window too).
+STRETCH, DATA_BACK = "stretch", "data_back"
 # issue 68: a step decided on the model's own state (rare/state.py), or on a non-finite
 # optimizer hyperparameter; the verdict of the former.
 HYPER = HYPERPARAMETER
@@ -51,7 +52,9 @@ class Decision:
     cause: str = ""
     """``nonfinite``, ``spike``, ``quarantine``, ``after_rollback``, ``collapse``,
     ``stretch`` (a degenerate stretch that left the run worse, rolled back over),
-    ``recovery_over`` (applied: a recovery that did not help ended), ``state`` (the model's
+    ``recovery_over`` (applied: a recovery that did not help ended), ``data_back`` (applied:
+    the batches that spiked against a rollback's restored state ended, and so does the window
+    of batches discarded after it, and the learning-rate backoff), ``state`` (the model's
     own state was non-finite: repaired, rolled back over or stopped for), ``hyperparameter``
     (an optimizer hyperparameter was non-finite: skipped) or empty (applied)."""
     overflow: bool = False
@@ -113,6 +116,11 @@ class History:
     """Snapshot step -> rollbacks to it."""
     skip_batches: int = 0
     """Batches still to discard after a rollback."""
+    window_spiked: bool = False
+    """The batches discarded since the last rollback spiked against the state it restored
+    (under a spike action that rolls back or skips): the data led in, not the weights or the
+    schedule, so the window ends at the first batch back near the level that state was known
+    to (``Evidence.near``): the data is back, and what is left of the window is real data."""
     spike_streak: int = 0
     """Spiking steps in a row since the last rollback (``spike_patience``)."""
     lost: int = 0
@@ -152,6 +160,7 @@ class History:
             "excluded": list(self.excluded),
             "rollbacks": dict(self.rollbacks),
             "skip_batches": self.skip_batches,
+            "window_spiked": self.window_spiked,
             "spike_streak": self.spike_streak,
             "lost": self.lost,
             "applied": self.applied,
@@ -173,6 +182,7 @@ class History:
             excluded=list(state.get("excluded", [])),
             rollbacks={int(k): int(v) for k, v in state.get("rollbacks", {}).items()},
             skip_batches=int(state.get("skip_batches", 0)),
+            window_spiked=bool(state.get("window_spiked", False)),
             spike_streak=int(state.get("spike_streak", 0)),
             lost=int(state.get("lost", 0)),
             applied=int(state.get("applied", 0)),
@@ -259,6 +269,9 @@ class History:
             self.exclude(host)
         if decision.cause == AFTER_ROLLBACK:
             self.skip_batches -= 1
+            self.window_spiked = self.window_spiked or bool(waited)
+        elif decision.cause == DATA_BACK:  # the data came back within the window: it ends
+            self.skip_batches, self.window_spiked = 0, False
         self._account(decision, config, evidence)
         self._track_stretch(view.step, decision, config, evidence)
         if decision.action == ROLLBACK and decision.cause == STATE and snapshot_step is not None:
@@ -271,6 +284,7 @@ class History:
             # batches are behind the run already: the rollback itself discarded them.
             self.skip_batches = (0 if decision.cause == STRETCH
                                  else config.rollback_skip_batches * 2 ** min(n - 1, 10))
+            self.window_spiked = False
 
     def _track_stretch(self, step: int, decision: Decision, config: SentinelConfig,
                        evidence: Evidence) -> None:
@@ -482,6 +496,14 @@ def decide(view: ClusterView, history: History, config: SentinelConfig,
                              f"{config.max_consecutive_skips})")
             return skip
     if history.skip_batches > 0:
+        if history.window_spiked and evidence.near:
+            # The batches that spiked against the restored state are behind the run: what
+            # is left of the window is real data (a stretch of degenerate data that ended).
+            return Decision(OVERFLOW if overflow else APPLY, (), (
+                "the loss is back near the level of the state restored, after the batches "
+                "discarded since the rollback spiked against it: the data that led in has "
+                f"ended, and the {history.skip_batches} batch(es) left of the window apply"),
+                DATA_BACK, overflow)
         return _bounded(history, config, Decision(
             SKIP, (), f"discarding batches after a rollback ({history.skip_batches} left)",
             AFTER_ROLLBACK, overflow,

@@ -160,7 +160,9 @@ class LearningRates:
         self.guard.applied(plan, quiet=quiet,
                            update_ratio=self.guard.update_ratio(plan.lrs, ratio))
         if backoff and self.guard.quiet_enough():
-            self._end_backoff(view.step if view is not None else -1)
+            self.end_backoff(view.step if view is not None else -1,
+                             f"after {self.guard.rules.quiet_steps} quiet steps under the "
+                             "known-good rate (rollback_lr_quiet_steps)")
         elif self.cooldown.steps_left <= 0:
             self.guard.end_backoff()
 
@@ -263,10 +265,11 @@ class LearningRates:
                 "lr_jump_ratio": self.guard.rules.jump_ratio, "how_to_allow": how})
         log.warning("%s%s", message, f" Report: {path}" if path else "")
 
-    def _end_backoff(self, step: int) -> None:
+    def end_backoff(self, step: int, why: str) -> None:
+        """The backoff (its factor and cap) ends at ``step``, ``why`` said on rank 0 (if one
+        was in force)."""
+        was = self.cooldown.steps_left > 0 or self.guard.known_good is not None
         self.cooldown.factor, self.cooldown.steps_left = 1.0, 0
         self.guard.end_backoff()
-        if self.rank == 0:
-            log.info("nansentinel: step %d: the learning-rate backoff ends after %d quiet steps "
-                     "under the known-good rate (rollback_lr_quiet_steps)", step,
-                     self.guard.rules.quiet_steps)
+        if was and self.rank == 0:
+            log.info("nansentinel: step %d: the learning-rate backoff ends %s", step, why)

@@ -28,6 +28,7 @@ from nansentinel.checks.buffers import FloatingBuffers
 from nansentinel.checks.health import LocalHealth
 from nansentinel.checks.state import StateFindings
 from nansentinel.decide.policy import (
+    DATA_BACK,
     DROP,
     HYPER,
     RECOVERY_OVER,
@@ -297,6 +298,11 @@ class StepJudge:
         left_out = self._leave_out(decision, view, own)
         if decision.cause == RECOVERY_OVER:  # the run goes on from a level no snapshot knew
             self.spikes.reset()
+        if decision.cause == DATA_BACK:  # the data led in, not the rate: no backoff for it
+            if self.rank == 0:
+                log.info("nansentinel: step %d: %s", view.step, decision.reason)
+            self.lr.end_backoff(view.step, "the rollback was the data's doing (its batches "
+                                "spiked against the restored state, and have ended)")
         if decision.applies and not optimizer_step:
             # The caller steps the optimizer right after: the snapshot is taken now, before
             # its update, and the cooldown undone from the optimizer's post-hook.

@@ -63,6 +63,7 @@ from tests.distributed.harness import run_ranks, values
 from tests.distributed.workers_invariants import (
     BUILDERS,
     COLLAPSE,
+    DATA_BACK,
     FAULT_STEPS,
     JUMP_STEP,
     LONG,
@@ -72,6 +73,7 @@ from tests.distributed.workers_invariants import (
     RETURN,
     ROWS,
     SPIKE,
+    SPIKING,
     STATE_FAULTS,
     STEPS,
     STRETCH,
@@ -628,7 +630,7 @@ def test_a_degenerate_stretch_is_judged_at_its_end_on_every_engine(tmp_path: Pat
         trail = [(s["step"], s["outcome"], s["reason"]) for s in first["steps"][STRETCH[0]:]]
         assert not steps[STRETCH[0]]["collapsed"] and steps[STRETCH[1]]["collapsed"], where
         rolled = [s for s in first["steps"] if s["outcome"] == "rolled_back"]
-        assert [s["step"] for s in rolled] == [RETURN], (where, trail)
+        assert [s["step"] for s in rolled] == [RETURN, SPIKING[1]], (where, trail)
         back = rolled[0]
         assert back["rolled_back_to"] < STRETCH[0], (where, back)
         assert f"degenerate stretch of steps {STRETCH[0]}-{STRETCH[-1]}" in back["reason"], (
@@ -638,6 +640,18 @@ def test_a_degenerate_stretch_is_judged_at_its_end_on_every_engine(tmp_path: Pat
         expected = {sample_id(r, s, 0, row) for r in range(WORLD) for s in STRETCH
                     for row in range(ROWS)}
         assert set(first["skipped"]) == expected, where
+        # Batches that spike against the restored state are the data's: the first back at
+        # its level ends the window discarded after the rollback (not its 10 batches), and
+        # the learning-rate backoff with it.
+        assert not any(steps[s]["applied"] for s in SPIKING), (where, trail)
+        spiked = steps[SPIKING[-1]]
+        assert "discarding batches after a rollback" in spiked["reason"] or (
+            "discarded after a rollback" in spiked["reason"]), (where, trail)
+        assert spiked["lr_factor"] < 1.0, (where, spiked)
+        data_back = steps[DATA_BACK]
+        assert data_back["applied"] and "the data that led in has ended" in (
+            data_back["reason"]), (where, trail)
+        assert data_back["lr_factor"] == 1.0, (where, data_back)
         if policy == "abort":
             assert first["error"] is not None and "aborting (policy is abort)" in (
                 first["error"]["reason"]), (where, trail)
@@ -647,7 +661,8 @@ def test_a_degenerate_stretch_is_judged_at_its_end_on_every_engine(tmp_path: Pat
         over = [s for s in first["steps"] if "has lasted longer than a rollback" in s["reason"]]
         assert over and over[0]["applied"] and over[0]["step"] in LONG, (where, trail)
         assert f"max_lost_steps={LOST_BOUND}" in over[0]["reason"], where
-        assert all(s["applied"] for s in first["steps"] if s["step"] > RETURN), (where, trail)
+        assert all(s["applied"] for s in first["steps"]
+                   if s["step"] > RETURN and s["step"] not in SPIKING), (where, trail)
         reports = [r["content"] or {} for r in first["reports"]]
         assert any(c.get("outcome") == "rolled_back" and c.get("skip_list") for c in reports), (
             where)

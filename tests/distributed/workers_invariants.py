@@ -814,9 +814,12 @@ def recovery_states(rank: int, world: int, *, engine: str, policy: str, report_d
 
 #: The loss per step (:func:`level_loss`): at its level, then a stretch that leaves the band
 #: at STRETCH[0] and collapses after it, real data back at RETURN twice as high (rolled back
-#: over), at its level again, then a collapse from LONG[0] that lasts past max_lost_steps
-#: (LOST_BOUND): the recovery ends instead.
+#: over), at its level again, then batches that spike (SPIKING: skipped, rolled back at the
+#: second, and spiking on against the restored state in the window discarded after it) until
+#: the data is back at its level (DATA_BACK: the window ends there), then a collapse from
+#: LONG[0] that lasts past max_lost_steps (LOST_BOUND): the recovery ends instead.
 STRETCH, RETURN, LONG, STRETCH_STEPS, LOST_BOUND = range(21, 26), 26, range(40, 58), 58, 10
+SPIKING, DATA_BACK = range(31, 35), 35
 
 
 def stretch_level(step: int) -> float:
@@ -825,7 +828,8 @@ def stretch_level(step: int) -> float:
         return 0.75  # below the band (0.82x), not collapsed (0.67x): the stretch's first step
     if step in STRETCH:
         return 0.6 if step == STRETCH[1] else 0.05
-    return 2.0 if step == RETURN else 0.05 if step in LONG else 1.0
+    return (2.0 if step == RETURN else 3.0 if step in SPIKING else 0.05 if step in LONG
+            else 1.0)
 
 
 def run_stretch_states(rank: int, world: int, *, runs: list[tuple[str, str]], report_dir: str

@@ -309,7 +309,7 @@ def test_recovery_benchmark_smoke_run(tmp_path: Path) -> None:
 @pytest.mark.timeout(200)
 def test_recovery_benchmark_degenerate_labels_and_slow_climb_under_recover(
         tmp_path: Path) -> None:
-    """bench/recovery.py's constant, stuck and slow_climb cases, seeds 0 and 1, under
+    """bench/recovery.py's constant, copied, stuck and slow_climb cases, seeds 0 and 1, under
     spikes="recover", in one run (the stable references are shared).
 
     stuck (a loader serving one real batch for 40 steps: the loss sinks as the weights
@@ -317,11 +317,13 @@ def test_recovery_benchmark_degenerate_labels_and_slow_climb_under_recover(
     left its band, is rolled back over when real data returns; each seed ends within 2% of
     the stable run (unguarded: +2.7% and +3.0%, and so did recover before issue 70).
 
-    constant (a shard whose labels are all one token, growing into the batches from step
-    150, the loss collapsing to ~0.01): each seed ends within 3% of the stable run
-    (unguarded ends +3.5% and +4.6%: docs/recovery.md), with at most max_lost_steps (60)
-    steps unapplied and no abort. Before issue 60 the rollback landed on a snapshot from
-    inside the collapse, and seed 1 ended +286%.
+    constant and copied (a shard whose labels are all one token, or its inputs, growing into
+    the batches from step 150, the loss collapsing): each seed ends within 2% of the stable
+    run (unguarded ends +3.5% and +4.6%, +9.8% and +10.0%: docs/recovery.md), with at most
+    max_lost_steps (60) steps unapplied and no abort. Before issue 60 the rollback landed on
+    a snapshot from inside the collapse, and constant's seed 1 ended +286%; before the
+    window discarded after a rollback ended with the data that spiked in it, seed 1 of both
+    discarded 12 real batches past the stretch and ended +2.1%.
 
     slow_climb (the learning rate climbing to x300 past the edge of stability): the rate rose
     into the spike, so the backoff caps it at a quarter of the rate that failed, not half of
@@ -330,17 +332,14 @@ def test_recovery_benchmark_degenerate_labels_and_slow_climb_under_recover(
     out = tmp_path / "recover.json"
     proc = subprocess.run(
         [sys.executable, str(ROOT / "bench" / "recovery.py"), "--cases",
-         "constant,stuck,slow_climb", "--arms", "recover", "--seeds", "2", "--json", str(out)],
+         "constant,copied,stuck,slow_climb", "--arms", "recover", "--seeds", "2", "--json", str(out)],
         cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=190,
     )
     assert proc.returncode == 0, f"benchmark failed:\n{proc.stdout}\n{proc.stderr}"
     result = json.loads(out.read_text())
     runs = result["runs"]
     stable = {r["seed"]: r["val"] for r in runs if r["case"] == "stable"}
-    for r in (r for r in runs if r["case"] == "constant"):
-        assert r["val"] < stable[r["seed"]] * 1.03, (r["seed"], r["val"], stable[r["seed"]])
-        assert 0 < r["lost"] <= 60 and r["aborted"] is None, (r["seed"], r["lost"])
-    for r in (r for r in runs if r["case"] == "stuck"):
+    for r in (r for r in runs if r["case"] in ("constant", "copied", "stuck")):
         assert r["val"] < stable[r["seed"]] * 1.02, (r["seed"], r["val"], stable[r["seed"]])
         assert 0 < r["lost"] <= 60 and r["aborted"] is None, (r["seed"], r["lost"])
     (row,) = [r for r in result["summary"] if r["case"] == "slow_climb"]

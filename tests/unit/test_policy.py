@@ -7,6 +7,7 @@ from nansentinel.config import SentinelConfig
 from nansentinel.decide.policy import (
     ABORT,
     APPLY,
+    DATA_BACK,
     EXCLUDE,
     OVERFLOW,
     RECOVERY_OVER,
@@ -120,7 +121,7 @@ def test_history_saves_its_own_state_under_the_checkpoint_keys() -> None:
     assert set(state) == {"consecutive_skips", "strikes", "excluded", "rollbacks",
                           "skip_batches", "spike_streak", "lost", "applied",
                           "snapshot_applied", "failed_snapshots", "watch", "retry",
-                          "retry_stretch", "state_restored", "stretch"}
+                          "retry_stretch", "state_restored", "stretch", "window_spiked"}
     # JSON-style keys (a checkpoint written as JSON turns int keys into strings) load too.
     state["rollbacks"] = {"10": 1}
     assert History.from_state_dict(state) == h
@@ -404,3 +405,39 @@ def test_a_rollback_check_waits_while_the_restored_state_meets_spiking_batches()
     assert [d.action for d in _stretch(h, RECOVER, [("spike", 3.0)] * 12)] == [
         SKIP, ROLLBACK] + [SKIP] * 10
     assert h.watch == [3, 5, 0] and h.failed == [] and h.skip_batches == 0
+
+
+def test_a_window_whose_batches_spiked_against_the_restored_state_ends_when_the_data_is_back(
+) -> None:
+    """Degenerate data that outlasts a rollback spikes against the restored, known-good state:
+    the batches discarded then are the data's. The first batch of the window back near the
+    restored level (not spiking) applies and ends the window (``data_back``): the rest of it
+    is real data, which discarding cost seed 1 of the bench's constant and copied cases 12
+    steps past the stretch (+2.1%). A window whose batches never spiked (the weights or the
+    schedule led in) runs its length, near or not."""
+    h = History(applied=3, snapshot_applied={3: 3})
+    decisions = _stretch(h, RECOVER, [("spike", 3.0)] * 2 + [("spike", 3.0)] * 3)
+    assert [d.action for d in decisions] == [SKIP, ROLLBACK, SKIP, SKIP, SKIP]
+    assert h.window_spiked and h.skip_batches == RECOVER.rollback_skip_batches - 3
+    (back,) = _stretch(h, RECOVER, [("in", 1.0)], first=9)
+    assert back.action == APPLY and back.cause == DATA_BACK, back
+    assert "the data that led in has ended" in back.reason
+    assert h.skip_batches == 0 and not h.window_spiked
+    # Saved and restored with a checkpoint.
+    h = History(applied=3, snapshot_applied={3: 3})
+    _stretch(h, RECOVER, [("spike", 3.0)] * 3)
+    resumed = History.from_state_dict(h.state_dict())
+    assert resumed.window_spiked and resumed == h
+    assert _stretch(resumed, RECOVER, [("in", 1.0)], first=7)[0].cause == DATA_BACK
+    # Back in band but above the restored level (the weights' doing): still discarded.
+    h = History(applied=3, snapshot_applied={3: 3})
+    _stretch(h, RECOVER, [("spike", 3.0)] * 3)
+    assert _stretch(h, RECOVER, [("in", 1.3)], first=7)[0].action == SKIP
+    # Nothing spiked in the window (a learning-rate spike: the restored state is fine on
+    # real data): the whole window is discarded.
+    h = History(applied=3, snapshot_applied={3: 3})
+    _stretch(h, RECOVER, [("spike", 3.0)] * 2)
+    window = _stretch(h, RECOVER, [("in", 1.0)] * RECOVER.rollback_skip_batches, first=6)
+    assert [d.action for d in window] == [SKIP] * RECOVER.rollback_skip_batches
+    assert h.skip_batches == 0 and not h.window_spiked
+    assert _stretch(h, RECOVER, [("in", 1.0)], first=99)[0].action == APPLY
