@@ -66,6 +66,9 @@ arms
             moment), and Adam's moments reset when the grad norm is 6 sigma out.
   palm      PaLM's remedy: on a loss 6 sigma out, restart from a checkpoint ~20 steps back and
             skip the next 30 batches (PaLM: ~100 steps back, 200-500 batches).
+  oracle    the degenerate cases only: skip exactly the stretch's steps, as if its data had
+            never come (what issue 70 asks of recover; no guard could know the stretch's
+            bounds this well). Elsewhere the loop as it is.
 
 (The model's causal mask is a boolean buffer: a floating one holding -inf is a non-finite
 state to the sentinel since issue 68, which refuses it at construction.)
@@ -140,7 +143,7 @@ RAMP = 16  # steps until a degenerate shard fills whole batches
 CASES = ("stable", "lr_spike", "lr_long", "bad_shard", "fp16", "slow_climb", "lr_typo",
          *DEGENERATE)
 ARMS = ("none", "clip", "skip", "rollback", "recover", "recover_nojump", "recover_skip_collapse",
-        "olmo", "zclip", "spam", "palm")
+        "olmo", "zclip", "spam", "palm", "oracle")
 
 
 # --- the corpus --------------------------------------------------------------------------------
@@ -472,6 +475,9 @@ def run(case: str, arm: str, seed: int, steps: int = STEPS) -> dict[str, Any]:
                     actions += 1
                 olmo_grad.add(norm)
                 spam_clip(opt)
+            elif arm == "oracle" and case in DEGENERATE:
+                start, length = DEGENERATE[case].start, DEGENERATE[case].length
+                skip = start <= step < start + length
             elif arm == "palm":
                 if palm_window.outlier(losses[-1]) and len(checkpoints) > 1:
                     back, state, opt_state = checkpoints[0]
