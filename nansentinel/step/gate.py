@@ -108,12 +108,12 @@ def device_gate_refusal(
     """Why the device gate cannot take this run (None: it can).
 
     The gate needs an optimizer that reads ``found_inf`` (torch's fused ones set
-    ``_step_supports_amp_scaling``), a decision the device can take (no spike or collapse action
-    other than ``warn``), no GradScaler (its own ``found_inf`` would have to be merged), a policy other
-    than ``drop`` (whose dropped steps are rescaled on the host first), and a gradient path
-    that allows it (``caps.device_gate``: DeepSpeed decides on the host; under a pipeline
-    the stages make their next call at different points of the schedule, where a detection's
-    collectives would not pair up; that one is said first).
+    ``_step_supports_amp_scaling``), a decision the device can take (no spike or collapse
+    action other than ``warn``), no GradScaler (its own ``found_inf`` would have to be
+    merged), a policy other than ``drop`` (whose dropped steps are rescaled on the host
+    first), and a gradient path that allows it (``caps.device_gate``: DeepSpeed decides on the
+    host; under a pipeline the stages make their next call at different points of the
+    schedule, where a detection's collectives would not pair up; that one is said first).
     """
     if caps.pipelined:
         return caps.device_gate
