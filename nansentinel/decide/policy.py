@@ -120,7 +120,9 @@ class History:
     """The batches discarded since the last rollback spiked against the state it restored
     (under a spike action that rolls back or skips): the data led in, not the weights or the
     schedule, so the window ends at the first batch back near the level that state was known
-    to (``Evidence.near``): the data is back, and what is left of the window is real data."""
+    to and quiet on every signal (``Evidence.near`` and ``.quiet``: a degenerate batch just
+    under a spike's ratio is not back): the data is back, and what is left of the window is
+    real data."""
     spike_streak: int = 0
     """Spiking steps in a row since the last rollback (``spike_patience``)."""
     lost: int = 0
@@ -406,6 +408,8 @@ class Evidence:
         verdict: the replay verdict, when a replay ran.
         snapshot_step: the step of the snapshot a rollback would restore (None: none yet).
         near: the cluster's loss is in its normal band (a rollback's check, issue 60).
+        quiet: no rank and not the cluster mean is even half-way to a spike on any signal
+            (the batches after a rollback that spiked against it have ended: ``data_back``).
         low: the cluster's loss is below its normal band (a stretch of degenerate data
             begins or lasts, issue 70).
         relative: the cluster's loss over the level saved with the snapshot a rollback would
@@ -420,6 +424,7 @@ class Evidence:
     verdict: str | None = None
     snapshot_step: int | None = None
     near: bool = True
+    quiet: bool = True
     low: bool = False
     relative: float | None = None
     state: StateFindings | None = None
@@ -496,7 +501,7 @@ def decide(view: ClusterView, history: History, config: SentinelConfig,
                              f"{config.max_consecutive_skips})")
             return skip
     if history.skip_batches > 0:
-        if history.window_spiked and evidence.near:
+        if history.window_spiked and evidence.near and evidence.quiet:
             # The batches that spiked against the restored state are behind the run: what
             # is left of the window is real data (a stretch of degenerate data that ended).
             return Decision(OVERFLOW if overflow else APPLY, (), (

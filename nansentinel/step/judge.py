@@ -160,6 +160,7 @@ class StepJudge:
         snapshot_step = self._snapshot_choice()
         evidence = Evidence(self.amp, spikes, verdict, snapshot_step,
                             near=self.spikes.near(totals, self._level),
+                            quiet=self.spikes.quiet(totals),
                             low=self.spikes.low(totals),
                             relative=self._relative(totals, snapshot_step),
                             state=state, hyper=self._hyper(totals, local))

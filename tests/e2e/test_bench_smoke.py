@@ -332,7 +332,8 @@ def test_recovery_benchmark_degenerate_labels_and_slow_climb_under_recover(
     out = tmp_path / "recover.json"
     proc = subprocess.run(
         [sys.executable, str(ROOT / "bench" / "recovery.py"), "--cases",
-         "constant,copied,stuck,slow_climb", "--arms", "recover", "--seeds", "2", "--json", str(out)],
+         "constant,copied,stuck,slow_climb", "--arms", "recover", "--seeds", "2",
+         "--json", str(out)],
         cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=190,
     )
     assert proc.returncode == 0, f"benchmark failed:\n{proc.stdout}\n{proc.stderr}"

@@ -411,10 +411,10 @@ def test_a_window_whose_batches_spiked_against_the_restored_state_ends_when_the_
 ) -> None:
     """Degenerate data that outlasts a rollback spikes against the restored, known-good state:
     the batches discarded then are the data's. The first batch of the window back near the
-    restored level (not spiking) applies and ends the window (``data_back``): the rest of it
-    is real data, which discarding cost seed 1 of the bench's constant and copied cases 12
-    steps past the stretch (+2.1%). A window whose batches never spiked (the weights or the
-    schedule led in) runs its length, near or not."""
+    restored level and quiet on every signal applies and ends the window (``data_back``): the
+    rest of it is real data, which discarding cost seed 1 of the bench's constant and copied
+    cases 12 steps past the stretch (+2.1%). A window whose batches never spiked (the weights
+    or the schedule led in) runs its length, near or not."""
     h = History(applied=3, snapshot_applied={3: 3})
     decisions = _stretch(h, RECOVER, [("spike", 3.0)] * 2 + [("spike", 3.0)] * 3)
     assert [d.action for d in decisions] == [SKIP, ROLLBACK, SKIP, SKIP, SKIP]
@@ -433,6 +433,11 @@ def test_a_window_whose_batches_spiked_against_the_restored_state_ends_when_the_
     h = History(applied=3, snapshot_applied={3: 3})
     _stretch(h, RECOVER, [("spike", 3.0)] * 3)
     assert _stretch(h, RECOVER, [("in", 1.3)], first=7)[0].action == SKIP
+    # Near on the loss, but some signal half-way to a spike (a degenerate batch just under
+    # the ratio: its gradient norm 9.9x under the default 10x): not back, still discarded.
+    loud = Evidence(spikes=Spikes(), snapshot_step=3, near=True, quiet=False, relative=1.0)
+    d = decide(view(8, {}), h, RECOVER, loud)
+    assert d.action == SKIP and "discarding batches after a rollback" in d.reason
     # Nothing spiked in the window (a learning-rate spike: the restored state is fine on
     # real data): the whole window is discarded.
     h = History(applied=3, snapshot_applied={3: 3})
