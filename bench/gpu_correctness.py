@@ -28,7 +28,8 @@ only these need the real thing:
   (``torch._foreach_norm(ord=inf)``) on this device's kernels: a NaN, +Inf or -Inf in any
   position of a tensor of any size and dtype (fp32, bf16, fp16 far past an L2 norm's range)
   is found, a finite tensor is not, and the floating buffers' three norms stay on the device
-  (no host sync while the step is healthy).
+  (no host sync while the step is healthy); a tensor lr on the GPU is flagged on the device
+  with no host sync, 0 while finite and 1 once NaN.
 
 On the CPU: ``gate_stream`` reads the host copy path (no event), ``ddp_world1`` and
 ``ddp_scale`` run on gloo and the CPU's kernels, ``group_timeout`` reads gloo's timeout, and
@@ -257,10 +258,41 @@ def check_state_reads(tmp: Path) -> Outcome:
     net(torch.randn(4, 8, device=device))
     norms = buffers.norms()
     on_device = norms is not None and all(n.device == device for n in norms)
-    ok = not missed and on_device
+    lr_ok, lr_said = _tensor_lr(device)
+    ok = not missed and on_device and lr_ok
     return ok, (f"{len(missed)} missed: {', '.join(missed[:4])}" if missed else
                 f"every NaN/Inf found in fp32, bf16, fp16 up to 2**20 elements on {device}; "
-                f"buffer norms on {norms[0].device if norms else '?'}")
+                f"buffer norms on {norms[0].device if norms else '?'}; {lr_said}")
+
+
+def _tensor_lr(device: torch.device) -> Outcome:
+    """A tensor lr on the device (fused AdamW takes one) is read on the device only: its flag
+    is 0 while finite and 1 once NaN, made with no host sync (CUDA's sync debug mode raises
+    on one); named on the host once asked (the rare path)."""
+    from nansentinel.checks.state import (
+        device_hyperparameters,
+        nonfinite_flag,
+        poisoned_hyperparameters,
+    )
+
+    param = torch.nn.Parameter(torch.zeros(4, device=device))
+    opt = torch.optim.AdamW([param], lr=torch.tensor(1e-3, device=device),
+                            fused=device.type == "cuda")
+    tensors = device_hyperparameters(opt)
+    if device.type != "cuda":
+        return tensors == [], f"tensor lr on {device}: read by the host ({len(tensors)} listed)"
+    flags = []
+    for value in (1e-3, math.nan):
+        opt.param_groups[0]["lr"].fill_(value)
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            flag = nonfinite_flag(device_hyperparameters(opt), device)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        flags.append(float(flag))
+    named = poisoned_hyperparameters(opt)
+    ok = len(tensors) == 1 and flags == [0.0, 1.0] and [k for _, k, _ in named] == ["lr"]
+    return ok, f"tensor lr on {device}: flags {flags} with no sync, named {named}"
 
 
 CHECKS: dict[str, Callable[[Path], Outcome]] = {

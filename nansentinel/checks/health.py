@@ -126,7 +126,12 @@ class LocalHealth:
         them, this rank's own before its forward, as its forward began (buffers.py); None: the
         model has none."""
         self.hyper_bad = False
-        """An optimizer hyperparameter is non-finite (read as the row is packed)."""
+        """An optimizer hyperparameter the host reads is non-finite (read as the row is
+        packed)."""
+        self.hyper_flag: torch.Tensor | None = None
+        """The hyperparameters held as tensors on the accelerator: 0-d fp32 on the device, 1
+        where one is non-finite (checks/state.py ``nonfinite_flag``: no host sync), raising
+        the row's ``hyper_bad`` slot; None: the optimizer holds none there."""
         self.hyper = ""
         """Those hyperparameters in words, as they were then (a report names them after the
         schedule, or a drill, may have written the next step's)."""
@@ -185,6 +190,9 @@ class LocalHealth:
                     else moved(self.boundary, self.device, torch.float32))
         stops = constant((host["stop_term"], host["stop_int"], host["hyper_bad"]),
                          self.device)  # cached constants: no host-to-device copy
+        if self.hyper_flag is not None:
+            stops = torch.cat([stops[:2], torch.maximum(
+                stops[2:], moved(self.hyper_flag, self.device, torch.float32).reshape(1))])
         buffers = (constant((0.0, 0.0, 0.0), self.device) if self.buffers is None
                    else torch.stack([moved(b, self.device, torch.float32).reshape(())
                                      for b in self.buffers]))
@@ -201,6 +209,8 @@ class LocalHealth:
         the values syncs nothing, and the row's flags are the host's own (the pack then runs on
         floats, ``wire.schema.pack``, instead of a dozen small tensor operations here)."""
         named = self._host_flags()
+        if self.hyper_flag is not None:
+            named["hyper_bad"] = max(named["hyper_bad"], _host_float(self.hyper_flag))
         named["batch_norm"] = _host_float(combined(self.batch_norms, None))
         named["loss_value"] = _host_float(self._loss())
         named["grad_norm_value"] = _host_float(combined(self.grad_norms, None))

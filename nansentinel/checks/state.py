@@ -8,8 +8,10 @@ never every tensor every step:
 
 - the whole state once at construction and at each documented restore, and on an incident
   (the rare path, rare/state.py): :func:`named_state`, :func:`poisoned`;
-- the hyperparameters (Python floats) as each step's health leaves: :func:`hyperparameters_finite`
-  (a flag in the health row), and by name after a detection: :func:`poisoned_hyperparameters`.
+- the hyperparameters as each step's health leaves: the host's own floats
+  (:func:`hyperparameters_finite`) and the tensors on an accelerator, on the device
+  (:func:`device_hyperparameters`, :func:`nonfinite_flag`), one flag in the health row; by
+  name after a detection: :func:`poisoned_hyperparameters`.
 
 Why a max-abs norm (``ord=inf``) and not the L2 norm the gradient checks use: a state tensor
 is read on the rare path only, where a false alarm costs a verdict, and ``max |x|`` is finite
@@ -249,24 +251,38 @@ def any_nonfinite(tensors: Sequence[torch.Tensor], device: torch.device) -> torc
 # --- hyperparameters ----------------------------------------------------------------------
 
 
+def _elements(value: Any) -> Iterable[tuple[str, Any]]:
+    """``(suffix, element)`` of one param-group entry: the entry itself, or each element of a
+    tuple or list (Adam's ``betas``: ``[0]``, ``[1]``)."""
+    if isinstance(value, tuple | list):
+        yield from ((f"[{i}]", v) for i, v in enumerate(value))
+    else:
+        yield "", value
+
+
+def _on_host(value: Any) -> bool:
+    """A hyperparameter the host reads without a sync: a float, or a one-element floating
+    tensor on the CPU."""
+    return type(value) is float or (
+        isinstance(value, torch.Tensor) and value.numel() == 1 and value.device.type == "cpu"
+        and value.is_floating_point())
+
+
 def _floats(value: Any) -> Iterable[float]:
-    """The floating values of one param-group entry (a float, a tuple of them as Adam's
-    ``betas``, a 0-d tensor on the CPU); nothing for the rest (params, bools, ints, None,
-    strings, a tensor on an accelerator: reading it would sync the host)."""
-    if type(value) is float:
-        yield value
-    elif isinstance(value, tuple | list) and value and not isinstance(value[0], torch.Tensor):
-        yield from (v for v in value if type(v) is float)
-    elif isinstance(value, torch.Tensor) and value.numel() == 1 and value.device.type == "cpu" \
-            and value.is_floating_point():
-        yield float(value)
+    """The floating values of one param-group entry the host reads without a sync (floats, a
+    tuple of them as Adam's ``betas``, one-element tensors on the CPU); nothing for the rest
+    (params, bools, ints, None, strings, a tensor on an accelerator:
+    :func:`device_hyperparameters`)."""
+    for _, v in _elements(value):
+        if _on_host(v):
+            yield float(v)
 
 
 def hyperparameters_finite(optimizer: Any) -> bool:
-    """Whether every floating hyperparameter of every param group is finite: one pass over
-    the groups' entries, on the host (each step's health row carries the answer). A sum of
-    finite hyperparameters stays finite (they are rates, decays and epsilons, nowhere near
-    1e308), and a NaN or an Inf anywhere makes it non-finite."""
+    """Whether every floating hyperparameter of every param group the host reads without a
+    sync is finite: one pass over the groups' entries (each step's health row carries the
+    answer). A sum of finite hyperparameters stays finite (they are rates, decays and
+    epsilons, nowhere near 1e308), and a NaN or an Inf anywhere makes it non-finite."""
     total = 0.0
     for group in optimizer.param_groups:
         for key, value in group.items():
@@ -275,19 +291,36 @@ def hyperparameters_finite(optimizer: Any) -> bool:
     return math.isfinite(total)
 
 
+def device_hyperparameters(optimizer: Any) -> list[torch.Tensor]:
+    """The floating tensor hyperparameters on an accelerator (a tensor ``lr`` on the GPU, as
+    ``capturable`` and fused optimizers take for CUDA graphs, or tensor ``betas``): read on
+    the device (:func:`nonfinite_flag`), never on the host, where each read would sync."""
+    return [v for group in optimizer.param_groups for key, value in group.items()
+            if key != "params" for _, v in _elements(value)
+            if isinstance(v, torch.Tensor) and v.device.type != "cpu" and v.is_floating_point()]
+
+
+def nonfinite_flag(tensors: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """0-d fp32 on ``device``: 1.0 where any element of ``tensors`` is not finite (no host
+    sync: the health row carries it as its ``hyper_bad`` slot)."""
+    values = torch.cat([t.detach().reshape(-1).to(device, torch.float32) for t in tensors])
+    return (~torch.isfinite(values)).any().to(torch.float32)
+
+
 def poisoned_hyperparameters(optimizer: Any) -> list[tuple[int, str, float]]:
     """``(param group, key, value)`` of every non-finite hyperparameter (``betas[1]`` for an
-    element of a tuple), for a report or a refusal."""
+    element of a tuple), tensors on an accelerator included: read on the rare path only (a
+    report, a refusal), where a sync costs nothing that matters."""
     out: list[tuple[int, str, float]] = []
     for g, group in enumerate(optimizer.param_groups):
         for key, value in group.items():
             if key == "params":
                 continue
-            if isinstance(value, tuple | list):
-                out.extend((g, f"{key}[{i}]", v) for i, v in enumerate(value)
-                           if type(v) is float and not math.isfinite(v))
-            else:
-                out.extend((g, key, v) for v in _floats(value) if not math.isfinite(v))
+            for suffix, v in _elements(value):
+                if isinstance(v, torch.Tensor) and v.is_floating_point() and v.numel() == 1:
+                    v = float(v)
+                if type(v) is float and not math.isfinite(v):
+                    out.append((g, key + suffix, v))
     return out
 
 

@@ -20,7 +20,9 @@ from nansentinel.checks.pipeline import StageWatch
 from nansentinel.checks.quarantine import Quarantine
 from nansentinel.checks.state import (
     describe_hyperparameters,
+    device_hyperparameters,
     hyperparameters_finite,
+    nonfinite_flag,
     poisoned_hyperparameters,
 )
 from nansentinel.common.inject import DRILLED_STATE, Injector, drill_targets
@@ -254,6 +256,8 @@ class CurrentStep:
             self.local.injected = True
         self.local.hyper_bad = self.optimizer is not None and not hyperparameters_finite(
             self.optimizer)
+        on_device = device_hyperparameters(self.optimizer) if self.optimizer is not None else []
+        self.local.hyper_flag = nonfinite_flag(on_device, self.device) if on_device else None
         if self.local.hyper_bad:  # the rare case: named now, while they are as stepped
             self.local.hyper = describe_hyperparameters(
                 poisoned_hyperparameters(self.optimizer))

@@ -26,7 +26,11 @@ import torch
 
 from nansentinel.checks.buffers import FloatingBuffers
 from nansentinel.checks.health import LocalHealth
-from nansentinel.checks.state import StateFindings
+from nansentinel.checks.state import (
+    StateFindings,
+    describe_hyperparameters,
+    poisoned_hyperparameters,
+)
 from nansentinel.decide.policy import (
     DATA_BACK,
     DROP,
@@ -248,6 +252,10 @@ class StepJudge:
         if not totals.bad_hyper:
             return ""
         mine, peers = local.hyper, self.ctx.peers
+        if not mine and local.hyper_flag is not None and float(local.hyper_flag):
+            # A tensor on the accelerator was read on the device only: named now (the rare
+            # path's one read), as it stands now.
+            mine = describe_hyperparameters(poisoned_hyperparameters(self.optimizer))
         with self.guarded():
             first = peers.min_ints([peers.rank if mine else peers.world_size])[0]
             if first == peers.world_size:

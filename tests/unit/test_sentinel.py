@@ -168,3 +168,31 @@ def test_busy_metrics_port_is_a_clear_error(tmp_path: Path) -> None:
         port = busy.getsockname()[1]
         with pytest.raises(RuntimeError, match=str(port)):
             make(tmp_path, metrics_port=port, metrics_addr="127.0.0.1")
+
+
+def test_a_tensor_lr_on_the_accelerator_skips_its_step_read_on_the_device_and_named(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 68: a tensor lr that the host does not read (on the GPU a read would sync every
+    step) still skips the step it went NaN at, through the row's device flag, and the
+    reason names it (read once, on the rare path); the next step with a finite rate
+    applies. The CPU stands in for the GPU: the lr tensor is hidden from the host's read
+    and handed to the device's, as a CUDA tensor is."""
+    import nansentinel.checks.state as state
+    import nansentinel.step.current as current
+
+    monkeypatch.setattr(state, "_on_host", lambda v: type(v) is float)
+    monkeypatch.setattr(current, "device_hyperparameters", lambda opt: [
+        g["lr"] for g in opt.param_groups if isinstance(g["lr"], torch.Tensor)])
+    model, opt, s = make(tmp_path)
+    opt.param_groups[0]["lr"] = torch.tensor(0.1)
+    assert one_step(model, s).applied
+    opt.param_groups[0]["lr"].fill_(math.nan)
+    assert state.hyperparameters_finite(opt)  # the host's own read does not see it
+    before = [p.detach().clone() for p in model.parameters()]
+    skipped = one_step(model, s)
+    assert not skipped.applied and "param group 0's lr is nan" in skipped.reason, skipped
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+    opt.zero_grad(set_to_none=True)
+    opt.param_groups[0]["lr"].fill_(0.1)
+    assert one_step(model, s).applied
+    s.close()

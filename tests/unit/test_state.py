@@ -9,13 +9,16 @@ import math
 import torch
 from torch import nn
 
+from nansentinel.checks.health import ROW, LocalHealth
 from nansentinel.checks.state import (
     Poisoned,
     StateFindings,
     any_nonfinite,
     describe_ranks,
+    device_hyperparameters,
     hyperparameters_finite,
     named_state,
+    nonfinite_flag,
     poisoned,
     poisoned_hyperparameters,
 )
@@ -115,6 +118,35 @@ def test_a_buffer_broadcast_from_its_source_names_the_source_not_the_ranks_it_re
         strict=True)])
     assert totals.bad_buffer == 2 and totals.blamed == 1 and totals.reached == 1
     assert totals.device_skips  # the device gate's found_inf skips it too
+
+
+def test_tensor_hyperparameters_on_an_accelerator_are_read_on_the_device_only() -> None:
+    """A tensor lr or tensor betas on the GPU (capturable and fused optimizers take them) is
+    never read on the host on a healthy step: it is listed for the device, folded into one
+    0-d flag there, and raises the row's hyper_bad slot on the device path as on the host
+    path; by name only on the rare path (tensors in a tuple too)."""
+    w = nn.Parameter(torch.ones(2))
+    opt = torch.optim.AdamW([w], lr=torch.tensor(1e-3),
+                            betas=(torch.tensor(0.9), torch.tensor(0.999)))
+    assert device_hyperparameters(opt) == []  # on the CPU the host reads them itself
+    assert hyperparameters_finite(opt)
+    opt.param_groups[0]["betas"] = (torch.tensor(math.nan), torch.tensor(0.999))
+    assert not hyperparameters_finite(opt)  # a CPU tensor in a tuple is read as well
+    assert poisoned_hyperparameters(opt)[0][:2] == (0, "betas[0]")
+    flag = nonfinite_flag([torch.tensor(1e-3), torch.tensor([0.9, math.inf])], CPU)
+    assert flag.shape == () and flag.dtype == torch.float32 and float(flag) == 1.0
+    assert float(nonfinite_flag([torch.tensor(1e-3), torch.tensor([0.9, 0.99])], CPU)) == 0.0
+    for bad in (0.0, 1.0):  # the device row and the CPU's host row carry the same slot
+        health = LocalHealth(CPU)
+        health.add_loss(torch.tensor(1.0))
+        health.hyper_flag = torch.tensor(bad)
+        device_row = health.row().tolist()
+        assert device_row[ROW.index("hyper_bad")] == bad
+        assert health.host_row() == device_row
+    meta = torch.optim.AdamW([w], lr=1e-3)  # a stand-in for a tensor on the GPU
+    meta.param_groups[0]["lr"] = torch.tensor(1e-3, device="meta")
+    assert device_hyperparameters(meta) == [meta.param_groups[0]["lr"]]
+    assert hyperparameters_finite(meta)  # not read on the host: nothing to sync on
 
 
 def test_a_non_finite_hyperparameter_is_counted_and_skips_but_blames_no_rank() -> None:
