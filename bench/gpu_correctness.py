@@ -270,15 +270,15 @@ def _tensor_lr(device: torch.device) -> Outcome:
     is 0 while finite and 1 once NaN, made with no host sync (CUDA's sync debug mode raises
     on one); named on the host once asked (the rare path)."""
     from nansentinel.checks.state import (
-        device_hyperparameters,
         nonfinite_flag,
         poisoned_hyperparameters,
+        read_hyperparameters,
     )
 
     param = torch.nn.Parameter(torch.zeros(4, device=device))
     opt = torch.optim.AdamW([param], lr=torch.tensor(1e-3, device=device),
                             fused=device.type == "cuda")
-    tensors = device_hyperparameters(opt)
+    tensors = read_hyperparameters(opt)[1]
     if device.type != "cuda":
         return tensors == [], f"tensor lr on {device}: read by the host ({len(tensors)} listed)"
     flags = []
@@ -286,7 +286,7 @@ def _tensor_lr(device: torch.device) -> Outcome:
         opt.param_groups[0]["lr"].fill_(value)
         torch.cuda.set_sync_debug_mode("error")
         try:
-            flag = nonfinite_flag(device_hyperparameters(opt), device)
+            flag = nonfinite_flag(read_hyperparameters(opt)[1], device)
         finally:
             torch.cuda.set_sync_debug_mode("default")
         flags.append(float(flag))

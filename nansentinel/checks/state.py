@@ -8,10 +8,9 @@ never every tensor every step:
 
 - the whole state once at construction and at each documented restore, and on an incident
   (the rare path, rare/state.py): :func:`named_state`, :func:`poisoned`;
-- the hyperparameters as each step's health leaves: the host's own floats
-  (:func:`hyperparameters_finite`) and the tensors on an accelerator, on the device
-  (:func:`device_hyperparameters`, :func:`nonfinite_flag`), one flag in the health row; by
-  name after a detection: :func:`poisoned_hyperparameters`.
+- the hyperparameters as each step's health leaves (:func:`read_hyperparameters`): the
+  host's own floats, and the tensors on an accelerator on the device (:func:`nonfinite_flag`),
+  one flag in the health row; by name after a detection: :func:`poisoned_hyperparameters`.
 
 Why a max-abs norm (``ord=inf``) and not the L2 norm the gradient checks use: a state tensor
 is read on the rare path only, where a false alarm costs a verdict, and ``max |x|`` is finite
@@ -260,44 +259,33 @@ def _elements(value: Any) -> Iterable[tuple[str, Any]]:
         yield "", value
 
 
-def _on_host(value: Any) -> bool:
-    """A hyperparameter the host reads without a sync: a float, or a one-element floating
-    tensor on the CPU."""
-    return type(value) is float or (
-        isinstance(value, torch.Tensor) and value.numel() == 1 and value.device.type == "cpu"
-        and value.is_floating_point())
-
-
-def _floats(value: Any) -> Iterable[float]:
-    """The floating values of one param-group entry the host reads without a sync (floats, a
-    tuple of them as Adam's ``betas``, one-element tensors on the CPU); nothing for the rest
-    (params, bools, ints, None, strings, a tensor on an accelerator:
-    :func:`device_hyperparameters`)."""
-    for _, v in _elements(value):
-        if _on_host(v):
-            yield float(v)
-
-
-def hyperparameters_finite(optimizer: Any) -> bool:
-    """Whether every floating hyperparameter of every param group the host reads without a
-    sync is finite: one pass over the groups' entries (each step's health row carries the
-    answer). A sum of finite hyperparameters stays finite (they are rates, decays and
+def read_hyperparameters(optimizer: Any) -> tuple[bool, list[torch.Tensor]]:
+    """One pass over every param group's entries, each step as its health leaves: whether
+    the floating hyperparameters the host reads without a sync (floats, one-element CPU
+    tensors, in tuples too) are all finite, and the floating tensors on an accelerator (a
+    tensor ``lr`` on the GPU, as capturable and fused optimizers take, or tensor ``betas``),
+    which the host never reads (each read would sync): :func:`nonfinite_flag` checks them on
+    the device. A sum of finite hyperparameters stays finite (they are rates, decays and
     epsilons, nowhere near 1e308), and a NaN or an Inf anywhere makes it non-finite."""
-    total = 0.0
+    total, on_device = 0.0, []
     for group in optimizer.param_groups:
         for key, value in group.items():
-            if key != "params":
-                total += sum(_floats(value))
-    return math.isfinite(total)
-
-
-def device_hyperparameters(optimizer: Any) -> list[torch.Tensor]:
-    """The floating tensor hyperparameters on an accelerator (a tensor ``lr`` on the GPU, as
-    ``capturable`` and fused optimizers take for CUDA graphs, or tensor ``betas``): read on
-    the device (:func:`nonfinite_flag`), never on the host, where each read would sync."""
-    return [v for group in optimizer.param_groups for key, value in group.items()
-            if key != "params" for _, v in _elements(value)
-            if isinstance(v, torch.Tensor) and v.device.type != "cpu" and v.is_floating_point()]
+            kind = type(value)
+            if kind is float:
+                total += value
+                continue
+            if key == "params" or not (kind is tuple or kind is list
+                                       or isinstance(value, torch.Tensor)):
+                continue
+            for v in (value if kind is tuple or kind is list else (value,)):
+                if type(v) is float:
+                    total += v
+                elif isinstance(v, torch.Tensor) and v.is_floating_point():
+                    if v.device.type != "cpu":
+                        on_device.append(v)
+                    elif v.numel() == 1:
+                        total += float(v)
+    return math.isfinite(total), on_device
 
 
 def nonfinite_flag(tensors: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:

@@ -20,10 +20,9 @@ from nansentinel.checks.pipeline import StageWatch
 from nansentinel.checks.quarantine import Quarantine
 from nansentinel.checks.state import (
     describe_hyperparameters,
-    device_hyperparameters,
-    hyperparameters_finite,
     nonfinite_flag,
     poisoned_hyperparameters,
+    read_hyperparameters,
 )
 from nansentinel.common.inject import DRILLED_STATE, Injector, drill_targets
 from nansentinel.decide.spikes import SpikeDetector
@@ -254,9 +253,9 @@ class CurrentStep:
         self.local.buffers = self.buffers.norms()  # the model's own state travels with it too
         if self.injector.faults and self._hyperparameter_drill():
             self.local.injected = True
-        self.local.hyper_bad = self.optimizer is not None and not hyperparameters_finite(
-            self.optimizer)
-        on_device = device_hyperparameters(self.optimizer) if self.optimizer is not None else []
+        finite, on_device = (read_hyperparameters(self.optimizer) if self.optimizer is not None
+                             else (True, []))
+        self.local.hyper_bad = not finite
         self.local.hyper_flag = nonfinite_flag(on_device, self.device) if on_device else None
         if self.local.hyper_bad:  # the rare case: named now, while they are as stepped
             self.local.hyper = describe_hyperparameters(

@@ -180,14 +180,16 @@ def test_a_tensor_lr_on_the_accelerator_skips_its_step_read_on_the_device_and_na
     import nansentinel.checks.state as state
     import nansentinel.step.current as current
 
-    monkeypatch.setattr(state, "_on_host", lambda v: type(v) is float)
-    monkeypatch.setattr(current, "device_hyperparameters", lambda opt: [
-        g["lr"] for g in opt.param_groups if isinstance(g["lr"], torch.Tensor)])
+    def as_on_the_gpu(opt: torch.optim.Optimizer) -> tuple[bool, list[torch.Tensor]]:
+        lrs = [g["lr"] for g in opt.param_groups if isinstance(g["lr"], torch.Tensor)]
+        return True, lrs  # the host reads none of them (the rest of SGD's entries: finite)
+
+    monkeypatch.setattr(current, "read_hyperparameters", as_on_the_gpu)
     model, opt, s = make(tmp_path)
     opt.param_groups[0]["lr"] = torch.tensor(0.1)
     assert one_step(model, s).applied
     opt.param_groups[0]["lr"].fill_(math.nan)
-    assert state.hyperparameters_finite(opt)  # the host's own read does not see it
+    assert not state.read_hyperparameters(opt)[0]  # as the CPU's host read would see it
     before = [p.detach().clone() for p in model.parameters()]
     skipped = one_step(model, s)
     assert not skipped.applied and "param group 0's lr is nan" in skipped.reason, skipped

@@ -15,12 +15,11 @@ from nansentinel.checks.state import (
     StateFindings,
     any_nonfinite,
     describe_ranks,
-    device_hyperparameters,
-    hyperparameters_finite,
     named_state,
     nonfinite_flag,
     poisoned,
     poisoned_hyperparameters,
+    read_hyperparameters,
 )
 from nansentinel.wire.schema import OwnRow, Totals, pack
 
@@ -72,10 +71,10 @@ def test_hyperparameters_every_float_of_every_group_tuples_and_cpu_tensors_too()
     w = nn.Parameter(torch.ones(2))
     opt = torch.optim.AdamW([{"params": [w]}, {"params": [nn.Parameter(torch.ones(1))]}],
                             lr=torch.tensor(1e-3))
-    assert hyperparameters_finite(opt) and poisoned_hyperparameters(opt) == []
+    assert read_hyperparameters(opt) == (True, []) and poisoned_hyperparameters(opt) == []
     opt.param_groups[1]["betas"] = (0.9, math.nan)
     opt.param_groups[0]["lr"] = torch.tensor(math.inf)
-    assert not hyperparameters_finite(opt)
+    assert read_hyperparameters(opt) == (False, [])
     found = poisoned_hyperparameters(opt)
     assert found[0] == (0, "lr", math.inf) and found[1][:2] == (1, "betas[1]")
     assert math.isnan(found[1][2]) and len(found) == 2
@@ -128,10 +127,9 @@ def test_tensor_hyperparameters_on_an_accelerator_are_read_on_the_device_only() 
     w = nn.Parameter(torch.ones(2))
     opt = torch.optim.AdamW([w], lr=torch.tensor(1e-3),
                             betas=(torch.tensor(0.9), torch.tensor(0.999)))
-    assert device_hyperparameters(opt) == []  # on the CPU the host reads them itself
-    assert hyperparameters_finite(opt)
+    assert read_hyperparameters(opt) == (True, [])  # on the CPU the host reads them itself
     opt.param_groups[0]["betas"] = (torch.tensor(math.nan), torch.tensor(0.999))
-    assert not hyperparameters_finite(opt)  # a CPU tensor in a tuple is read as well
+    assert read_hyperparameters(opt) == (False, [])  # a CPU tensor in a tuple is read too
     assert poisoned_hyperparameters(opt)[0][:2] == (0, "betas[0]")
     flag = nonfinite_flag([torch.tensor(1e-3), torch.tensor([0.9, math.inf])], CPU)
     assert flag.shape == () and flag.dtype == torch.float32 and float(flag) == 1.0
@@ -145,8 +143,8 @@ def test_tensor_hyperparameters_on_an_accelerator_are_read_on_the_device_only() 
         assert health.host_row() == device_row
     meta = torch.optim.AdamW([w], lr=1e-3)  # a stand-in for a tensor on the GPU
     meta.param_groups[0]["lr"] = torch.tensor(1e-3, device="meta")
-    assert device_hyperparameters(meta) == [meta.param_groups[0]["lr"]]
-    assert hyperparameters_finite(meta)  # not read on the host: nothing to sync on
+    finite, on_device = read_hyperparameters(meta)  # not read on the host: no sync
+    assert finite and on_device == [meta.param_groups[0]["lr"]]
 
 
 def test_a_non_finite_hyperparameter_is_counted_and_skips_but_blames_no_rank() -> None:
