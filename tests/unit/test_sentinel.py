@@ -198,3 +198,53 @@ def test_a_tensor_lr_on_the_accelerator_skips_its_step_read_on_the_device_and_na
     opt.param_groups[0]["lr"].fill_(0.1)
     assert one_step(model, s).applied
     s.close()
+
+
+@pytest.mark.parametrize("kind", ["float", "cpu tensor"])
+@pytest.mark.parametrize("spikes", ["warn", "recover"])
+def test_a_nan_lr_written_after_backward_is_held_at_its_last_rate_never_applied(
+        tmp_path: Path, kind: str, spikes: str) -> None:
+    """Under DDP the row leaves with the last gradient bucket, inside backward, and reads
+    the rates then; a schedule that writes NaN after that (between backward and
+    sentinel.step()) is caught as the optimizer steps: the step applies at the group's last
+    finite rate (the weights stay finite, lr_held says so), and the user's value is back in
+    the group afterwards; the next step, NaN as backward ends, is skipped by the row's flag.
+    Under spikes="recover" (the jump rule's plan on top) as under the default. One gloo rank
+    in this process."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0,
+                            world_size=1)
+    try:
+        torch.manual_seed(0)
+        model = DistributedDataParallel(torch.nn.Sequential(
+            torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1)))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        s = nansentinel.Sentinel(model, opt, report_dir=str(tmp_path / "r"), env={},
+                                 metrics_port=0, spikes=spikes)
+        rate = (lambda v: v) if kind == "float" else (lambda v: torch.tensor(v))
+        opt.param_groups[0]["lr"] = rate(0.1)
+        for _ in range(3):
+            assert one_step(model, s).applied
+            opt.zero_grad(set_to_none=True)
+        batch = s.check_batch({"x": torch.randn(8, 4)})
+        loss = (model(batch["x"]) ** 2).mean()
+        s.check_loss(loss)
+        loss.backward()
+        grads = [p.grad.clone() for p in model.parameters()]
+        before = [p.detach().clone() for p in model.parameters()]
+        opt.param_groups[0]["lr"] = rate(math.nan)  # after backward: the row read 0.1
+        result = s.step()
+        assert result.applied and result.lr_held, result
+        for p, b, g in zip(model.parameters(), before, grads, strict=True):
+            assert torch.isfinite(p).all() and torch.allclose(p, b - 0.1 * g)  # at 0.1
+        assert math.isnan(float(opt.param_groups[0]["lr"]))  # the user's value, put back
+        opt.zero_grad(set_to_none=True)
+        before = [p.detach().clone() for p in model.parameters()]
+        skipped = one_step(model, s)  # NaN as backward ends: the row's flag
+        assert not skipped.applied and "param group 0's lr is nan" in skipped.reason
+        assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+        s.close()
+    finally:
+        dist.destroy_process_group()
