@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -87,8 +86,6 @@ class LearningRates:
         self.last_plan: Plan | None = None
         self._said: set[str] = set()
         self._held_step: int | None = None
-        #: Each group's last finite rate :meth:`apply` saw (what a non-finite one is held at).
-        self._finite: list[float | None] = []
 
     @property
     def lr_factor(self) -> float:
@@ -99,8 +96,7 @@ class LearningRates:
         return self.guard.rules.any
 
     def held_at(self, step: int) -> bool:
-        """Whether a group's rate was held at ``step`` (the jump rule, or a rate that was not
-        finite as the optimizer stepped)."""
+        """Whether a group's rate was held at ``step`` (the jump rule)."""
         return self._held_step == step
 
     # --- around the step ---------------------------------------------------------------------
@@ -110,7 +106,6 @@ class LearningRates:
         written)."""
         factor = self.cooldown.lr_factor
         groups = self.optimizer.param_groups
-        saved: Saved = self._finite_rates(step, groups)
         if not self.active:  # the backoff factor alone, as before issue 52
             self.pending = None
             rates: list[Rate] = [None] * len(groups)
@@ -122,6 +117,7 @@ class LearningRates:
                 self._held(step, plan, self.guard.newly_held(plan, before))
             rates = [rate if rate != asked else None
                      for rate, asked in zip(plan.lrs, plan.asked, strict=True)]
+        saved: Saved = []
         for i, (group, rate) in enumerate(zip(groups, rates, strict=True)):
             if rate is None and (factor == 1.0 or (self.active and self.pending is not None
                                                    and self.pending.asked[i] is not None)):
@@ -146,8 +142,8 @@ class LearningRates:
         if saved is None:
             return
         groups = self.optimizer.param_groups
-        for i, user, wrote in reversed(saved):  # the last write first: a held rate, then
-            if groups[i]["lr"] is wrote:        # the factor on it
+        for i, user, wrote in saved:
+            if groups[i]["lr"] is wrote:
                 groups[i]["lr"] = user
 
     def count(self, view: ClusterView | None) -> None:
@@ -229,44 +225,6 @@ class LearningRates:
             return None
         lr = group["lr"]
         return float(lr)
-
-    def _finite_rates(self, step: int, groups: list[dict[str, Any]]) -> Saved:
-        """Hold at its last finite rate, for this step, a group whose rate is not finite as the
-        optimizer is about to step (:meth:`restore` puts the user's back after it). The row's
-        flag reads the rates as the step's health leaves, at the end of backward, and a NaN
-        there skips the step on every rank; a rate written after that (between backward and
-        ``sentinel.step()``) is caught here instead, on every rank alike (the schedule is every
-        rank's): never applied. A float or a one-element CPU tensor is read (no sync); a
-        tensor on an accelerator is left to the row's device flag."""
-        if len(self._finite) != len(groups):
-            self._finite = [None] * len(groups)
-        held: Saved = []
-        for i, group in enumerate(groups):
-            lr = group.get("lr")
-            if type(lr) is float:
-                value = lr
-            elif isinstance(lr, torch.Tensor) and lr.device.type == "cpu" and lr.numel() == 1:
-                value = float(lr)
-            else:
-                continue
-            if math.isfinite(value):
-                self._finite[i] = value
-                continue
-            rate = self._finite[i] if self._finite[i] is not None else 0.0
-            wrote = (torch.tensor(rate, dtype=lr.dtype) if isinstance(lr, torch.Tensor)
-                     else rate)
-            group["lr"] = wrote
-            held.append((i, lr, wrote))
-            if self.rank == 0:
-                log.warning(
-                    "nansentinel: step %d: param group %d's lr is %s as the optimizer steps, "
-                    "written after the step's health left (at the end of backward it was "
-                    "finite): held at its last finite rate %g for this step on every rank. "
-                    "Write the schedule before the forward or after optimizer.step(), where "
-                    "a non-finite rate skips the step.", step, i, value, rate)
-        if held:
-            self._held_step = step
-        return held
 
     def _say_once(self, why: str) -> None:
         if why in self._said:
