@@ -409,7 +409,9 @@ class Evidence:
         snapshot_step: the step of the snapshot a rollback would restore (None: none yet).
         near: the cluster's loss is in its normal band (a rollback's check, issue 60).
         quiet: no rank and not the cluster mean is even half-way to a spike on any signal
-            (the batches after a rollback that spiked against it have ended: ``data_back``).
+            (the batches after a rollback that spiked against it have ended: ``data_back``);
+            judged only while ``History.window_spiked`` (True elsewhere, where nothing
+            reads it).
         low: the cluster's loss is below its normal band (a stretch of degenerate data
             begins or lasts, issue 70).
         relative: the cluster's loss over the level saved with the snapshot a rollback would

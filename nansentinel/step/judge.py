@@ -164,7 +164,9 @@ class StepJudge:
         snapshot_step = self._snapshot_choice()
         evidence = Evidence(self.amp, spikes, verdict, snapshot_step,
                             near=self.spikes.near(totals, self._level),
-                            quiet=self.spikes.quiet(totals),
+                            # read only inside a window whose batches spiked (data_back):
+                            # no pass over the signals on the other steps
+                            quiet=not self.history.window_spiked or self.spikes.quiet(totals),
                             low=self.spikes.low(totals),
                             relative=self._relative(totals, snapshot_step),
                             state=state, hyper=self._hyper(totals, local))
